@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# Build the local control plane's binaries from Go modules, into a cache outside
+# the repository keyed by version, so that a fresh clone (CI) reuses them.
+#
+#   etcd                          go.etcd.io/etcd/server/v3 (wrapper module)
+#   kube-apiserver, -controller-manager, -scheduler, kubectl
+#                                 k8s.io/kubernetes with a replace block for its
+#                                 staging modules (read from its own go.mod)
+#   kwok                          sigs.k8s.io/kwok/cmd/kwok (+ its stage files)
+#   helm                          helm.sh/helm/v3/cmd/helm
+#
+# Usage: hack/build-binaries.sh [component...]   (default: all)
+# Prints nothing but progress; exits non-zero on the first failure.
+set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=versions.env
+source "$HERE/versions.env"
+source "$HERE/lib.sh"
+
+export CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS=-mod=mod
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+
+log() { printf '[build %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+
+build_etcd() {
+  local out; out=$(bin_dir etcd)
+  [ -x "$out/etcd" ] && return 0
+  log "etcd $ETCD_VERSION"
+  mkdir -p "$WORK/etcd" "$out.tmp" && cd "$WORK/etcd"
+  go mod init moeguard.local/etcdbuild >/dev/null 2>&1
+  go get -tool "go.etcd.io/etcd/server/v3@$ETCD_VERSION" >/dev/null
+  go build -trimpath -o "$out.tmp/etcd" go.etcd.io/etcd/server/v3
+  rm -rf "$out" && mv "$out.tmp" "$out"
+}
+
+build_kwok() {
+  local out; out=$(bin_dir kwok)
+  [ -x "$out/kwok" ] && return 0
+  log "kwok $KWOK_VERSION"
+  mkdir -p "$out.tmp"
+  GOBIN="$out.tmp" go install -trimpath "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
+  local src; src=$(go env GOMODCACHE)/sigs.k8s.io/kwok@$KWOK_VERSION
+  mkdir -p "$out.tmp/stage"
+  cp -r "$src/kustomize/stage/." "$out.tmp/stage/"
+  chmod -R u+w "$out.tmp/stage"
+  rm -rf "$out" && mv "$out.tmp" "$out"
+}
+
+build_helm() {
+  local out; out=$(bin_dir helm)
+  [ -x "$out/helm" ] && return 0
+  log "helm $HELM_VERSION"
+  mkdir -p "$out.tmp"
+  GOBIN="$out.tmp" go install -trimpath \
+    -ldflags "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" \
+    "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+  rm -rf "$out" && mv "$out.tmp" "$out"
+}
+
+build_kubernetes() {
+  local out; out=$(bin_dir kubernetes)
+  [ -x "$out/kube-apiserver" ] && [ -x "$out/kubectl" ] && return 0
+  log "kubernetes $KUBERNETES_VERSION (cold: tens of minutes)"
+  local staging="v0.${KUBERNETES_VERSION#v1.}"
+  mkdir -p "$WORK/k8s" "$out.tmp" && cd "$WORK/k8s"
+  go mod init moeguard.local/k8sbuild >/dev/null 2>&1
+  local gomod
+  gomod=$(go mod download -json "k8s.io/kubernetes@$KUBERNETES_VERSION" | sed -n 's/.*"GoMod": "\(.*\)",*/\1/p')
+  # Every staging module that kubernetes replaces with ./staging/... gets its matching tag.
+  local mod
+  for mod in $(sed -n 's#^[[:space:]]*\(k8s.io/[^[:space:]]*\) => ./staging/.*#\1#p' "$gomod"); do
+    go mod edit -replace="$mod=$mod@$staging"
+  done
+  # godebug applies only in the main module: copy kubernetes' own.
+  local gd
+  gd=$(sed -n 's/^godebug[[:space:]]\+\(.*\)$/\1/p' "$gomod")
+  [ -n "$gd" ] && go mod edit -godebug="$gd"
+  local cmds="kube-apiserver kube-controller-manager kube-scheduler kubectl"
+  local c pkgs=""
+  for c in $cmds; do pkgs="$pkgs k8s.io/kubernetes/cmd/$c@$KUBERNETES_VERSION"; done
+  # shellcheck disable=SC2086
+  go get -tool $pkgs >/dev/null
+  local major minor
+  major=$(echo "$KUBERNETES_VERSION" | sed 's/^v\([0-9]*\)\..*/\1/')
+  minor=$(echo "$KUBERNETES_VERSION" | sed 's/^v[0-9]*\.\([0-9]*\)\..*/\1/')
+  local ld=""
+  for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ld="$ld -X $p.gitVersion=$KUBERNETES_VERSION -X $p.gitMajor=$major -X $p.gitMinor=$minor -X $p.gitTreeState=clean"
+  done
+  for c in $cmds; do
+    log "  go build $c"
+    go build -trimpath -ldflags "-s -w $ld" -o "$out.tmp/$c" "k8s.io/kubernetes/cmd/$c"
+  done
+  rm -rf "$out" && mv "$out.tmp" "$out"
+}
+
+want=${*:-etcd kwok helm kubernetes}
+for c in $want; do "build_$c"; done
+log "done: $(for c in $want; do bin_dir "$c"; done | tr '\n' ' ')"

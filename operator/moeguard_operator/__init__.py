@@ -1,0 +1,1 @@
+"""moeguard's kopf operator for ``MoEInferenceService`` (moeguard.dev/v1alpha1)."""

@@ -1,0 +1,143 @@
+"""The contract between the operator and the worker, defined once.
+
+Both sides import this module; it imports no torch and no kopf.
+
+* **Environment** the operator puts on each worker container (``ENV_*``).
+* **The budget ConfigMap** ``<service>-budget``: one key, ``budget.json``,
+  holding a :class:`BudgetDocument`. The operator writes it; the worker watches
+  it through the Kubernetes API (a watch on that one object, allowed by a Role
+  whose ``resourceNames`` lists only it) and applies a new, valid document to
+  the next batch. A kubelet-mounted ConfigMap volume was not chosen: the kubelet
+  refreshes it only after its sync period plus cache TTL (often 60-90 s), far
+  over the 5 s target, and kwok test clusters run no kubelet at all.
+* **Metric names and labels** that the operator's Prometheus queries read.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+API_GROUP = "moeguard.dev"
+API_VERSION = "v1alpha1"
+KIND = "MoEInferenceService"
+PLURAL = "moeinferenceservices"
+
+# --- environment of the worker container ------------------------------------
+ENV_SERVICE_NAME = "MOEGUARD_SERVICE_NAME"
+"""Name of the owning MoEInferenceService."""
+ENV_NAMESPACE = "MOEGUARD_NAMESPACE"
+"""Namespace of the pod (downward API ``metadata.namespace``)."""
+ENV_POD_NAME = "MOEGUARD_POD_NAME"
+"""Name of the pod (downward API ``metadata.name``)."""
+ENV_MODEL_PRESET = "MOEGUARD_MODEL_PRESET"
+ENV_SOFT_LIMIT_BYTES = "MOEGUARD_SOFT_LIMIT_BYTES"
+"""Soft memory limit, bytes: above it the worker shrinks its budgets."""
+ENV_HARD_LIMIT_BYTES = "MOEGUARD_HARD_LIMIT_BYTES"
+"""Hard memory limit, bytes (= the container's memory limit): above it, 503."""
+ENV_BUDGET_CONFIGMAP = "MOEGUARD_BUDGET_CONFIGMAP"
+"""Name of the budget ConfigMap to watch, in the pod's namespace."""
+ENV_MAX_PREFILL_TOKENS = "MOEGUARD_MAX_PREFILL_TOKENS"
+ENV_MAX_DECODE_TOKENS = "MOEGUARD_MAX_DECODE_TOKENS"
+ENV_MAX_BATCH_REQUESTS = "MOEGUARD_MAX_BATCH_REQUESTS"
+ENV_MAX_CONCURRENT_BATCHES = "MOEGUARD_MAX_CONCURRENT_BATCHES"
+ENV_PORT = "MOEGUARD_PORT"
+"""TCP port of the worker's HTTP server (OpenAI API, /metrics, health)."""
+WORKER_PORT = 8000
+
+UCX_MEM_MMAP_HOOK_MODE = "UCX_MEM_MMAP_HOOK_MODE"
+UCX_RCACHE_MAX_UNRELEASED = "UCX_RCACHE_MAX_UNRELEASED"
+
+# --- budget ConfigMap ----------------------------------------------------------
+BUDGET_KEY = "budget.json"
+
+
+def budget_configmap_name(service: str) -> str:
+    """Name of the budget ConfigMap of MoEInferenceService ``service``."""
+    return f"{service}-budget"
+
+
+class Budgets(BaseModel):
+    """The batching budgets in effect (TGI/vLLM names in the descriptions).
+
+    All counts are tokens or requests; every value is a positive integer.
+    """
+
+    model_config = ConfigDict(populate_by_name=True, extra="forbid", frozen=True)
+
+    max_prefill_tokens: int = Field(alias="maxPrefillTokens", gt=0, le=1_048_576,
+                                    description="Prompt tokens per prefill batch (TGI max_batch_prefill_tokens, vLLM max_num_batched_tokens).")
+    max_decode_tokens: int = Field(alias="maxDecodeTokens", gt=0, le=1_048_576,
+                                   description="Sequences decoded per decode step, one token each (vLLM max_num_seqs in tokens).")
+    max_batch_requests: int = Field(alias="maxBatchRequests", gt=0, le=65_536,
+                                    description="Requests per batch (Triton max_batch_size).")
+    max_concurrent_batches: int = Field(alias="maxConcurrentBatches", gt=0, le=64,
+                                        description="Batches in flight at once in one worker.")
+
+
+class BudgetDocument(BaseModel):
+    """The content of ``budget.json`` in the budget ConfigMap.
+
+    ``generation`` increases with every change the operator makes; the worker
+    ignores a document whose generation is not newer than the one it applied.
+    """
+
+    model_config = ConfigDict(populate_by_name=True, extra="forbid", frozen=True)
+
+    generation: int = Field(ge=0)
+    budgets: Budgets
+    overload_mode: Literal["On", "Off"] = Field(default="Off", alias="overloadMode")
+    reason: str = Field(default="initial", max_length=1024)
+    updated_at: datetime = Field(default_factory=lambda: datetime.now(UTC), alias="updatedAt")
+
+    @model_validator(mode="after")
+    def _aware(self) -> BudgetDocument:
+        if self.updated_at.tzinfo is None:
+            raise ValueError("updatedAt must carry a time zone")
+        return self
+
+    def to_configmap_data(self) -> dict[str, str]:
+        """Serialize into ConfigMap ``data`` (camelCase JSON under ``budget.json``)."""
+        return {BUDGET_KEY: self.model_dump_json(by_alias=True)}
+
+
+class BudgetDocumentError(ValueError):
+    """A budget ConfigMap whose content is missing or invalid; the message says why."""
+
+
+def parse_budget_configmap_data(data: dict[str, str] | None) -> BudgetDocument:
+    """Parse and validate a budget ConfigMap's ``data``.
+
+    Raises:
+        BudgetDocumentError: the key is missing, the JSON is malformed, or a
+            field is invalid; the message names the field.
+    """
+    if not data or BUDGET_KEY not in data:
+        raise BudgetDocumentError(f"budget ConfigMap has no {BUDGET_KEY!r} key")
+    try:
+        raw = json.loads(data[BUDGET_KEY])
+    except json.JSONDecodeError as exc:
+        raise BudgetDocumentError(f"{BUDGET_KEY} is not valid JSON: {exc}") from None
+    try:
+        return BudgetDocument.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+        )
+        raise BudgetDocumentError(f"invalid {BUDGET_KEY}: {problems}") from None
+
+
+# --- metrics the operator reads -------------------------------------------------
+LABEL_SERVICE = "moeis"
+"""Label naming the MoEInferenceService on every worker series."""
+LABEL_NAMESPACE = "namespace"
+LABEL_POD = "pod"
+WORKER_LABELS = (LABEL_SERVICE, LABEL_NAMESPACE, LABEL_POD)
+
+METRIC_EXPERT_SKEW_RATIO = "moeguard_expert_skew_ratio"
+"""Gauge per ``layer``: top expert tokens / median expert tokens, last batch."""
+METRIC_PROCESS_RSS_BYTES = "moeguard_process_resident_memory_bytes"
+METRIC_BUDGET_GENERATION = "moeguard_budget_generation"
