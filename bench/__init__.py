@@ -1,0 +1,1 @@
+"""Benchmarks and load generation for moeguard (not part of the installed packages)."""
