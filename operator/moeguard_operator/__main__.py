@@ -1,0 +1,45 @@
+"""``python -m moeguard_operator``: run the operator (kopf) with moeguard's handlers.
+
+Flags mirror ``kopf run``: ``--namespace`` (repeatable) or ``--all-namespaces``,
+``--standalone`` (no peering) or ``--peering NAME``, ``--liveness URL``, and
+``--prometheus-url`` (the default for resources whose spec names none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import kopf
+
+from moeguard_operator import handlers  # noqa: F401  (registers the handlers)
+from moeguard_operator.constants import PROMETHEUS_URL_ENV
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="moeguard-operator", description=__doc__.splitlines()[0])
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", action="append", default=[], help="namespace to watch (repeatable)")
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
+    parser.add_argument("--prometheus-url", default=os.environ.get(PROMETHEUS_URL_ENV),
+                        help=f"default Prometheus URL (env {PROMETHEUS_URL_ENV})")
+    peering = parser.add_mutually_exclusive_group()
+    peering.add_argument("--standalone", action="store_true", help="no peering (one operator replica)")
+    peering.add_argument("--peering", default=None, help="kopf peering object name (several replicas)")
+    parser.add_argument("--liveness", default=None, help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    args = parser.parse_args(argv)
+    if args.prometheus_url:
+        os.environ[PROMETHEUS_URL_ENV] = args.prometheus_url
+    kopf.configure(verbose=args.log_level == "DEBUG", quiet=args.log_level in ("WARNING", "ERROR"))
+    kopf.run(
+        clusterwide=args.all_namespaces or not args.namespace,
+        namespaces=args.namespace,
+        standalone=args.standalone or None,
+        peering_name=args.peering,
+        liveness_endpoint=args.liveness,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""Names used across the operator: label keys, the field manager, annotation prefixes."""
+
+from __future__ import annotations
+
+from moeguard_runtime.contract import API_GROUP
+
+FIELD_MANAGER = "moeguard"
+"""The one field manager of every server-side apply the operator makes."""
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+
+WORKER_NAME = "moeguard-worker"
+WORKER_COMPONENT = "worker"
+MANAGED_BY = "moeguard"
+
+FINALIZER = f"{API_GROUP}/finalizer"
+"""kopf's finalizer, under moeguard's own API group."""
+ANNOTATION_PREFIX = API_GROUP
+"""Prefix of kopf's progress and diff-base annotations."""
+
+CONDITION_READY = "Ready"
+CONDITION_RECONCILING = "Reconciling"
+CONDITION_STALLED = "Stalled"
+CONDITION_METRICS_AVAILABLE = "MetricsAvailable"
+CONDITION_BUDGET_TIGHTENED = "BudgetTightened"
+
+PROMETHEUS_URL_ENV = "MOEGUARD_PROMETHEUS_URL"
+"""Default Prometheus URL of the operator, when a resource's spec names none."""

@@ -1,0 +1,71 @@
+"""The operator's Kubernetes I/O: server-side apply and a few reads.
+
+Every write is a server-side apply under one field manager
+(:data:`~moeguard_operator.constants.FIELD_MANAGER`), with ``force`` so that the
+operator owns the fields it sets; the spec of a MoEInferenceService is never written.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+from kubernetes.dynamic import DynamicClient
+
+from moeguard_operator.constants import FIELD_MANAGER
+
+
+def load_config() -> None:
+    """Load in-cluster credentials inside a pod, else the kubeconfig (``KUBECONFIG``)."""
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        config.load_incluster_config()
+    else:
+        config.load_kube_config()
+
+
+@functools.cache
+def _dynamic() -> DynamicClient:
+    return DynamicClient(client.ApiClient())
+
+
+def apply(manifest: dict[str, Any]) -> dict[str, Any]:
+    """Server-side apply ``manifest``; returns the object as the API server stored it.
+
+    Raises:
+        kubernetes.client.exceptions.ApiException: the API server refused it.
+    """
+    meta = manifest["metadata"]
+    resource = _dynamic().resources.get(api_version=manifest["apiVersion"], kind=manifest["kind"])
+    result = resource.server_side_apply(
+        body=manifest,
+        name=meta["name"],
+        namespace=meta.get("namespace"),
+        field_manager=FIELD_MANAGER,
+        force_conflicts=True,
+    )
+    return result.to_dict()  # type: ignore[no-any-return]
+
+
+def read_deployment_status(namespace: str, name: str) -> dict[str, Any] | None:
+    """The Deployment's ``status`` as a dict, or None when it does not exist."""
+    try:
+        dep = client.AppsV1Api().read_namespaced_deployment_status(name, namespace)
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    return client.ApiClient().sanitize_for_serialization(dep.status) or {}  # type: ignore[no-any-return]
+
+
+def read_configmap_data(namespace: str, name: str) -> dict[str, str] | None:
+    """A ConfigMap's ``data``, or None when it does not exist."""
+    try:
+        cm = client.CoreV1Api().read_namespaced_config_map(name, namespace)
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    return dict(cm.data or {})

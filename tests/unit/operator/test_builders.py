@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+import pytest
+
+from moeguard_operator.builders import (
+    Owner,
+    build_budget_configmap,
+    build_children,
+    build_deployment,
+    build_role,
+)
+from moeguard_operator.models import MoEInferenceServiceSpec
+from moeguard_runtime.contract import BudgetDocument, Budgets, parse_budget_configmap_data
+
+pytestmark = pytest.mark.unit
+
+OWNER = Owner(name="mixtral", namespace="serving", uid="1234-abcd")
+
+
+def _env(dep: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value", "<from>") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
+def test_deployment_limits_and_env() -> None:
+    spec = MoEInferenceServiceSpec.model_validate(
+        {"replicas": 3, "resources": {"gpus": 2, "softLimit": "12Gi", "hardLimit": "16Gi"},
+         "batching": {"maxPrefillTokens": 2048}}
+    )
+    dep = build_deployment(OWNER, spec)
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert dep["spec"]["replicas"] == 3
+    assert container["resources"]["limits"] == {"memory": "16Gi", "nvidia.com/gpu": "2"}
+    env = _env(dep)
+    assert env["MOEGUARD_SOFT_LIMIT_BYTES"] == str(12 * 2**30)
+    assert env["MOEGUARD_HARD_LIMIT_BYTES"] == str(16 * 2**30)
+    assert env["MOEGUARD_MAX_PREFILL_TOKENS"] == "2048"
+    assert env["UCX_MEM_MMAP_HOOK_MODE"] == "none"
+    assert env["UCX_RCACHE_MAX_UNRELEASED"] == "1024"
+    assert env["MOEGUARD_BUDGET_CONFIGMAP"] == "mixtral-budget"
+    assert env["MOEGUARD_POD_NAME"] == "<from>"
+
+
+def test_ucx_override() -> None:
+    spec = MoEInferenceServiceSpec.model_validate({"ucx": {"mmapHookMode": "bistro", "rcacheMaxUnreleased": "inf"}})
+    env = _env(build_deployment(OWNER, spec))
+    assert env["UCX_MEM_MMAP_HOOK_MODE"] == "bistro"
+    assert env["UCX_RCACHE_MAX_UNRELEASED"] == "inf"
+
+
+def test_restricted_pod_security() -> None:
+    pod = build_deployment(OWNER, MoEInferenceServiceSpec())["spec"]["template"]["spec"]
+    sc = pod["containers"][0]["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
+def test_every_child_is_owned_and_labelled() -> None:
+    children = build_children(OWNER, MoEInferenceServiceSpec())
+    assert [m["kind"] for m in children] == ["ServiceAccount", "Role", "RoleBinding", "Service", "Deployment"]
+    for m in children:
+        ref = m["metadata"]["ownerReferences"][0]
+        assert ref["uid"] == "1234-abcd" and ref["kind"] == "MoEInferenceService" and ref["controller"] is True
+        assert m["metadata"]["labels"]["app.kubernetes.io/instance"] == "mixtral"
+        assert m["metadata"]["namespace"] == "serving"
+
+
+def test_role_reads_only_its_configmap() -> None:
+    (rule,) = build_role(OWNER)["rules"]
+    assert rule == {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["mixtral-budget"],
+                    "verbs": ["get", "list", "watch"]}
+
+
+def test_budget_configmap_round_trips_through_the_contract() -> None:
+    budgets = Budgets(max_prefill_tokens=1024, max_decode_tokens=64, max_batch_requests=8, max_concurrent_batches=1)
+    cm = build_budget_configmap(OWNER, BudgetDocument(generation=7, budgets=budgets, reason="test"))
+    parsed = parse_budget_configmap_data(cm["data"])
+    assert parsed.generation == 7 and parsed.budgets == budgets and parsed.reason == "test"

@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from moeguard_operator.models import MoEInferenceServiceSpec
+
+pytestmark = pytest.mark.unit
+
+
+def test_defaults_are_complete() -> None:
+    spec = MoEInferenceServiceSpec.model_validate({})
+    assert spec.model.preset == "tiny"
+    assert spec.resources.soft_limit_bytes == 6 * 2**30
+    assert spec.resources.hard_limit_bytes == 8 * 2**30
+    assert spec.batching.floors.max_prefill_tokens == 256
+    assert spec.ucx.mmap_hook_mode == "none"
+
+
+def test_soft_limit_must_be_below_hard_limit() -> None:
+    with pytest.raises(ValidationError, match=r"resources.softLimit \(8Gi\) must be less than resources.hardLimit \(8192Mi\)"):
+        MoEInferenceServiceSpec.model_validate({"resources": {"softLimit": "8Gi", "hardLimit": "8192Mi"}})
+
+
+def test_negative_budget_names_the_field() -> None:
+    with pytest.raises(ValidationError) as info:
+        MoEInferenceServiceSpec.model_validate({"batching": {"maxPrefillTokens": -1}})
+    err = info.value.errors()[0]
+    assert err["loc"] == ("batching", "maxPrefillTokens")
+    assert "greater than or equal to 1" in err["msg"]
+
+
+def test_floor_above_initial_is_rejected() -> None:
+    with pytest.raises(ValidationError, match="floors.maxPrefillTokens must be <= batching.maxPrefillTokens"):
+        MoEInferenceServiceSpec.model_validate({"batching": {"maxPrefillTokens": 128, "floors": {"maxPrefillTokens": 256}}})
+
+
+def test_unknown_field_is_rejected() -> None:
+    with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
+        MoEInferenceServiceSpec.model_validate({"replica": 3})
