@@ -1,0 +1,53 @@
+# moeguard: run `make help` for the targets.
+SHELL := /bin/bash
+PY := .venv/bin/python
+export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/runtime:$(CURDIR)
+export MOEGUARD_RUN_DIR ?= /tmp/moeguard-run
+
+.DEFAULT_GOAL := help
+
+.PHONY: help
+help: ## Show this help.
+	@awk 'BEGIN {FS = ":.*?## "} /^[a-zA-Z_-]+:.*?## / {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+.PHONY: deps
+deps: ## Install Debian packages, the Python venv and the Go-built control plane (cached).
+	hack/install-deps.sh
+
+.PHONY: demo
+demo: deps ## The main job end to end: control plane, Prometheus, operator, workers, real traffic, closed loop.
+	$(PY) hack/demo.py $(DEMO_ARGS)
+
+.PHONY: test
+test: deps ## All tests: unit, then integration against the real local control plane and Prometheus.
+	$(PY) -m pytest tests -m "unit or integration" $(PYTEST_ARGS)
+
+.PHONY: test-unit
+test-unit: deps ## Unit tests only (no processes, no network).
+	$(PY) -m pytest tests -m unit $(PYTEST_ARGS)
+
+.PHONY: manifests
+manifests: ## Regenerate crds/ from the pydantic models.
+	$(PY) -m moeguard_operator.crdgen
+
+.PHONY: lint
+lint: ## ruff and mypy --strict.
+	$(PY) -m ruff check operator runtime tests bench hack
+	$(PY) -m mypy
+
+.PHONY: cluster-up
+cluster-up: deps ## Start etcd, kube-apiserver, controller-manager, scheduler, kwok (2 fake GPU nodes) and Prometheus.
+	hack/cluster-up.sh
+
+.PHONY: cluster-down
+cluster-down: ## Stop the local control plane and Prometheus.
+	hack/cluster-down.sh
+
+.PHONY: operator
+operator: ## Run the operator against $$KUBECONFIG (default: the local control plane).
+	KUBECONFIG=$${KUBECONFIG:-$(MOEGUARD_RUN_DIR)/kubeconfig} $(PY) -m moeguard_operator -A --standalone --prometheus-url http://127.0.0.1:19090
+
+.PHONY: lock
+lock: ## Re-resolve requirements.in into the pinned requirements.txt.
+	python3 -m venv /tmp/moeguard-lock && /tmp/moeguard-lock/bin/pip install -q --dry-run --report /tmp/moeguard-lock.json -r requirements.in
+	{ head -2 requirements.txt; python3 -c "import json; r=json.load(open('/tmp/moeguard-lock.json')); print('\n'.join(sorted(f\"{i['metadata']['name']}=={i['metadata']['version']}\" for i in r['install'])))"; } > requirements.lock.tmp && mv requirements.lock.tmp requirements.txt
