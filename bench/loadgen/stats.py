@@ -57,6 +57,7 @@ class Summary:
         ok_rate_req_s: successful requests per second of wall time.
         latency_s: p50/p95/p99 end-to-end latency of successful requests, seconds.
         ttft_s: p50/p95/p99 time to first byte/token of successful requests, seconds.
+        top_errors: up to 3 most frequent error messages with their counts.
     """
 
     n_requests: int
@@ -69,6 +70,7 @@ class Summary:
     ok_rate_req_s: float
     latency_s: dict[str, float | None] = field(default_factory=dict)
     ttft_s: dict[str, float | None] = field(default_factory=dict)
+    top_errors: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dictionary."""
@@ -106,6 +108,7 @@ def summarize(run: RunResult | Sequence[RequestResult], wall_s: float | None = N
     lat = [v for r in ok if (v := r.latency_s) is not None]
     ttft = [v for r in ok if (v := r.ttft_s) is not None]
     counts = Counter(status_key(r) for r in results)
+    errors = Counter(r.error for r in results if r.error)
     return Summary(
         n_requests=len(results),
         by_status=dict(sorted(counts.items())),
@@ -117,6 +120,7 @@ def summarize(run: RunResult | Sequence[RequestResult], wall_s: float | None = N
         ok_rate_req_s=len(ok) / wall_s if wall_s > 0 else 0.0,
         latency_s=percentiles(lat),
         ttft_s=percentiles(ttft),
+        top_errors=dict(errors.most_common(3)),
     )
 
 
@@ -137,4 +141,6 @@ def format_summary(summary: Summary) -> list[str]:
     ]
     for name, pct in (("latency ms", summary.latency_s), ("ttft ms", summary.ttft_s)):
         lines.append(f"{name:14}" + "".join(f"{_ms(pct.get(f'p{q}')):>10}" for q in PERCENTILES))
+    for message, count in summary.top_errors.items():
+        lines.append(f"error x{count:<6}{message[:100]}")
     return lines

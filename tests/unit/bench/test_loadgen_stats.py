@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from bench.loadgen.records import RequestResult, RunResult
 from bench.loadgen.stats import format_summary, percentiles, status_key, summarize
 
@@ -73,4 +72,6 @@ def test_format_summary_lines() -> None:
     assert lines[2].startswith("goodput       15.0 completion tok/s")
     assert lines[4].split() == ["latency", "ms", "3000.0", "4800.0", "4960.0"]
     assert lines[5].split() == ["ttft", "ms", "300.0", "480.0", "496.0"]
+    assert lines[6:] == ["error x1     over budget", "error x1     ReadTimeout",
+                         "error x1     not sent: run deadline reached"]
     assert all("\n" not in line for line in lines)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
-
 from bench.loadgen.trace import (
     TRACE_PATH_ENV,
     TraceRecord,
@@ -39,7 +39,7 @@ def test_read_real_trace() -> None:
     assert (records[1].context_tokens, records[1].generated_tokens) == (396, 109)
     assert records[-1].arrival_s == pytest.approx(3501.721937, abs=1e-6)
     assert max(r.context_tokens for r in records) == 14_050
-    assert all(b.arrival_s >= a.arrival_s for a, b in zip(records, records[1:], strict=False))
+    assert all(b.arrival_s >= a.arrival_s for a, b in itertools.pairwise(records))
 
 
 @needs_trace
