@@ -1,0 +1,209 @@
+"""Mixtral-style MoE decoder, in the style of pytorch-labs/gpt-fast ``mixtral-moe/model.py``.
+
+The forward pass works on a *packed* batch (as vLLM): the tokens of all
+sequences in a step are concatenated into one ``[T]`` tensor, so the
+projections and the MoE layers see the whole batch at once, while attention
+runs per sequence segment against that sequence's own :class:`KVCache`. A
+segment is a prefill chunk (``n`` prompt tokens) or a decode token (``n = 1``).
+
+Weights are random and seeded (:func:`build_model`); the module layout
+(``tok_embeddings``, ``layers.N.attention.wqkv``, ``feed_forward.w1`` …) follows
+gpt-fast so a checkpoint loader can be added later (build on ``meta``, load with
+``assign=True``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeguard_runtime.moe import DEFAULT_EXPERT_CHUNK_TOKENS, MOEFeedForward, RoutingStats
+from moeguard_runtime.presets import ModelArgs
+
+
+class KVCache:
+    """Keys and values of one sequence, all layers.
+
+    ``k``, ``v``: ``[n_layer, n_kv_head, capacity, head_dim]``; ``capacity`` is
+    the prompt length plus ``max_new_tokens`` (known at admission), so memory is
+    ``2 * n_layer * n_kv_head * capacity * head_dim * dtype_bytes``.
+    """
+
+    def __init__(self, args: ModelArgs, capacity: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        shape = (args.n_layer, args.n_kv_head, capacity, args.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``length`` consecutive tokens of one sequence, at positions ``start..start+length-1``."""
+
+    cache: KVCache
+    start: int
+    length: int
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim (Zhang & Sennrich 2019)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rope_angles(max_seq_len: int, head_dim: int, base: float) -> torch.Tensor:
+    """``[max_seq_len, head_dim // 2]`` rotary angles ``pos * base^(-2i/head_dim)`` (RoFormer)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    pos = torch.arange(max_seq_len, dtype=torch.float64)
+    return torch.outer(pos, inv_freq).float()
+
+
+def apply_rope(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs ``(x[2i], x[2i+1])`` (gpt-fast/Meta layout).
+
+    ``x`` [n, heads, head_dim], ``angles`` [n, head_dim // 2] → [n, heads, head_dim].
+    """
+    xs = x.float().reshape(*x.shape[:-1], -1, 2)  # [n, h, hd/2, 2]
+    cos = angles.cos()[:, None, :]  # [n, 1, hd/2]
+    sin = angles.sin()[:, None, :]
+    x0, x1 = xs[..., 0], xs[..., 1]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with rotary positions and grouped KV heads (GQA)."""
+
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        hd = args.head_dim
+        self.layer = layer
+        self.n_head, self.n_kv_head, self.head_dim = args.n_head, args.n_kv_head, hd
+        self.wqkv = nn.Linear(args.dim, (args.n_head + 2 * args.n_kv_head) * hd, bias=False)
+        self.wo = nn.Linear(args.n_head * hd, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, angles: torch.Tensor,
+                segments: Sequence[Segment]) -> torch.Tensor:
+        """``x`` [T, D], ``angles`` [T, hd/2] → [T, D]; writes K/V into each segment's cache."""
+        hd, h, kvh = self.head_dim, self.n_head, self.n_kv_head
+        q, k, v = self.wqkv(x).split([h * hd, kvh * hd, kvh * hd], dim=-1)
+        q = apply_rope(q.view(-1, h, hd), angles)  # [T, H, hd]
+        k = apply_rope(k.view(-1, kvh, hd), angles)  # [T, KvH, hd]
+        v = v.view(-1, kvh, hd)  # [T, KvH, hd]
+        outs = []
+        offset = 0
+        for seg in segments:
+            n, s0, s1 = seg.length, seg.start, seg.start + seg.length
+            cache_k, cache_v = seg.cache.k[self.layer], seg.cache.v[self.layer]  # [KvH, cap, hd]
+            cache_k[:, s0:s1] = k[offset:offset + n].transpose(0, 1)
+            cache_v[:, s0:s1] = v[offset:offset + n].transpose(0, 1)
+            keys = cache_k[:, :s1].repeat_interleave(h // kvh, dim=0)  # [H, s1, hd]
+            vals = cache_v[:, :s1].repeat_interleave(h // kvh, dim=0)  # [H, s1, hd]
+            qs = q[offset:offset + n].transpose(0, 1)  # [H, n, hd]
+            mask = None
+            if n > 1:  # query i (position s0+i) sees keys 0..s0+i
+                mask = torch.ones(n, s1, dtype=torch.bool, device=x.device).tril(diagonal=s0)
+            o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask)  # [H, n, hd]
+            outs.append(o.transpose(0, 1).reshape(n, h * hd))
+            offset += n
+        return self.wo(torch.cat(outs, dim=0))  # [T, D]
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int, expert_chunk_tokens: int) -> None:
+        super().__init__()
+        self.attention = Attention(args, layer)
+        self.feed_forward = MOEFeedForward(args.dim, args.intermediate_size, args.num_experts,
+                                           args.top_k, expert_chunk_tokens)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x: torch.Tensor, angles: torch.Tensor,
+                segments: Sequence[Segment]) -> tuple[torch.Tensor, RoutingStats]:
+        h = x + self.attention(self.attention_norm(x), angles, segments)  # [T, D]
+        ff, stats = self.feed_forward(self.ffn_norm(h))
+        return h + ff, stats
+
+
+class Transformer(nn.Module):
+    """The decoder. :meth:`forward` returns logits of each segment's last token."""
+
+    def __init__(self, args: ModelArgs,
+                 expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args, i, expert_chunk_tokens)
+                                    for i in range(args.n_layer))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.angles = torch.empty(0)  # [max_seq_len, hd/2], set by setup_rope()
+
+    def setup_rope(self) -> None:
+        self.angles = rope_angles(self.args.max_seq_len, self.args.head_dim, self.args.rope_base)
+
+    def set_expert_chunk_tokens(self, n: int) -> None:
+        """Bound on token-slots one expert processes at once (applies to the next step)."""
+        for layer in self.layers:
+            layer.feed_forward.expert_chunk_tokens = n
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
+                segments: Sequence[Segment]) -> tuple[torch.Tensor, list[RoutingStats]]:
+        """``tokens``, ``positions``: [T] int64, packed in segment order.
+
+        Returns ``([S, V] float32 logits of each segment's last token, per-layer stats)``.
+        """
+        x = self.tok_embeddings(tokens)  # [T, D]
+        angles = self.angles[positions]  # [T, hd/2]
+        stats = []
+        for layer in self.layers:
+            x, s = layer(x, angles, segments)
+            stats.append(s)
+        last = torch.tensor([0, *(s.length for s in segments)]).cumsum(0)[1:] - 1  # [S]
+        logits = self.output(self.norm(x[last]))  # [S, V]
+        return logits.float(), stats
+
+
+def init_weights(model: Transformer, seed: int) -> None:
+    """Fill every parameter from a generator seeded with ``seed`` (same seed, same
+    weights). Matrices ~ N(0, 1/fan_in) so activations keep unit scale; the
+    embedding ~ N(0, 1); norm weights are 1."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name == "tok_embeddings.weight":
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                fan_in = p.shape[-1]
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(fan_in))
+
+
+def build_model(args: ModelArgs, seed: int = 0, dtype: torch.dtype = torch.float32,
+                expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS) -> Transformer:
+    """Build on the meta device (no allocation), materialise, fill with seeded weights."""
+    with torch.device("meta"):
+        model = Transformer(args, expert_chunk_tokens)
+    model = model.to_empty(device="cpu")
+    init_weights(model, seed)
+    model.setup_rope()
+    return model.to(dtype).eval()

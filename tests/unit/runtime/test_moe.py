@@ -1,0 +1,99 @@
+"""Grouped dispatch against HF ``MixtralSparseMoeBlock``'s expert loop, and routing stats."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moeguard_runtime.moe import (
+    MOEFeedForward,
+    grouped_expert_forward,
+    route,
+    routing_stats,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def hf_expert_loop(x: torch.Tensor, gate_w: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                   w3: torch.Tensor, top_k: int) -> torch.Tensor:
+    """transformers ``MixtralSparseMoeBlock.forward`` (v4.4x), re-typed as the reference."""
+    router_logits = x @ gate_w.T
+    routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+    routing_weights, selected_experts = torch.topk(routing_weights, top_k, dim=-1)
+    routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
+    routing_weights = routing_weights.to(x.dtype)
+    final = torch.zeros_like(x)
+    expert_mask = F.one_hot(selected_experts, num_classes=w1.shape[0]).permute(2, 1, 0)
+    for e in range(w1.shape[0]):
+        idx, top_x = torch.where(expert_mask[e])
+        current = x[None, top_x].reshape(-1, x.shape[-1])
+        # MixtralBlockSparseTop2MLP: w2(act(w1(x)) * w3(x))
+        h = (F.silu(current @ w1[e].T) * (current @ w3[e].T)) @ w2[e].T
+        final.index_add_(0, top_x, h * routing_weights[top_x, idx, None])
+    return final
+
+
+def _weights(E: int = 8, D: int = 32, I: int = 48, seed: int = 0):  # noqa: E741, N803
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(E, D, generator=g), torch.randn(E, I, D, generator=g) / D**0.5,
+            torch.randn(E, D, I, generator=g) / I**0.5, torch.randn(E, I, D, generator=g) / D**0.5)
+
+
+@pytest.mark.parametrize("chunk", [2048, 7, 1])
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_grouped_dispatch_matches_hf_loop(chunk: int, top_k: int) -> None:
+    gate, w1, w2, w3 = _weights()
+    x = torch.randn(97, 32, generator=torch.Generator().manual_seed(1))
+    weights, experts = route(x @ gate.T, top_k)
+    out, counts = grouped_expert_forward(x, weights, experts, w1, w2, w3, expert_chunk_tokens=chunk)
+    ref = hf_expert_loop(x, gate, w1, w2, w3, top_k)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert int(counts.sum()) == 97 * top_k
+    # chunk smaller than the top expert's slice really chunks
+    assert chunk >= 2048 or int(counts.max()) > chunk
+
+
+def test_module_matches_hf_loop_with_skewed_input() -> None:
+    """All tokens identical: one pair of experts takes every slot, chunked at 5."""
+    gate, w1, w2, w3 = _weights()
+    ff = MOEFeedForward(32, 48, 8, 2, expert_chunk_tokens=5)
+    with torch.no_grad():
+        ff.gate.weight.copy_(gate)
+        ff.w1.copy_(w1)
+        ff.w2.copy_(w2)
+        ff.w3.copy_(w3)
+    x = torch.randn(1, 32).expand(40, 32).contiguous()
+    with torch.no_grad():
+        out, stats = ff(x)
+    torch.testing.assert_close(out, hf_expert_loop(x, gate, w1, w2, w3, 2), rtol=1e-5, atol=1e-5)
+    assert sorted(stats.tokens_per_expert.tolist()) == [0] * 6 + [40, 40]
+    assert stats.expert_skew_ratio == 40.0  # median 0 floored at 1
+    assert stats.balancedness == pytest.approx(10 / 40)
+
+
+def test_router_weights_sum_to_one_and_are_top_k() -> None:
+    logits = torch.randn(50, 8, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    weights, experts = route(logits, 2)
+    assert weights.dtype == torch.float32
+    torch.testing.assert_close(weights.sum(-1), torch.ones(50))
+    assert experts.shape == (50, 2)
+    ranked = torch.argsort(logits.float(), dim=-1, descending=True)[:, :2]
+    assert torch.equal(experts, ranked)
+    assert bool((weights[:, 0] >= weights[:, 1]).all())
+
+
+@pytest.mark.parametrize(("counts", "skew", "balancedness"), [
+    ([4, 4, 4, 4, 4, 4, 4, 4], 1.0, 1.0),
+    ([32, 0, 0, 0, 0, 0, 0, 0], 32.0, 4 / 32),  # median 0 floored at 1
+    ([10, 2, 2, 2, 2, 2, 2, 2], 5.0, 3 / 10),
+    ([9, 1, 3, 5, 0, 0, 0, 6], 9 / 2, 3 / 9),  # median of 0,0,0,1,3,5,6,9 = (1+3)/2
+    ([0, 0, 0, 0], 0.0, 1.0),  # empty batch
+])
+def test_skew_ratio_and_balancedness(counts: list[int], skew: float, balancedness: float) -> None:
+    s = routing_stats(torch.tensor(counts))
+    assert s.expert_skew_ratio == pytest.approx(skew)
+    assert s.balancedness == pytest.approx(balancedness)
+    assert s.routed_slots == sum(counts)
+    assert s.top_expert_tokens == max(counts)
