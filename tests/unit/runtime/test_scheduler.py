@@ -1,0 +1,155 @@
+from __future__ import annotations
+
+import pytest
+
+from moeguard_runtime.contract import Budgets
+from moeguard_runtime.scheduler import QueueLimits, Rejected, Scheduler, shrink
+
+pytestmark = pytest.mark.unit
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def budgets(prefill: int = 100, decode: int = 4, batch: int = 4, batches: int = 1) -> Budgets:
+    return Budgets(max_prefill_tokens=prefill, max_decode_tokens=decode,
+                   max_batch_requests=batch, max_concurrent_batches=batches)
+
+
+def make(b: Budgets | None = None, **limits: float) -> tuple[Scheduler, FakeClock]:
+    clock = FakeClock()
+    return Scheduler(b or budgets(), QueueLimits(**limits), clock), clock  # type: ignore[arg-type]
+
+
+def test_prefill_budget_admits_in_order_and_head_waits_at_front() -> None:
+    s, _ = make(budgets(prefill=100))
+    s.submit("a", 60, 5)
+    s.submit("b", 50, 5)  # does not fit in the 40 left: waits at the front
+    s.submit("c", 10, 5)  # would fit, but may not overtake b
+    plan = s.schedule().plan
+    assert plan is not None
+    assert plan.prefill == (("a", 0, 60),) and plan.admitted == ("a",) and plan.decode == ()
+    assert s.queue_requests == 2 and s.queue_tokens == 60
+    plan = s.schedule().plan
+    assert plan is not None
+    assert plan.decode == ("a",)
+    assert plan.prefill == (("b", 0, 50), ("c", 0, 10))
+
+
+def test_chunked_prefill_across_steps_with_decode_alongside() -> None:
+    s, _ = make(budgets(prefill=100, decode=4))
+    s.submit("short", 10, 5)
+    s.schedule()
+    s.submit("long", 250, 5)
+    p1 = s.schedule().plan
+    assert p1 is not None and p1.decode == ("short",) and p1.prefill == (("long", 0, 100),)
+    p2 = s.schedule().plan
+    assert p2 is not None and p2.prefill == (("long", 100, 100),) and p2.decode == ("short",)
+    p3 = s.schedule().plan
+    assert p3 is not None and p3.prefill == (("long", 200, 50),)
+    p4 = s.schedule().plan
+    assert p4 is not None and p4.prefill == () and set(p4.decode) == {"short", "long"}
+
+
+def test_decode_budget_bounds_sequences_per_step_fairly() -> None:
+    s, _ = make(budgets(prefill=1000, decode=2, batch=8))
+    for i in range(5):
+        s.submit(f"r{i}", 3, 10)
+    s.schedule()  # prefill all five
+    seen: list[str] = []
+    for _ in range(5):
+        plan = s.schedule().plan
+        assert plan is not None and len(plan.decode) == 2
+        seen += plan.decode
+    assert {seen.count(f"r{i}") for i in range(5)} == {2}  # everyone decoded twice
+
+
+def test_batch_request_cap_and_concurrent_batches_round_robin() -> None:
+    s, _ = make(budgets(prefill=1000, batch=2, batches=2))
+    for i in range(5):
+        s.submit(f"r{i}", 5, 5)
+    p0 = s.schedule().plan
+    p1 = s.schedule().plan
+    assert p0 is not None and p1 is not None
+    assert (p0.batch, p0.admitted) == (0, ("r0", "r1"))
+    assert (p1.batch, p1.admitted) == (1, ("r2", "r3"))
+    assert s.running_requests == 4 and s.queue_requests == 1  # r4 waits: both batches full
+    p2 = s.schedule().plan
+    assert p2 is not None and p2.batch == 0 and p2.admitted == () and p2.decode == ("r0", "r1")
+    s.finish("r0")
+    p3, p4 = s.schedule().plan, s.schedule().plan
+    assert p3 is not None and p3.batch == 1 and p3.admitted == ()
+    assert p4 is not None and p4.batch == 0 and p4.admitted == ("r4",)
+
+
+def test_queue_bounds_and_concurrency_cap_reject_with_reason() -> None:
+    s, _ = make(max_queue_requests=2, max_queue_tokens=100, max_concurrent_requests=3)
+    s.submit("a", 60, 1)
+    with pytest.raises(Rejected) as exc:
+        s.submit("b", 50, 1)
+    assert exc.value.reason == "queue_tokens_full" and "max_queue_tokens 100" in exc.value.message
+    s.submit("b", 40, 1)
+    with pytest.raises(Rejected) as exc:
+        s.submit("c", 1, 1)
+    assert exc.value.reason == "queue_full"
+    s.schedule()  # a and b leave the queue (prefill 100)
+    s.submit("c", 1, 1)
+    with pytest.raises(Rejected) as exc:
+        s.submit("d", 1, 1)
+    assert exc.value.reason == "concurrency_limit"
+    assert "max_concurrent_requests is 3" in exc.value.message
+
+
+def test_queue_timeout_with_fake_clock() -> None:
+    s, clock = make(budgets(prefill=10, batch=1), queue_timeout_s=5.0)
+    s.submit("running", 5, 100)
+    s.schedule()
+    s.submit("w1", 5, 1)
+    clock.now += 3
+    s.submit("w2", 5, 1)
+    clock.now += 2.5  # w1 has waited 5.5 s, w2 2.5 s
+    result = s.schedule()
+    assert result.expired == ["w1"]
+    assert s.queue_requests == 1 and s.queue_tokens == 5
+    clock.now += 3
+    assert s.schedule().expired == ["w2"]
+    assert s.queue_requests == 0 and s.queue_tokens == 0
+
+
+def test_budget_swap_applies_from_next_step() -> None:
+    s, _ = make(budgets(prefill=100))
+    s.submit("a", 300, 1)
+    p1 = s.schedule().plan
+    s.set_budgets(budgets(prefill=30))
+    assert s.budgets.max_prefill_tokens == 100  # not yet
+    r2 = s.schedule()
+    assert p1 is not None and p1.prefill == (("a", 0, 100),)
+    assert r2.budgets_applied is not None and r2.budgets_applied.max_prefill_tokens == 30
+    assert r2.plan is not None and r2.plan.prefill == (("a", 100, 30),)
+    assert r2.plan.budgets.max_prefill_tokens == 30
+    assert s.schedule().budgets_applied is None
+
+
+def test_shrink_factor_scales_budgets_and_restores() -> None:
+    s, _ = make(budgets(prefill=100, decode=9, batch=3, batches=2))
+    s.set_shrink_factor(0.5)
+    s.schedule()
+    assert s.budgets == budgets(prefill=50, decode=4, batch=1, batches=2)
+    s.set_shrink_factor(1.0)
+    s.schedule()
+    assert s.budgets == budgets(prefill=100, decode=9, batch=3, batches=2)
+    assert shrink(budgets(prefill=1, decode=1, batch=1), 0.1).max_prefill_tokens == 1
+
+
+def test_finish_is_idempotent_and_frees_queue_tokens() -> None:
+    s, _ = make()
+    s.submit("a", 500, 1)
+    s.finish("a")
+    s.finish("a")
+    assert s.queue_requests == 0 and s.queue_tokens == 0
+    assert s.schedule().plan is None
