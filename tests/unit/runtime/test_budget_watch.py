@@ -1,0 +1,96 @@
+from __future__ import annotations
+
+import json
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from moeguard_runtime.budget_watch import NO_GENERATION, BudgetWatcher, decide_update, load_kube_config
+from moeguard_runtime.contract import BudgetDocument, Budgets
+
+pytestmark = pytest.mark.unit
+
+B = Budgets(max_prefill_tokens=512, max_decode_tokens=64, max_batch_requests=8,
+            max_concurrent_batches=1)
+
+
+def data(generation: int, **change: Any) -> dict[str, str]:
+    return BudgetDocument(generation=generation, budgets=B, reason="test", **change).to_configmap_data()
+
+
+def test_newer_generation_is_applied() -> None:
+    d = decide_update(data(0), NO_GENERATION)
+    assert d.action == "apply" and d.document is not None and d.document.budgets == B
+    assert decide_update(data(5), 4).action == "apply"
+
+
+def test_same_or_older_generation_is_ignored() -> None:
+    d = decide_update(data(4), 4)
+    assert d.action == "ignore" and "not newer than 4" in d.reason
+    assert decide_update(data(3), 4).action == "ignore"
+
+
+@pytest.mark.parametrize(("payload", "needle"), [
+    (None, "no 'budget.json' key"),
+    ({"other": "{}"}, "no 'budget.json' key"),
+    ({"budget.json": "{not json"}, "not valid JSON"),
+    ({"budget.json": json.dumps({"generation": 1})}, "budgets"),
+    ({"budget.json": json.dumps({"generation": 2, "budgets": {
+        "maxPrefillTokens": 0, "maxDecodeTokens": 1, "maxBatchRequests": 1,
+        "maxConcurrentBatches": 1}})}, "maxPrefillTokens"),
+    ({"budget.json": json.dumps({"generation": -1, "budgets": B.model_dump(by_alias=True)})},
+     "generation"),
+])
+def test_invalid_documents_are_rejected_with_reason(payload: dict[str, str] | None,
+                                                    needle: str) -> None:
+    d = decide_update(payload, NO_GENERATION)
+    assert d.action == "reject" and d.document is None
+    assert needle in d.reason
+
+
+def test_no_kube_config_without_env() -> None:
+    assert load_kube_config({}) is None
+
+
+class FakeApi:
+    """A CoreV1Api stand-in: the GET returns generation 1, the watch stream is fed by the test."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    def read_namespaced_config_map(self, name: str, namespace: str) -> Any:
+        return SimpleNamespace(data=data(1), metadata=SimpleNamespace(resource_version="10"))
+
+    def list_namespaced_config_map(self, namespace: str, **kw: Any) -> Any:
+        self.calls.append(kw)
+        raise AssertionError("replaced by the fake watch")
+
+
+def test_watcher_gets_then_watches_one_object(monkeypatch: pytest.MonkeyPatch) -> None:
+    api = FakeApi()
+    received: list[dict[str, str] | None] = []
+    done = threading.Event()
+
+    class FakeWatch:
+        def stream(self, func: Any, namespace: str, **kw: Any) -> Any:
+            api.calls.append({"namespace": namespace, **kw})
+            obj = SimpleNamespace(data=data(2), metadata=SimpleNamespace(resource_version="11"))
+            yield {"type": "MODIFIED", "object": obj}
+            done.set()
+            watcher.stop()
+            yield {"type": "MODIFIED", "object": obj}
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr("kubernetes.watch.Watch", FakeWatch)
+    watcher = BudgetWatcher("svc-budget", "ns1", received.append, lambda *a, **k: None, api=api)
+    watcher.start()
+    assert done.wait(5)
+    assert [json.loads(d["budget.json"])["generation"] for d in received if d][:2] == [1, 2]
+    call = api.calls[0]
+    assert call["namespace"] == "ns1"
+    assert call["field_selector"] == "metadata.name=svc-budget"
+    assert call["resource_version"] == "10"

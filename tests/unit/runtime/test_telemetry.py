@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from moeguard_runtime.contract import Budgets
+from moeguard_runtime.moe import routing_stats
+from moeguard_runtime.telemetry import RateLimitedLog, Telemetry, worker_labels
+
+pytestmark = pytest.mark.unit
+
+LABELS = {"moeis": "svc", "namespace": "ns", "pod": "svc-0"}
+
+
+def samples(t: Telemetry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for fam in text_string_to_metric_families(generate_latest(t.registry).decode()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_labels_from_env_with_defaults() -> None:
+    env = {"MOEGUARD_SERVICE_NAME": "svc", "MOEGUARD_NAMESPACE": "ns", "MOEGUARD_POD_NAME": "p"}
+    assert worker_labels(env) == {"moeis": "svc", "namespace": "ns", "pod": "p"}
+    d = worker_labels({})
+    assert d["moeis"] == "standalone" and d["namespace"] == "default" and d["pod"]
+
+
+def test_every_series_carries_worker_labels_and_skew_needs_enough_slots() -> None:
+    t = Telemetry(LABELS, num_experts=8)
+    t.set_budgets(Budgets(max_prefill_tokens=10, max_decode_tokens=2, max_batch_requests=3,
+                          max_concurrent_batches=1))
+    small = routing_stats(torch.tensor([2, 2, 0, 0, 0, 0, 0, 0]))  # 4 slots < 32
+    t.observe_step(0, 2, [small], 0.001)
+    big = routing_stats(torch.tensor([30, 2, 0, 0, 0, 0, 0, 0]))  # 32 slots
+    t.observe_step(16, 0, [big, small], 0.001)
+    got = samples(t)
+    for (name, labels) in got:
+        d = dict(labels)
+        assert {k: d.get(k) for k in LABELS} == LABELS, name
+    key = lambda **kw: tuple(sorted({**LABELS, **kw}.items()))  # noqa: E731
+    assert got[("moeguard_expert_skew_ratio", key(layer="0"))] == 30.0
+    assert ("moeguard_expert_skew_ratio", key(layer="1")) not in got
+    assert got[("moeguard_expert_balancedness", key(layer="0"))] == pytest.approx(4 / 30)
+    assert got[("moeguard_expert_tokens_total", key(layer="0", expert="0"))] == 32
+    assert got[("moeguard_batch_tokens_count", key(phase="prefill"))] == 1
+    assert got[("moeguard_batch_tokens_sum", key(phase="decode"))] == 2
+    assert got[("moeguard_budget_max_batch_requests", key())] == 3
+    assert got[("moeguard_budget_generation", key())] == -1
+    assert got[("moeguard_process_resident_memory_bytes", key())] > 1e6
+
+
+def test_rate_limited_log_counts_suppressed() -> None:
+    now = [0.0]
+    lines: list[tuple[str, dict[str, object]]] = []
+
+    class Logger:
+        def info(self, event: str, **kw: object) -> None:
+            lines.append((event, kw))
+
+    log = RateLimitedLog(1.0, clock=lambda: now[0], logger=Logger())
+    assert log.event("inference_batch_start", step=1)
+    assert not log.event("inference_batch_start", step=2)
+    assert not log.event("inference_batch_start", step=3)
+    assert log.event("budget_applied", force=True)
+    now[0] = 1.5
+    assert log.event("inference_batch_start", step=4)
+    assert lines == [("inference_batch_start", {"step": 1}), ("budget_applied", {}),
+                     ("inference_batch_start", {"step": 4, "suppressed": 2})]
