@@ -8,12 +8,21 @@ Flags mirror ``kopf run``: ``--namespace`` (repeatable) or ``--all-namespaces``,
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 import kopf
 
 from moeguard_operator import handlers  # noqa: F401  (registers the handlers)
 from moeguard_operator.constants import PROMETHEUS_URL_ENV
+
+
+class _QuietTimerSuccess(logging.Filter):
+    """Drop kopf's INFO line for every successful timer tick (one per resource every few seconds)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno == logging.INFO and record.getMessage().startswith("Timer ")
+                    and record.getMessage().endswith(" succeeded."))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -32,6 +41,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.prometheus_url:
         os.environ[PROMETHEUS_URL_ENV] = args.prometheus_url
     kopf.configure(verbose=args.log_level == "DEBUG", quiet=args.log_level in ("WARNING", "ERROR"))
+    if args.log_level != "DEBUG":
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_QuietTimerSuccess())
     kopf.run(
         clusterwide=args.all_namespaces or not args.namespace,
         namespaces=args.namespace,

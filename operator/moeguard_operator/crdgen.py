@@ -7,8 +7,8 @@ turned into a Kubernetes *structural* schema (apiextensions.k8s.io/v1):
 * ``$ref``/``$defs`` are inlined; ``title`` and ``additionalProperties: false`` are dropped;
 * ``anyOf [X, null]`` becomes ``X`` with ``nullable: true``;
 * draft-2020 numeric ``exclusiveMinimum: N`` becomes OpenAPI v3's ``minimum: N, exclusiveMinimum: true``;
-* an optional object field without a default gets ``default: {}``, so the API server applies
-  the nested defaults and GitOps tools see no drift;
+* an optional object field without a default gets its fully defaulted value as ``default``, so
+  the API server fills every default and GitOps tools see no drift;
 * ``x-kubernetes-validations`` (CEL) written on the models are kept where they stand.
 """
 
@@ -82,7 +82,7 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
             for name, s in props.items():
                 if (s.get("type") == "object" and "properties" in s and name not in required
                         and not s.get("required") and not s.get("nullable")):
-                    s.setdefault("default", {})
+                    s.setdefault("default", _object_default(s))
             out[key] = props
         elif key in ("items", "additionalProperties"):
             out[key] = _structural(value, defs)
@@ -97,6 +97,15 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     return out
 
 
+def _object_default(schema: dict[str, Any]) -> dict[str, Any]:
+    """The fully defaulted value of an object schema whose properties carry defaults.
+
+    Written out in full (not ``{}``) because the API server checks a default
+    against the CEL rules before nested defaults apply.
+    """
+    return {name: p["default"] for name, p in schema.get("properties", {}).items() if "default" in p}
+
+
 def structural_schema(model: type[Any]) -> dict[str, Any]:
     """The structural OpenAPI v3 schema of a pydantic model class."""
     raw = model.model_json_schema(by_alias=True, mode="validation")
@@ -107,7 +116,7 @@ def structural_schema(model: type[Any]) -> dict[str, Any]:
 def build_crd() -> dict[str, Any]:
     """The CustomResourceDefinition manifest for MoEInferenceService."""
     spec = structural_schema(MoEInferenceServiceSpec)
-    spec["default"] = {}
+    spec["default"] = _object_default(spec)
     status = structural_schema(MoEInferenceServiceStatus)
     conditions = status["properties"]["conditions"]
     conditions["x-kubernetes-list-type"] = "map"

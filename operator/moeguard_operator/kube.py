@@ -8,8 +8,11 @@ operator owns the fields it sets; the spec of a MoEInferenceService is never wri
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import Any
+
+import urllib3
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
@@ -24,6 +27,10 @@ def load_config() -> None:
         config.load_incluster_config()
     else:
         config.load_kube_config()
+    if not client.Configuration.get_default_copy().verify_ssl:
+        # The kubeconfig asked for insecure-skip-tls-verify (local clusters): say it once, not per request.
+        urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
+        logging.getLogger(__name__).warning("TLS verification of the API server is off (insecure-skip-tls-verify)")
 
 
 @functools.cache

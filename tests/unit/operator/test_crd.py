@@ -54,7 +54,7 @@ def test_crd_carries_cel_rules_defaults_and_columns() -> None:
     assert spec["properties"]["batching"]["properties"]["maxPrefillTokens"]["default"] == 4096
     assert spec["properties"]["ucx"]["properties"]["mmapHookMode"]["default"] == "none"
     assert spec["properties"]["ucx"]["properties"]["rcacheMaxUnreleased"]["default"] == "1024"
-    assert spec["properties"]["resources"]["default"] == {}
+    assert spec["properties"]["resources"]["default"] == {"gpus": 1, "softLimit": "6Gi", "hardLimit": "8Gi"}
     assert crd["spec"]["names"]["shortNames"] == ["moeis"]
     assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Ready", "Replicas", "Prefill", "Skew", "Model", "Age"]
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"

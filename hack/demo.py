@@ -1,0 +1,187 @@
+"""``make demo``: moeguard's main job end to end, on real input.
+
+1. bring up the local control plane and Prometheus (``hack/cluster-up.sh``);
+2. apply the CRD;
+3. start the operator (``python -m moeguard_operator``);
+4. apply ``examples/moeinferenceservice.yaml`` and wait for Ready
+   (``hack/pod_workers.py`` backs each kwok pod with a local worker process);
+5. replay the first requests of the Azure LLM conversation trace, time-compressed,
+   with prompts of real text (the Python docs) at the trace's lengths, scaled to the model;
+6. send a burst of repetitive prompts, which route most tokens to a few experts;
+7. print the timeline: skew rising, the operator tightening the budget, the workers applying it;
+8. print a summary and tear everything down (unless ``--keep``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.loadgen.client import burst, replay  # noqa: E402
+from bench.loadgen.records import RunResult  # noqa: E402
+from bench.loadgen.stats import summarize  # noqa: E402
+from bench.loadgen.text import repetitive_prompt  # noqa: E402
+from bench.loadgen.trace import load_schedule  # noqa: E402
+from hack import stack  # noqa: E402
+from moeguard_operator.observe import skew_query  # noqa: E402
+from moeguard_runtime.contract import METRIC_PROCESS_RSS_BYTES  # noqa: E402
+
+NAMESPACE = "moeguard-demo"
+NAME = "mixtral-tiny"
+EXAMPLE = stack.ROOT / "examples" / "moeinferenceservice.yaml"
+
+
+@dataclass
+class Timeline:
+    """Samples the system once a second and records every change as one line."""
+
+    t0: float = field(default_factory=time.monotonic)
+    lines: list[str] = field(default_factory=list)
+    peak_rss: float = 0.0
+    budget_changes: list[str] = field(default_factory=list)
+    _last: dict[str, object] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def note(self, text: str) -> None:
+        line = f"  t={time.monotonic() - self.t0:6.1f}s  {text}"
+        self.lines.append(line)
+        print(line, flush=True)
+
+    def _changed(self, key: str, value: object) -> bool:
+        if self._last.get(key, object()) == value:
+            return False
+        self._last[key] = value
+        return True
+
+    def sample(self, urls: list[str]) -> None:
+        skew = stack.prom_query(skew_query(NAMESPACE, NAME, 15))
+        if skew is not None and self._changed("skew", round(skew, 1)):
+            self.note(f"Prometheus: max expert skew ratio over 15 s = {skew:.1f}")
+        obj = stack.get_moeis(NAMESPACE, NAME)
+        status = obj.get("status", {})
+        prefill = status.get("budgets", {}).get("maxPrefillTokens")
+        if self._changed("cr-prefill", prefill):
+            adj = status.get("lastAdjustment")
+            why = f" ({adj['reason']})" if adj else ""
+            self.note(f"operator: status.budgets.maxPrefillTokens = {prefill}{why}")
+            if adj:
+                self.budget_changes.append(f"{adj['from']['maxPrefillTokens']} -> {adj['to']['maxPrefillTokens']} at {adj['time']}")
+        for url in urls:
+            value = stack.scrape_one(url, "moeguard_budget_max_prefill_tokens")
+            if value is not None and self._changed(f"worker-prefill-{url}", value):
+                gen = stack.scrape_one(url, "moeguard_budget_generation")
+                self.note(f"worker {url}: applies maxPrefillTokens = {value:.0f} (budget generation {gen:.0f})")
+            rss = stack.scrape_one(url, METRIC_PROCESS_RSS_BYTES)
+            if rss:
+                self.peak_rss = max(self.peak_rss, rss)
+
+    def run(self, urls: list[str]) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sample(urls)
+            except Exception as exc:  # a sampler must never stop the demo
+                self.note(f"(sampler: {type(exc).__name__}: {exc})")
+            self._stop.wait(1.0)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def print_summary(title: str, run: RunResult) -> None:
+    s = summarize(run)
+    lat = s.latency_s
+    print(f"  {title}: {s.n_ok}/{s.n_requests} served, by status {s.by_status}; "
+          f"latency p50/p95/p99 = {_ms(lat.get('p50'))}/{_ms(lat.get('p95'))}/{_ms(lat.get('p99'))}; "
+          f"goodput {s.goodput_tok_s:.0f} tokens/s")
+
+
+def _ms(v: float | None) -> str:
+    return "n/a" if v is None else f"{v * 1000:.0f} ms"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--keep", action="store_true", help="leave the cluster, operator and workers running")
+    p.add_argument("--requests", type=int, default=300, help="trace requests to replay")
+    p.add_argument("--time-compression", type=float, default=4.0, help="trace arrival times are divided by this")
+    p.add_argument("--length-scale", type=float, default=0.25, help="trace token lengths are multiplied by this")
+    p.add_argument("--burst", type=int, default=48, help="repetitive prompts in the skew burst")
+    args = p.parse_args()
+    run_dir = stack.RUN_DIR
+    operator = None
+    t_start = time.monotonic()
+    try:
+        print("[1/8] control plane and Prometheus", flush=True)
+        stack.script("cluster-up.sh")
+        print("[2/8] CRD", flush=True)
+        stack.apply_crds()
+        print("[3/8] operator", flush=True)
+        operator = stack.start_operator(run_dir / "logs" / "operator.log")
+        stack.pod_workers("start")
+        print(f"[4/8] {EXAMPLE.relative_to(stack.ROOT)} in namespace {NAMESPACE}", flush=True)
+        stack.kubectl("create", "namespace", NAMESPACE, check=False)
+        stack.kubectl("apply", "-n", NAMESPACE, "-f", str(EXAMPLE))
+        stack.wait_for(lambda: (stack.condition(stack.get_moeis(NAMESPACE, NAME), "Ready") or {}).get("status") == "True",
+                       240, f"{NAME} Ready")
+        replicas = stack.get_moeis(NAMESPACE, NAME)["spec"]["replicas"]
+        urls = stack.wait_for(lambda: (u := stack.worker_urls(NAMESPACE, NAME)) and len(u) >= replicas
+                              and all(stack.healthy(x) for x in u) and u, 240, "workers healthy")
+        print(stack.kubectl("get", "moeis", "-n", NAMESPACE).stdout, flush=True)
+        timeline = Timeline()
+        sampler = threading.Thread(target=timeline.run, args=(urls,), daemon=True)
+        sampler.start()
+
+        schedule = load_schedule(time_compression=args.time_compression, length_scale=args.length_scale,
+                                 max_context=1023, max_new_tokens_cap=64, limit=args.requests)
+        print(f"[5/8] replaying {len(schedule.requests)} trace requests over {schedule.meta.duration_s:.0f} s "
+              f"(time x1/{args.time_compression:g}, lengths x{args.length_scale:g}) on {len(urls)} workers", flush=True)
+        trace_run = asyncio.run(replay(urls, schedule, progress=False, max_in_flight=64, request_timeout_s=120))
+        print(f"[6/8] burst of {args.burst} repetitive prompts", flush=True)
+        prompts = [repetitive_prompt(512, seed=i) for i in range(args.burst)]
+        burst_run = asyncio.run(burst(urls, prompts, max_tokens=8, progress=False, request_timeout_s=120))
+        print("[7/8] waiting for the operator to tighten the budget and the workers to apply it", flush=True)
+        initial = stack.get_moeis(NAMESPACE, NAME)["spec"]["batching"]["maxPrefillTokens"]
+
+        def applied() -> bool:
+            values = [stack.scrape_one(u, "moeguard_budget_max_prefill_tokens") for u in urls]
+            return all(v is not None and v < initial for v in values)
+
+        try:
+            stack.wait_for(applied, 90, "the workers to apply a tightened budget", interval=1)
+        except TimeoutError as exc:
+            print(f"  !! {exc}", flush=True)
+        time.sleep(2)
+        timeline.stop()
+        sampler.join(5)
+
+        print("[8/8] summary", flush=True)
+        print_summary("trace replay", trace_run)
+        print_summary("skew burst", burst_run)
+        print(f"  peak worker RSS: {timeline.peak_rss / 2**20:.0f} MiB")
+        print(f"  budget changes: {len(timeline.budget_changes)} ({'; '.join(timeline.budget_changes) or 'none'})")
+        for ev in stack.events(NAMESPACE, NAME):
+            if ev.get("reason") in ("BudgetTightened", "MetricsUnavailable", "UnknownModelPreset"):
+                print(f"  event {ev['type']} {ev['reason']}: {ev['message']}")
+        print(f"  demo took {time.monotonic() - t_start:.0f} s")
+        return 0 if timeline.budget_changes else 1
+    finally:
+        if not args.keep:
+            print("tearing down (pass --keep to leave it running)", flush=True)
+            stack.kubectl("delete", "namespace", NAMESPACE, "--wait=false", check=False)
+            if operator is not None:
+                stack.stop_process(operator)
+            try:
+                stack.pod_workers("stop")
+            finally:
+                stack.script("cluster-down.sh")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

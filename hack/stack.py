@@ -1,0 +1,191 @@
+"""The local stack, driven from Python: shared by ``hack/demo.py`` and the end-to-end tests.
+
+Test and demo tooling, not product. It wraps the project's own scripts
+(``hack/cluster-up.sh``, ``hack/pod_workers.py``), the pinned kubectl, the
+operator process (``python -m moeguard_operator``), and reads of the CR, the
+workers' ``/metrics`` and Prometheus. Everything talks to 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN_DIR = Path(os.environ.get("MOEGUARD_RUN_DIR", "/tmp/moeguard-run"))
+PROMETHEUS_URL = "http://127.0.0.1:19090"
+CRD_NAME = "moeinferenceservices.moeguard.dev"
+T = TypeVar("T")
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for line in (ROOT / "hack" / "versions.env").read_text().splitlines():
+        if "=" in line and not line.lstrip().startswith("#"):
+            key, value = line.split("=", 1)
+            out[key.strip()] = value.strip()
+    return out
+
+
+def tools_env(run_dir: Path = RUN_DIR) -> dict[str, str]:
+    """Environment with the pinned binaries first on PATH and the cluster's kubeconfig."""
+    v = _versions()
+    cache = Path(os.environ.get("MOEGUARD_CACHE", Path.home() / ".cache" / "moeguard")) / "bin"
+    bins = [cache / f"kubernetes-{v['KUBERNETES_VERSION']}", cache / f"helm-{v['HELM_VERSION']}"]
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([*map(str, bins), env.get("PATH", "")])
+    env["KUBECONFIG"] = str(run_dir / "kubeconfig")
+    env["MOEGUARD_RUN_DIR"] = str(run_dir)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "operator"), str(ROOT / "runtime"), str(ROOT)])
+    return env
+
+
+def kubectl(*args: str, check: bool = True, stdin: str | None = None, run_dir: Path = RUN_DIR) -> subprocess.CompletedProcess[str]:
+    """Run the pinned kubectl against the local cluster; returns the completed process.
+
+    Raises:
+        RuntimeError: with kubectl's stderr, when ``check`` and kubectl fails.
+    """
+    proc = subprocess.run(["kubectl", *args], env=tools_env(run_dir), input=stdin, text=True,
+                          capture_output=True, timeout=120)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"kubectl {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
+def wait_for(probe: Callable[[], T | None], timeout: float, what: str, interval: float = 0.5) -> T:
+    """Call ``probe`` until it returns a truthy value; that value is returned.
+
+    Raises:
+        TimeoutError: naming ``what`` and the last value seen.
+    """
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+
+
+def script(name: str, *args: str, run_dir: Path = RUN_DIR) -> None:
+    """Run ``hack/<name>`` (e.g. ``cluster-up.sh``) with the stack's environment.
+
+    Raises:
+        subprocess.CalledProcessError: the script failed (its output went to the terminal).
+    """
+    subprocess.run([str(ROOT / "hack" / name), *args], env=tools_env(run_dir), check=True, timeout=900)
+
+
+def apply_crds(run_dir: Path = RUN_DIR) -> None:
+    """Server-side apply ``crds/`` and wait until the CRD is Established."""
+    kubectl("apply", "--server-side", "--field-manager=moeguard-install", "-f", str(ROOT / "crds"), run_dir=run_dir)
+    kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{CRD_NAME}", run_dir=run_dir)
+
+
+def start_operator(log_path: Path, run_dir: Path = RUN_DIR, extra_env: dict[str, str] | None = None,
+                   args: tuple[str, ...] = ("-A", "--standalone")) -> subprocess.Popen[bytes]:
+    """Start ``python -m moeguard_operator`` against the local cluster, logging to ``log_path``."""
+    env = tools_env(run_dir) | {"MOEGUARD_TIMER_INTERVAL_SECONDS": "2"} | (extra_env or {})
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = log_path.open("ab")
+    return subprocess.Popen(
+        [sys.executable, "-m", "moeguard_operator", *args, "--prometheus-url", PROMETHEUS_URL],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 15) -> None:
+    """SIGTERM, then SIGKILL after ``timeout`` seconds."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+def pod_workers(action: str, run_dir: Path = RUN_DIR) -> None:
+    """``hack/pod_workers.py start|stop`` (the harness that backs kwok pods with local workers)."""
+    subprocess.run([sys.executable, str(ROOT / "hack" / "pod_workers.py"), action], env=tools_env(run_dir),
+                   check=True, timeout=120)
+
+
+def get_moeis(namespace: str, name: str, run_dir: Path = RUN_DIR) -> dict[str, Any]:
+    """The MoEInferenceService as JSON."""
+    return json.loads(kubectl("get", "moeis", name, "-n", namespace, "-o", "json", run_dir=run_dir).stdout)  # type: ignore[no-any-return]
+
+
+def condition(obj: dict[str, Any], type_: str) -> dict[str, Any] | None:
+    for cond in obj.get("status", {}).get("conditions", []):
+        if cond.get("type") == type_:
+            return cond  # type: ignore[no-any-return]
+    return None
+
+
+def worker_urls(namespace: str, moeis: str, run_dir: Path = RUN_DIR) -> list[str]:
+    """Base URLs of the local workers behind ``moeis``'s pods, from the harness's state file."""
+    path = run_dir / "workers.json"
+    if not path.exists():
+        return []
+    state = json.loads(path.read_text())
+    return sorted(w["url"] for key, w in state.items()
+                  if key.startswith(f"{namespace}/") and w.get("moeis") == moeis)
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def scrape(url: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """Samples of metric family ``name`` (exact sample name) on a worker's ``/metrics``."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    out = []
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                out.append((dict(sample.labels), float(sample.value)))
+    return out
+
+
+def scrape_one(url: str, name: str) -> float | None:
+    """The first sample of ``name`` on a worker, or None."""
+    try:
+        samples = scrape(url, name)
+    except httpx.HTTPError:
+        return None
+    return samples[0][1] if samples else None
+
+
+def prom_query(query: str) -> float | None:
+    """One number from a Prometheus instant query, or None (no series, or unreachable)."""
+    try:
+        body = httpx.get(f"{PROMETHEUS_URL}/api/v1/query", params={"query": query}, timeout=5).json()
+        result = body["data"]["result"]
+        return float(result[0]["value"][1]) if result else None
+    except (httpx.HTTPError, KeyError, IndexError, ValueError):
+        return None
+
+
+def events(namespace: str, name: str, run_dir: Path = RUN_DIR) -> list[dict[str, Any]]:
+    """Events whose involved object is ``name`` in ``namespace``, oldest first."""
+    out = kubectl("get", "events", "-n", namespace, "--field-selector", f"involvedObject.name={name}",
+                  "-o", "json", run_dir=run_dir).stdout
+    items: list[dict[str, Any]] = json.loads(out)["items"]
+    return sorted(items, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")

@@ -1,0 +1,163 @@
+"""End to end on the real local control plane, Prometheus and worker processes.
+
+The operator runs as a process (``python -m moeguard_operator``), the harness backs
+kwok's pods with real workers, and the closed loop is seen from three sides: the
+CR's status, the budget ConfigMap, and the worker's own ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from bench.loadgen.text import prompt_of_length, repetitive_prompt
+from hack import stack
+from tests.integration.conftest import Cluster, PodWorkers
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: Cluster) -> Iterator[None]:
+    stack.apply_crds(run_dir=cluster.run_dir)
+    proc = stack.start_operator(cluster.run_dir / "logs" / "operator-e2e.log", run_dir=cluster.run_dir)
+    time.sleep(1)
+    assert proc.poll() is None, f"operator exited: see {cluster.run_dir}/logs/operator-e2e.log"
+    yield
+    stack.stop_process(proc)
+
+
+def moeis(name: str, **spec: Any) -> str:
+    return json.dumps({"apiVersion": "moeguard.dev/v1alpha1", "kind": "MoEInferenceService",
+                       "metadata": {"name": name}, "spec": spec})
+
+
+def get(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
+    return dict(cluster.kubectl_json("-n", ns, "get", "moeis", name))
+
+
+def ready_status(obj: dict[str, Any]) -> str | None:
+    cond = stack.condition(obj, "Ready")
+    return None if cond is None else str(cond["status"])
+
+
+def wait(probe: Any, timeout: float, what: str) -> Any:
+    return stack.wait_for(probe, timeout, what, interval=0.5)
+
+
+def wait_cr(cluster: Cluster, ns: str, name: str, pred: Any, timeout: float, what: str) -> dict[str, Any]:
+    """Poll the CR until ``pred(obj)`` holds; returns the object."""
+    def probe() -> dict[str, Any] | None:
+        obj = get(cluster, ns, name)
+        return obj if pred(obj) else None
+    return dict(wait(probe, timeout, what))
+
+
+SPEC = {
+    "model": {"preset": "tiny"},
+    "replicas": 1,
+    "resources": {"gpus": 1, "softLimit": "3Gi", "hardLimit": "4Gi"},
+    "batching": {"maxPrefillTokens": 2048, "maxDecodeTokens": 64, "maxBatchRequests": 16,
+                 "maxConcurrentBatches": 2, "floors": {"maxPrefillTokens": 256}},
+    "control": {"queryIntervalSeconds": 2, "skewWindowSeconds": 10, "skewThreshold": 8, "cooldownSeconds": 5},
+}
+
+
+def test_closed_loop_end_to_end(cluster: Cluster, operator: None, pod_workers: PodWorkers, namespace: str) -> None:
+    ns, name = namespace, "e2e"
+    cluster.kubectl("-n", ns, "apply", "-f", "-", input=moeis(name, **SPEC))
+    obj = wait_cr(cluster, ns, name, lambda o: ready_status(o) == "True", 180, "Ready=True")
+    status = obj["status"]
+    assert status["observedGeneration"] == obj["metadata"]["generation"]
+    assert status["readyReplicas"] == 1
+    assert status["budgets"]["maxPrefillTokens"] == 2048
+
+    # Children: GPU and memory limits, UCX env, owner references.
+    dep = cluster.kubectl_json("-n", ns, "get", "deployment", f"{name}-worker")
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"] == {"memory": "4Gi", "nvidia.com/gpu": "1"}
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["UCX_MEM_MMAP_HOOK_MODE"] == "none"
+    assert env["UCX_RCACHE_MAX_UNRELEASED"] == "1024"
+    assert env["MOEGUARD_SOFT_LIMIT_BYTES"] == str(3 * 2**30)
+    assert dep["metadata"]["ownerReferences"][0]["uid"] == obj["metadata"]["uid"]
+    svc = cluster.kubectl_json("-n", ns, "get", "service", name)
+    assert svc["spec"]["ports"][0]["port"] == 8000
+    cm = cluster.kubectl_json("-n", ns, "get", "configmap", f"{name}-budget")
+    assert json.loads(cm["data"]["budget.json"])["budgets"]["maxPrefillTokens"] == 2048
+    table = cluster.kubectl("-n", ns, "get", "moeis", name).stdout
+    assert table.split("\n")[0].split() == ["NAME", "READY", "REPLICAS", "PREFILL", "SKEW", "AGE"]
+    assert table.split("\n")[1].split()[:4] == [name, "True", "1", "2048"]
+
+    # The worker behind the kwok pod serves real prompts.
+    pod = cluster.kubectl_json("-n", ns, "get", "pods", "-l", f"app.kubernetes.io/instance={name}")["items"][0]
+    url = pod_workers.wait_for(f"{ns}/{pod['metadata']['name']}", 60)["url"]
+    wait(lambda: stack.healthy(url), 120, "worker /healthz")
+    prompt = prompt_of_length(200, offset=1000)
+    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 8}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion"
+    assert body["usage"]["completion_tokens"] <= 8
+    assert body["usage"]["prompt_tokens"] >= 200
+    assert stack.scrape_one(url, "moeguard_budget_max_prefill_tokens") == 2048
+
+    # Skew: repetitive prompts route most tokens to a few experts.
+    with httpx.Client(timeout=120) as client:
+        for i in range(6):
+            resp = client.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": repetitive_prompt(512, i), "max_tokens": 2})
+            assert resp.status_code == 200, resp.text
+    obj = wait_cr(cluster, ns, name, lambda o: o["status"]["budgets"]["maxPrefillTokens"] < 2048, 90,
+                  "the operator to tighten maxPrefillTokens")
+    tightened = obj["status"]["budgets"]["maxPrefillTokens"]
+    assert tightened == 1024
+    adj = obj["status"]["lastAdjustment"]
+    assert adj["from"]["maxPrefillTokens"] == 2048 and adj["to"]["maxPrefillTokens"] == 1024
+    assert "expert skew ratio" in adj["reason"] and "> threshold 8" in adj["reason"]
+    assert obj["status"]["observed"]["skewRatio"] > 8
+    assert stack.condition(obj, "MetricsAvailable")["status"] == "True"  # type: ignore[index]
+    t_status = time.monotonic()
+    wait(lambda: stack.scrape_one(url, "moeguard_budget_max_prefill_tokens") == 1024, 10,
+         "the worker to apply the new budget")
+    assert time.monotonic() - t_status < 5.5
+    cm = cluster.kubectl_json("-n", ns, "get", "configmap", f"{name}-budget")
+    assert json.loads(cm["data"]["budget.json"])["generation"] == stack.scrape_one(url, "moeguard_budget_generation")
+    reasons = [e["reason"] for e in cluster.kubectl_json("-n", ns, "get", "events",
+               "--field-selector", f"involvedObject.name={name}")["items"]]
+    assert "BudgetTightened" in reasons
+
+
+def test_api_server_rejects_invalid_specs(cluster: Cluster, operator: None, namespace: str) -> None:
+    bad_limits = moeis("bad-limits", resources={"softLimit": "8Gi", "hardLimit": "8Gi"})
+    res = cluster.kubectl("-n", namespace, "apply", "-f", "-", input=bad_limits, check=False)
+    assert res.returncode != 0
+    assert "spec.resources.softLimit: Invalid value" in res.stderr
+    assert "resources.softLimit must be less than resources.hardLimit" in res.stderr
+
+    negative = moeis("negative", batching={"maxPrefillTokens": -5})
+    res = cluster.kubectl("-n", namespace, "apply", "-f", "-", input=negative, check=False)
+    assert res.returncode != 0
+    assert "spec.batching.maxPrefillTokens: Invalid value: -5" in res.stderr
+    assert "should be greater than or equal to 1" in res.stderr
+
+    floor = moeis("floor", batching={"maxPrefillTokens": 128, "floors": {"maxPrefillTokens": 512}})
+    res = cluster.kubectl("-n", namespace, "apply", "-f", "-", input=floor, check=False)
+    assert "batching.floors.maxPrefillTokens must be <= batching.maxPrefillTokens" in res.stderr
+
+
+def test_unknown_preset_is_reported_and_others_still_served(cluster: Cluster, operator: None, namespace: str) -> None:
+    cluster.kubectl("-n", namespace, "apply", "-f", "-", input=moeis("nope", model={"preset": "gpt-17"}, replicas=0))
+    cluster.kubectl("-n", namespace, "apply", "-f", "-", input=moeis("fine", replicas=0))
+    obj = wait_cr(cluster, namespace, "nope", lambda o: ready_status(o) == "False", 60, "Ready=False")
+    ready = stack.condition(obj, "Ready")
+    assert ready is not None and ready["reason"] == "UnknownModelPreset"
+    assert "unknown model preset 'gpt-17'" in ready["message"]
+    assert stack.condition(obj, "Stalled")["status"] == "True"  # type: ignore[index]
+    events = cluster.kubectl_json("-n", namespace, "get", "events", "--field-selector", "involvedObject.name=nope")["items"]
+    assert any(e["type"] == "Warning" and e["reason"] == "UnknownModelPreset" for e in events), events
+    fine = wait_cr(cluster, namespace, "fine", lambda o: ready_status(o) == "True", 60, "fine Ready")
+    assert fine["status"]["budgets"]["maxPrefillTokens"] == 4096
+    assert cluster.kubectl("-n", namespace, "get", "deployment", "nope-worker", check=False).returncode != 0
