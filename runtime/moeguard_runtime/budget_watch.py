@@ -61,10 +61,10 @@ def load_kube_config(env: Mapping[str, str] | None = None) -> str | None:
 
     env = os.environ if env is None else env
     if env.get("KUBERNETES_SERVICE_HOST"):
-        config.load_incluster_config()
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
         return "in-cluster"
     if env.get("KUBECONFIG"):
-        config.load_kube_config(config_file=env["KUBECONFIG"])
+        config.load_kube_config(config_file=env["KUBECONFIG"])  # type: ignore[no-untyped-call]
         return f"kubeconfig {env['KUBECONFIG']}"
     return None
 
@@ -119,11 +119,13 @@ class BudgetWatcher:
                         self._log("budget_configmap_missing", name=self.name,
                                   namespace=self.namespace)
                         resource_version = "0"
-                w = watch.Watch()
-                for event in w.stream(api.list_namespaced_config_map, self.namespace,
-                                      field_selector=f"metadata.name={self.name}",
-                                      resource_version=resource_version, timeout_seconds=300,
-                                      allow_watch_bookmarks=True):
+                w = watch.Watch()  # type: ignore[no-untyped-call]
+                events = w.stream(  # type: ignore[no-untyped-call]
+                    api.list_namespaced_config_map, self.namespace,
+                    field_selector=f"metadata.name={self.name}",
+                    resource_version=resource_version, timeout_seconds=300,
+                    allow_watch_bookmarks=True)
+                for event in events:
                     backoff = 0.5
                     obj = event["object"]
                     if event["type"] == "ERROR":
@@ -135,7 +137,7 @@ class BudgetWatcher:
                     elif event["type"] == "DELETED":
                         self._log("budget_configmap_deleted", name=self.name, kept="last good")
                     if self._stop.is_set():
-                        w.stop()
+                        w.stop()  # type: ignore[no-untyped-call]
                         return
             except ApiException as exc:
                 if exc.status == 410:

@@ -27,8 +27,8 @@ ENV_QUEUE_TIMEOUT_S = "MOEGUARD_QUEUE_TIMEOUT_SECONDS"
 ENV_SOFT_SHRINK_FACTOR = "MOEGUARD_SOFT_LIMIT_SHRINK_FACTOR"
 ENV_LOG_INTERVAL_S = "MOEGUARD_LOG_INTERVAL_SECONDS"
 
-DEFAULT_BUDGETS = Budgets(max_prefill_tokens=2048, max_decode_tokens=256, max_batch_requests=32,
-                          max_concurrent_batches=2)
+DEFAULT_BUDGETS = Budgets.model_validate({"max_prefill_tokens": 2048, "max_decode_tokens": 256,
+                                          "max_batch_requests": 32, "max_concurrent_batches": 2})
 
 
 class ConfigError(ValueError):
@@ -88,12 +88,13 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
 
     d = DEFAULT_BUDGETS
     try:
-        budgets = Budgets(
-            max_prefill_tokens=req(contract.ENV_MAX_PREFILL_TOKENS, d.max_prefill_tokens),
-            max_decode_tokens=req(contract.ENV_MAX_DECODE_TOKENS, d.max_decode_tokens),
-            max_batch_requests=req(contract.ENV_MAX_BATCH_REQUESTS, d.max_batch_requests),
-            max_concurrent_batches=req(contract.ENV_MAX_CONCURRENT_BATCHES, d.max_concurrent_batches),
-        )
+        budgets = Budgets.model_validate({
+            "max_prefill_tokens": req(contract.ENV_MAX_PREFILL_TOKENS, d.max_prefill_tokens),
+            "max_decode_tokens": req(contract.ENV_MAX_DECODE_TOKENS, d.max_decode_tokens),
+            "max_batch_requests": req(contract.ENV_MAX_BATCH_REQUESTS, d.max_batch_requests),
+            "max_concurrent_batches": req(contract.ENV_MAX_CONCURRENT_BATCHES,
+                                          d.max_concurrent_batches),
+        })
     except ValueError as exc:
         raise ConfigError(f"invalid initial budgets: {exc}") from None
     limits = QueueLimits(
@@ -108,7 +109,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     if not 0 < shrink <= 1:
         raise ConfigError(f"{ENV_SOFT_SHRINK_FACTOR}={shrink} must be in (0, 1]")
     return Settings(
-        host=env.get(ENV_HOST, "0.0.0.0"),  # noqa: S104 - a container serves on all interfaces
+        host=env.get(ENV_HOST, "0.0.0.0"),
         port=req(contract.ENV_PORT, contract.WORKER_PORT),
         preset=env.get(contract.ENV_MODEL_PRESET, "tiny") or "tiny",
         seed=req(ENV_SEED, 0, minimum=0),

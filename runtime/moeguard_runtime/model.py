@@ -66,7 +66,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        out: torch.Tensor = normed.type_as(x) * self.weight
+        return out
 
 
 def rope_angles(max_seq_len: int, head_dim: int, base: float) -> torch.Tensor:
@@ -124,7 +125,8 @@ class Attention(nn.Module):
             o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask)  # [H, n, hd]
             outs.append(o.transpose(0, 1).reshape(n, h * hd))
             offset += n
-        return self.wo(torch.cat(outs, dim=0))  # [T, D]
+        out: torch.Tensor = self.wo(torch.cat(outs, dim=0))  # [T, D]
+        return out
 
 
 class TransformerBlock(nn.Module):
@@ -163,6 +165,7 @@ class Transformer(nn.Module):
     def set_expert_chunk_tokens(self, n: int) -> None:
         """Bound on token-slots one expert processes at once (applies to the next step)."""
         for layer in self.layers:
+            assert isinstance(layer, TransformerBlock)
             layer.feed_forward.expert_chunk_tokens = n
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor,

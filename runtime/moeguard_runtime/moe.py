@@ -121,7 +121,7 @@ def grouped_expert_forward(
     """
     if expert_chunk_tokens < 1:
         raise ValueError("expert_chunk_tokens must be >= 1")
-    num_tokens, k = experts.shape
+    _num_tokens, k = experts.shape
     num_experts = w1.shape[0]
     flat_experts = experts.reshape(-1)  # [T*k]
     counts = torch.bincount(flat_experts, minlength=num_experts)  # [E]

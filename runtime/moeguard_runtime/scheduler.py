@@ -46,7 +46,7 @@ class QueueLimits:
     queue_timeout_s: float = 30.0
 
 
-class Rejected(Exception):  # noqa: N818 - it names an outcome, like HTTP 429
+class Rejected(Exception):
     """A request refused at submission; ``reason`` is a metric label value."""
 
     def __init__(self, reason: str, message: str, retry_after_s: int = 1) -> None:
@@ -102,12 +102,11 @@ def shrink(budgets: Budgets, factor: float) -> Budgets:
     """Budgets scaled by ``factor`` in (0, 1], each floored at 1 (concurrent batches kept)."""
     if factor >= 1.0:
         return budgets
-    return Budgets(
-        max_prefill_tokens=max(1, math.floor(budgets.max_prefill_tokens * factor)),
-        max_decode_tokens=max(1, math.floor(budgets.max_decode_tokens * factor)),
-        max_batch_requests=max(1, math.floor(budgets.max_batch_requests * factor)),
-        max_concurrent_batches=budgets.max_concurrent_batches,
-    )
+    return budgets.model_copy(update={
+        "max_prefill_tokens": max(1, math.floor(budgets.max_prefill_tokens * factor)),
+        "max_decode_tokens": max(1, math.floor(budgets.max_decode_tokens * factor)),
+        "max_batch_requests": max(1, math.floor(budgets.max_batch_requests * factor)),
+    })
 
 
 class Scheduler:

@@ -17,6 +17,7 @@ waits; a streaming response is cancelled by Starlette when the socket closes).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -137,10 +138,8 @@ def create_app(worker: Worker, model_name: str) -> FastAPI:
         next_poll = loop.time() + DISCONNECT_POLL_S
         while True:
             event = None
-            try:
+            with contextlib.suppress(TimeoutError):
                 event = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
-            except TimeoutError:
-                pass
             if loop.time() >= next_poll:  # tokens may arrive faster than the poll period
                 next_poll = loop.time() + DISCONNECT_POLL_S
                 if await request.is_disconnected():

@@ -10,7 +10,6 @@ from collections.abc import Callable
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
 from tests.integration.worker.conftest import WorkerProcess
 
 pytestmark = pytest.mark.integration
@@ -124,7 +123,7 @@ def test_metrics_carry_identity_labels(worker: WorkerProcess) -> None:
     ok = [v for lab, v in m["moeguard_requests_total"] if lab["status"] == "ok"]
     assert ok and ok[0] >= 1
     assert [v for _, v in m["moeguard_budget_max_prefill_tokens"]] == [2048]
-    assert [v for _, v in m["moeguard_process_resident_memory_bytes"]][0] > 10e6
+    assert next(v for _, v in m["moeguard_process_resident_memory_bytes"]) > 10e6
 
 
 def test_over_concurrency_cap_is_429_with_retry_after(
