@@ -7,7 +7,12 @@ from typing import Any
 
 import pytest
 
-from moeguard_runtime.budget_watch import NO_GENERATION, BudgetWatcher, decide_update, load_kube_config
+from moeguard_runtime.budget_watch import (
+    NO_GENERATION,
+    BudgetWatcher,
+    decide_update,
+    load_kube_config,
+)
 from moeguard_runtime.contract import BudgetDocument, Budgets
 
 pytestmark = pytest.mark.unit

@@ -35,7 +35,7 @@ def hf_expert_loop(x: torch.Tensor, gate_w: torch.Tensor, w1: torch.Tensor, w2: 
     return final
 
 
-def _weights(E: int = 8, D: int = 32, I: int = 48, seed: int = 0):  # noqa: E741, N803
+def _weights(E: int = 8, D: int = 32, I: int = 48, seed: int = 0):  # noqa: E741
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(E, D, generator=g), torch.randn(E, I, D, generator=g) / D**0.5,
             torch.randn(E, D, I, generator=g) / I**0.5, torch.randn(E, I, D, generator=g) / D**0.5)
