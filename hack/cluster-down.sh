@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Stop everything hack/cluster-up.sh (and hack/pod_workers.py) started in the
+# run dir: first by pid file (SIGTERM, then SIGKILL after 10 s), then any
+# straggler whose command line points into the run dir. Removes the run dir
+# unless --keep-data. Idempotent.
+# Usage: hack/cluster-down.sh [--keep-data]
+set -euo pipefail
+RUN=${MOEGUARD_RUN_DIR:-/tmp/moeguard-run}
+keep=0
+for a in "$@"; do
+  case "$a" in
+    --keep-data) keep=1 ;;
+    *) echo "usage: $0 [--keep-data]" >&2; exit 2 ;;
+  esac
+done
+log() { printf '[cluster-down] %s\n' "$*" >&2; }
+
+# ours PID: a live process whose command line points into the run dir.
+ours() { [ -r "/proc/$1/cmdline" ] && tr '\0' ' ' <"/proc/$1/cmdline" | grep -qF "$RUN/"; }
+
+# stop PID...: SIGTERM, wait up to 10 s, then SIGKILL what is left.
+stop() {
+  local p left
+  [ $# -gt 0 ] || return 0
+  kill -TERM "$@" 2>/dev/null || true
+  for _ in $(seq 1 50); do
+    left=""
+    for p in "$@"; do kill -0 "$p" 2>/dev/null && left="$left $p"; done
+    [ -z "$left" ] && return 0
+    sleep 0.2
+  done
+  log "SIGKILL$left"
+  # shellcheck disable=SC2086
+  kill -KILL $left 2>/dev/null || true
+}
+
+# The worker harness first (it stops its workers), then the control plane top-down.
+for f in "$RUN"/pids/pod-workers*.pid "$RUN"/pids/{kwok,kube-scheduler,kube-controller-manager,kube-apiserver,prometheus,etcd}.pid; do
+  [ -f "$f" ] || continue
+  pid=$(cat "$f")
+  if ours "$pid"; then log "stopping $(basename "$f" .pid) (pid $pid)"; stop "$pid"; fi
+  rm -f "$f"
+done
+# Workers left behind by a harness that was killed: their KUBECONFIG is in the run dir.
+for f in "$RUN"/workers*.json; do
+  [ -f "$f" ] || continue
+  for pid in $(grep -o '"pid": *[0-9]*' "$f" | grep -o '[0-9]*$'); do
+    if [ -r "/proc/$pid/environ" ] && tr '\0' '\n' <"/proc/$pid/environ" | grep -q "^KUBECONFIG=$RUN/"; then
+      log "stopping orphaned worker (pid $pid)"; stop "$pid"
+    fi
+  done
+done
+# Stragglers: anything else still pointing into the run dir (not this script).
+strays=()
+for d in /proc/[0-9]*; do
+  p=${d#/proc/}
+  [ "$p" = $$ ] || [ "$p" = "$PPID" ] && continue
+  ours "$p" && strays+=("$p")
+done
+if [ ${#strays[@]} -gt 0 ]; then
+  log "stopping stragglers: ${strays[*]}"
+  stop "${strays[@]}"
+fi
+if [ "$keep" = 0 ] && [ -d "$RUN" ]; then
+  rm -rf "$RUN"
+  log "removed $RUN"
+fi
+log "stopped"

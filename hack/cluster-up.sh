@@ -1,0 +1,192 @@
+#!/usr/bin/env bash
+# Start moeguard's local control plane: etcd, kube-apiserver, kube-controller-
+# manager, kube-scheduler, kwok with two fake GPU nodes, and Prometheus. All of
+# it listens on 127.0.0.1 only and lives in one run dir:
+#
+#   ${MOEGUARD_RUN_DIR:-/tmp/moeguard-run}/
+#     kubeconfig          admin (system:masters) token, insecure-skip-tls-verify
+#     pki/                service-account RSA key, token file, apiserver cert-dir
+#     pids/<name>.pid     one per process started here (cluster-down.sh reads them)
+#     logs/<name>.log     one per process
+#     etcd/  prometheus/  data; prometheus/targets/*.json is the file_sd folder
+#
+# Ports: etcd 12379 (peer 12380), kube-apiserver 16443, controller-manager 16257,
+# scheduler 16259, Prometheus 19090. kwok serves nothing.
+#
+# Idempotent: a healthy cluster is left alone (exit 0 at once); a process that
+# died is started again. Binaries come from hack/build-binaries.sh's cache.
+# Usage: hack/cluster-up.sh
+set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=versions.env
+source "$HERE/versions.env"
+source "$HERE/lib.sh"
+
+RUN=${MOEGUARD_RUN_DIR:-/tmp/moeguard-run}
+ETCD_PORT=12379 ETCD_PEER_PORT=12380 APISERVER_PORT=16443
+KCM_PORT=16257 SCHED_PORT=16259 PROM_PORT=19090
+K8S=$(bin_dir kubernetes) ETCD=$(bin_dir etcd)/etcd KWOK_DIR=$(bin_dir kwok)
+PROMETHEUS=${PROMETHEUS:-/usr/bin/prometheus}
+KUBECTL=("$K8S/kubectl" --kubeconfig="$RUN/kubeconfig" --request-timeout=5s)
+NODES=(moeguard-gpu-0 moeguard-gpu-1)
+T0=$(date +%s.%N)
+
+elapsed() { awk -v t0="$T0" -v t1="$(date +%s.%N)" 'BEGIN { printf "%.1f", t1 - t0 }'; }
+log() { printf '[cluster-up %6ss] %s\n' "$(elapsed)" "$*" >&2; }
+die() { printf '[cluster-up %6ss] ERROR: %s\n' "$(elapsed)" "$*" >&2; exit 1; }
+
+# alive NAME: its pid file names a live process whose command line points into
+# the run dir (so a recycled pid is not mistaken for ours).
+alive() {
+  local f="$RUN/pids/$1.pid" pid
+  [ -f "$f" ] && pid=$(cat "$f") && [ -r "/proc/$pid/cmdline" ] &&
+    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -qF "$RUN/"
+}
+
+etcd_ok() { curl -sf --max-time 2 "http://127.0.0.1:$ETCD_PORT/health" | grep -q '"health":"true"'; }
+apiserver_ok() { "${KUBECTL[@]}" get --raw /readyz >/dev/null 2>&1; }
+secure_ok() { curl -skf --max-time 2 "https://127.0.0.1:$1/healthz" >/dev/null; }
+prom_ok() { curl -sf --max-time 2 "http://127.0.0.1:$PROM_PORT/-/ready" >/dev/null; }
+nodes_ok() {
+  local ready
+  ready=$("${KUBECTL[@]}" get node "${NODES[@]}" \
+    -o jsonpath='{range .items[*]}{.status.conditions[?(@.type=="Ready")].status}{" "}{end}' 2>/dev/null) || return 1
+  [ "$ready" = "True True " ]
+}
+healthy() {
+  local c
+  for c in etcd kube-apiserver kube-controller-manager kube-scheduler kwok prometheus; do
+    alive "$c" || return 1
+  done
+  etcd_ok && apiserver_ok && secure_ok "$KCM_PORT" && secure_ok "$SCHED_PORT" && nodes_ok && prom_ok
+}
+
+if [ -f "$RUN/kubeconfig" ] && healthy; then
+  log "cluster in $RUN is already healthy (kubeconfig: $RUN/kubeconfig)"
+  exit 0
+fi
+
+for b in "$ETCD" "$K8S/kube-apiserver" "$K8S/kube-controller-manager" "$K8S/kube-scheduler" \
+  "$K8S/kubectl" "$KWOK_DIR/kwok" "$PROMETHEUS"; do
+  [ -x "$b" ] || die "missing $b: build it with hack/build-binaries.sh (Prometheus: apt-get install prometheus)"
+done
+
+# start NAME CMD...: start CMD in its own session unless NAME is alive.
+start() {
+  local name=$1; shift
+  if alive "$name"; then log "$name already running (pid $(cat "$RUN/pids/$name.pid"))"; return 0; fi
+  printf '\n=== %s start %s\n' "$(date -Is)" "$name" >>"$RUN/logs/$name.log"
+  setsid "$@" >>"$RUN/logs/$name.log" 2>&1 </dev/null &
+  echo $! >"$RUN/pids/$name.pid"
+  log "started $name (pid $!, log $RUN/logs/$name.log)"
+}
+
+# wait_for NAME TIMEOUT_S CHECK...: poll CHECK; fail early if NAME's process died.
+wait_for() {
+  local name=$1 timeout=$2; shift 2
+  local deadline=$(($(date +%s) + timeout))
+  until "$@"; do
+    if ! alive "$name"; then
+      tail -n 20 "$RUN/logs/$name.log" >&2 || true
+      die "$name exited before it was healthy; see $RUN/logs/$name.log"
+    fi
+    if [ "$(date +%s)" -ge "$deadline" ]; then
+      tail -n 20 "$RUN/logs/$name.log" >&2 || true
+      die "$name not healthy after ${timeout}s ($*); see $RUN/logs/$name.log"
+    fi
+    sleep 0.2
+  done
+  log "$name healthy"
+}
+
+mkdir -p "$RUN"/{pki/apiserver,pki/kcm,pki/scheduler,pids,logs,etcd,prometheus/targets,prometheus/data,workers}
+
+# --- credentials (made once; kept with --keep-data) ---------------------------
+if [ ! -f "$RUN/pki/sa.key" ]; then
+  openssl genrsa -out "$RUN/pki/sa.key.tmp" 2048 2>/dev/null
+  openssl rsa -in "$RUN/pki/sa.key.tmp" -pubout -out "$RUN/pki/sa.pub" 2>/dev/null
+  mv "$RUN/pki/sa.key.tmp" "$RUN/pki/sa.key"
+fi
+if [ ! -f "$RUN/pki/tokens.csv" ]; then
+  (umask 077; echo "$(openssl rand -hex 32),moeguard-admin,moeguard-admin,\"system:masters\"" >"$RUN/pki/tokens.csv")
+fi
+TOKEN=$(cut -d, -f1 "$RUN/pki/tokens.csv")
+(umask 077; cat >"$RUN/kubeconfig" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: moeguard
+  cluster:
+    server: https://127.0.0.1:$APISERVER_PORT
+    insecure-skip-tls-verify: true
+contexts:
+- name: moeguard
+  context: {cluster: moeguard, user: moeguard-admin, namespace: default}
+current-context: moeguard
+users:
+- name: moeguard-admin
+  user:
+    token: $TOKEN
+EOF
+)
+sed "s#@RUN_DIR@#$RUN#g" "$HERE/cluster/prometheus.yml.tmpl" >"$RUN/prometheus/prometheus.yml"
+
+# --- etcd, Prometheus and kube-apiserver start together --------------------------
+start etcd "$ETCD" --name=moeguard --data-dir="$RUN/etcd" \
+  --listen-client-urls="http://127.0.0.1:$ETCD_PORT" --advertise-client-urls="http://127.0.0.1:$ETCD_PORT" \
+  --listen-peer-urls="http://127.0.0.1:$ETCD_PEER_PORT" --initial-advertise-peer-urls="http://127.0.0.1:$ETCD_PEER_PORT" \
+  --initial-cluster="moeguard=http://127.0.0.1:$ETCD_PEER_PORT" \
+  --auto-compaction-retention=1 --quota-backend-bytes=$((2 * 1024 * 1024 * 1024))
+start prometheus "$PROMETHEUS" --config.file="$RUN/prometheus/prometheus.yml" \
+  --storage.tsdb.path="$RUN/prometheus/data" --storage.tsdb.retention.time=1d \
+  --web.listen-address="127.0.0.1:$PROM_PORT" --web.enable-lifecycle
+start kube-apiserver "$K8S/kube-apiserver" \
+  --etcd-servers="http://127.0.0.1:$ETCD_PORT" \
+  --bind-address=127.0.0.1 --advertise-address=127.0.0.1 --secure-port="$APISERVER_PORT" \
+  --cert-dir="$RUN/pki/apiserver" --token-auth-file="$RUN/pki/tokens.csv" \
+  --authorization-mode=RBAC --allow-privileged=true \
+  --service-account-issuer=https://kubernetes.default.svc.cluster.local \
+  --service-account-key-file="$RUN/pki/sa.pub" --service-account-signing-key-file="$RUN/pki/sa.key" \
+  --service-cluster-ip-range=10.96.0.0/16 \
+  --endpoint-reconciler-type=none  # Endpoints may not hold 127.0.0.1: it would log an error every 10 s
+wait_for etcd 30 etcd_ok
+wait_for kube-apiserver 90 apiserver_ok
+
+# --- controllers, scheduler, kwok ---------------------------------------------
+common=(--kubeconfig="$RUN/kubeconfig" --authentication-kubeconfig="$RUN/kubeconfig"
+  --authorization-kubeconfig="$RUN/kubeconfig" --leader-elect=false --bind-address=127.0.0.1
+  --authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics
+  --authentication-skip-lookup=true)  # no client CA here: no extension-apiserver-authentication ConfigMap
+start kube-controller-manager "$K8S/kube-controller-manager" "${common[@]}" \
+  --secure-port="$KCM_PORT" --cert-dir="$RUN/pki/kcm" \
+  --service-account-private-key-file="$RUN/pki/sa.key" --use-service-account-credentials=true \
+  --root-ca-file="$RUN/pki/apiserver/apiserver.crt"
+start kube-scheduler "$K8S/kube-scheduler" "${common[@]}" --secure-port="$SCHED_PORT" --cert-dir="$RUN/pki/scheduler"
+stages=(node/fast/node-initialize.yaml node/heartbeat-with-lease/node-heartbeat-with-lease.yaml
+  pod/fast/pod-ready.yaml pod/fast/pod-complete.yaml pod/fast/pod-delete.yaml)
+kwok_cfg=(--config="$HERE/cluster/kwok.yaml")
+for s in "${stages[@]}"; do
+  [ -f "$KWOK_DIR/stage/$s" ] || die "kwok stage file $KWOK_DIR/stage/$s is missing (rebuild kwok)"
+  kwok_cfg+=(--config="$KWOK_DIR/stage/$s")
+done
+start kwok "$KWOK_DIR/kwok" --kubeconfig="$RUN/kubeconfig" \
+  --manage-all-nodes=false --manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake \
+  --node-ip=127.0.0.1 --cidr=10.244.0.0/16 "${kwok_cfg[@]}"
+
+# --- fake GPU nodes ---------------------------------------------------------------
+"${KUBECTL[@]}" apply -f "$HERE/cluster/nodes.yaml" >/dev/null || die "kubectl apply of $HERE/cluster/nodes.yaml failed"
+for n in "${NODES[@]}"; do
+  gpus=$("${KUBECTL[@]}" get node "$n" -o jsonpath='{.status.allocatable.nvidia\.com/gpu}')
+  if [ "$gpus" != 8 ]; then  # create dropped the status: set it through the subresource
+    res='{"cpu":"64","memory":"512Gi","pods":"110","nvidia.com/gpu":"8"}'
+    "${KUBECTL[@]}" patch node "$n" --subresource=status --type=merge \
+      -p "{\"status\":{\"capacity\":$res,\"allocatable\":$res}}" >/dev/null
+    log "patched status of node $n"
+  fi
+done
+
+wait_for kube-controller-manager 60 secure_ok "$KCM_PORT"
+wait_for kube-scheduler 60 secure_ok "$SCHED_PORT"
+wait_for kwok 60 nodes_ok
+wait_for prometheus 60 prom_ok
+log "cluster ready in $(elapsed)s: export KUBECONFIG=$RUN/kubeconfig; kubectl: $K8S/kubectl; Prometheus: http://127.0.0.1:$PROM_PORT"

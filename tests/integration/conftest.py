@@ -1,0 +1,160 @@
+"""Fixtures for integration tests against the local control plane (hack/cluster-up.sh).
+
+* ``cluster`` (session): reuses a healthy cluster in the run dir
+  (``$MOEGUARD_RUN_DIR``, default /tmp/moeguard-run) or starts one, and stops it
+  at the end only if it started it (``MOEGUARD_KEEP_CLUSTER=1`` keeps it).
+* ``pod_workers`` (session): hack/pod_workers.py in the background, so every
+  Running worker pod gets a local worker process (``MOEGUARD_WORKER_CMD``
+  overrides the command, default ``{python} -m moeguard_runtime``).
+* ``namespace`` (function): a fresh namespace, deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+HACK = ROOT / "hack"
+RUN_DIR = Path(os.environ.get("MOEGUARD_RUN_DIR", "/tmp/moeguard-run"))
+PROMETHEUS_URL = "http://127.0.0.1:19090"
+
+
+def pinned_kubectl() -> Path:
+    """The kubectl that hack/build-binaries.sh built for the pinned Kubernetes version."""
+    out = subprocess.run(
+        ["bash", "-c", 'source "$0/versions.env" && source "$0/lib.sh" && bin_dir kubernetes', str(HACK)],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()
+    return Path(out) / "kubectl"
+
+
+@dataclass
+class Cluster:
+    run_dir: Path
+    kubeconfig: Path
+    prometheus_url: str
+    kubectl_bin: Path
+    started_here: bool = False
+
+    def kubectl(self, *args: str, check: bool = True, input: str | None = None,
+                timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """Run the pinned kubectl against this cluster; raises with its stderr when ``check``."""
+        cmd = [str(self.kubectl_bin), f"--kubeconfig={self.kubeconfig}", *args]
+        res = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout)
+        if check and res.returncode != 0:
+            raise AssertionError(f"{' '.join(cmd[2:])} failed ({res.returncode}): {res.stderr.strip()}")
+        return res
+
+    def kubectl_json(self, *args: str) -> Any:
+        return json.loads(self.kubectl(*args, "-o", "json").stdout)
+
+    def prometheus_query(self, query: str) -> list[dict[str, Any]]:
+        r = httpx.get(f"{self.prometheus_url}/api/v1/query", params={"query": query}, timeout=5)
+        r.raise_for_status()
+        return list(r.json()["data"]["result"])
+
+
+def _healthy(c: Cluster) -> bool:
+    if not c.kubeconfig.exists():
+        return False
+    try:
+        ok = c.kubectl("get", "--raw", "/readyz", check=False, timeout=10).returncode == 0
+        return ok and httpx.get(f"{c.prometheus_url}/-/ready", timeout=2).status_code == 200
+    except (httpx.HTTPError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    kubectl = pinned_kubectl()
+    if not kubectl.exists():
+        pytest.skip(f"{kubectl} is missing: build the control plane with hack/build-binaries.sh")
+    c = Cluster(RUN_DIR, RUN_DIR / "kubeconfig", PROMETHEUS_URL, kubectl)
+    if not _healthy(c):
+        env = {**os.environ, "MOEGUARD_RUN_DIR": str(RUN_DIR)}
+        res = subprocess.run([str(HACK / "cluster-up.sh")], env=env, capture_output=True, text=True, timeout=600)
+        if res.returncode != 0:
+            pytest.fail(f"hack/cluster-up.sh failed ({res.returncode}):\n{res.stderr[-4000:]}")
+        c.started_here = True
+    yield c
+    if c.started_here and os.environ.get("MOEGUARD_KEEP_CLUSTER") != "1":
+        subprocess.run([str(HACK / "cluster-down.sh")], env={**os.environ, "MOEGUARD_RUN_DIR": str(RUN_DIR)},
+                       check=False, timeout=120)
+
+
+@dataclass
+class PodWorkers:
+    """A running hack/pod_workers.py; ``state()`` is its workers file (``namespace/pod`` -> info)."""
+
+    run_dir: Path
+    instance: str = "default"
+    extra_args: list[str] = field(default_factory=list)
+
+    def _cmd(self, action: str) -> list[str]:
+        return [sys.executable, str(HACK / "pod_workers.py"), action, "--run-dir", str(self.run_dir),
+                "--instance", self.instance, *self.extra_args]
+
+    def start(self) -> None:
+        res = subprocess.run(self._cmd("start"), capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, f"pod_workers.py start failed: {res.stderr}"
+
+    def stop(self) -> None:
+        subprocess.run(self._cmd("stop"), capture_output=True, text=True, timeout=120, check=False)
+
+    def state(self) -> dict[str, dict[str, Any]]:
+        suffix = "" if self.instance == "default" else f"-{self.instance}"
+        try:
+            return dict(json.loads((self.run_dir / f"workers{suffix}.json").read_text()))
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
+
+    def wait_for(self, key: str, timeout: float = 30) -> dict[str, Any]:
+        """Wait until pod ``namespace/name`` has a worker; returns its port, pid, url, moeis."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if key in (s := self.state()):
+                return s[key]
+            time.sleep(0.2)
+        raise AssertionError(f"no worker for {key} after {timeout}s; see {self.run_dir}/logs/")
+
+
+@pytest.fixture(scope="session")
+def pod_workers(cluster: Cluster) -> Iterator[PodWorkers]:
+    args = ["--worker-cmd", os.environ["MOEGUARD_WORKER_CMD"]] if "MOEGUARD_WORKER_CMD" in os.environ else []
+    pw = PodWorkers(cluster.run_dir, extra_args=args)
+    pw.start()
+    yield pw
+    pw.stop()
+
+
+@pytest.fixture
+def namespace(cluster: Cluster) -> Iterator[str]:
+    """A fresh namespace whose default ServiceAccount exists; deleted afterwards."""
+    name = f"mg-test-{uuid.uuid4().hex[:8]}"
+    cluster.kubectl("create", "namespace", name)
+    deadline = time.monotonic() + 30
+    while cluster.kubectl("-n", name, "get", "serviceaccount", "default", check=False).returncode != 0:
+        assert time.monotonic() < deadline, f"ServiceAccount {name}/default never appeared"
+        time.sleep(0.2)
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test under tests/integration/ is an integration test."""
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.path)).parents:
+            item.add_marker(pytest.mark.integration)
