@@ -144,7 +144,8 @@ def main() -> int:
               f"(time x1/{args.time_compression:g}, lengths x{args.length_scale:g}) on {len(urls)} workers", flush=True)
         trace_run = asyncio.run(replay(urls, schedule, progress=False, max_in_flight=64, request_timeout_s=120))
         print(f"[6/8] burst of {args.burst} repetitive prompts", flush=True)
-        prompts = [repetitive_prompt(512, seed=i) for i in range(args.burst)]
+        # One repeated pattern for every prompt: a batch of them routes nearly all tokens to top-k experts.
+        prompts = [repetitive_prompt(512, seed=0)] * args.burst
         burst_run = asyncio.run(burst(urls, prompts, max_tokens=8, progress=False, request_timeout_s=120))
         print("[7/8] waiting for the operator to tighten the budget and the workers to apply it", flush=True)
         initial = stack.get_moeis(NAMESPACE, NAME)["spec"]["batching"]["maxPrefillTokens"]

@@ -242,7 +242,8 @@ def _outer_loop(
                                    f"{observation.error}; budgets held", now, generation)
         if was_available == "True":
             kopf.warn(body, reason="MetricsUnavailable", message=f"{observation.error}; budgets held")
-    patch.status["observed"] = {"time": now.isoformat(), "skewRatio": observation.skew_ratio}
+    skew = None if observation.skew_ratio is None else round(observation.skew_ratio, 2)
+    patch.status["observed"] = {"time": now.isoformat(), "skewRatio": skew}
 
     budgets = _budgets(status, "budgets")
     assert budgets is not None
