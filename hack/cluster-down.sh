@@ -34,13 +34,21 @@ stop() {
   kill -KILL $left 2>/dev/null || true
 }
 
+# stop_named NAME...: stop, together, the processes of these pid files (globs allowed).
+stop_named() {
+  local n f pid pids=()
+  for n in "$@"; do
+    for f in "$RUN"/pids/$n.pid; do
+      [ -f "$f" ] || continue
+      pid=$(cat "$f")
+      if ours "$pid"; then log "stopping $(basename "$f" .pid) (pid $pid)"; pids+=("$pid"); fi
+    done
+  done
+  stop "${pids[@]}"
+  for n in "$@"; do rm -f "$RUN"/pids/$n.pid; done
+}
 # The worker harness first (it stops its workers), then the control plane top-down.
-for f in "$RUN"/pids/pod-workers*.pid "$RUN"/pids/{kwok,kube-scheduler,kube-controller-manager,kube-apiserver,prometheus,etcd}.pid; do
-  [ -f "$f" ] || continue
-  pid=$(cat "$f")
-  if ours "$pid"; then log "stopping $(basename "$f" .pid) (pid $pid)"; stop "$pid"; fi
-  rm -f "$f"
-done
+stop_named 'pod-workers*'
 # Workers left behind by a harness that was killed: their KUBECONFIG is in the run dir.
 for f in "$RUN"/workers*.json; do
   [ -f "$f" ] || continue
@@ -50,6 +58,9 @@ for f in "$RUN"/workers*.json; do
     fi
   done
 done
+stop_named kwok kube-scheduler kube-controller-manager prometheus
+stop_named kube-apiserver
+stop_named etcd
 # Stragglers: anything else still pointing into the run dir (not this script).
 strays=()
 for d in /proc/[0-9]*; do

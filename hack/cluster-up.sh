@@ -10,8 +10,11 @@
 #     logs/<name>.log     one per process
 #     etcd/  prometheus/  data; prometheus/targets/*.json is the file_sd folder
 #
+#     cluster.env         the URLs below, for scripts and tests to source
+#
 # Ports: etcd 12379 (peer 12380), kube-apiserver 16443, controller-manager 16257,
-# scheduler 16259, Prometheus 19090. kwok serves nothing.
+# scheduler 16259, Prometheus 19090; kwok serves nothing. MOEGUARD_PORT_OFFSET=N
+# adds N to every port, so that a second cluster (another run dir) can run beside.
 #
 # Idempotent: a healthy cluster is left alone (exit 0 at once); a process that
 # died is started again. Binaries come from hack/build-binaries.sh's cache.
@@ -23,8 +26,9 @@ source "$HERE/versions.env"
 source "$HERE/lib.sh"
 
 RUN=${MOEGUARD_RUN_DIR:-/tmp/moeguard-run}
-ETCD_PORT=12379 ETCD_PEER_PORT=12380 APISERVER_PORT=16443
-KCM_PORT=16257 SCHED_PORT=16259 PROM_PORT=19090
+off=${MOEGUARD_PORT_OFFSET:-0}
+ETCD_PORT=$((12379 + off)) ETCD_PEER_PORT=$((12380 + off)) APISERVER_PORT=$((16443 + off))
+KCM_PORT=$((16257 + off)) SCHED_PORT=$((16259 + off)) PROM_PORT=$((19090 + off))
 K8S=$(bin_dir kubernetes) ETCD=$(bin_dir etcd)/etcd KWOK_DIR=$(bin_dir kwok)
 PROMETHEUS=${PROMETHEUS:-/usr/bin/prometheus}
 KUBECTL=("$K8S/kubectl" --kubeconfig="$RUN/kubeconfig" --request-timeout=5s)
@@ -130,6 +134,13 @@ users:
 EOF
 )
 sed "s#@RUN_DIR@#$RUN#g" "$HERE/cluster/prometheus.yml.tmpl" >"$RUN/prometheus/prometheus.yml"
+cat >"$RUN/cluster.env" <<EOF
+KUBECONFIG=$RUN/kubeconfig
+KUBECTL=$K8S/kubectl
+APISERVER_URL=https://127.0.0.1:$APISERVER_PORT
+PROMETHEUS_URL=http://127.0.0.1:$PROM_PORT
+ETCD_URL=http://127.0.0.1:$ETCD_PORT
+EOF
 
 # --- etcd, Prometheus and kube-apiserver start together --------------------------
 start etcd "$ETCD" --name=moeguard --data-dir="$RUN/etcd" \

@@ -28,7 +28,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 HACK = ROOT / "hack"
 RUN_DIR = Path(os.environ.get("MOEGUARD_RUN_DIR", "/tmp/moeguard-run"))
-PROMETHEUS_URL = "http://127.0.0.1:19090"
+# hack/cluster-up.sh adds MOEGUARD_PORT_OFFSET to every port (a second cluster beside the first)
+PROMETHEUS_URL = f"http://127.0.0.1:{19090 + int(os.environ.get('MOEGUARD_PORT_OFFSET', '0'))}"
 
 
 def pinned_kubectl() -> Path:
@@ -82,12 +83,12 @@ def cluster() -> Iterator[Cluster]:
     if not kubectl.exists():
         pytest.skip(f"{kubectl} is missing: build the control plane with hack/build-binaries.sh")
     c = Cluster(RUN_DIR, RUN_DIR / "kubeconfig", PROMETHEUS_URL, kubectl)
-    if not _healthy(c):
-        env = {**os.environ, "MOEGUARD_RUN_DIR": str(RUN_DIR)}
-        res = subprocess.run([str(HACK / "cluster-up.sh")], env=env, capture_output=True, text=True, timeout=600)
-        if res.returncode != 0:
-            pytest.fail(f"hack/cluster-up.sh failed ({res.returncode}):\n{res.stderr[-4000:]}")
-        c.started_here = True
+    c.started_here = not _healthy(c)
+    # Always: on a running cluster it only checks every part (0.2 s) and restarts a dead one.
+    env = {**os.environ, "MOEGUARD_RUN_DIR": str(RUN_DIR)}
+    res = subprocess.run([str(HACK / "cluster-up.sh")], env=env, capture_output=True, text=True, timeout=600)
+    if res.returncode != 0:
+        pytest.fail(f"hack/cluster-up.sh failed ({res.returncode}):\n{res.stderr[-4000:]}")
     yield c
     if c.started_here and os.environ.get("MOEGUARD_KEEP_CLUSTER") != "1":
         subprocess.run([str(HACK / "cluster-down.sh")], env={**os.environ, "MOEGUARD_RUN_DIR": str(RUN_DIR)},
