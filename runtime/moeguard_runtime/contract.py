@@ -44,6 +44,19 @@ ENV_MAX_PREFILL_TOKENS = "MOEGUARD_MAX_PREFILL_TOKENS"
 ENV_MAX_DECODE_TOKENS = "MOEGUARD_MAX_DECODE_TOKENS"
 ENV_MAX_BATCH_REQUESTS = "MOEGUARD_MAX_BATCH_REQUESTS"
 ENV_MAX_CONCURRENT_BATCHES = "MOEGUARD_MAX_CONCURRENT_BATCHES"
+ENV_MAX_LONG_REQUESTS_PER_BATCH = "MOEGUARD_MAX_LONG_REQUESTS_PER_BATCH"
+ENV_MAX_QUEUE_REQUESTS = "MOEGUARD_MAX_QUEUE_REQUESTS"
+ENV_QUEUE_TIMEOUT_SECONDS = "MOEGUARD_QUEUE_TIMEOUT_SECONDS"
+ENV_LONG_REQUEST_THRESHOLD_TOKENS = "MOEGUARD_LONG_REQUEST_THRESHOLD_TOKENS"
+"""Static: a request whose prompt is at least this many tokens counts as long."""
+ENV_MAX_CONCURRENT_REQUESTS = "MOEGUARD_MAX_CONCURRENT_REQUESTS"
+"""Static: requests admitted at once, running plus waiting (TGI max_concurrent_requests); beyond it, HTTP 429."""
+ENV_GPU_SOFT_FRACTION = "MOEGUARD_GPU_SOFT_FRACTION"
+"""Static: fraction of device memory above which the worker shrinks its budgets (GPU only)."""
+ENV_GPU_HARD_FRACTION = "MOEGUARD_GPU_HARD_FRACTION"
+"""Static: fraction of device memory above which the worker admits no new requests (GPU only)."""
+ENV_OVERLOAD_MODE = "MOEGUARD_OVERLOAD_MODE"
+"""Static: Auto (the worker may switch overload on itself), On or Off (the operator decides)."""
 ENV_PORT = "MOEGUARD_PORT"
 """TCP port of the worker's HTTP server (OpenAI API, /metrics, health)."""
 WORKER_PORT = 8000
@@ -61,9 +74,11 @@ def budget_configmap_name(service: str) -> str:
 
 
 class Budgets(BaseModel):
-    """The batching budgets in effect (TGI/vLLM names in the descriptions).
+    """The batching budgets in effect: the knobs the operator's outer loop moves.
 
-    All counts are tokens or requests; every value is a positive integer.
+    Names follow TGI/vLLM/Triton where the meaning matches (see each field).
+    Fields added after the first release carry defaults, so an older document
+    still parses.
     """
 
     model_config = ConfigDict(populate_by_name=True, extra="forbid", frozen=True)
@@ -74,8 +89,14 @@ class Budgets(BaseModel):
                                    description="Sequences decoded per decode step, one token each (vLLM max_num_seqs in tokens).")
     max_batch_requests: int = Field(alias="maxBatchRequests", gt=0, le=65_536,
                                     description="Requests per batch (Triton max_batch_size).")
+    max_long_requests_per_batch: int = Field(default=4, alias="maxLongRequestsPerBatch", gt=0, le=65_536,
+                                             description="Requests longer than the long-request threshold in one batch.")
     max_concurrent_batches: int = Field(alias="maxConcurrentBatches", gt=0, le=64,
                                         description="Batches in flight at once in one worker.")
+    max_queue_requests: int = Field(default=64, alias="maxQueueRequests", gt=0, le=1_048_576,
+                                    description="Requests waiting in the queue (Triton max_queue_size); beyond it, HTTP 429.")
+    queue_timeout_seconds: float = Field(default=30.0, alias="queueTimeoutSeconds", gt=0, le=3600,
+                                         description="Seconds a request may wait in the queue (Triton default_timeout_microseconds); then HTTP 503.")
 
 
 class BudgetDocument(BaseModel):
@@ -90,6 +111,8 @@ class BudgetDocument(BaseModel):
     generation: int = Field(ge=0)
     budgets: Budgets
     overload_mode: Literal["On", "Off"] = Field(default="Off", alias="overloadMode")
+    overload_max_context_tokens: int | None = Field(default=None, alias="overloadMaxContextTokens", gt=0)
+    """While overload mode is On, prompts plus max_tokens above this are refused (HTTP 503, with the reason)."""
     reason: str = Field(default="initial", max_length=1024)
     updated_at: datetime = Field(default_factory=lambda: datetime.now(UTC), alias="updatedAt")
 
@@ -141,3 +164,9 @@ METRIC_EXPERT_SKEW_RATIO = "moeguard_expert_skew_ratio"
 """Gauge per ``layer``: top expert tokens / median expert tokens, last batch."""
 METRIC_PROCESS_RSS_BYTES = "moeguard_process_resident_memory_bytes"
 METRIC_BUDGET_GENERATION = "moeguard_budget_generation"
+METRIC_MEMORY_USAGE_BYTES = "moeguard_memory_usage_bytes"
+"""Gauge, label ``source`` (cgroup_v2 | cgroup_v1 | rss): the figure the soft and hard limits compare."""
+METRIC_REJECTIONS_TOTAL = "moeguard_rejections_total"
+"""Counter, label ``reason``."""
+METRIC_E2E_LATENCY_SECONDS = "moeguard_e2e_request_latency_seconds"
+"""Histogram of end-to-end request latency."""
