@@ -23,7 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_DIR = Path(os.environ.get("MOEGUARD_RUN_DIR", "/tmp/moeguard-run"))
-PROMETHEUS_URL = "http://127.0.0.1:19090"
+PROMETHEUS_URL = f"http://127.0.0.1:{19090 + int(os.environ.get('MOEGUARD_PORT_OFFSET', '0'))}"
+"""Prometheus of the local stack (hack/cluster-up.sh; ports shift by MOEGUARD_PORT_OFFSET)."""
 CRD_NAME = "moeinferenceservices.moeguard.dev"
 T = TypeVar("T")
 

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 HACK = ROOT / "hack"
 RUN_DIR = Path(os.environ.get("MOEGUARD_RUN_DIR", "/tmp/moeguard-run"))
 # hack/cluster-up.sh adds MOEGUARD_PORT_OFFSET to every port (a second cluster beside the first)
-PROMETHEUS_URL = f"http://127.0.0.1:{19090 + int(os.environ.get('MOEGUARD_PORT_OFFSET', '0'))}"
+from hack.stack import PROMETHEUS_URL  # noqa: E402
 
 
 def pinned_kubectl() -> Path:
