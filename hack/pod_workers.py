@@ -125,7 +125,6 @@ class Harness:
         for f in (self.targets / f"{key.replace('/', '_')}.json",
                   self.workers_dir / f"{key.replace('/', '_')}.kubeconfig"):
             f.unlink(missing_ok=True)
-        self.save()
         try:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=10)
@@ -134,6 +133,7 @@ class Harness:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        self.save()  # after the process is reaped: the state file never lists a worker that is gone
         log(f"{key}: worker pid {proc.pid} stopped ({why}, exit {proc.returncode})")
 
     def save(self) -> None:
