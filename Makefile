@@ -51,3 +51,15 @@ operator: ## Run the operator against $$KUBECONFIG (default: the local control p
 lock: ## Re-resolve requirements.in into the pinned requirements.txt.
 	python3 -m venv /tmp/moeguard-lock && /tmp/moeguard-lock/bin/pip install -q --dry-run --report /tmp/moeguard-lock.json -r requirements.in
 	{ head -2 requirements.txt; python3 -c "import json; r=json.load(open('/tmp/moeguard-lock.json')); print('\n'.join(sorted(f\"{i['metadata']['name']}=={i['metadata']['version']}\" for i in r['install'])))"; } > requirements.lock.tmp && mv requirements.lock.tmp requirements.txt
+
+.PHONY: generate
+generate: ## Regenerate the chart's CRD template, the Grafana dashboard, docs/crd-reference.md and docs/metrics.md.
+	$(PY) hack/generate.py
+
+.PHONY: chart-lint
+chart-lint: ## helm lint the chart (strict).
+	PATH=$$HOME/.cache/moeguard/bin/helm-$$(grep ^HELM_VERSION hack/versions.env | cut -d= -f2):$$PATH helm lint charts/moeguard --strict --kube-version 1.34.4
+
+.PHONY: test-delivery
+test-delivery: deps ## Chart, GitOps, image, CLI and docs tests (unit, then against the local control plane).
+	$(PY) -m pytest tests/unit/delivery tests/integration/delivery $(PYTEST_ARGS)
