@@ -88,6 +88,7 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
         (f"moeguard_memory_usage_bytes{{{_SEL}}}", "{{pod}} usage compared with limits ({{source}})"),
         (f"moeguard_process_resident_memory_bytes{{{_SEL}}}", "{{pod}} RSS"),
         (f"moeguard_process_resident_anonymous_memory_bytes{{{_SEL}}}", "{{pod}} RSS anonymous"),
+        (f"max by (limit) (moeguard_memory_limit_bytes{{{_SEL}}})", "{{limit}} limit"),
         ('max by (pod) (kube_pod_container_resource_limits{namespace=~"$namespace", container="worker", '
          'resource="memory"})', "{{pod}} hard limit (container limit)"),
     ]),
@@ -319,6 +320,49 @@ ADVICE: dict[str, str] = {
     "moeguard_process_resident_anonymous_memory_bytes": (
         "Anonymous RSS. Growing while the Python heap is flat: a native leak (e.g. UCX's unbounded "
         "`UCX_RCACHE_MAX_UNRELEASED` queue) — check `spec.ucx`."),
+    "moeguard_expert_overflow_tokens": (
+        "Token-slots over an expert's capacity (dropped). Rising: capacity factor too low for this traffic's "
+        "skew; quality suffers silently. Zero when the model runs dropless."),
+    "moeguard_budget_max_long_requests_per_batch": "Long requests allowed in one batch, in effect.",
+    "moeguard_budget_max_queue_requests": "Queue length in effect; beyond it the worker answers 429.",
+    "moeguard_budget_queue_timeout_seconds": "Queue timeout in effect; a request waiting longer gets 503.",
+    "moeguard_stage_duration_seconds": (
+        "Time per stage: find where latency goes (queue vs prefill vs decode) before changing a budget."),
+    "moeguard_memory_cgroup_limit_bytes": (
+        "The container's own memory.max. It should equal spec.resources.hardLimit; if not, something else "
+        "(a LimitRange, a mutating webhook) changed the pod."),
+    "moeguard_memory_limit_bytes": "The soft and hard limits (label `limit`): plot usage against them.",
+    "moeguard_gpu_memory_allocated_bytes": "Live tensors on the GPU (torch caching allocator).",
+    "moeguard_gpu_memory_reserved_bytes": "Memory torch's allocator holds, live or cached.",
+    "moeguard_gpu_memory_fragmentation_bytes": (
+        "Reserved minus allocated. Large while a GPU OOM happens: fragmentation, not too little memory — "
+        "smaller prefill chunks, or `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`."),
+    "moeguard_gpu_memory_used_bytes": (
+        "Everything on the device (CUDA context, other processes). Much above reserved: another process "
+        "shares the GPU."),
+    "moeguard_gpu_memory_total_bytes": "Device memory.",
+    "moeguard_pinned_memory_bytes": "Pinned host memory: counts against the container's memory limit, not the GPU's.",
+    "moeguard_memory_growth_bytes_per_second": (
+        "The worker's own least-squares slope by part. A steady positive `anonymous` slope with a flat Python "
+        "heap is a native leak."),
+    "moeguard_python_allocated_blocks_growth_per_second": (
+        "Python heap growth. Growing with RSS: a heap leak (Python objects kept alive: caches, lists of "
+        "requests) — tracemalloc finds it."),
+    "moeguard_process_memory_mappings_growth_per_second": (
+        "Mappings added per second. Steady growth: a native allocator or registration cache (UCX rcache) "
+        "is mapping without unmapping."),
+    "moeguard_memory_leak_suspected": (
+        "1 when the worker's own detector sees a part growing (label `kind`). The operator raises "
+        "MemoryLeakSuspected and, with `Restart`, rolls the pods before the hard limit."),
+    "moeguard_overload_active": "1 while overload mode is on (label `source`: operator or worker).",
+    "moeguard_oom_errors": (
+        "Batches that hit an out-of-memory error the worker survived (label `kind`: GPU). Rising: the "
+        "budgets are too high for the device; the worker already shrinks them."),
+    "moeguard_process_memory_mappings": "Count of memory mappings (/proc/self/maps).",
+    "moeguard_python_allocated_blocks": "Live blocks of the Python object allocator.",
+    "moeguard_malloc_in_use_bytes": (
+        "glibc malloc bytes in use. Growing with anonymous RSS but not the Python heap: native code "
+        "allocating through malloc; flat while RSS grows: mmap'd memory (e.g. UCX, CUDA host allocations)."),
     "moeguard_process_resident_file_memory_bytes": (
         "File-backed RSS (mapped weights, libraries). Large but flat is normal; it can be reclaimed."),
 }

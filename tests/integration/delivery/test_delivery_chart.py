@@ -128,7 +128,7 @@ def test_monitoring_templates(template: Any, tmp_path: Path) -> None:
     rule = _by_kind(docs, "PrometheusRule")[0]
     alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
     assert alerts == {"MoeguardBudgetAtFloor", "MoeguardMemoryNearHardLimit", "MoeguardMemoryLeakSuspected",
-                      "MoeguardOperatorMetricsUnavailable", "MoeguardOOMKilled"}
+                      "MoeguardOperatorMetricsUnavailable", "MoeguardMetricsUnavailable", "MoeguardOOMKilled"}
     off = _by_kind(_docs(template("prometheusRule.enabled=true", "prometheusRule.disabled={MoeguardOOMKilled}")),
                    "PrometheusRule")[0]
     assert "MoeguardOOMKilled" not in {r["alert"] for g in off["spec"]["groups"] for r in g["rules"]}
