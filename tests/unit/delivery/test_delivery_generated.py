@@ -9,8 +9,8 @@ from typing import Any
 import jsonschema_rs
 import pytest
 import yaml
-
 from hack import generate
+
 from moeguard_operator.crdgen import build_crd
 
 pytestmark = pytest.mark.unit
