@@ -5,12 +5,16 @@ budget watch and the HTTP server. All configuration from the environment
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
+import threading
+import time
+from typing import TYPE_CHECKING, Any
 
-from moeguard_runtime.config import ConfigError, Settings, load_settings
+from moeguard_runtime.config import ConfigError, Settings, load_settings, model_args
 from moeguard_runtime.telemetry import RateLimitedLog, Telemetry, configure_logging, worker_labels
 
 if TYPE_CHECKING:
+    from moeguard_runtime.presets import ModelArgs
+    from moeguard_runtime.server import WorkerSlot
     from moeguard_runtime.service import Worker
 
 
@@ -25,32 +29,69 @@ def main() -> int:
     import torch
     import uvicorn
 
-    from moeguard_runtime import presets
-    from moeguard_runtime.engine import Engine
-    from moeguard_runtime.model import build_model
-    from moeguard_runtime.server import create_app
-    from moeguard_runtime.service import Worker
+    from moeguard_runtime.server import WorkerSlot, create_app
 
     torch.set_num_threads(settings.torch_threads)
     try:
-        args = presets.get_preset(settings.preset)
+        args = model_args(settings)
     except KeyError as exc:
         log.event("config_error", force=True, error=str(exc.args[0]))
         return 2
+    except ConfigError as exc:
+        log.event("config_error", force=True, error=str(exc))
+        return 2
     log = RateLimitedLog(settings.log_interval_s)
-    model = build_model(args, seed=settings.seed, expert_chunk_tokens=settings.expert_chunk_tokens)
     telemetry = Telemetry(worker_labels(), args.num_experts)
-    worker = Worker(settings, Engine(model), telemetry, log)
+    slot = WorkerSlot(telemetry, f"moeguard-{settings.preset}", args.max_seq_len)
+    failed = threading.Event()
+    loader = threading.Thread(target=_load, args=(settings, args, slot, log, failed),
+                              name="model-loader", daemon=True)
+    loader.start()  # /healthz answers and /readyz says "loading" meanwhile
+    app = create_app(slot, settings.max_body_bytes)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
+                            access_log=False)
+    server = uvicorn.Server(config)
+    threading.Thread(target=_stop_on_failure, args=(failed, server), daemon=True).start()
+    server.run()
+    if slot.worker is not None:
+        slot.worker.stop()
+    return 3 if failed.is_set() else 0
+
+
+def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimitedLog,
+          failed: threading.Event) -> None:
+    """Build (or load) the model, start the engine loop and the budget watch."""
+    from moeguard_runtime import presets
+    from moeguard_runtime.engine import Engine
+    from moeguard_runtime.model import build_model
+    from moeguard_runtime.service import Worker
+
+    t0 = time.monotonic()
+    try:
+        model = build_model(args, seed=settings.seed, expert_chunk_tokens=settings.expert_chunk_tokens,
+                            capacity_factor=settings.capacity_factor, checkpoint=settings.checkpoint)
+    except Exception as exc:  # a bad checkpoint: say why and exit
+        log.event("model_load_error", force=True, error=str(exc)[:1000])
+        failed.set()
+        return
+    worker = Worker(settings, Engine(model), slot.telemetry, log)
     log.event("worker_start", force=True, preset=settings.preset, seed=settings.seed,
-              parameters=presets.parameter_count(args), torch_threads=settings.torch_threads,
-              port=settings.port, **settings.budgets.model_dump())
+              checkpoint=settings.checkpoint, parameters=presets.parameter_count(args),
+              model_overrides=dict(settings.model_overrides) or None,
+              load_seconds=round(time.monotonic() - t0, 3), torch_threads=settings.torch_threads,
+              port=settings.port, capacity_factor=settings.capacity_factor,
+              overload_mode=settings.overload_mode,
+              long_request_threshold_tokens=settings.limits.long_request_threshold_tokens,
+              max_concurrent_requests=settings.limits.max_concurrent_requests,
+              **settings.budgets.model_dump())
     worker.start()
+    slot.worker = worker
     _start_budget_watch(settings, worker, log)
-    app = create_app(worker, f"moeguard-{settings.preset}")
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning",
-                access_log=False)
-    worker.stop()
-    return 0
+
+
+def _stop_on_failure(failed: threading.Event, server: Any) -> None:
+    failed.wait()
+    server.should_exit = True
 
 
 def _start_budget_watch(settings: Settings, worker: Worker, log: RateLimitedLog) -> None:

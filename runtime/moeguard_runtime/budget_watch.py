@@ -36,11 +36,31 @@ class BudgetDecision:
     reason: str
 
 
-def decide_update(data: Mapping[str, str] | None, applied_generation: int) -> BudgetDecision:
+def check_consistency(doc: BudgetDocument, max_seq_len: int | None = None) -> str | None:
+    """Rules across fields that the schema alone does not check; the first broken
+    one as a message naming both fields and their values, or None.
+
+    * ``maxLongRequestsPerBatch`` is a cap inside ``maxBatchRequests`` and may not
+      exceed it (a floor above its ceiling);
+    * ``overloadMaxContextTokens`` may not exceed the model's context.
+    """
+    b = doc.budgets
+    if b.max_long_requests_per_batch > b.max_batch_requests:
+        return (f"budgets.maxLongRequestsPerBatch {b.max_long_requests_per_batch} is above "
+                f"budgets.maxBatchRequests {b.max_batch_requests}")
+    ctx = doc.overload_max_context_tokens
+    if max_seq_len is not None and ctx is not None and ctx > max_seq_len:
+        return f"overloadMaxContextTokens {ctx} is above the model's context {max_seq_len}"
+    return None
+
+
+def decide_update(data: Mapping[str, str] | None, applied_generation: int,
+                  max_seq_len: int | None = None) -> BudgetDecision:
     """What to do with a ConfigMap's ``data`` (pure).
 
-    * ``reject``: missing key, malformed JSON or an invalid field (the reason
-      names it, from ``contract.parse_budget_configmap_data``);
+    * ``reject``: missing key, malformed JSON, an invalid field (the reason
+      names it, from ``contract.parse_budget_configmap_data``), or fields that
+      contradict each other (:func:`check_consistency`);
     * ``ignore``: valid but ``generation`` is not newer than the applied one;
     * ``apply``: valid and newer.
     """
@@ -48,6 +68,9 @@ def decide_update(data: Mapping[str, str] | None, applied_generation: int) -> Bu
         doc = contract.parse_budget_configmap_data(dict(data) if data is not None else None)
     except BudgetDocumentError as exc:
         return BudgetDecision("reject", None, str(exc))
+    problem = check_consistency(doc, max_seq_len)
+    if problem is not None:
+        return BudgetDecision("reject", None, f"invalid {contract.BUDGET_KEY}: {problem}")
     if doc.generation <= applied_generation:
         return BudgetDecision("ignore", doc, f"generation {doc.generation} is not newer than "
                                              f"{applied_generation}")

@@ -10,22 +10,35 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from moeguard_runtime import contract
 from moeguard_runtime.contract import Budgets
 from moeguard_runtime.moe import DEFAULT_EXPERT_CHUNK_TOKENS
+from moeguard_runtime.presets import ModelArgs
 from moeguard_runtime.scheduler import QueueLimits
 
 ENV_SEED = "MOEGUARD_SEED"
 ENV_TORCH_THREADS = "MOEGUARD_TORCH_THREADS"
 ENV_HOST = "MOEGUARD_HOST"
 ENV_EXPERT_CHUNK_TOKENS = "MOEGUARD_EXPERT_CHUNK_TOKENS"
-ENV_MAX_CONCURRENT_REQUESTS = "MOEGUARD_MAX_CONCURRENT_REQUESTS"
-ENV_MAX_QUEUE_REQUESTS = "MOEGUARD_MAX_QUEUE_REQUESTS"
+ENV_CAPACITY_FACTOR = "MOEGUARD_CAPACITY_FACTOR"
+"""0 or unset: dropless (default); > 0: DeepSpeed capacity, overflow slots dropped and counted."""
 ENV_MAX_QUEUE_TOKENS = "MOEGUARD_MAX_QUEUE_TOKENS"
-ENV_QUEUE_TIMEOUT_S = "MOEGUARD_QUEUE_TIMEOUT_SECONDS"
 ENV_SOFT_SHRINK_FACTOR = "MOEGUARD_SOFT_LIMIT_SHRINK_FACTOR"
 ENV_LOG_INTERVAL_S = "MOEGUARD_LOG_INTERVAL_SECONDS"
+ENV_OVERLOAD_MAX_CONTEXT_TOKENS = "MOEGUARD_OVERLOAD_MAX_CONTEXT_TOKENS"
+"""Context cap while overload is on, when the budget document sets none (default: half the model's)."""
+ENV_MAX_BODY_BYTES = "MOEGUARD_MAX_BODY_BYTES"
+"""Largest request body accepted (default 1 MiB); beyond it, HTTP 413."""
+ENV_FAULT_LEAK_ANON = "MOEGUARD_FAULT_LEAK_ANON_BYTES_PER_SECOND"
+"""Test-only fault: leak anonymous mmaps (outside the Python heap) at this rate."""
+ENV_FAULT_LEAK_PYTHON = "MOEGUARD_FAULT_LEAK_PYTHON_BYTES_PER_SECOND"
+"""Test-only fault: leak small Python objects (the Python heap) at this rate."""
+ENV_FAULT_STEP_DELAY = "MOEGUARD_FAULT_STEP_DELAY_SECONDS"
+"""Test-only fault: sleep this long in every engine step (a slow model, for timeout tests)."""
+
+OVERLOAD_MODES = ("Auto", "On", "Off")
 
 DEFAULT_BUDGETS = Budgets.model_validate({"max_prefill_tokens": 2048, "max_decode_tokens": 256,
                                           "max_batch_requests": 32, "max_concurrent_batches": 2})
@@ -37,6 +50,8 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Settings:
+    """Everything the worker reads at start. Byte limits of 0/unset mean none."""
+
     host: str
     port: int
     preset: str
@@ -51,6 +66,17 @@ class Settings:
     budget_configmap: str | None
     namespace: str
     log_interval_s: float
+    overload_mode: str = "Auto"
+    overload_max_context_tokens: int | None = None
+    gpu_soft_fraction: float = 0.9
+    gpu_hard_fraction: float = 0.97
+    capacity_factor: float = 0.0
+    checkpoint: str | None = None
+    model_overrides: tuple[tuple[str, int | float], ...] = ()
+    max_body_bytes: int = 1 << 20
+    fault_leak_anon_bps: int = 0
+    fault_leak_python_bps: int = 0
+    fault_step_delay_s: float = 0.0
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None, minimum: int = 0) -> int | None:
@@ -74,6 +100,49 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
         raise ConfigError(f"{name}={raw!r} is not a number") from None
 
 
+def _overrides(env: Mapping[str, str]) -> tuple[tuple[str, int | float], ...]:
+    """``contract.ENV_MODEL_OVERRIDES``: a JSON object of ``ModelArgs`` fields."""
+    import json
+
+    from moeguard_runtime.presets import ModelArgs
+
+    raw = env.get(contract.ENV_MODEL_OVERRIDES, "").strip()
+    if not raw:
+        return ()
+    name = contract.ENV_MODEL_OVERRIDES
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{name} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{name} must be a JSON object, given {type(data).__name__}")
+    fields = ModelArgs.__dataclass_fields__
+    for key, value in data.items():
+        if key not in fields:
+            raise ConfigError(f"{name}: unknown field {key!r}; known: {', '.join(sorted(fields))}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(f"{name}: {key} must be a positive number, given {value!r}")
+    return tuple(sorted(data.items()))
+
+
+def model_args(settings: Settings) -> ModelArgs:
+    """The preset named in ``settings`` with the overrides applied.
+
+    Raises:
+        KeyError: unknown preset; ConfigError: overrides that make no valid shape.
+    """
+    import dataclasses
+
+    from moeguard_runtime.presets import get_preset
+
+    overrides: dict[str, Any] = dict(settings.model_overrides)
+    args = dataclasses.replace(get_preset(settings.preset), **overrides)
+    if args.dim % args.n_head or args.n_head % args.n_kv_head or args.top_k > args.num_experts:
+        raise ConfigError(f"{contract.ENV_MODEL_OVERRIDES}: dim must be a multiple of n_head, "
+                          f"n_head of n_kv_head, and top_k <= num_experts (given {args})")
+    return args
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     """Read :class:`Settings` from ``env`` (default ``os.environ``).
 
@@ -94,20 +163,43 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
             "max_batch_requests": req(contract.ENV_MAX_BATCH_REQUESTS, d.max_batch_requests),
             "max_concurrent_batches": req(contract.ENV_MAX_CONCURRENT_BATCHES,
                                           d.max_concurrent_batches),
+            "max_long_requests_per_batch": req(contract.ENV_MAX_LONG_REQUESTS_PER_BATCH,
+                                               d.max_long_requests_per_batch),
+            "max_queue_requests": req(contract.ENV_MAX_QUEUE_REQUESTS, d.max_queue_requests),
+            "queue_timeout_seconds": _float(env, contract.ENV_QUEUE_TIMEOUT_SECONDS,
+                                            d.queue_timeout_seconds),
         })
     except ValueError as exc:
         raise ConfigError(f"invalid initial budgets: {exc}") from None
     limits = QueueLimits(
-        max_concurrent_requests=req(ENV_MAX_CONCURRENT_REQUESTS, 128),
-        max_queue_requests=req(ENV_MAX_QUEUE_REQUESTS, 64),
+        max_concurrent_requests=req(contract.ENV_MAX_CONCURRENT_REQUESTS, 128),
         max_queue_tokens=req(ENV_MAX_QUEUE_TOKENS, 65_536),
-        queue_timeout_s=_float(env, ENV_QUEUE_TIMEOUT_S, 30.0),
+        long_request_threshold_tokens=req(contract.ENV_LONG_REQUEST_THRESHOLD_TOKENS, 512),
     )
     soft = _int(env, contract.ENV_SOFT_LIMIT_BYTES, None)
     hard = _int(env, contract.ENV_HARD_LIMIT_BYTES, None)
     shrink = _float(env, ENV_SOFT_SHRINK_FACTOR, 0.5)
     if not 0 < shrink <= 1:
         raise ConfigError(f"{ENV_SOFT_SHRINK_FACTOR}={shrink} must be in (0, 1]")
+    overload = (env.get(contract.ENV_OVERLOAD_MODE) or "Auto").strip()
+    if overload not in OVERLOAD_MODES:
+        raise ConfigError(f"{contract.ENV_OVERLOAD_MODE}={overload!r} must be one of "
+                          f"{', '.join(OVERLOAD_MODES)}")
+    gpu_soft = _float(env, contract.ENV_GPU_SOFT_FRACTION, 0.9)
+    gpu_hard = _float(env, contract.ENV_GPU_HARD_FRACTION, 0.97)
+    for name, value in ((contract.ENV_GPU_SOFT_FRACTION, gpu_soft),
+                        (contract.ENV_GPU_HARD_FRACTION, gpu_hard)):
+        if not 0 < value <= 1:
+            raise ConfigError(f"{name}={value} must be in (0, 1]")
+    if gpu_soft > gpu_hard:
+        raise ConfigError(f"{contract.ENV_GPU_SOFT_FRACTION}={gpu_soft} must be <= "
+                          f"{contract.ENV_GPU_HARD_FRACTION}={gpu_hard}")
+    if soft and hard and soft > hard:
+        raise ConfigError(f"{contract.ENV_SOFT_LIMIT_BYTES}={soft} must be <= "
+                          f"{contract.ENV_HARD_LIMIT_BYTES}={hard}")
+    capacity = _float(env, ENV_CAPACITY_FACTOR, 0.0)
+    if capacity < 0:
+        raise ConfigError(f"{ENV_CAPACITY_FACTOR}={capacity} must be >= 0 (0: dropless)")
     return Settings(
         host=env.get(ENV_HOST, "0.0.0.0"),
         port=req(contract.ENV_PORT, contract.WORKER_PORT),
@@ -123,4 +215,15 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         budget_configmap=env.get(contract.ENV_BUDGET_CONFIGMAP) or None,
         namespace=env.get(contract.ENV_NAMESPACE) or "default",
         log_interval_s=_float(env, ENV_LOG_INTERVAL_S, 1.0),
+        overload_mode=overload,
+        overload_max_context_tokens=_int(env, ENV_OVERLOAD_MAX_CONTEXT_TOKENS, None, 1),
+        gpu_soft_fraction=gpu_soft,
+        gpu_hard_fraction=gpu_hard,
+        capacity_factor=capacity,
+        checkpoint=env.get(contract.ENV_CHECKPOINT_PATH) or None,
+        model_overrides=_overrides(env),
+        max_body_bytes=req(ENV_MAX_BODY_BYTES, 1 << 20),
+        fault_leak_anon_bps=req(ENV_FAULT_LEAK_ANON, 0, minimum=0),
+        fault_leak_python_bps=req(ENV_FAULT_LEAK_PYTHON, 0, minimum=0),
+        fault_step_delay_s=_float(env, ENV_FAULT_STEP_DELAY, 0.0),
     )

@@ -9,6 +9,12 @@ processes. Without a limited cgroup (a laptop, a test) it is the process RSS.
 The source in use is logged at start (``event=memory_source``) and exported as
 the ``source`` label of ``moeguard_memory_usage_bytes``.
 
+**Which figure each limit uses:** ``MOEGUARD_SOFT_LIMIT_BYTES`` and
+``MOEGUARD_HARD_LIMIT_BYTES`` are compared with that host figure; on a GPU,
+``MOEGUARD_GPU_SOFT_FRACTION`` and ``MOEGUARD_GPU_HARD_FRACTION`` of the device's
+total are compared with the device memory in use (:func:`decide_device`), and
+the worse of the two states wins.
+
 **The decision** (:func:`decide`) is pure: above the hard limit new requests get
 503; above the soft limit the budgets are multiplied by ``shrink_factor``; the
 shrink is lifted only once usage is below ``soft * (1 - hysteresis)``.
@@ -89,3 +95,14 @@ def decide(state: MemoryState, usage_bytes: int, policy: MemoryPolicy) -> Memory
 def shrink_factor(state: MemoryState, policy: MemoryPolicy) -> float:
     """Budget multiplier for ``state``: 1.0 in NORMAL, ``policy.shrink_factor`` otherwise."""
     return 1.0 if state == MemoryState.NORMAL else policy.shrink_factor
+
+
+def decide_device(state: MemoryState, used_bytes: int, total_bytes: int, soft_fraction: float,
+                  hard_fraction: float, hysteresis: float = 0.1) -> MemoryState:
+    """The same decision for GPU memory: device memory in use (``mem_get_info``
+    total - free, which counts the CUDA context and other processes, not only
+    torch's allocator) against ``soft_fraction`` and ``hard_fraction`` of the
+    device's total."""
+    policy = MemoryPolicy(int(total_bytes * soft_fraction), int(total_bytes * hard_fraction),
+                          hysteresis=hysteresis)
+    return decide(state, used_bytes, policy)

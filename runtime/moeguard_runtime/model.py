@@ -6,10 +6,10 @@ projections and the MoE layers see the whole batch at once, while attention
 runs per sequence segment against that sequence's own :class:`KVCache`. A
 segment is a prefill chunk (``n`` prompt tokens) or a decode token (``n = 1``).
 
-Weights are random and seeded (:func:`build_model`); the module layout
-(``tok_embeddings``, ``layers.N.attention.wqkv``, ``feed_forward.w1`` …) follows
-gpt-fast so a checkpoint loader can be added later (build on ``meta``, load with
-``assign=True``).
+Weights are random and seeded, or loaded from a safetensors checkpoint
+(:func:`build_model`); the module layout (``tok_embeddings``,
+``layers.N.attention.wqkv``, ``feed_forward.w1`` …) follows gpt-fast, and HF
+Mixtral names are mapped onto it (:mod:`moeguard_runtime.checkpoint`).
 """
 
 from __future__ import annotations
@@ -130,11 +130,12 @@ class Attention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int, expert_chunk_tokens: int) -> None:
+    def __init__(self, args: ModelArgs, layer: int, expert_chunk_tokens: int,
+                 capacity_factor: float = 0.0) -> None:
         super().__init__()
         self.attention = Attention(args, layer)
         self.feed_forward = MOEFeedForward(args.dim, args.intermediate_size, args.num_experts,
-                                           args.top_k, expert_chunk_tokens)
+                                           args.top_k, expert_chunk_tokens, capacity_factor)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
@@ -149,11 +150,12 @@ class Transformer(nn.Module):
     """The decoder. :meth:`forward` returns logits of each segment's last token."""
 
     def __init__(self, args: ModelArgs,
-                 expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS) -> None:
+                 expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS,
+                 capacity_factor: float = 0.0) -> None:
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args, i, expert_chunk_tokens)
+        self.layers = nn.ModuleList(TransformerBlock(args, i, expert_chunk_tokens, capacity_factor)
                                     for i in range(args.n_layer))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -202,11 +204,20 @@ def init_weights(model: Transformer, seed: int) -> None:
 
 
 def build_model(args: ModelArgs, seed: int = 0, dtype: torch.dtype = torch.float32,
-                expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS) -> Transformer:
-    """Build on the meta device (no allocation), materialise, fill with seeded weights."""
+                expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS,
+                capacity_factor: float = 0.0, checkpoint: str | None = None) -> Transformer:
+    """Build on the meta device (no allocation), then either load ``checkpoint``
+    (a local safetensors file or folder, :mod:`moeguard_runtime.checkpoint`;
+    tensors are assigned, not copied into fresh storage) or materialise and fill
+    with seeded weights."""
     with torch.device("meta"):
-        model = Transformer(args, expert_chunk_tokens)
-    model = model.to_empty(device="cpu")
-    init_weights(model, seed)
+        model = Transformer(args, expert_chunk_tokens, capacity_factor)
+    if checkpoint is not None:
+        from moeguard_runtime.checkpoint import load_state_dict
+
+        model.load_state_dict(load_state_dict(checkpoint, args), assign=True, strict=True)
+    else:
+        model = model.to_empty(device="cpu")
+        init_weights(model, seed)
     model.setup_rope()
     return model.to(dtype).eval()

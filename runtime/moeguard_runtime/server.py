@@ -1,14 +1,24 @@
-"""HTTP API: OpenAI-style completions, models, health, readiness, metrics.
+"""HTTP API: OpenAI-style completions, models, health, readiness, metrics, OpenAPI.
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``:
 
-* 400 ``invalid_request_error``: malformed JSON, a missing or non-string
-  ``prompt``, a bad field, or a prompt too long for the context, whose message
-  follows TGI ("inputs tokens + max_new_tokens must be <= N. Given: X inputs
-  tokens and Y max_new_tokens"; TGI answers 422, OpenAI 400);
+* 400 ``invalid_request_error``: malformed JSON, a body that is not UTF-8 or
+  not an object, an unknown field, a wrong type or a value out of range (the
+  message names the field, the limit and the given value), an empty prompt,
+  or a prompt too long for the context, whose message follows TGI ("inputs
+  tokens + max_new_tokens must be <= N. Given: X inputs tokens and Y
+  max_new_tokens"; TGI answers 422, OpenAI 400);
+* 413: a body over ``MOEGUARD_MAX_BODY_BYTES`` (read no further than the limit);
 * 429 with ``Retry-After``: over ``max_concurrent_requests`` or a queue bound
   (TGI: "Model is overloaded"); the message names the cap;
-* 503 with ``Retry-After``: above the hard memory limit, or queue timeout.
+* 503 with ``Retry-After``: above the hard memory limit, queue timeout, a
+  context over the overload threshold, out of memory, or the model still loading.
+
+Fields: those of OpenAI ``POST /v1/completions`` that the worker honours, plus
+``priority`` (``interactive``, the default, or ``batch``; also the header
+``X-Priority``), which orders the queue while overload mode is on. Other
+OpenAI fields (``stop``, ``logprobs``, ``echo``, ``top_p`` …) are refused as
+unknown rather than silently ignored.
 
 A client that disconnects cancels its request (polled every 0.25 s while it
 waits; a streaming response is cancelled by Starlette when the socket closes).
@@ -21,8 +31,9 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -32,22 +43,39 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from moeguard_runtime import tokenizer
 from moeguard_runtime.scheduler import Rejected
 from moeguard_runtime.service import Event, GenerationRequest, Worker
+from moeguard_runtime.telemetry import Telemetry
 
 DISCONNECT_POLL_S = 0.25
-REJECT_STATUS = {"memory_hard_limit": 503}
+MAX_TOKENS_LIMIT = 1_048_576
 
 
 class CompletionRequest(BaseModel):
-    """The fields of OpenAI ``POST /v1/completions`` the worker honours (others ignored)."""
+    """The body of ``POST /v1/completions`` (strict types: ``"5"`` is not an integer)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    model: str | None = None
-    prompt: str
-    max_tokens: int = Field(default=16, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    model: str | None = Field(default=None, max_length=256)
+    prompt: str = Field(description="Text to complete; at least one character.")
+    max_tokens: int = Field(default=16, ge=1, le=MAX_TOKENS_LIMIT,
+                            description="Tokens to generate; prompt tokens + max_tokens must fit "
+                                        "the model's context (GET /v1/models max_model_len).")
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="0 is greedy.")
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stream: bool = False
+    n: int = Field(default=1, ge=1, le=1, description="Only 1 is supported.")
+    user: str | None = Field(default=None, max_length=256)
+    priority: Literal["interactive", "batch"] | None = Field(
+        default=None, description="Queue class while overload mode is on (default interactive).")
+
+
+@dataclass
+class WorkerSlot:
+    """What the app serves: ``worker`` stays None while the model loads."""
+
+    telemetry: Telemetry
+    model_name: str
+    max_len: int
+    worker: Worker | None = None
 
 
 def error_response(status: int, message: str, type_: str, code: str | None = None,
@@ -56,115 +84,187 @@ def error_response(status: int, message: str, type_: str, code: str | None = Non
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def create_app(worker: Worker, model_name: str) -> FastAPI:
-    """The FastAPI application serving ``worker``."""
-    app = FastAPI(title="moeguard worker", docs_url=None, redoc_url=None)
-    tel = worker.telemetry
-    max_len = worker.engine.args.max_seq_len
+def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
+    """``(message, param)`` of the first error: the field, the rule's limit and the given value."""
+    err = exc.errors()[0]
+    param = ".".join(str(p) for p in err["loc"]) or None
+    given = json.dumps(err.get("input"), default=repr)[:100]
+    if err["type"] == "extra_forbidden":
+        return f"unknown field {param!r} (given: {given}); see the OpenAPI document", param
+    limit = ", ".join(f"{k} {v}" for k, v in (err.get("ctx") or {}).items()
+                      if k in ("ge", "gt", "le", "lt", "min_length", "max_length", "expected"))
+    limit_text = f"; limit: {limit}" if limit else ""
+    return f"invalid field {param!r}: {err['msg']}{limit_text}; given: {given}", param
+
+
+_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+_COMPLETIONS_OPENAPI: dict[str, Any] = {
+    "requestBody": {"required": True, "content": {"application/json": {
+        "schema": CompletionRequest.model_json_schema()}}},
+    "responses": {str(code): {"description": why, "content": {"application/json": {
+        "schema": _ERROR_SCHEMA}}} for code, why in (
+        (400, "invalid request"), (413, "body too large"), (429, "overloaded"),
+        (500, "inference failed"), (503, "unavailable"))},
+}
+
+
+def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
+    """The FastAPI application serving ``slot.worker`` (once it is set)."""
+    app = FastAPI(title="moeguard worker", version="1", docs_url=None, redoc_url=None)
+    tel = slot.telemetry
+    max_len = slot.max_len
 
     def count(status: str, code: int) -> None:
         tel.requests.labels(**tel.l(status=status, code=str(code))).inc()
 
-    def invalid(message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-        count("invalid", 400)
-        return error_response(400, message, "invalid_request_error", code, param)
+    def invalid(message: str, param: str | None = None, code: str | None = None,
+                status: int = 400) -> JSONResponse:
+        count("invalid", status)
+        tel.rejections.labels(**tel.l(reason="invalid_request")).inc()
+        return error_response(status, message, "invalid_request_error", code, param)
 
-    @app.get("/healthz")
+    @app.get("/healthz", response_class=PlainTextResponse)
     async def healthz() -> Response:
-        ok = worker.alive
+        """Liveness: 200 while loading and while the engine loop runs."""
+        w = slot.worker
+        ok = w is None or w.alive
         return PlainTextResponse("ok" if ok else "engine loop stopped", status_code=200 if ok else 503)
 
-    @app.get("/readyz")
+    @app.get("/readyz", response_class=PlainTextResponse)
     async def readyz() -> Response:
-        if worker.ready:
+        """Readiness: 503 while the model loads, the loop is stopped or memory is above hard."""
+        w = slot.worker
+        if w is not None and w.ready:
             return PlainTextResponse("ready")
-        why = "engine loop stopped" if not worker.alive else "above the hard memory limit"
+        why = ("model is loading" if w is None else
+               "engine loop stopped" if not w.alive else "above the hard memory limit")
         return PlainTextResponse(why, status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(generate_latest(tel.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+        return {"object": "list", "data": [{"id": slot.model_name, "object": "model", "created": 0,
                                             "owned_by": "moeguard", "max_model_len": max_len}]}
 
-    @app.post("/v1/completions")
+    async def read_body(request: Request) -> bytes | None:
+        """The body, or None once it exceeds ``max_body_bytes`` (read no further)."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_body_bytes:
+            return None
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    @app.post("/v1/completions", openapi_extra=_COMPLETIONS_OPENAPI)
     async def completions(request: Request) -> Response:
-        raw = await request.body()
+        raw = await read_body(request)
+        if raw is None:
+            return invalid(f"request body is larger than {max_body_bytes} bytes "
+                           f"(MOEGUARD_MAX_BODY_BYTES)", code="body_too_large", status=413)
         try:
-            payload = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return invalid(f"request body is not valid UTF-8: {exc.reason} at byte {exc.start}")
+        try:
+            payload = json.loads(text)
+        except json.JSONDecodeError as exc:
             return invalid(f"request body is not valid JSON: {exc}")
         if not isinstance(payload, dict):
-            return invalid("request body must be a JSON object")
+            return invalid(f"request body must be a JSON object, given a {type(payload).__name__}")
         if "prompt" not in payload:
             return invalid("you must provide a prompt: the field 'prompt' is missing", "prompt")
         try:
             body = CompletionRequest.model_validate(payload)
         except ValidationError as exc:
-            err = exc.errors()[0]
-            param = ".".join(str(p) for p in err["loc"]) or None
-            return invalid(f"invalid field {param!r}: {err['msg']}", param)
+            message, param = describe_validation_error(exc)
+            return invalid(message, param)
+        if not body.prompt:
+            return invalid("invalid field 'prompt': the prompt must not be empty; given: \"\"",
+                           "prompt")
         prompt = tokenizer.encode(body.prompt)
         if len(prompt) + body.max_tokens > max_len:
             return invalid(f"inputs tokens + max_new_tokens must be <= {max_len}. Given: "
                            f"{len(prompt)} inputs tokens and {body.max_tokens} max_new_tokens",
                            "prompt", "context_length_exceeded")
-        req_id = f"cmpl-{uuid.uuid4().hex[:24]}"
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Event] = asyncio.Queue()
-
-        def sink(event: Event) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, event)
-
-        gen = GenerationRequest(req_id, prompt, body.max_tokens, body.temperature, body.seed)
-        try:
-            worker.submit(gen, sink)
-        except Rejected as rej:
-            status = REJECT_STATUS.get(rej.reason, 429)
-            tel.rejections.labels(**tel.l(reason=rej.reason)).inc()
-            count("rejected", status)
-            return error_response(status, rej.message, "overloaded_error" if status == 429
-                                  else "service_unavailable_error", rej.reason,
-                                  headers={"Retry-After": str(rej.retry_after_s)})
-        created = int(time.time())
-        model = body.model or model_name
-        if body.stream:
-            return StreamingResponse(_stream(worker, req_id, queue, created, model, len(prompt), count),
-                                     media_type="text/event-stream")
-        tokens: list[int] = []
-        next_poll = loop.time() + DISCONNECT_POLL_S
-        while True:
-            event = None
-            with contextlib.suppress(TimeoutError):
-                event = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
-            if loop.time() >= next_poll:  # tokens may arrive faster than the poll period
-                next_poll = loop.time() + DISCONNECT_POLL_S
-                if await request.is_disconnected():
-                    worker.cancel(req_id)
-                    count("cancelled", 499)
-                    return Response(status_code=499)
-            if event is None:
-                continue
-            if event.kind == "token":
-                tokens.append(event.token)
-                continue
-            if event.kind == "error":
-                count("error", event.status)
-                return error_response(event.status, event.message, "server_error", event.reason,
-                                      headers={"Retry-After": "1"} if event.status == 503 else None)
-            count("ok", 200)
-            return JSONResponse({
-                "id": req_id, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": 0, "text": tokenizer.decode(tokens), "logprobs": None,
-                             "finish_reason": event.finish_reason}],
-                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(tokens),
-                          "total_tokens": len(prompt) + len(tokens)},
-            })
+        priority = body.priority or request.headers.get("x-priority", "interactive").lower()
+        if priority not in ("interactive", "batch"):
+            return invalid(f"invalid header 'X-Priority': must be interactive or batch; "
+                           f"given: {priority!r}", "priority")
+        worker = slot.worker
+        if worker is None:
+            count("rejected", 503)
+            return error_response(503, "the model is loading", "service_unavailable_error",
+                                  "loading", headers={"Retry-After": "5"})
+        return await _serve(worker, body, prompt, priority, request, count)
 
     return app
+
+
+async def _serve(worker: Worker, body: CompletionRequest, prompt: list[int], priority: str,
+                 request: Request, count: Callable[[str, int], None]) -> Response:
+    tel = worker.telemetry
+    req_id = f"cmpl-{uuid.uuid4().hex[:24]}"
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Event] = asyncio.Queue()
+
+    def sink(event: Event) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, event)
+
+    gen = GenerationRequest(req_id, prompt, body.max_tokens, body.temperature, body.seed, priority)
+    try:
+        worker.submit(gen, sink)
+    except Rejected as rej:
+        tel.rejections.labels(**tel.l(reason=rej.reason)).inc()
+        count("rejected", rej.status)
+        return error_response(rej.status, rej.message, "overloaded_error" if rej.status == 429
+                              else "service_unavailable_error", rej.reason,
+                              headers={"Retry-After": str(rej.retry_after_s)})
+    created = int(time.time())
+    model = body.model or f"moeguard-{worker.settings.preset}"
+    if body.stream:
+        return StreamingResponse(_stream(worker, req_id, queue, created, model, len(prompt), count),
+                                 media_type="text/event-stream")
+    tokens: list[int] = []
+    next_poll = loop.time() + DISCONNECT_POLL_S
+    while True:
+        event = None
+        with contextlib.suppress(TimeoutError):
+            event = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+        if loop.time() >= next_poll:  # tokens may arrive faster than the poll period
+            next_poll = loop.time() + DISCONNECT_POLL_S
+            if await request.is_disconnected():
+                worker.cancel(req_id)
+                count("cancelled", 499)
+                return Response(status_code=499)
+        if event is None:
+            continue
+        if event.kind == "token":
+            tokens.append(event.token)
+            continue
+        if event.kind == "error":
+            count("error", event.status)
+            return error_response(event.status, event.message,
+                                  "service_unavailable_error" if event.status == 503
+                                  else "server_error", event.reason,
+                                  headers={"Retry-After": "1"} if event.status == 503 else None)
+        count("ok", 200)
+        return JSONResponse({
+            "id": req_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": tokenizer.decode(tokens), "logprobs": None,
+                         "finish_reason": event.finish_reason}],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(tokens),
+                      "total_tokens": len(prompt) + len(tokens)},
+        })
 
 
 async def _stream(worker: Worker, req_id: str, queue: asyncio.Queue[Event], created: int,

@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-import psutil
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -25,7 +24,9 @@ from prometheus_client.registry import Collector
 
 from moeguard_runtime import contract
 from moeguard_runtime.contract import Budgets
+from moeguard_runtime.leak import Growth
 from moeguard_runtime.moe import RoutingStats
+from moeguard_runtime.procmem import DeviceMemory, read_process_memory
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -41,41 +42,44 @@ def worker_labels(env: Mapping[str, str] | None = None) -> dict[str, str]:
     }
 
 
-def read_rss_split() -> tuple[int, int | None, int | None]:
-    """``(rss, anonymous, file)`` bytes of this process. RSS from psutil; the
-    split from ``/proc/self/status`` (``RssAnon``, ``RssFile``), None off Linux."""
-    rss = psutil.Process().memory_info().rss
-    anon = file = None
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    anon = int(line.split()[1]) * 1024
-                elif line.startswith("RssFile:"):
-                    file = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return rss, anon, file
+STAGES = ("queue", "prefill", "routing", "expert", "decode", "postprocess")
+"""Stages timed by ``moeguard_stage_duration_seconds``: ``queue`` per request
+(arrival to admission); ``prefill``/``decode`` the forward pass of a step that
+carries prefill (any) or only decode tokens, minus routing and expert time;
+``routing`` the router (gate, softmax, top-k) and ``expert`` the expert matmuls
+of all MoE layers; ``postprocess`` sampling and delivery to the clients."""
+BUDGET_NAMES = ("max_prefill_tokens", "max_decode_tokens", "max_batch_requests",
+                "max_concurrent_batches", "max_long_requests_per_batch", "max_queue_requests",
+                "queue_timeout_seconds")
 
 
 class _ProcessMemoryCollector(Collector):
-    """Reads process memory at scrape time."""
+    """Reads process memory at scrape time (:func:`procmem.read_process_memory`)."""
 
     def __init__(self, labels: dict[str, str]) -> None:
         self._labels = labels
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         names, values = list(self._labels), list(self._labels.values())
-        rss, anon, file = read_rss_split()
-        fam = GaugeMetricFamily(contract.METRIC_PROCESS_RSS_BYTES,
-                                "Resident set size of the worker process.", labels=names, unit="bytes")
-        fam.add_metric(values, rss)
-        yield fam
-        for kind, value in (("anonymous", anon), ("file", file)):
+        m = read_process_memory()
+        series: list[tuple[str, str, int | None, str]] = [
+            (contract.METRIC_PROCESS_RSS_BYTES, "Resident set size of the worker process.",
+             m.rss, "bytes"),
+            (contract.METRIC_PROCESS_RSS_ANONYMOUS_BYTES,
+             "Resident anonymous memory (/proc/self/status RssAnon).", m.rss_anonymous, "bytes"),
+            ("moeguard_process_resident_file_memory_bytes",
+             "Resident file-backed memory (/proc/self/status RssFile).", m.rss_file, "bytes"),
+            (contract.METRIC_PROCESS_MEMORY_MAPPINGS, "Memory mappings (/proc/self/maps lines).",
+             m.mappings, ""),
+            (contract.METRIC_PYTHON_ALLOCATED_BLOCKS,
+             "Python heap: live blocks of the object allocator (sys.getallocatedblocks).",
+             m.python_allocated_blocks, ""),
+            ("moeguard_malloc_in_use_bytes", "glibc malloc bytes in use (mallinfo2).",
+             m.malloc_in_use, "bytes"),
+        ]
+        for name, doc, value, unit in series:
             if value is not None:
-                fam = GaugeMetricFamily(f"moeguard_process_resident_{kind}_memory_bytes",
-                                        f"Resident {kind} memory of the worker process (/proc/self/status).",
-                                        labels=names, unit="bytes")
+                fam = GaugeMetricFamily(name, doc, labels=names, unit=unit)
                 fam.add_metric(values, value)
                 yield fam
 
@@ -103,11 +107,11 @@ class Telemetry:
                                   ["layer"])
         self.expert_tokens = Counter("moeguard_expert_tokens", "Token-slots routed to each expert.",
                                      [*base, "layer", "expert"], registry=r)
-        self.budget = {
-            name: gauge(f"moeguard_budget_{name}", f"Budget in effect: {name}.")
-            for name in ("max_prefill_tokens", "max_decode_tokens", "max_batch_requests",
-                         "max_concurrent_batches")
-        }
+        self.overflow = Counter("moeguard_expert_overflow_tokens",
+                                "Token-slots over expert capacity (dropped; 0 when dropless).",
+                                [*base, "layer"], registry=r)
+        self.budget = {name: gauge(f"moeguard_budget_{name}", f"Budget in effect: {name}.")
+                       for name in BUDGET_NAMES}
         self.budget_generation = gauge(contract.METRIC_BUDGET_GENERATION,
                                        "Generation of the budget document applied (-1: none yet).")
         self.budget_shrink = gauge("moeguard_budget_shrink_factor",
@@ -118,7 +122,7 @@ class Telemetry:
                                 [*base, "status", "code"], registry=r)
         self.rejections = Counter("moeguard_rejections", "Requests refused, by reason.",
                                   [*base, "reason"], registry=r)
-        self.queue_requests = gauge("moeguard_queue_requests", "Requests waiting in the queue.")
+        self.queue_requests = gauge(contract.METRIC_QUEUE_REQUESTS, "Requests waiting in the queue.")
         self.queue_tokens = gauge("moeguard_queue_tokens", "Prompt tokens waiting in the queue.")
         self.running_requests = gauge("moeguard_running_requests", "Requests in running batches.")
         self.ttft = Histogram("moeguard_time_to_first_token_seconds", "Arrival to first token.",
@@ -127,11 +131,45 @@ class Telemetry:
                              base, registry=r, buckets=LATENCY_BUCKETS, unit="seconds")
         self.step_seconds = Histogram("moeguard_step_duration_seconds", "Engine step wall time.",
                                       base, registry=r, buckets=LATENCY_BUCKETS, unit="seconds")
-        self.memory_usage = gauge("moeguard_memory_usage_bytes",
+        self.stage_seconds = Histogram("moeguard_stage_duration_seconds",
+                                       "Time per stage (queue per request; the others per step).",
+                                       [*base, "stage"], registry=r, buckets=LATENCY_BUCKETS,
+                                       unit="seconds")
+        self.memory_usage = gauge(contract.METRIC_MEMORY_USAGE_BYTES,
                                   "The figure compared with the soft/hard limits, by source "
                                   "(cgroup memory.current or process rss).", ["source"], unit="bytes")
-        self.memory_state = gauge("moeguard_memory_limit_state",
+        self.memory_cgroup_limit = gauge("moeguard_memory_cgroup_limit_bytes",
+                                         "The cgroup's own memory limit (memory.max), when limited.",
+                                         ["source"], unit="bytes")
+        self.memory_limit = gauge("moeguard_memory_limit_bytes",
+                                  "The worker's soft and hard limits, compared with "
+                                  "moeguard_memory_usage_bytes.", ["limit"], unit="bytes")
+        self.memory_state = gauge(contract.METRIC_MEMORY_LIMIT_STATE,
                                   "0 below the soft limit, 1 above soft, 2 above hard.")
+        self.gpu = {name: gauge(f"moeguard_gpu_memory_{name}_bytes", doc, unit="bytes")
+                    for name, doc in (
+                        ("allocated", "torch.cuda.memory_allocated (caching allocator only)."),
+                        ("reserved", "torch.cuda.memory_reserved (caching allocator only)."),
+                        ("fragmentation", "Reserved minus allocated: the allocator's cache."),
+                        ("used", "Device memory in use by everything (mem_get_info total - free)."),
+                        ("total", "Device memory (mem_get_info)."))}
+        self.pinned = gauge("moeguard_pinned_memory_bytes",
+                            "Pinned host memory (torch.cuda.host_memory_stats allocated_bytes).",
+                            unit="bytes")
+        self.growth = gauge(contract.METRIC_MEMORY_GROWTH_BYTES_PER_SECOND,
+                            "Least-squares slope over the worker's window, by part.", ["part"])
+        self.blocks_growth = gauge("moeguard_python_allocated_blocks_growth_per_second",
+                                   "Slope of the Python heap's live block count.")
+        self.mappings_growth = gauge("moeguard_process_memory_mappings_growth_per_second",
+                                     "Slope of the number of memory mappings.")
+        self.leak = gauge(contract.METRIC_MEMORY_LEAK_SUSPECTED,
+                          "1 when that part grows (native: anonymous RSS without the Python heap).",
+                          ["kind"])
+        self.overload = gauge(contract.METRIC_OVERLOAD_ACTIVE,
+                              "1 while overload mode is on, by who asked for it.", ["source"])
+        self.oom = Counter(contract.METRIC_OOM_ERRORS_TOTAL.removesuffix("_total"),
+                           "Batches failed by an out-of-memory error the worker survived.",
+                           [*base, "kind"], registry=r)
         r.register(_ProcessMemoryCollector(labels))
         self.budget_generation.labels(**labels).set(-1)
         self.budget_shrink.labels(**labels).set(1)
@@ -139,6 +177,10 @@ class Telemetry:
             self.batch_tokens.labels(**labels, phase=phase)
         for name in ("applied", "rejected", "ignored"):
             self.budget_updates.labels(**labels, result=name)
+        for kind in ("native", "python_heap"):
+            self.leak.labels(**labels, kind=kind).set(0)
+        for source in ("operator", "worker", "env"):
+            self.overload.labels(**labels, source=source).set(0)
 
     def l(self, **extra: str) -> dict[str, str]:  # noqa: E743 - short on purpose
         return {**self.labels, **extra}
@@ -158,9 +200,14 @@ class Telemetry:
             for expert, n in enumerate(stats.tokens_per_expert.tolist()):
                 if n:
                     self.expert_tokens.labels(**self.l(layer=str(layer), expert=str(expert))).inc(n)
+            if stats.overflow_tokens:
+                self.overflow.labels(**self.l(layer=str(layer))).inc(stats.overflow_tokens)
             if stats.routed_slots >= 4 * self.num_experts:
                 self.skew.labels(**self.l(layer=str(layer))).set(stats.expert_skew_ratio)
                 self.balancedness.labels(**self.l(layer=str(layer))).set(stats.balancedness)
+
+    def stage(self, stage: str, seconds: float) -> None:
+        self.stage_seconds.labels(**self.l(stage=stage)).observe(seconds)
 
     def set_budgets(self, budgets: Budgets, shrink_factor: float = 1.0) -> None:
         for name, g in self.budget.items():
@@ -171,6 +218,24 @@ class Telemetry:
         self.queue_requests.labels(**self.labels).set(requests)
         self.queue_tokens.labels(**self.labels).set(tokens)
         self.running_requests.labels(**self.labels).set(running)
+
+    def set_device(self, device: DeviceMemory) -> None:
+        for name, value in (("allocated", device.allocated), ("reserved", device.reserved),
+                            ("fragmentation", device.fragmentation), ("used", device.used),
+                            ("total", device.total)):
+            self.gpu[name].labels(**self.labels).set(value)
+        if device.pinned is not None:
+            self.pinned.labels(**self.labels).set(device.pinned)
+
+    def set_growth(self, growth: Growth, kind: str) -> None:
+        for part, value in (("rss", growth.rss_bytes), ("rss_anonymous", growth.rss_anonymous_bytes),
+                            ("rss_file", growth.rss_file_bytes),
+                            ("malloc_in_use", growth.malloc_in_use_bytes)):
+            self.growth.labels(**self.l(part=part)).set(value)
+        self.blocks_growth.labels(**self.labels).set(growth.python_allocated_blocks)
+        self.mappings_growth.labels(**self.labels).set(growth.mappings)
+        for k in ("native", "python_heap"):
+            self.leak.labels(**self.l(kind=k)).set(1 if kind == k else 0)
 
 
 class RateLimitedLog:
@@ -186,6 +251,11 @@ class RateLimitedLog:
         self._suppressed: dict[str, int] = {}
         self._lock = threading.Lock()
         self._log = logger if logger is not None else structlog.get_logger("moeguard.worker")
+
+    def allowed(self, event: str) -> bool:
+        """Whether ``event`` would be logged now (so costly fields are computed only then)."""
+        last = self._last.get(event)
+        return last is None or self._clock() - last >= self.interval_s
 
     def event(self, event: str, *, force: bool = False, **fields: Any) -> bool:
         """Log ``event`` with ``fields`` unless rate-limited; returns whether it was logged."""

@@ -49,7 +49,9 @@ class WorkerProcess:
 
 def start_worker_process(log_dir: Path, env: dict[str, str] | None = None,
                          timeout_s: float = 90.0) -> WorkerProcess:
-    """Start a worker with ``env`` added to a minimal environment; wait until /healthz answers (not /readyz: a test may start one above its hard limit)."""
+    """Start a worker with ``env`` added to a minimal environment; wait until its
+    model is loaded (/readyz is 200, or 503 for a reason other than loading: a
+    test may start one above its hard limit)."""
     port = free_port()
     full_env = {
         "PATH": os.environ.get("PATH", ""),
@@ -72,7 +74,8 @@ def start_worker_process(log_dir: Path, env: dict[str, str] | None = None,
         if proc.poll() is not None:
             raise RuntimeError(f"worker exited with {proc.returncode}:\n{worker.logs()}")
         try:
-            if httpx.get(f"{worker.base_url}/healthz", timeout=1).status_code == 200:
+            r = httpx.get(f"{worker.base_url}/readyz", timeout=1)
+            if r.status_code == 200 or r.text != "model is loading":
                 return worker
         except httpx.HTTPError:
             pass

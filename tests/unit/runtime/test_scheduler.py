@@ -3,7 +3,14 @@ from __future__ import annotations
 import pytest
 
 from moeguard_runtime.contract import Budgets
-from moeguard_runtime.scheduler import QueueLimits, Rejected, Scheduler, shrink
+from moeguard_runtime.scheduler import (
+    OverloadPolicy,
+    QueueLimits,
+    Rejected,
+    Scheduler,
+    prefill_batch_cap,
+    shrink,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -16,9 +23,11 @@ class FakeClock:
         return self.now
 
 
-def budgets(prefill: int = 100, decode: int = 4, batch: int = 4, batches: int = 1) -> Budgets:
-    return Budgets(max_prefill_tokens=prefill, max_decode_tokens=decode,
-                   max_batch_requests=batch, max_concurrent_batches=batches)
+def budgets(prefill: int = 100, decode: int = 4, batch: int = 4, batches: int = 1,
+            **more: float) -> Budgets:
+    return Budgets.model_validate({"max_prefill_tokens": prefill, "max_decode_tokens": decode,
+                                   "max_batch_requests": batch, "max_concurrent_batches": batches,
+                                   **more})
 
 
 def make(b: Budgets | None = None, **limits: float) -> tuple[Scheduler, FakeClock]:
@@ -88,7 +97,7 @@ def test_batch_request_cap_and_concurrent_batches_round_robin() -> None:
 
 
 def test_queue_bounds_and_concurrency_cap_reject_with_reason() -> None:
-    s, _ = make(max_queue_requests=2, max_queue_tokens=100, max_concurrent_requests=3)
+    s, _ = make(budgets(max_queue_requests=2), max_queue_tokens=100, max_concurrent_requests=3)
     s.submit("a", 60, 1)
     with pytest.raises(Rejected) as exc:
         s.submit("b", 50, 1)
@@ -106,7 +115,7 @@ def test_queue_bounds_and_concurrency_cap_reject_with_reason() -> None:
 
 
 def test_queue_timeout_with_fake_clock() -> None:
-    s, clock = make(budgets(prefill=10, batch=1), queue_timeout_s=5.0)
+    s, clock = make(budgets(prefill=10, batch=1, queue_timeout_seconds=5.0))
     s.submit("running", 5, 100)
     s.schedule()
     s.submit("w1", 5, 1)
@@ -153,3 +162,69 @@ def test_finish_is_idempotent_and_frees_queue_tokens() -> None:
     s.finish("a")
     assert s.queue_requests == 0 and s.queue_tokens == 0
     assert s.schedule().plan is None
+
+
+def test_long_request_cap_per_batch_holds_the_long_head_at_the_front() -> None:
+    s, _ = make(budgets(prefill=1000, batch=8, max_long_requests_per_batch=2),
+                long_request_threshold_tokens=100)
+    for i in range(3):
+        s.submit(f"long{i}", 150, 2)
+    s.submit("short", 10, 2)
+    plan = s.schedule().plan
+    assert plan is not None and plan.admitted == ("long0", "long1")  # long2 waits, short behind it
+    assert s.queue_requests == 2
+    s.finish("long0")
+    plan = s.schedule().plan
+    assert plan is not None and plan.admitted == ("long2", "short")
+
+
+def test_prefill_is_capped_more_strictly_than_decode() -> None:
+    b = budgets(prefill=50, batch=1, batches=3)
+    assert prefill_batch_cap(b) == 2 and prefill_batch_cap(budgets(batches=1)) == 1
+    s, _ = make(b)
+    for i in range(3):
+        s.submit(f"r{i}", 200, 2)  # each needs 4 chunks
+    p0 = s.schedule().plan
+    p1 = s.schedule().plan
+    p2 = s.schedule().plan
+    assert p0 is not None and p1 is not None and p2 is not None
+    assert p0.admitted == ("r0",) and p1.admitted == ("r1",)
+    assert p2.admitted == () and p2.batch == 0  # a third prefilling batch is not opened
+    assert s.queue_requests == 1 and len(s.batches) == 2
+
+
+def test_overload_mode_budgets_context_cap_and_priority() -> None:
+    s, _ = make(budgets(prefill=1000, decode=8, batch=1, batches=2))
+    s.submit("b1", 10, 5, priority="batch")
+    s.submit("i1", 10, 5, priority="interactive")
+    s.set_overload(True, OverloadPolicy(max_context_tokens=64))
+    with pytest.raises(Rejected) as exc:
+        s.submit("big", 60, 10)
+    assert exc.value.status == 503 and exc.value.reason == "overload_context_limit"
+    assert "must be <= 64 tokens (given 60 + 10 = 70)" in exc.value.message
+    plan = s.schedule().plan
+    assert plan is not None and plan.admitted == ("i1",)  # interactive first, though it came second
+    assert s.budgets.max_concurrent_batches == 1 and s.budgets.max_decode_tokens == 4
+    s.set_overload(False)
+    s.schedule()
+    assert s.budgets == budgets(prefill=1000, decode=8, batch=1, batches=2)
+    s.submit("big", 60, 10)  # accepted again
+
+
+def test_fifo_without_overload_whatever_the_priority() -> None:
+    s, _ = make(budgets(prefill=1000, batch=1))
+    s.submit("b1", 10, 5, priority="batch")
+    s.submit("i1", 10, 5)
+    plan = s.schedule().plan
+    assert plan is not None and plan.admitted == ("b1",)
+
+
+def test_queue_length_and_timeout_follow_budget_updates() -> None:
+    s, clock = make(budgets(prefill=10, batch=1, max_queue_requests=1, queue_timeout_seconds=100))
+    s.submit("running", 5, 100)
+    s.schedule()
+    s.submit("w1", 5, 1)
+    s.set_budgets(budgets(prefill=10, batch=1, max_queue_requests=3, queue_timeout_seconds=2))
+    s.submit("w2", 5, 1)  # the new queue length counts at once
+    clock.now += 2.5
+    assert sorted(s.schedule().expired) == ["w1", "w2"]

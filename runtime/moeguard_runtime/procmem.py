@@ -1,0 +1,131 @@
+"""Process and device memory figures, read cheaply enough to sample every second.
+
+Sources (Linux; each reader returns None where its source is missing, and the
+metric is then absent rather than 0):
+
+* RSS split: ``/proc/self/status`` ``RssAnon`` (anonymous: heap, mmaps, torch
+  CPU tensors) and ``RssFile`` (file-backed: shared libraries, mmapped weights).
+* Memory mappings: lines of ``/proc/self/maps`` (a native leak that maps
+  regions, e.g. UCX's unreleased registration cache, changes it steadily).
+* Python heap: ``sys.getallocatedblocks()``, the number of memory blocks the
+  interpreter's object allocator has handed out and not freed (every live
+  Python object, whatever its size). It is a count, not bytes: pymalloc does
+  not report bytes in use without tracemalloc, whose per-allocation cost is too
+  high for serving. A Python-heap leak grows it; an mmap leak does not.
+* malloc in use: glibc ``mallinfo2()`` ``uordblks + hblkhd`` (bytes handed out
+  by malloc, including torch's CPU tensors and large Python objects).
+* GPU: ``torch.cuda.memory_allocated`` / ``memory_reserved`` (torch's caching
+  allocator only), ``mem_get_info`` (the whole device: context and other
+  processes included), pinned host memory from ``torch.cuda.host_memory_stats``
+  (torch >= 2.5). No CUDA: all None.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ProcessMemory:
+    """One sample; bytes unless named otherwise."""
+
+    rss: int
+    rss_anonymous: int | None
+    rss_file: int | None
+    mappings: int | None
+    python_allocated_blocks: int
+    malloc_in_use: int | None
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """GPU figures in bytes (device 0)."""
+
+    allocated: int
+    reserved: int
+    used: int
+    """Device memory in use by everything (total - free, from mem_get_info)."""
+    total: int
+    pinned: int | None
+
+    @property
+    def fragmentation(self) -> int:
+        """Reserved minus allocated: the caching allocator's cache, fragmentation included."""
+        return self.reserved - self.allocated
+
+
+def _status_kib(field: str, text: str) -> int | None:
+    for line in text.splitlines():
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def read_process_memory() -> ProcessMemory:
+    """Sample this process's memory (about 0.1 ms plus one line per mapping)."""
+    try:
+        with open("/proc/self/status") as f:
+            status = f.read()
+    except OSError:
+        status = ""
+    rss = _status_kib("VmRSS:", status)
+    if rss is None:
+        import psutil
+
+        rss = psutil.Process().memory_info().rss
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            mappings: int | None = f.read().count(b"\n")
+    except OSError:
+        mappings = None
+    return ProcessMemory(rss, _status_kib("RssAnon:", status), _status_kib("RssFile:", status),
+                         mappings, sys.getallocatedblocks(), malloc_in_use())
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+@cache
+def _mallinfo2() -> Any:
+    name = ctypes.util.find_library("c")
+    try:
+        fn = ctypes.CDLL(name).mallinfo2
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.restype = _MallInfo2
+    return fn
+
+
+def malloc_in_use() -> int | None:
+    """glibc malloc bytes in use (``uordblks + hblkhd``), None off glibc >= 2.33."""
+    fn = _mallinfo2()
+    if fn is None:
+        return None
+    info = fn()
+    return int(info.uordblks + info.hblkhd)
+
+
+def read_device_memory() -> DeviceMemory | None:
+    """GPU figures, or None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    pinned = None
+    stats_fn = getattr(torch.cuda, "host_memory_stats", None)
+    if stats_fn is not None:
+        try:
+            pinned = int(stats_fn().get("allocated_bytes.current", 0))
+        except RuntimeError:
+            pinned = None
+    return DeviceMemory(int(torch.cuda.memory_allocated()), int(torch.cuda.memory_reserved()),
+                        int(total - free), int(total), pinned)
