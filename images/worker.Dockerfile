@@ -1,0 +1,55 @@
+# syntax=docker/dockerfile:1.7
+# The moeguard worker (torch MoE inference server), in two variants from one file:
+#   docker build -f images/worker.Dockerfile --build-arg VARIANT=cpu  -t ghcr.io/moeguard/worker:0.1.0-cpu .
+#   docker build -f images/worker.Dockerfile --build-arg VARIANT=cuda -t ghcr.io/moeguard/worker:0.1.0-cuda .
+# cpu installs torch from PyTorch's CPU wheel index (no CUDA libraries, ~1 GB smaller); cuda installs the
+# PyPI torch of requirements.txt, whose CUDA libraries come as nvidia-* wheels, so the base needs no CUDA
+# toolkit: the driver is mounted by the NVIDIA container toolkit on the GPU node.
+# The base is pinned by exact tag; pin it by digest in your registry mirror for reproducible builds.
+ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+ARG VARIANT=cpu
+ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+RUN python -m venv /opt/venv
+COPY requirements.txt ./
+# The worker's dependencies at the pins of requirements.txt; test and bench tools are left out.
+RUN set -eu; \
+    grep -vE '^(pytest|pytest-asyncio|pytest-timeout|hypothesis|schemathesis|ruff|mypy|matplotlib|kopf)==' \
+      requirements.txt > worker-requirements.txt; \
+    if [ "$VARIANT" = "cpu" ]; then \
+      torch_pin=$(grep -E '^torch==' worker-requirements.txt); \
+      grep -vE '^(torch|nvidia-[a-z0-9-]+|triton|cuda-[a-z0-9-]+)==' worker-requirements.txt > cpu.txt; \
+      /opt/venv/bin/pip install --index-url "$TORCH_CPU_INDEX" "${torch_pin}+cpu"; \
+      /opt/venv/bin/pip install --no-deps -r cpu.txt; \
+    elif [ "$VARIANT" = "cuda" ]; then \
+      /opt/venv/bin/pip install --no-deps -r worker-requirements.txt; \
+    else \
+      echo "VARIANT must be cpu or cuda, not $VARIANT" >&2; exit 1; \
+    fi
+COPY runtime/moeguard_runtime/ /opt/app/moeguard_runtime/
+RUN /opt/venv/bin/python -m compileall -q /opt/app
+
+# --- final: no compilers, no pip cache, non-root -------------------------------------------------
+FROM ${PYTHON_IMAGE}
+ARG VARIANT=cpu
+LABEL org.opencontainers.image.title="moeguard-worker" \
+      org.opencontainers.image.source="https://github.com/moeguard/moeguard" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      dev.moeguard.variant="${VARIANT}"
+COPY --from=build /opt/venv /opt/venv
+COPY --from=build /opt/app /opt/app
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONPATH=/opt/app \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility \
+    MOEGUARD_PORT=8000
+WORKDIR /opt/app
+USER 65532:65532
+EXPOSE 8000
+# The operator sets the command (python -m moeguard_runtime) and the whole configuration as env.
+ENTRYPOINT ["python", "-m", "moeguard_runtime"]
