@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
 from hack.stack import ROOT
 
 sys.path.insert(0, str(ROOT / "tests" / "unit" / "delivery"))
-from test_delivery_gitops_schema import KNOWN_BY_API_SERVER, chart_values  # noqa: E402
+from test_delivery_gitops_schema import KNOWN_BY_API_SERVER, chart_values
 
 MANAGER = "gitops-test"
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gitops_schemas import SCHEMAS  # noqa: E402
+from gitops_schemas import SCHEMAS
 
 pytestmark = pytest.mark.unit
 
