@@ -91,7 +91,7 @@ def script(name: str, *args: str, run_dir: Path = RUN_DIR) -> None:
 
 def apply_crds(run_dir: Path = RUN_DIR) -> None:
     """Server-side apply ``crds/`` and wait until the CRD is Established."""
-    kubectl("apply", "--server-side", "--field-manager=moeguard-install", "-f", str(ROOT / "crds"), run_dir=run_dir)
+    kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=moeguard-install", "-f", str(ROOT / "crds"), run_dir=run_dir)
     kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{CRD_NAME}", run_dir=run_dir)
 
 

@@ -8,6 +8,7 @@ style). Each child carries an owner reference to the MoEInferenceService and the
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,10 @@ from moeguard_runtime import contract as k
 from moeguard_runtime.contract import BudgetDocument
 
 Manifest = dict[str, Any]
+
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+"""Node label set by NVIDIA GPU feature discovery."""
+RESTARTED_AT_ANNOTATION = "moeguard.dev/restartedAt"
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,21 @@ def worker_name(owner: Owner) -> str:
     return f"{owner.name}-worker"
 
 
+def ucx_env(spec: MoEInferenceServiceSpec) -> dict[str, str]:
+    """UCX variables for ``spec.ucx.mode`` (see :class:`~moeguard_operator.models.UcxSpec`), then extraEnv."""
+    env: dict[str, str] = {}
+    if spec.ucx.mode == "none":
+        env[k.UCX_MEM_MMAP_HOOK_MODE] = "none"
+    if spec.ucx.mode in ("none", "rcache"):
+        env[k.UCX_RCACHE_MAX_UNRELEASED] = str(spec.ucx.rcache_max_unreleased)
+    env.update(spec.ucx.extra_env)
+    return env
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
 def worker_env(owner: Owner, spec: MoEInferenceServiceSpec) -> list[dict[str, Any]]:
     """The worker container's environment (the contract's ``ENV_*`` names).
 
@@ -83,38 +103,57 @@ def worker_env(owner: Owner, spec: MoEInferenceServiceSpec) -> list[dict[str, An
         k.ENV_MODEL_PRESET: spec.model.preset,
         k.ENV_SOFT_LIMIT_BYTES: str(spec.resources.soft_limit_bytes),
         k.ENV_HARD_LIMIT_BYTES: str(spec.resources.hard_limit_bytes),
+        k.ENV_GPU_SOFT_FRACTION: _number(spec.resources.gpu_soft_fraction),
+        k.ENV_GPU_HARD_FRACTION: _number(spec.resources.gpu_hard_fraction),
         k.ENV_BUDGET_CONFIGMAP: k.budget_configmap_name(owner.name),
         k.ENV_MAX_PREFILL_TOKENS: str(b.max_prefill_tokens),
         k.ENV_MAX_DECODE_TOKENS: str(b.max_decode_tokens),
         k.ENV_MAX_BATCH_REQUESTS: str(b.max_batch_requests),
+        k.ENV_MAX_LONG_REQUESTS_PER_BATCH: str(b.max_long_requests_per_batch),
+        k.ENV_LONG_REQUEST_THRESHOLD_TOKENS: str(b.long_request_threshold_tokens),
         k.ENV_MAX_CONCURRENT_BATCHES: str(b.max_concurrent_batches),
+        k.ENV_MAX_QUEUE_REQUESTS: str(b.max_queue_requests),
+        k.ENV_QUEUE_TIMEOUT_SECONDS: _number(b.queue_timeout_seconds),
+        k.ENV_MAX_CONCURRENT_REQUESTS: str(b.max_concurrent_requests),
+        k.ENV_OVERLOAD_MODE: spec.overload.mode,
         k.ENV_PORT: str(k.WORKER_PORT),
-        k.UCX_MEM_MMAP_HOOK_MODE: spec.ucx.mmap_hook_mode,
-        k.UCX_RCACHE_MAX_UNRELEASED: spec.ucx.rcache_max_unreleased,
     }
+    if spec.model.checkpoint_path:
+        plain[k.ENV_CHECKPOINT_PATH] = spec.model.checkpoint_path
+    overrides = spec.model.overrides.model_dump(exclude_none=True)
+    if overrides:
+        plain[k.ENV_MODEL_OVERRIDES] = json.dumps(overrides, sort_keys=True)
+    plain.update(ucx_env(spec))
     env: list[dict[str, Any]] = [
         {"name": k.ENV_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": k.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
     ]
     env += [{"name": name, "value": value} for name, value in plain.items()]
+    env += [{"name": e.name, "value": e.value} for e in spec.template.extra_env]
     return env
 
 
 def build_deployment(owner: Owner, spec: MoEInferenceServiceSpec) -> Manifest:
-    """The worker Deployment: GPU limit, memory limit = ``hardLimit``, restricted pod security."""
-    memory = spec.resources.hard_limit
-    limits: dict[str, str] = {"memory": memory}
-    if spec.resources.gpus:
-        limits["nvidia.com/gpu"] = str(spec.resources.gpus)
+    """The worker Deployment: GPU limit, memory limit = ``hardLimit``, restricted pod security.
+
+    A change of the spec changes the pod template and so rolls the workers; budget
+    changes do not (they travel through the ConfigMap).
+    """
+    res = spec.resources
+    limits: dict[str, str] = {"memory": res.hard_limit, "cpu": res.cpu}
+    if res.gpus:
+        limits[res.gpu_resource_name] = str(res.gpus)
     probe = {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10, "failureThreshold": 3}
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}]
+    mounts += [m.model_dump(by_alias=True, exclude_none=True) for m in spec.template.volume_mounts]
     container = {
         "name": "worker",
         "image": spec.image,
-        "imagePullPolicy": "IfNotPresent",
+        "imagePullPolicy": spec.image_pull_policy,
         "command": ["python", "-m", "moeguard_runtime"],
         "ports": [{"name": "http", "containerPort": k.WORKER_PORT, "protocol": "TCP"}],
         "env": worker_env(owner, spec),
-        "resources": {"limits": limits, "requests": {"memory": memory, "cpu": "1"}},
+        "resources": {"limits": limits, "requests": {"memory": res.hard_limit, "cpu": res.cpu}},
         "livenessProbe": probe,
         "readinessProbe": {**probe, "httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5},
         "startupProbe": {**probe, "failureThreshold": 60, "periodSeconds": 5},
@@ -125,8 +164,35 @@ def build_deployment(owner: Owner, spec: MoEInferenceServiceSpec) -> Manifest:
             "capabilities": {"drop": ["ALL"]},
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "volumeMounts": mounts,
     }
+    node_selector = dict(spec.template.node_selector)
+    if res.gpu_product:
+        node_selector[GPU_PRODUCT_LABEL] = res.gpu_product
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": worker_name(owner),
+        "automountServiceAccountToken": True,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 65532,
+            "runAsGroup": 65532,
+            "fsGroup": 65532,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}, *spec.template.volumes],
+    }
+    if node_selector:
+        pod_spec["nodeSelector"] = node_selector
+    if spec.template.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.template.tolerations]
+    if spec.template.affinity:
+        pod_spec["affinity"] = spec.template.affinity
+    if spec.template.priority_class_name:
+        pod_spec["priorityClassName"] = spec.template.priority_class_name
+    template_meta: dict[str, Any] = {"labels": labels(owner)}
+    if spec.template.annotations:
+        template_meta["annotations"] = dict(spec.template.annotations)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -134,24 +200,37 @@ def build_deployment(owner: Owner, spec: MoEInferenceServiceSpec) -> Manifest:
         "spec": {
             "replicas": spec.replicas,
             "selector": {"matchLabels": selector_labels(owner)},
-            "template": {
-                "metadata": {"labels": labels(owner)},
-                "spec": {
-                    "serviceAccountName": worker_name(owner),
-                    "automountServiceAccountToken": True,
-                    "securityContext": {
-                        "runAsNonRoot": True,
-                        "runAsUser": 65532,
-                        "runAsGroup": 65532,
-                        "fsGroup": 65532,
-                        "seccompProfile": {"type": "RuntimeDefault"},
-                    },
-                    "containers": [container],
-                    "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}],
-                },
-            },
+            "template": {"metadata": template_meta, "spec": pod_spec},
         },
     }
+
+
+def build_pod_disruption_budget(owner: Owner) -> Manifest:
+    """At most one worker pod down at a time through voluntary disruptions (drains)."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(owner, worker_name(owner)),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(owner)}},
+    }
+
+
+def build_pod_monitor(owner: Owner) -> Manifest:
+    """A prometheus-operator PodMonitor for the workers' ``/metrics`` (apply only when its CRD exists)."""
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": _metadata(owner, worker_name(owner)),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(owner)},
+            "podMetricsEndpoints": [{"port": "http", "path": "/metrics", "interval": "5s", "honorLabels": True}],
+        },
+    }
+
+
+def restart_patch(now_iso: str) -> Manifest:
+    """The pod-template annotation that makes the Deployment roll its pods (as ``kubectl rollout restart``)."""
+    return {"spec": {"template": {"metadata": {"annotations": {RESTARTED_AT_ANNOTATION: now_iso}}}}}
 
 
 def build_service(owner: Owner) -> Manifest:
@@ -213,11 +292,13 @@ def build_role_binding(owner: Owner) -> Manifest:
 
 
 def build_children(owner: Owner, spec: MoEInferenceServiceSpec) -> list[Manifest]:
-    """Every child except the budget ConfigMap, in apply order (RBAC before the pods that use it)."""
+    """Every child except the budget ConfigMap and the optional PodMonitor, in apply order
+    (RBAC before the pods that use it)."""
     return [
         build_service_account(owner),
         build_role(owner),
         build_role_binding(owner),
         build_service(owner),
         build_deployment(owner, spec),
+        build_pod_disruption_budget(owner),
     ]

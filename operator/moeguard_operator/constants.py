@@ -30,3 +30,5 @@ CONDITION_BUDGET_TIGHTENED = "BudgetTightened"
 
 PROMETHEUS_URL_ENV = "MOEGUARD_PROMETHEUS_URL"
 """Default Prometheus URL of the operator, when a resource's spec names none."""
+CONDITION_OVERLOADED = "Overloaded"
+CONDITION_MEMORY_LEAK_SUSPECTED = "MemoryLeakSuspected"

@@ -33,6 +33,9 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
      "description": "maxPrefillTokens in effect"},
     {"name": "Skew", "type": "number", "jsonPath": ".status.observed.skewRatio",
      "description": "highest expert skew ratio seen"},
+    {"name": "RSS %", "type": "integer", "jsonPath": ".status.observed.memoryPercent",
+     "description": "highest memory in use / hardLimit among the pods"},
+    {"name": "Overload", "type": "string", "jsonPath": ".status.overloadMode"},
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.preset", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
@@ -62,6 +65,10 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     node.pop("title", None)
     if node.get("additionalProperties") is False:
         del node["additionalProperties"]
+    if node.get("type") == "object" and "properties" not in node and node.get("additionalProperties") in (True, {}, None):
+        # free-form objects (affinity, volumes): kept as written, not pruned
+        node.pop("additionalProperties", None)
+        node["x-kubernetes-preserve-unknown-fields"] = True
     if "const" in node:
         node["enum"] = [node.pop("const")]
         node.setdefault("type", "string")
@@ -110,7 +117,7 @@ def structural_schema(model: type[Any]) -> dict[str, Any]:
     """The structural OpenAPI v3 schema of a pydantic model class."""
     raw = model.model_json_schema(by_alias=True, mode="validation")
     defs = raw.pop("$defs", {})
-    return _structural(raw, defs)  # type: ignore[no-any-return]
+    return _structural(raw, defs)
 
 
 def build_crd() -> dict[str, Any]:

@@ -12,18 +12,27 @@ from __future__ import annotations
 import logging
 import os
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 import kopf
 from pydantic import ValidationError
 
 from moeguard_operator import constants as c
-from moeguard_operator import kube
-from moeguard_operator.builders import Owner, build_budget_configmap, build_children, selector_string
-from moeguard_operator.conditions import get_condition, set_condition
+from moeguard_operator import kube, metrics
+from moeguard_operator.builders import (
+    Owner,
+    build_budget_configmap,
+    build_children,
+    build_pod_monitor,
+    restart_patch,
+    selector_string,
+    worker_name,
+)
+from moeguard_operator.conditions import Status, get_condition, set_condition
 from moeguard_operator.models import MoEInferenceServiceSpec
 from moeguard_operator.observe import observe
-from moeguard_operator.policy import Observation, decide, initial_budgets
+from moeguard_operator.podstate import PodFacts, pod_facts
+from moeguard_operator.policy import LoopState, Observation, ceilings, decide, initial_budgets
 from moeguard_runtime.contract import (
     API_GROUP,
     API_VERSION,
@@ -40,6 +49,8 @@ TIMER_INTERVAL_SECONDS = float(os.environ.get("MOEGUARD_TIMER_INTERVAL_SECONDS",
 """How often each resource's timer runs (readiness; Prometheus only every queryIntervalSeconds)."""
 
 RESOURCE = (API_GROUP, API_VERSION, PLURAL)
+Logger = logging.Logger | logging.LoggerAdapter[Any]
+PODMONITOR_CRD = "podmonitors.monitoring.coreos.com"
 
 
 def _now() -> datetime:
@@ -90,6 +101,28 @@ def _budgets(status: Any, key: str) -> Budgets | None:
     return Budgets.model_validate(dict(raw)) if raw else None
 
 
+def _time(value: Any) -> datetime | None:
+    return datetime.fromisoformat(value) if value else None
+
+
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
+def overload_context_cap(spec: MoEInferenceServiceSpec) -> int:
+    """Prompt + max_tokens refused while overload is on: the spec's, else half the model's context."""
+    if spec.overload.max_context_tokens:
+        return spec.overload.max_context_tokens
+    max_seq = spec.model.overrides.max_seq_len or get_preset(spec.model.preset).max_seq_len
+    return max(1, max_seq // 2)
+
+
+def _document(spec: MoEInferenceServiceSpec, budgets: Budgets, overload: Literal["On", "Off"], generation: int, reason: str,
+              now: datetime) -> BudgetDocument:
+    return BudgetDocument(generation=generation, budgets=budgets, overload_mode=overload,
+                          overload_max_context_tokens=overload_context_cap(spec), reason=reason[:1024], updated_at=now)
+
+
 @kopf.on.resume(*RESOURCE)
 @kopf.on.create(*RESOURCE)
 @kopf.on.update(*RESOURCE)
@@ -99,13 +132,14 @@ def reconcile(
     status: kopf.Status,
     meta: kopf.Meta,
     name: str,
-    namespace: str,
+    namespace: str | None,
     uid: str,
     patch: kopf.Patch,
-    logger: logging.Logger,
+    logger: Logger,
     **_: Any,
 ) -> None:
     """Apply every child and the budget ConfigMap; record what was applied in status."""
+    assert namespace is not None, "MoEInferenceService is namespaced"
     now = _now()
     generation = meta.get("generation")
     conditions = list(status.get("conditions") or [])
@@ -119,22 +153,31 @@ def reconcile(
         patch.status["conditions"] = conditions
         patch.status["observedGeneration"] = generation
         kopf.warn(body, reason=exc.reason, message=message)
+        metrics.RECONCILIATIONS.labels(namespace, name, "invalid").inc()
         raise kopf.PermanentError(message) from None
 
     owner = Owner(name=name, namespace=namespace, uid=uid)
     for manifest in build_children(owner, parsed):
         kube.apply(manifest)
+    if kube.crd_exists(PODMONITOR_CRD):
+        kube.apply(build_pod_monitor(owner))
 
     # Budgets: keep those in effect unless the spec's initial budgets changed.
     initial = initial_budgets(parsed.batching)
     budgets = _budgets(status, "budgets")
     budget_generation = int(status.get("budgetGeneration") or 0)
+    overload: Literal["On", "Off"] = "On" if status.get("overloadMode") == "On" else "Off"
+    if parsed.overload.mode != "Auto":
+        overload = parsed.overload.mode
     reason = "in effect"
     if budgets is None or _budgets(status, "initialBudgets") != initial:
         reason = "initial budgets from spec" if budgets is None else "spec.batching changed"
         budgets = initial
         budget_generation += 1
-    _ensure_budget_configmap(owner, budgets, budget_generation, reason, now)
+    elif overload != status.get("overloadMode"):
+        reason = f"overload.mode {parsed.overload.mode}"
+        budget_generation += 1
+    _ensure_budget_configmap(owner, _document(parsed, budgets, overload, budget_generation, reason, now))
 
     conditions = set_condition(conditions, c.CONDITION_STALLED, "False", "Reconciled", "", now, generation)
     ready = get_condition(conditions, c.CONDITION_READY)
@@ -149,24 +192,28 @@ def reconcile(
         "budgets": budgets.model_dump(by_alias=True),
         "initialBudgets": initial.model_dump(by_alias=True),
         "budgetGeneration": budget_generation,
+        "overloadMode": overload,
         "replicas": parsed.replicas,
         "selector": selector_string(owner),
     })
-    kopf.info(body, reason="Reconciled", message=f"applied worker Deployment, Service, RBAC and budget ConfigMap (budget generation {budget_generation})")
+    metrics.RECONCILIATIONS.labels(namespace, name, "applied").inc()
+    metrics.PREFILL_BUDGET.labels(namespace, name).set(budgets.max_prefill_tokens)
+    kopf.info(body, reason="Reconciled",
+              message=f"applied worker Deployment, Service, PDB, RBAC and budget ConfigMap (budget generation {budget_generation})")
     logger.info("reconciled %s/%s generation %s", namespace, name, generation)
 
 
-def _ensure_budget_configmap(owner: Owner, budgets: Budgets, generation: int, reason: str, now: datetime) -> None:
-    """Apply the budget ConfigMap unless it already holds this generation and these budgets."""
+def _ensure_budget_configmap(owner: Owner, document: BudgetDocument) -> None:
+    """Apply the budget ConfigMap unless it already holds this generation, budgets and overload mode."""
     data = kube.read_configmap_data(owner.namespace, budget_configmap_name(owner.name))
     if data is not None:
         try:
             current = parse_budget_configmap_data(data)
-            if current.generation == generation and current.budgets == budgets:
+            if (current.generation, current.budgets, current.overload_mode) == (
+                    document.generation, document.budgets, document.overload_mode):
                 return
         except BudgetDocumentError:
             pass  # replaced below by a valid document
-    document = BudgetDocument(generation=generation, budgets=budgets, reason=reason, updated_at=now)
     kube.apply(build_budget_configmap(owner, document))
 
 
@@ -177,14 +224,15 @@ def control_loop(
     status: kopf.Status,
     meta: kopf.Meta,
     name: str,
-    namespace: str,
+    namespace: str | None,
     uid: str,
     patch: kopf.Patch,
-    memo: kopf.Memo,
-    logger: logging.Logger,
+    memo: Any,
+    logger: Logger,
     **_: Any,
 ) -> None:
-    """Readiness every tick; one look at Prometheus and one policy decision per query interval."""
+    """Every tick: readiness and OOM kills. Every query interval (or at once on an OOM kill): one look
+    at Prometheus, one policy decision, and the actions it asks for."""
     try:
         parsed = parse_spec(spec)
     except SpecError:
@@ -192,30 +240,37 @@ def control_loop(
     budgets = _budgets(status, "budgets")
     if budgets is None or status.get("observedGeneration") != meta.get("generation"):
         return  # reconcile has not finished this generation yet
+    assert namespace is not None, "MoEInferenceService is namespaced"
     now = _now()
     generation = meta.get("generation")
     conditions = list(status.get("conditions") or [])
     owner = Owner(name=name, namespace=namespace, uid=uid)
 
-    dep = kube.read_deployment_status(namespace, f"{name}-worker") or {}
+    dep = kube.read_deployment_status(namespace, worker_name(owner)) or {}
     ready = int(dep.get("readyReplicas") or 0)
-    if ready >= parsed.replicas:
-        conditions = set_condition(conditions, c.CONDITION_READY, "True", "AllReplicasReady",
-                                   f"{ready}/{parsed.replicas} worker pods ready", now, generation)
-        conditions = set_condition(conditions, c.CONDITION_RECONCILING, "False", "AllReplicasReady", "", now, generation)
-    else:
-        conditions = set_condition(conditions, c.CONDITION_READY, "False", "WaitingForReplicas",
-                                   f"{ready}/{parsed.replicas} worker pods ready", now, generation)
-        conditions = set_condition(conditions, c.CONDITION_RECONCILING, "True", "WaitingForReplicas",
-                                   f"{ready}/{parsed.replicas} worker pods ready", now, generation)
+    state: Status = "True" if ready >= parsed.replicas else "False"
+    why = "AllReplicasReady" if state == "True" else "WaitingForReplicas"
+    conditions = set_condition(conditions, c.CONDITION_READY, state, why,
+                               f"{ready}/{parsed.replicas} worker pods ready", now, generation)
+    conditions = set_condition(conditions, c.CONDITION_RECONCILING, "False" if state == "True" else "True", why,
+                               f"{ready}/{parsed.replicas} worker pods ready", now, generation)
     patch.status["readyReplicas"] = ready
     patch.status["replicas"] = parsed.replicas
 
-    last_query: datetime | None = getattr(memo, "last_query", None)
-    if last_query is None or (now - last_query).total_seconds() >= parsed.control.query_interval_seconds:
-        memo.last_query = now
-        conditions = _outer_loop(body, parsed, status, owner, conditions, patch, now, generation, logger)
+    loop = dict(status.get("control") or {})
+    facts = pod_facts(kube.list_pods(namespace, selector_string(owner)))
+    oom_since = _time(loop.get("oomCheckedTime"))
+    new_ooms = facts.oom_kills_after(oom_since) if oom_since is not None else 0
+    if oom_since is None or new_ooms:
+        loop["oomCheckedTime"] = _iso(max(t for t in (now, facts.latest_oom()) if t is not None))
+    last_look: datetime | None = getattr(memo, "last_look", None)
+    due = last_look is None or (now - last_look).total_seconds() >= parsed.control.query_interval_seconds
+    if due or new_ooms:
+        memo.last_look = now
+        conditions = _outer_loop(body, parsed, status, owner, conditions, loop, facts, new_ooms, patch, now,
+                                 generation, logger)
     patch.status["conditions"] = conditions
+    patch.status["control"] = loop
 
 
 def _outer_loop(
@@ -224,49 +279,125 @@ def _outer_loop(
     status: kopf.Status,
     owner: Owner,
     conditions: list[dict[str, Any]],
+    loop: dict[str, Any],
+    facts: PodFacts,
+    new_ooms: int,
     patch: kopf.Patch,
     now: datetime,
     generation: int | None,
-    logger: logging.Logger,
+    logger: Logger,
 ) -> list[dict[str, Any]]:
+    """One look, one decision, its actions; returns the updated conditions (``loop`` is updated in place)."""
+    ns, name = owner.namespace, owner.name
     url = parsed.control.prometheus_url or os.environ.get(c.PROMETHEUS_URL_ENV)
-    if not url:
-        observation = Observation(time=now, skew_ratio=None, error="no Prometheus URL configured")
+    if url:
+        obs = observe(url, ns, name, hard_limit_bytes=parsed.resources.hard_limit_bytes,
+                      window_seconds=parsed.control.window_seconds,
+                      leak_window_seconds=parsed.control.leak_window_seconds,
+                      expected_pods=facts.running, new_oom_kills=new_ooms, now=now)
     else:
-        observation = observe(url, owner.namespace, owner.name, parsed.control.skew_window_seconds, now)
-    was_available = (get_condition(conditions, c.CONDITION_METRICS_AVAILABLE) or {}).get("status")
-    if observation.available:
-        conditions = set_condition(conditions, c.CONDITION_METRICS_AVAILABLE, "True", "QuerySucceeded", "", now, generation)
-    else:
-        conditions = set_condition(conditions, c.CONDITION_METRICS_AVAILABLE, "False", "MetricsUnavailable",
-                                   f"{observation.error}; budgets held", now, generation)
-        if was_available == "True":
-            kopf.warn(body, reason="MetricsUnavailable", message=f"{observation.error}; budgets held")
-    skew = None if observation.skew_ratio is None else round(observation.skew_ratio, 2)
-    patch.status["observed"] = {"time": now.isoformat(), "skewRatio": skew}
+        obs = Observation(time=now, expected_pods=facts.running, new_oom_kills=new_ooms,
+                          error="no Prometheus URL configured (spec.control.prometheusUrl or --prometheus-url)")
+    previous = dict(status.get("observed") or {})
+    state = LoopState(
+        budgets=_budgets(status, "budgets") or initial_budgets(parsed.batching),
+        overload="On" if status.get("overloadMode") == "On" else "Off",
+        last_change=_time(loop.get("lastChangeTime")),
+        last_pressure=_time(loop.get("lastPressureTime")),
+        last_overload_trigger=_time(loop.get("lastOverloadTriggerTime")),
+        last_restart=_time(loop.get("lastRestartTime")),
+    )
+    decision = decide(obs, state, parsed, now)
+    nxt = decision.state
 
-    budgets = _budgets(status, "budgets")
-    assert budgets is not None
-    last = (status.get("lastAdjustment") or {}).get("time")
-    last_change = datetime.fromisoformat(last) if last else None
-    decision = decide(observation, budgets, parsed.control, parsed.batching.floors, last_change, now)
-    logger.debug("decision: %s", decision.reason)
-    if not decision.changed:
-        return conditions
-    budget_generation = int(status.get("budgetGeneration") or 0) + 1
-    document = BudgetDocument(generation=budget_generation, budgets=decision.budgets, reason=decision.reason, updated_at=now)
-    kube.apply(build_budget_configmap(owner, document))
-    patch.status.update({
-        "budgets": decision.budgets.model_dump(by_alias=True),
-        "budgetGeneration": budget_generation,
-        "lastAdjustment": {
-            "time": now.isoformat(),
-            "reason": decision.reason,
-            "from": budgets.model_dump(by_alias=True),
-            "to": decision.budgets.model_dump(by_alias=True),
-        },
+    # What was seen: status.observed (missing values stay null), MetricsAvailable, silent pods.
+    mem = obs.memory_ratio
+    patch.status["observed"] = {
+        "time": now.isoformat(),
+        "skewRatio": None if obs.skew_ratio is None else round(obs.skew_ratio, 2),
+        "memoryRatio": None if mem is None else round(mem, 4),
+        "memoryPercent": None if mem is None else round(mem * 100),
+        "rssSlopeBytesPerSecond": None if obs.rss_slope_bytes_per_second is None else round(obs.rss_slope_bytes_per_second, 1),
+        "rejectionRatePerSecond": None if obs.rejection_rate_per_second is None else round(obs.rejection_rate_per_second, 3),
+        "p99LatencySeconds": None if obs.p99_latency_seconds is None else round(obs.p99_latency_seconds, 3),
+        "oomKills": int(previous.get("oomKills") or 0) + new_ooms,
+        "restarts": facts.restarts,
+        "silentPods": list(obs.silent_pods),
+    }
+    was = (get_condition(conditions, c.CONDITION_METRICS_AVAILABLE) or {}).get("status")
+    if not obs.available:
+        message = f"{obs.error}; budgets held, nothing loosens"
+        conditions = set_condition(conditions, c.CONDITION_METRICS_AVAILABLE, "False", "MetricsUnavailable", message, now, generation)
+        if was != "False":
+            kopf.warn(body, reason="MetricsUnavailable", message=message)
+    elif obs.silent_pods:
+        message = f"pods report no metrics: {', '.join(obs.silent_pods)}; nothing loosens"
+        conditions = set_condition(conditions, c.CONDITION_METRICS_AVAILABLE, "False", "SilentPods", message, now, generation)
+        if list(obs.silent_pods) != list(previous.get("silentPods") or []):
+            kopf.warn(body, reason="SilentPods", message=message)
+    else:
+        conditions = set_condition(conditions, c.CONDITION_METRICS_AVAILABLE, "True", "AllPodsReporting",
+                                   f"{len(obs.reporting_pods)} pods reporting", now, generation)
+        if was == "False":
+            kopf.info(body, reason="MetricsAvailable", message="every pod reports again; normal control resumes")
+    metrics.PROMETHEUS_QUERIES.labels(ns, name, "ok" if obs.fully_visible else "blind").inc()
+    metrics.METRICS_AVAILABLE.labels(ns, name).set(1 if obs.fully_visible else 0)
+    if new_ooms:
+        metrics.OOM_KILLS.labels(ns, name).inc(new_ooms)
+        kopf.warn(body, reason="OOMKilled", message=f"{new_ooms} worker container(s) OOM-killed; tightening at once")
+
+    # Budgets and overload: one new budget document for both.
+    if decision.changed or decision.overload_changed:
+        budget_generation = int(status.get("budgetGeneration") or 0) + 1
+        kube.apply(build_budget_configmap(owner, _document(parsed, nxt.budgets, nxt.overload, budget_generation,
+                                                           decision.reason, now)))
+        patch.status["budgetGeneration"] = budget_generation
+        patch.status["budgets"] = nxt.budgets.model_dump(by_alias=True)
+        patch.status["overloadMode"] = nxt.overload
+    if decision.changed:
+        patch.status["lastAdjustment"] = {
+            "time": now.isoformat(), "reason": decision.reason,
+            "from": state.budgets.model_dump(by_alias=True), "to": nxt.budgets.model_dump(by_alias=True),
+        }
+        event = "BudgetTightened" if decision.direction == "down" else "BudgetRelaxed"
+        (kopf.warn if "OOMKilled" in decision.pressure else kopf.info)(body, reason=event, message=decision.reason)
+        metrics.BUDGET_CHANGES.labels(ns, name, decision.direction).inc()
+        logger.info("budget %s: %s", decision.direction, decision.reason)
+    below = nxt.budgets != ceilings(parsed.batching)
+    conditions = set_condition(
+        conditions, c.CONDITION_BUDGET_TIGHTENED, "True" if below else "False",
+        ",".join(decision.pressure) or ("Tightened" if below else "AtCeilings"),
+        (status.get("lastAdjustment") or {}).get("reason", "") if below and not decision.changed else
+        (decision.reason if below else "budgets at their ceilings"), now, generation)
+    metrics.PREFILL_BUDGET.labels(ns, name).set(nxt.budgets.max_prefill_tokens)
+
+    if decision.overload_changed:
+        kopf.info(body, reason=f"Overload{nxt.overload}", message=decision.reason)
+    conditions = set_condition(conditions, c.CONDITION_OVERLOADED, "True" if nxt.overload == "On" else "False",
+                               f"Mode{parsed.overload.mode}", f"overload mode {nxt.overload}", now, generation)
+    metrics.OVERLOAD.labels(ns, name).set(1 if nxt.overload == "On" else 0)
+
+    if decision.leak_suspected is None:
+        conditions = set_condition(conditions, c.CONDITION_MEMORY_LEAK_SUSPECTED, "Unknown", "NoSlope",
+                                   "RSS slope not yet measurable", now, generation)
+    else:
+        leak_was = (get_condition(conditions, c.CONDITION_MEMORY_LEAK_SUSPECTED) or {}).get("status")
+        slope = obs.rss_slope_bytes_per_second or 0.0
+        message = f"RSS slope {slope / 2**20 * 60:.1f} MiB/min over {parsed.control.leak_window_seconds}s"
+        conditions = set_condition(conditions, c.CONDITION_MEMORY_LEAK_SUSPECTED,
+                                   "True" if decision.leak_suspected else "False",
+                                   "RSSGrowing" if decision.leak_suspected else "RSSFlat", message, now, generation)
+        if decision.leak_suspected and leak_was != "True":
+            kopf.warn(body, reason="MemoryLeakSuspected",
+                      message=f"{message}; see docs/runbook.md (native leak vs heap leak)")
+    if decision.restart:
+        kube.patch_deployment(ns, worker_name(owner), restart_patch(now.isoformat()))
+        kopf.warn(body, reason="RestartingWorkers", message=f"leakAction Restart: {decision.reason}")
+
+    loop.update({
+        "lastChangeTime": _iso(nxt.last_change),
+        "lastPressureTime": _iso(nxt.last_pressure),
+        "lastOverloadTriggerTime": _iso(nxt.last_overload_trigger),
+        "lastRestartTime": _iso(nxt.last_restart),
     })
-    conditions = set_condition(conditions, c.CONDITION_BUDGET_TIGHTENED, "True", "ExpertSkew", decision.reason, now, generation)
-    kopf.info(body, reason="BudgetTightened", message=decision.reason)
-    logger.info("budget generation %d: %s", budget_generation, decision.reason)
     return conditions

@@ -13,7 +13,6 @@ import os
 from typing import Any
 
 import urllib3
-
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
@@ -53,7 +52,7 @@ def apply(manifest: dict[str, Any]) -> dict[str, Any]:
         field_manager=FIELD_MANAGER,
         force_conflicts=True,
     )
-    return result.to_dict()  # type: ignore[no-any-return]
+    return result.to_dict()
 
 
 def read_deployment_status(namespace: str, name: str) -> dict[str, Any] | None:
@@ -64,7 +63,7 @@ def read_deployment_status(namespace: str, name: str) -> dict[str, Any] | None:
         if exc.status == 404:
             return None
         raise
-    return client.ApiClient().sanitize_for_serialization(dep.status) or {}  # type: ignore[no-any-return]
+    return client.ApiClient().sanitize_for_serialization(dep.status) or {}
 
 
 def read_configmap_data(namespace: str, name: str) -> dict[str, str] | None:
@@ -76,3 +75,25 @@ def read_configmap_data(namespace: str, name: str) -> dict[str, str] | None:
             return None
         raise
     return dict(cm.data or {})
+
+
+def list_pods(namespace: str, selector: str) -> list[dict[str, Any]]:
+    """Pods matching ``selector`` in ``namespace``, as JSON-style dicts (camelCase keys)."""
+    pods = client.CoreV1Api().list_namespaced_pod(namespace, label_selector=selector)
+    return [client.ApiClient().sanitize_for_serialization(p) for p in pods.items]
+
+
+def patch_deployment(namespace: str, name: str, body: dict[str, Any]) -> None:
+    """Strategic-merge patch a Deployment (used for the rolling restart annotation only)."""
+    client.AppsV1Api().patch_namespaced_deployment(name, namespace, body)
+
+
+def crd_exists(name: str) -> bool:
+    """Whether the CustomResourceDefinition ``name`` (e.g. ``podmonitors.monitoring.coreos.com``) is installed."""
+    try:
+        client.ApiextensionsV1Api().read_custom_resource_definition(name)
+    except ApiException as exc:
+        if exc.status in (403, 404):
+            return False
+        raise
+    return True

@@ -1,28 +1,64 @@
-"""Observation: Prometheus → :class:`~moeguard_operator.policy.Observation`.
+"""Observation from Prometheus: PromQL through prometheus-api-client.
 
-The only I/O here is one PromQL instant query through prometheus-api-client.
-A failed query or an empty result gives ``skew_ratio=None`` with the reason;
-never 0 (KEDA #965, AIBrix #1032: missing values read as 0.0).
+Every query is an instant query over the service's series (labels ``namespace``
+and ``moeis``, set by the worker itself). A failed query makes the whole look
+*blind* (``error`` set, values None); an empty answer gives None for that value.
+Never 0 (KEDA #965, AIBrix #1032: missing values read as 0.0).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from prometheus_api_client import PrometheusConnect
 
 from moeguard_operator.policy import Observation
-from moeguard_runtime.contract import LABEL_NAMESPACE, LABEL_SERVICE, METRIC_EXPERT_SKEW_RATIO
+from moeguard_runtime.contract import (
+    LABEL_NAMESPACE,
+    LABEL_POD,
+    LABEL_SERVICE,
+    METRIC_E2E_LATENCY_SECONDS,
+    METRIC_EXPERT_SKEW_RATIO,
+    METRIC_MEMORY_USAGE_BYTES,
+    METRIC_PROCESS_RSS_BYTES,
+    METRIC_REJECTIONS_TOTAL,
+)
 
 QUERY_TIMEOUT_SECONDS = 5
 
 
+@dataclass(frozen=True)
+class Queries:
+    """The PromQL the loop runs for one MoEInferenceService."""
+
+    skew: str
+    memory: str
+    rss_slope: str
+    rejection_rate: str
+    p99_latency: str
+    reporting_pods: str
+
+
+def queries(namespace: str, name: str, window_seconds: int, leak_window_seconds: int) -> Queries:
+    """PromQL for ``name`` in ``namespace`` over the given windows (seconds)."""
+    sel = f'{LABEL_NAMESPACE}="{namespace}",{LABEL_SERVICE}="{name}"'
+    w, lw = f"{window_seconds}s", f"{leak_window_seconds}s"
+    return Queries(
+        skew=f"max(max_over_time({METRIC_EXPERT_SKEW_RATIO}{{{sel}}}[{w}]))",
+        memory=f"max(max_over_time({METRIC_MEMORY_USAGE_BYTES}{{{sel}}}[{w}]))",
+        rss_slope=f"max(deriv({METRIC_PROCESS_RSS_BYTES}{{{sel}}}[{lw}]))",
+        rejection_rate=f"sum(rate({METRIC_REJECTIONS_TOTAL}{{{sel}}}[{w}]))",
+        p99_latency=f"histogram_quantile(0.99, sum by (le) (rate({METRIC_E2E_LATENCY_SECONDS}_bucket{{{sel}}}[{w}])))",
+        reporting_pods=f"count by ({LABEL_POD}) ({METRIC_PROCESS_RSS_BYTES}{{{sel}}})",
+    )
+
+
 def skew_query(namespace: str, name: str, window_seconds: int) -> str:
     """PromQL: the highest expert skew ratio among ``name``'s pods over the window."""
-    selector = f'{LABEL_NAMESPACE}="{namespace}",{LABEL_SERVICE}="{name}"'
-    return f"max(max_over_time({METRIC_EXPERT_SKEW_RATIO}{{{selector}}}[{window_seconds}s]))"
+    return queries(namespace, name, window_seconds, window_seconds).skew
 
 
 def parse_scalar(result: Any) -> tuple[float | None, str | None]:
@@ -42,12 +78,49 @@ def parse_scalar(result: Any) -> tuple[float | None, str | None]:
     return value, None
 
 
-def observe(prometheus_url: str, namespace: str, name: str, window_seconds: int, now: datetime) -> Observation:
-    """Query Prometheus once for the service's skew ratio."""
+def parse_label_values(result: Any, label: str) -> tuple[str, ...]:
+    """The values of ``label`` across the series of an instant-query ``result``, sorted."""
+    if not isinstance(result, list):
+        return ()
+    return tuple(sorted({str(r["metric"][label]) for r in result if isinstance(r, dict) and label in r.get("metric", {})}))
+
+
+def observe(
+    prometheus_url: str,
+    namespace: str,
+    name: str,
+    *,
+    hard_limit_bytes: int,
+    window_seconds: int,
+    leak_window_seconds: int,
+    expected_pods: tuple[str, ...],
+    new_oom_kills: int,
+    now: datetime,
+) -> Observation:
+    """One look at Prometheus for ``name``; Kubernetes facts (pods, OOM kills) are passed in."""
+    q = queries(namespace, name, window_seconds, leak_window_seconds)
+    base = Observation(time=now, expected_pods=expected_pods, new_oom_kills=new_oom_kills)
     try:
         prom = PrometheusConnect(url=prometheus_url, disable_ssl=True, timeout=QUERY_TIMEOUT_SECONDS)
-        result = prom.custom_query(query=skew_query(namespace, name, window_seconds))
+        answers = {field: prom.custom_query(query=getattr(q, field)) for field in q.__dataclass_fields__}
     except Exception as exc:  # any transport or HTTP failure means: blind
-        return Observation(time=now, skew_ratio=None, error=f"Prometheus at {prometheus_url} failed: {type(exc).__name__}: {exc}"[:500])
-    value, error = parse_scalar(result)
-    return Observation(time=now, skew_ratio=value, error=error)
+        return Observation(time=now, expected_pods=expected_pods, new_oom_kills=new_oom_kills,
+                           error=f"Prometheus at {prometheus_url} failed: {type(exc).__name__}: {exc}"[:500])
+    skew, skew_err = parse_scalar(answers["skew"])
+    memory, memory_err = parse_scalar(answers["memory"])
+    slope, _ = parse_scalar(answers["rss_slope"])
+    rejections, _ = parse_scalar(answers["rejection_rate"])
+    p99, _ = parse_scalar(answers["p99_latency"])
+    missing = [f"{what}: {err}" for what, err in (("skew", skew_err), ("memory", memory_err)) if err]
+    return Observation(
+        time=base.time,
+        skew_ratio=skew,
+        memory_ratio=None if memory is None else memory / hard_limit_bytes,
+        rss_slope_bytes_per_second=slope,
+        rejection_rate_per_second=rejections,
+        p99_latency_seconds=p99,
+        expected_pods=expected_pods,
+        reporting_pods=parse_label_values(answers["reporting_pods"], LABEL_POD),
+        new_oom_kills=new_oom_kills,
+        error="; ".join(missing) or None,
+    )

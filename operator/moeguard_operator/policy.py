@@ -1,23 +1,42 @@
-"""The outer loop's decision, as a pure function.
+"""The outer loop's decision, as a pure function: ``decide(observation, state, spec, now)``.
 
-``decide(observation, budgets, control, floors, last_change, now)`` never does
-I/O and never reads the clock: the handler passes ``now`` in. The rules:
+No I/O and no clock: the handler passes ``now`` in and acts on the returned
+:class:`Decision`. The rules are AIMD with hysteresis (Chiu & Jain 1989, the
+rule TCP congestion control uses):
 
-* No data is never read as healthy: a missing skew ratio holds the budgets
-  (nothing loosens, nothing tightens on a guess) and says why.
-* Skew above ``control.skewThreshold`` halves ``maxPrefillTokens``, never below
-  ``floors.maxPrefillTokens``. Halving is the multiplicative decrease of AIMD
-  (Chiu & Jain 1989), the rule TCP congestion control uses.
-* At most one change per ``control.cooldownSeconds``.
+* **Pressure** — a new OOM kill, expert skew above ``control.skewThreshold``, or
+  memory in use above ``control.rssSoftFraction`` of the hard limit — drops
+  budgets multiplicatively (× ``decreaseFactor``), never below their floors.
+  Skew drops the prefill budgets (prefill tokens, long requests per batch): the
+  per-expert buffers grow with the top expert's share of the prefill tokens.
+  Memory and OOM kills drop every budget.
+* Moves are at least ``cooldownSeconds`` apart; an OOM kill does not wait.
+* **Recovery** — after ``stabilizationWindowSeconds`` without pressure, *and only
+  while every signal is visible* (no missing series, no silent pod), budgets
+  climb additively (+ ``increaseStep`` × ceiling), never above their ceilings.
+* **No data is never read as healthy**: while blind the loop can tighten on what
+  it sees, but never loosens (KEDA #965, AIBrix #1032).
+* **Overload** (mode Auto) turns on when memory passes ``rssHardFraction``, the
+  refusal rate or p99 latency passes its threshold, or on an OOM kill; it turns
+  off only after a stabilization window without triggers, with full visibility.
+* **Leak**: an RSS slope above ``leakSlopeBytesPerSecond`` marks a suspected
+  native leak; with ``leakAction: Restart`` it also asks for a rolling restart,
+  at most once per leak window.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from datetime import datetime
+from typing import Literal
 
-from moeguard_operator.models import BatchingSpec, BudgetFloors, ControlSpec
+from moeguard_operator.models import BUDGET_FIELDS, BatchingSpec, MoEInferenceServiceSpec
 from moeguard_runtime.contract import Budgets
+
+OverloadMode = Literal["On", "Off"]
+SKEW_FIELDS = ("max_prefill_tokens", "max_long_requests_per_batch")
+"""Budgets that expert skew drops."""
 
 
 @dataclass(frozen=True)
@@ -26,63 +45,243 @@ class Observation:
 
     Attributes:
         time: when the look was made.
-        skew_ratio: the highest expert skew ratio among the service's pods over
-            the skew window (top expert tokens / median expert tokens), or None.
-        error: why a value is missing (unreachable Prometheus, no series), or None.
+        skew_ratio: highest expert skew ratio among the pods over the window.
+        memory_ratio: highest memory in use / hard limit among the pods.
+        rss_slope_bytes_per_second: highest RSS growth among the pods, bytes/s.
+        rejection_rate_per_second: refusals (429, 503) per second across the pods.
+        p99_latency_seconds: end-to-end p99 latency across the pods, seconds.
+        expected_pods: Running worker pods (from the Kubernetes API).
+        reporting_pods: pods with series in Prometheus.
+        new_oom_kills: OOMKilled terminations since the last look (from the Kubernetes API).
+        error: why Prometheus values are missing (unreachable, no series), or None.
     """
 
     time: datetime
-    skew_ratio: float | None
+    skew_ratio: float | None = None
+    memory_ratio: float | None = None
+    rss_slope_bytes_per_second: float | None = None
+    rejection_rate_per_second: float | None = None
+    p99_latency_seconds: float | None = None
+    expected_pods: tuple[str, ...] = ()
+    reporting_pods: tuple[str, ...] = ()
+    new_oom_kills: int = 0
     error: str | None = None
 
     @property
+    def silent_pods(self) -> tuple[str, ...]:
+        """Running pods that export nothing: never read as healthy."""
+        return tuple(sorted(set(self.expected_pods) - set(self.reporting_pods)))
+
+    @property
     def available(self) -> bool:
-        return self.skew_ratio is not None
+        """Prometheus answered and the core signals (skew, memory) are present."""
+        return self.error is None and self.skew_ratio is not None and self.memory_ratio is not None
+
+    @property
+    def fully_visible(self) -> bool:
+        """Available, and every Running pod reports: the only state in which the loop may loosen."""
+        return self.available and not self.silent_pods
+
+
+@dataclass(frozen=True)
+class LoopState:
+    """The loop's memory between looks (persisted in ``status.control`` and ``status.budgets``)."""
+
+    budgets: Budgets
+    overload: OverloadMode = "Off"
+    last_change: datetime | None = None
+    last_pressure: datetime | None = None
+    last_overload_trigger: datetime | None = None
+    last_restart: datetime | None = None
 
 
 @dataclass(frozen=True)
 class Decision:
-    """The budgets to put in effect, and why. ``changed`` is False when holding."""
+    """What to do after one look.
 
-    budgets: Budgets
-    changed: bool
-    reason: str
+    Attributes:
+        state: the next loop state (budgets and overload mode in effect).
+        direction: ``down`` (tightened), ``up`` (relaxed) or ``hold``.
+        reasons: one sentence per signal that mattered, with its value.
+        pressure: the pressure signals seen (``OOMKilled``, ``ExpertSkew``, ``MemoryPressure``).
+        overload_changed: overload mode switched.
+        leak_suspected: the RSS slope passed the leak threshold (None: slope unknown).
+        restart: roll the workers now (leak action Restart).
+    """
 
+    state: LoopState
+    direction: Literal["down", "up", "hold"]
+    reasons: tuple[str, ...]
+    pressure: tuple[str, ...] = ()
+    overload_changed: bool = False
+    leak_suspected: bool | None = None
+    restart: bool = False
 
-def decide(
-    observation: Observation,
-    budgets: Budgets,
-    control: ControlSpec,
-    floors: BudgetFloors,
-    last_change: datetime | None,
-    now: datetime,
-) -> Decision:
-    """Decide the next budgets from one observation (see the module docstring)."""
-    skew = observation.skew_ratio
-    if skew is None:
-        return Decision(budgets, False, f"holding budgets: metrics unavailable ({observation.error or 'no data'})")
-    if skew <= control.skew_threshold:
-        return Decision(budgets, False, f"skew ratio {skew:.2f} <= threshold {control.skew_threshold:g}")
-    floor = floors.max_prefill_tokens
-    if budgets.max_prefill_tokens <= floor:
-        return Decision(budgets, False, f"skew ratio {skew:.2f} > {control.skew_threshold:g}, but maxPrefillTokens is at its floor {floor}")
-    if last_change is not None and (now - last_change).total_seconds() < control.cooldown_seconds:
-        return Decision(budgets, False, f"skew ratio {skew:.2f} > {control.skew_threshold:g}, in cooldown")
-    new_prefill = max(floor, budgets.max_prefill_tokens // 2)
-    new = budgets.model_copy(update={"max_prefill_tokens": new_prefill})
-    return Decision(
-        new,
-        True,
-        f"expert skew ratio {skew:.2f} > threshold {control.skew_threshold:g}: "
-        f"maxPrefillTokens {budgets.max_prefill_tokens} -> {new_prefill}",
-    )
+    @property
+    def changed(self) -> bool:
+        return self.direction != "hold"
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(self.reasons)
 
 
 def initial_budgets(batching: BatchingSpec) -> Budgets:
     """The budgets a spec starts with: its ``batching`` values."""
-    return Budgets(
-        max_prefill_tokens=batching.max_prefill_tokens,
-        max_decode_tokens=batching.max_decode_tokens,
-        max_batch_requests=batching.max_batch_requests,
-        max_concurrent_batches=batching.max_concurrent_batches,
+    return Budgets.model_validate({name: getattr(batching, name) for name in BUDGET_FIELDS})
+
+
+def ceilings(batching: BatchingSpec) -> Budgets:
+    """Each budget's ceiling: ``batching.ceilings`` where set, else the initial value."""
+    return Budgets.model_validate({
+        name: getattr(batching.ceilings, name) if getattr(batching.ceilings, name) is not None else getattr(batching, name)
+        for name in BUDGET_FIELDS
+    })
+
+
+def floors(batching: BatchingSpec) -> Budgets:
+    """Each budget's floor."""
+    return Budgets.model_validate({name: getattr(batching.floors, name) for name in BUDGET_FIELDS})
+
+
+def decrease(budgets: Budgets, factor: float, lower: Budgets, names: tuple[str, ...]) -> Budgets:
+    """``budgets`` with each of ``names`` × ``factor``, never below ``lower`` (integers round down)."""
+    update: dict[str, float | int] = {}
+    for name in names:
+        value, floor = getattr(budgets, name), getattr(lower, name)
+        if isinstance(value, int):
+            new: float | int = max(floor, min(value - 1, math.floor(value * factor))) if value > floor else value
+        else:
+            new = max(floor, value * factor)
+        update[name] = new
+    return budgets.model_copy(update=update)
+
+
+def increase(budgets: Budgets, step: float, upper: Budgets) -> Budgets:
+    """``budgets`` with each budget + ``step`` × its ceiling (at least 1), never above ``upper``."""
+    update: dict[str, float | int] = {}
+    for name in BUDGET_FIELDS:
+        value, ceiling = getattr(budgets, name), getattr(upper, name)
+        if isinstance(value, int):
+            update[name] = min(ceiling, value + max(1, round(step * ceiling)))
+        else:
+            update[name] = min(ceiling, value + step * ceiling)
+    return budgets.model_copy(update=update)
+
+
+def _since(now: datetime, then: datetime | None) -> float:
+    return math.inf if then is None else (now - then).total_seconds()
+
+
+def _describe(before: Budgets, after: Budgets) -> str:
+    moves = [f"{_camel(n)} {getattr(before, n):g} -> {getattr(after, n):g}"
+             for n in BUDGET_FIELDS if getattr(before, n) != getattr(after, n)]
+    return ", ".join(moves)
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(p.title() for p in rest)
+
+
+def decide(observation: Observation, state: LoopState, spec: MoEInferenceServiceSpec, now: datetime) -> Decision:
+    """Decide the next loop state from one observation (see the module docstring)."""
+    control, batching, overload_spec = spec.control, spec.batching, spec.overload
+    obs = observation
+    reasons: list[str] = []
+    pressure: list[str] = []
+    names: set[str] = set()
+    if obs.new_oom_kills > 0:
+        pressure.append("OOMKilled")
+        reasons.append(f"{obs.new_oom_kills} OOM kill(s)")
+        names.update(BUDGET_FIELDS)
+    if obs.skew_ratio is not None and obs.skew_ratio > control.skew_threshold:
+        pressure.append("ExpertSkew")
+        reasons.append(f"expert skew ratio {obs.skew_ratio:.2f} > threshold {control.skew_threshold:g}")
+        names.update(SKEW_FIELDS)
+    if obs.memory_ratio is not None and obs.memory_ratio > control.rss_soft_fraction:
+        pressure.append("MemoryPressure")
+        reasons.append(f"memory {obs.memory_ratio:.0%} of hardLimit > rssSoftFraction {control.rss_soft_fraction:.0%}")
+        names.update(BUDGET_FIELDS)
+    if not obs.available:
+        reasons.append(f"metrics unavailable ({obs.error or 'no data'}): not loosening")
+    elif obs.silent_pods:
+        reasons.append(f"silent pods {', '.join(obs.silent_pods)}: not loosening")
+
+    budgets, direction = state.budgets, "hold"
+    last_change, last_pressure = state.last_change, state.last_pressure
+    if pressure:
+        last_pressure = now
+        urgent = "OOMKilled" in pressure
+        if urgent or _since(now, state.last_change) >= control.cooldown_seconds:
+            ordered = tuple(n for n in BUDGET_FIELDS if n in names)
+            new = decrease(state.budgets, control.decrease_factor, floors(batching), ordered)
+            if new != state.budgets:
+                reasons.append(_describe(state.budgets, new))
+                budgets, direction, last_change = new, "down", now
+            else:
+                reasons.append("budgets already at their floors")
+        else:
+            reasons.append("in cooldown")
+    elif obs.fully_visible:
+        calm = _since(now, state.last_pressure) >= control.stabilization_window_seconds
+        rested = _since(now, state.last_change) >= control.cooldown_seconds
+        new = increase(state.budgets, control.increase_step, ceilings(batching))
+        if new != state.budgets and calm and rested:
+            reasons.append(f"no pressure for {control.stabilization_window_seconds}s: {_describe(state.budgets, new)}")
+            budgets, direction, last_change = new, "up", now
+        elif new != state.budgets:
+            reasons.append("no pressure; waiting for the stabilization window" if not calm else "no pressure; in cooldown")
+
+    # Overload mode.
+    triggers: list[str] = []
+    if obs.memory_ratio is not None and obs.memory_ratio > control.rss_hard_fraction:
+        triggers.append(f"memory {obs.memory_ratio:.0%} of hardLimit > rssHardFraction {control.rss_hard_fraction:.0%}")
+    if obs.rejection_rate_per_second is not None and obs.rejection_rate_per_second > overload_spec.rejection_rate_per_second:
+        triggers.append(f"{obs.rejection_rate_per_second:.2f} refusals/s > {overload_spec.rejection_rate_per_second:g}")
+    if obs.p99_latency_seconds is not None and obs.p99_latency_seconds > overload_spec.p99_latency_seconds:
+        triggers.append(f"p99 latency {obs.p99_latency_seconds:.1f}s > {overload_spec.p99_latency_seconds:g}s")
+    if obs.new_oom_kills:
+        triggers.append("OOM kill")
+    last_trigger = now if triggers else state.last_overload_trigger
+    overload = state.overload
+    if overload_spec.mode != "Auto":
+        overload = overload_spec.mode
+    elif triggers:
+        overload = "On"
+    elif (state.overload == "On" and obs.fully_visible
+          and _since(now, state.last_overload_trigger) >= control.stabilization_window_seconds):
+        overload = "Off"
+    overload_changed = overload != state.overload
+    if overload_changed:
+        why = "; ".join(triggers) if overload == "On" and triggers else (
+            f"overload.mode {overload_spec.mode}" if overload_spec.mode != "Auto" else
+            f"no overload trigger for {control.stabilization_window_seconds}s")
+        reasons.append(f"overload mode {state.overload} -> {overload} ({why})")
+
+    # Leak.
+    slope = obs.rss_slope_bytes_per_second
+    leak = None if slope is None else slope > control.leak_slope_bytes_per_second
+    restart = bool(leak) and control.leak_action == "Restart" and _since(now, state.last_restart) >= control.leak_window_seconds
+    if leak and slope is not None:
+        reasons.append(f"RSS grows {slope / 2**20 * 60:.0f} MiB/min > {control.leak_slope_bytes_per_second / 2**20 * 60:.0f} MiB/min: native leak suspected"
+                       + ("; rolling restart" if restart else ""))
+
+    next_state = replace(
+        state,
+        budgets=budgets,
+        overload=overload,
+        last_change=last_change,
+        last_pressure=last_pressure,
+        last_overload_trigger=last_trigger,
+        last_restart=now if restart else state.last_restart,
+    )
+    return Decision(
+        state=next_state,
+        direction=direction,  # type: ignore[arg-type]
+        reasons=tuple(reasons),
+        pressure=tuple(pressure),
+        overload_changed=overload_changed,
+        leak_suspected=leak,
+        restart=restart,
     )

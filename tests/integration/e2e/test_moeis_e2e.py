@@ -62,7 +62,7 @@ SPEC = {
     "resources": {"gpus": 1, "softLimit": "3Gi", "hardLimit": "4Gi"},
     "batching": {"maxPrefillTokens": 2048, "maxDecodeTokens": 64, "maxBatchRequests": 16,
                  "maxConcurrentBatches": 2, "floors": {"maxPrefillTokens": 256}},
-    "control": {"queryIntervalSeconds": 2, "skewWindowSeconds": 10, "skewThreshold": 8, "cooldownSeconds": 5},
+    "control": {"queryIntervalSeconds": 2, "windowSeconds": 10, "skewThreshold": 8, "cooldownSeconds": 5},
 }
 
 
@@ -78,7 +78,7 @@ def test_closed_loop_end_to_end(cluster: Cluster, operator: None, pod_workers: P
     # Children: GPU and memory limits, UCX env, owner references.
     dep = cluster.kubectl_json("-n", ns, "get", "deployment", f"{name}-worker")
     container = dep["spec"]["template"]["spec"]["containers"][0]
-    assert container["resources"]["limits"] == {"memory": "4Gi", "nvidia.com/gpu": "1"}
+    assert container["resources"]["limits"] == {"memory": "4Gi", "cpu": "2", "nvidia.com/gpu": "1"}
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["UCX_MEM_MMAP_HOOK_MODE"] == "none"
     assert env["UCX_RCACHE_MAX_UNRELEASED"] == "1024"
@@ -89,8 +89,9 @@ def test_closed_loop_end_to_end(cluster: Cluster, operator: None, pod_workers: P
     cm = cluster.kubectl_json("-n", ns, "get", "configmap", f"{name}-budget")
     assert json.loads(cm["data"]["budget.json"])["budgets"]["maxPrefillTokens"] == 2048
     table = cluster.kubectl("-n", ns, "get", "moeis", name).stdout
-    assert table.split("\n")[0].split() == ["NAME", "READY", "REPLICAS", "PREFILL", "SKEW", "AGE"]
+    assert table.split("\n")[0].split() == ["NAME", "READY", "REPLICAS", "PREFILL", "SKEW", "RSS", "%", "OVERLOAD", "AGE"]
     assert table.split("\n")[1].split()[:4] == [name, "True", "1", "2048"]
+    assert status["overloadMode"] == "Off"
 
     # The worker behind the kwok pod serves real prompts.
     pod = cluster.kubectl_json("-n", ns, "get", "pods", "-l", f"app.kubernetes.io/instance={name}")["items"][0]

@@ -29,7 +29,7 @@ def test_deployment_limits_and_env() -> None:
     dep = build_deployment(OWNER, spec)
     container = dep["spec"]["template"]["spec"]["containers"][0]
     assert dep["spec"]["replicas"] == 3
-    assert container["resources"]["limits"] == {"memory": "16Gi", "nvidia.com/gpu": "2"}
+    assert container["resources"]["limits"] == {"memory": "16Gi", "cpu": "2", "nvidia.com/gpu": "2"}
     env = _env(dep)
     assert env["MOEGUARD_SOFT_LIMIT_BYTES"] == str(12 * 2**30)
     assert env["MOEGUARD_HARD_LIMIT_BYTES"] == str(16 * 2**30)
@@ -40,11 +40,42 @@ def test_deployment_limits_and_env() -> None:
     assert env["MOEGUARD_POD_NAME"] == "<from>"
 
 
-def test_ucx_override() -> None:
-    spec = MoEInferenceServiceSpec.model_validate({"ucx": {"mmapHookMode": "bistro", "rcacheMaxUnreleased": "inf"}})
-    env = _env(build_deployment(OWNER, spec))
-    assert env["UCX_MEM_MMAP_HOOK_MODE"] == "bistro"
-    assert env["UCX_RCACHE_MAX_UNRELEASED"] == "inf"
+@pytest.mark.parametrize(("ucx", "expected"), [
+    ({}, {"UCX_MEM_MMAP_HOOK_MODE": "none", "UCX_RCACHE_MAX_UNRELEASED": "1024"}),
+    ({"mode": "rcache", "rcacheMaxUnreleased": 4096}, {"UCX_RCACHE_MAX_UNRELEASED": "4096"}),
+    ({"mode": "passthrough", "extraEnv": {"UCX_CUDA_IPC_CACHE": "n"}}, {"UCX_CUDA_IPC_CACHE": "n"}),
+])
+def test_ucx_modes(ucx: dict, expected: dict) -> None:
+    env = _env(build_deployment(OWNER, MoEInferenceServiceSpec.model_validate({"ucx": ucx})))
+    assert {k: v for k, v in env.items() if k.startswith("UCX_")} == expected
+
+
+def test_pod_template_extras_and_gpu_type() -> None:
+    spec = MoEInferenceServiceSpec.model_validate({
+        "image": "registry.local/worker:1", "imagePullPolicy": "Always",
+        "resources": {"gpus": 1, "gpuResourceName": "nvidia.com/mig-1g.10gb", "gpuProduct": "NVIDIA-H100-80GB-HBM3", "cpu": "4"},
+        "model": {"checkpointPath": "/models/mixtral", "overrides": {"nLayer": 4, "topK": 1}},
+        "template": {"nodeSelector": {"pool": "gpu"}, "priorityClassName": "inference",
+                     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                     "affinity": {"nodeAffinity": {"x": 1}}, "extraEnv": [{"name": "HF_HOME", "value": "/cache"}],
+                     "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "models"}}],
+                     "volumeMounts": [{"name": "models", "mountPath": "/models"}], "annotations": {"a": "b"}},
+    })
+    dep = build_deployment(OWNER, spec)
+    pod = dep["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["image"] == "registry.local/worker:1" and c["imagePullPolicy"] == "Always"
+    assert c["resources"]["limits"] == {"memory": "8Gi", "cpu": "4", "nvidia.com/mig-1g.10gb": "1"}
+    assert pod["nodeSelector"] == {"pool": "gpu", "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert pod["affinity"] == {"nodeAffinity": {"x": 1}} and pod["priorityClassName"] == "inference"
+    assert pod["volumes"][1] == {"name": "models", "persistentVolumeClaim": {"claimName": "models"}}
+    assert c["volumeMounts"][1] == {"name": "models", "mountPath": "/models", "readOnly": True}
+    assert dep["spec"]["template"]["metadata"]["annotations"] == {"a": "b"}
+    env = _env(dep)
+    assert env["HF_HOME"] == "/cache" and env["MOEGUARD_CHECKPOINT_PATH"] == "/models/mixtral"
+    assert env["MOEGUARD_MODEL_OVERRIDES"] == '{"n_layer": 4, "top_k": 1}'
+    assert env["MOEGUARD_OVERLOAD_MODE"] == "Auto" and env["MOEGUARD_QUEUE_TIMEOUT_SECONDS"] == "30"
 
 
 def test_restricted_pod_security() -> None:
@@ -58,7 +89,8 @@ def test_restricted_pod_security() -> None:
 
 def test_every_child_is_owned_and_labelled() -> None:
     children = build_children(OWNER, MoEInferenceServiceSpec())
-    assert [m["kind"] for m in children] == ["ServiceAccount", "Role", "RoleBinding", "Service", "Deployment"]
+    assert [m["kind"] for m in children] == ["ServiceAccount", "Role", "RoleBinding", "Service", "Deployment",
+                                             "PodDisruptionBudget"]
     for m in children:
         ref = m["metadata"]["ownerReferences"][0]
         assert ref["uid"] == "1234-abcd" and ref["kind"] == "MoEInferenceService" and ref["controller"] is True

@@ -52,9 +52,14 @@ def test_crd_carries_cel_rules_defaults_and_columns() -> None:
     assert rules[0]["rule"] == "quantity(self.softLimit).isLessThan(quantity(self.hardLimit))"
     assert spec["properties"]["batching"]["properties"]["maxPrefillTokens"]["minimum"] == 1
     assert spec["properties"]["batching"]["properties"]["maxPrefillTokens"]["default"] == 4096
-    assert spec["properties"]["ucx"]["properties"]["mmapHookMode"]["default"] == "none"
-    assert spec["properties"]["ucx"]["properties"]["rcacheMaxUnreleased"]["default"] == "1024"
-    assert spec["properties"]["resources"]["default"] == {"gpus": 1, "softLimit": "6Gi", "hardLimit": "8Gi"}
+    assert spec["properties"]["ucx"]["properties"]["mode"]["default"] == "none"
+    assert spec["properties"]["ucx"]["properties"]["rcacheMaxUnreleased"]["default"] == 1024
+    assert spec["properties"]["control"]["properties"]["decreaseFactor"]["exclusiveMaximum"] is True
+    rules = {r["rule"] for r in spec["properties"]["batching"]["x-kubernetes-validations"]}
+    assert "self.floors.queueTimeoutSeconds <= self.queueTimeoutSeconds" in rules
+    assert "!has(self.ceilings.maxPrefillTokens) || self.maxPrefillTokens <= self.ceilings.maxPrefillTokens" in rules
+    assert spec["properties"]["template"]["properties"]["affinity"]["x-kubernetes-preserve-unknown-fields"] is True
+    assert spec["properties"]["resources"]["default"]["softLimit"] == "6Gi"
     assert crd["spec"]["names"]["shortNames"] == ["moeis"]
-    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Ready", "Replicas", "Prefill", "Skew", "Model", "Age"]
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Ready", "Replicas", "Prefill", "Skew", "RSS %", "Overload", "Model", "Age"]
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"

@@ -14,7 +14,8 @@ def test_defaults_are_complete() -> None:
     assert spec.resources.soft_limit_bytes == 6 * 2**30
     assert spec.resources.hard_limit_bytes == 8 * 2**30
     assert spec.batching.floors.max_prefill_tokens == 256
-    assert spec.ucx.mmap_hook_mode == "none"
+    assert spec.ucx.mode == "none" and spec.ucx.rcache_max_unreleased == 1024
+    assert spec.overload.mode == "Auto" and spec.control.leak_action == "Warn"
 
 
 def test_soft_limit_must_be_below_hard_limit() -> None:
@@ -38,3 +39,21 @@ def test_floor_above_initial_is_rejected() -> None:
 def test_unknown_field_is_rejected() -> None:
     with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
         MoEInferenceServiceSpec.model_validate({"replica": 3})
+
+
+def test_ceiling_below_initial_is_rejected() -> None:
+    with pytest.raises(ValidationError, match="batching.maxDecodeTokens must be <= batching.ceilings.maxDecodeTokens"):
+        MoEInferenceServiceSpec.model_validate({"batching": {"maxDecodeTokens": 256, "ceilings": {"maxDecodeTokens": 128}}})
+
+
+def test_reserved_env_names_are_rejected() -> None:
+    with pytest.raises(ValidationError, match=r"ucx.extraEnv keys must start with UCX_ \(got LD_PRELOAD\)"):
+        MoEInferenceServiceSpec.model_validate({"ucx": {"extraEnv": {"LD_PRELOAD": "x"}}})
+    with pytest.raises(ValidationError, match=r"must not set MOEGUARD_\* or UCX_\* \(got MOEGUARD_PORT\)"):
+        MoEInferenceServiceSpec.model_validate({"template": {"extraEnv": [{"name": "MOEGUARD_PORT", "value": "1"}]}})
+
+
+def test_decrease_factor_must_be_below_one() -> None:
+    with pytest.raises(ValidationError) as info:
+        MoEInferenceServiceSpec.model_validate({"control": {"decreaseFactor": 1.0}})
+    assert info.value.errors()[0]["loc"] == ("control", "decreaseFactor")

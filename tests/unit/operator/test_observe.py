@@ -4,7 +4,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from moeguard_operator.observe import observe, parse_scalar, skew_query
+from moeguard_operator.observe import observe, parse_label_values, parse_scalar, queries, skew_query
 
 pytestmark = pytest.mark.unit
 
@@ -27,8 +27,25 @@ def test_parse_scalar_never_reads_missing_as_zero(result: object, value: float |
     assert parse_scalar(result) == (value, error)
 
 
+def test_every_query_selects_the_service() -> None:
+    q = queries("ns1", "svc", 30, 600)
+    assert q.memory == 'max(max_over_time(moeguard_memory_usage_bytes{namespace="ns1",moeis="svc"}[30s]))'
+    assert q.rss_slope == 'max(deriv(moeguard_process_resident_memory_bytes{namespace="ns1",moeis="svc"}[600s]))'
+    assert q.rejection_rate == 'sum(rate(moeguard_rejections_total{namespace="ns1",moeis="svc"}[30s]))'
+    assert q.reporting_pods == 'count by (pod) (moeguard_process_resident_memory_bytes{namespace="ns1",moeis="svc"})'
+    assert q.p99_latency.startswith("histogram_quantile(0.99, sum by (le) (rate(moeguard_e2e_request_latency_seconds_bucket{")
+
+
+def test_label_values() -> None:
+    result = [{"metric": {"pod": "b"}, "value": [0, "1"]}, {"metric": {"pod": "a"}, "value": [0, "1"]}, {"metric": {}}]
+    assert parse_label_values(result, "pod") == ("a", "b")
+    assert parse_label_values(None, "pod") == ()
+
+
 def test_unreachable_prometheus_is_no_data() -> None:
     now = datetime.now(UTC)
-    obs = observe("http://127.0.0.1:1", "ns", "svc", 30, now)
-    assert obs.skew_ratio is None and not obs.available
+    obs = observe("http://127.0.0.1:1", "ns", "svc", hard_limit_bytes=2**30, window_seconds=30,
+                  leak_window_seconds=600, expected_pods=("p",), new_oom_kills=0, now=now)
+    assert obs.skew_ratio is None and obs.memory_ratio is None and not obs.available
+    assert obs.silent_pods == ("p",)
     assert obs.error is not None and obs.error.startswith("Prometheus at http://127.0.0.1:1 failed: ConnectionError")

@@ -1,61 +1,174 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeguard_operator.models import BudgetFloors, ControlSpec
-from moeguard_operator.policy import Observation, decide
+from moeguard_operator.models import BUDGET_FIELDS, MoEInferenceServiceSpec
+from moeguard_operator.policy import LoopState, Observation, ceilings, decide, decrease, floors, initial_budgets, increase
 from moeguard_runtime.contract import Budgets
 
 pytestmark = pytest.mark.unit
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
-CONTROL = ControlSpec(skew_threshold=4.0, cooldown_seconds=30)
-FLOORS = BudgetFloors(max_prefill_tokens=256)
+SPEC = MoEInferenceServiceSpec.model_validate({
+    "batching": {"maxPrefillTokens": 4096, "maxDecodeTokens": 256, "maxBatchRequests": 32,
+                 "ceilings": {"maxPrefillTokens": 8192}},
+    "control": {"skewThreshold": 4.0, "cooldownSeconds": 30, "stabilizationWindowSeconds": 120,
+                "rssSoftFraction": 0.8, "rssHardFraction": 0.95, "decreaseFactor": 0.5, "increaseStep": 0.1},
+})
+START = initial_budgets(SPEC.batching)
+PODS = ("w-0", "w-1")
 
 
-def budgets(prefill: int) -> Budgets:
-    return Budgets(max_prefill_tokens=prefill, max_decode_tokens=64, max_batch_requests=16, max_concurrent_batches=2)
+def obs(**kw: Any) -> Observation:
+    base: dict[str, Any] = {"time": NOW, "skew_ratio": 2.0, "memory_ratio": 0.5, "expected_pods": PODS, "reporting_pods": PODS}
+    return Observation(**(base | kw))
 
 
-def test_high_skew_halves_prefill() -> None:
-    d = decide(Observation(NOW, 9.5), budgets(4096), CONTROL, FLOORS, None, NOW)
-    assert d.changed and d.budgets.max_prefill_tokens == 2048
-    assert d.budgets.max_decode_tokens == 64
-    assert "9.50 > threshold 4" in d.reason
+def ago(seconds: float) -> datetime:
+    return NOW - timedelta(seconds=seconds)
 
 
-def test_halving_stops_at_floor() -> None:
-    d = decide(Observation(NOW, 50.0), budgets(300), CONTROL, FLOORS, None, NOW)
-    assert d.budgets.max_prefill_tokens == 256
-    d2 = decide(Observation(NOW, 50.0), d.budgets, CONTROL, FLOORS, None, NOW)
-    assert not d2.changed and "at its floor 256" in d2.reason
+def test_high_skew_halves_the_prefill_budgets_only() -> None:
+    d = decide(obs(skew_ratio=9.5), LoopState(START), SPEC, NOW)
+    assert d.direction == "down" and d.pressure == ("ExpertSkew",)
+    assert d.state.budgets.max_prefill_tokens == 2048
+    assert d.state.budgets.max_long_requests_per_batch == 2
+    assert d.state.budgets.max_decode_tokens == 256
+    assert "expert skew ratio 9.50 > threshold 4" in d.reason
+    assert "maxPrefillTokens 4096 -> 2048" in d.reason
+    assert d.state.last_change == NOW and d.state.last_pressure == NOW
 
 
-def test_missing_metrics_hold_budgets() -> None:
-    d = decide(Observation(NOW, None, "Prometheus down"), budgets(4096), CONTROL, FLOORS, None, NOW)
-    assert not d.changed and d.budgets.max_prefill_tokens == 4096
-    assert "metrics unavailable (Prometheus down)" in d.reason
+def test_memory_pressure_drops_every_budget_to_floors_at_most() -> None:
+    d = decide(obs(memory_ratio=0.85), LoopState(START), SPEC, NOW)
+    b = d.state.budgets
+    assert (b.max_prefill_tokens, b.max_decode_tokens, b.max_batch_requests, b.max_concurrent_batches,
+            b.max_queue_requests, b.queue_timeout_seconds) == (2048, 128, 16, 1, 32, 15.0)
+    assert "memory 85% of hardLimit > rssSoftFraction 80%" in d.reason
 
 
-def test_cooldown_blocks_a_second_move() -> None:
-    d = decide(Observation(NOW, 9.0), budgets(4096), CONTROL, FLOORS, NOW - timedelta(seconds=10), NOW)
-    assert not d.changed and "cooldown" in d.reason
-    d = decide(Observation(NOW, 9.0), budgets(4096), CONTROL, FLOORS, NOW - timedelta(seconds=31), NOW)
-    assert d.changed
+def test_halving_stops_at_the_floors() -> None:
+    low = floors(SPEC.batching)
+    d = decide(obs(memory_ratio=0.9), LoopState(low), SPEC, NOW)
+    assert d.direction == "hold" and d.state.budgets == low
+    assert "budgets already at their floors" in d.reason
 
 
-@given(
-    prefill=st.integers(min_value=256, max_value=1_048_576),
-    skew=st.one_of(st.none(), st.floats(min_value=0, max_value=1e6, allow_nan=False)),
-    since=st.one_of(st.none(), st.integers(min_value=0, max_value=3600)),
-)
-def test_never_loosens_never_below_floor(prefill: int, skew: float | None, since: int | None) -> None:
-    last = None if since is None else NOW - timedelta(seconds=since)
-    d = decide(Observation(NOW, skew), budgets(prefill), CONTROL, FLOORS, last, NOW)
-    assert FLOORS.max_prefill_tokens <= d.budgets.max_prefill_tokens <= prefill
-    if skew is None or skew <= CONTROL.skew_threshold:
-        assert d.budgets == budgets(prefill) and not d.changed
+def test_cooldown_blocks_a_second_move_but_not_an_oom_kill() -> None:
+    state = LoopState(START, last_change=ago(10))
+    held = decide(obs(skew_ratio=9.0), state, SPEC, NOW)
+    assert held.direction == "hold" and "in cooldown" in held.reason
+    oom = decide(obs(new_oom_kills=1), state, SPEC, NOW)
+    assert oom.direction == "down" and oom.pressure == ("OOMKilled",)
+    assert oom.state.budgets.max_decode_tokens == 128
+    assert oom.state.overload == "On" and oom.overload_changed
+
+
+@pytest.mark.parametrize("blind", [
+    {"error": "Prometheus down", "skew_ratio": None, "memory_ratio": None},
+    {"skew_ratio": None},
+    {"memory_ratio": None},
+    {"reporting_pods": ("w-0",)},
+])
+def test_never_loosens_while_blind(blind: dict[str, Any]) -> None:
+    tight = decrease(START, 0.5, floors(SPEC.batching), BUDGET_FIELDS)
+    state = LoopState(tight, overload="On", last_change=ago(3600), last_pressure=ago(3600), last_overload_trigger=ago(3600))
+    d = decide(obs(**blind), state, SPEC, NOW)
+    assert d.direction == "hold" and d.state.budgets == tight
+    assert d.state.overload == "On"
+    assert "not loosening" in d.reason
+
+
+def test_silent_pod_is_named() -> None:
+    o = obs(reporting_pods=("w-0",))
+    assert o.silent_pods == ("w-1",) and o.available and not o.fully_visible
+    assert "silent pods w-1" in decide(o, LoopState(START), SPEC, NOW).reason
+
+
+def test_recovery_waits_for_the_stabilization_window_then_climbs_additively() -> None:
+    tight = START.model_copy(update={"max_prefill_tokens": 1024})
+    early = decide(obs(), LoopState(tight, last_change=ago(60), last_pressure=ago(60)), SPEC, NOW)
+    assert early.direction == "hold" and "waiting for the stabilization window" in early.reason
+    late = decide(obs(), LoopState(tight, last_change=ago(121), last_pressure=ago(121)), SPEC, NOW)
+    assert late.direction == "up"
+    assert late.state.budgets.max_prefill_tokens == 1024 + 819  # + 0.1 x ceiling 8192, rounded
+    assert late.state.budgets.max_decode_tokens == 256  # already at its ceiling (= initial)
+
+
+def test_overload_auto_on_and_off_with_hysteresis() -> None:
+    on = decide(obs(memory_ratio=0.97), LoopState(START), SPEC, NOW)
+    assert on.state.overload == "On" and "rssHardFraction 95%" in on.reason
+    stays = decide(obs(), LoopState(START, overload="On", last_overload_trigger=ago(30)), SPEC, NOW)
+    assert stays.state.overload == "On" and not stays.overload_changed
+    off = decide(obs(), LoopState(START, overload="On", last_overload_trigger=ago(121)), SPEC, NOW)
+    assert off.state.overload == "Off" and "no overload trigger for 120s" in off.reason
+    latency = decide(obs(p99_latency_seconds=75.0), LoopState(START), SPEC, NOW)
+    assert latency.state.overload == "On" and "p99 latency 75.0s > 60s" in latency.reason
+
+
+def test_overload_forced_by_spec() -> None:
+    forced = SPEC.model_copy(update={"overload": SPEC.overload.model_copy(update={"mode": "On"})})
+    assert decide(obs(), LoopState(START), forced, NOW).state.overload == "On"
+
+
+def test_leak_warn_and_restart() -> None:
+    slope = 3 * 2**20  # 3 MiB/s = 180 MiB/min
+    warn = decide(obs(rss_slope_bytes_per_second=slope), LoopState(START), SPEC, NOW)
+    assert warn.leak_suspected is True and not warn.restart
+    assert "RSS grows 180 MiB/min > 60 MiB/min" in warn.reason
+    restart_spec = SPEC.model_copy(update={"control": SPEC.control.model_copy(update={"leak_action": "Restart"})})
+    first = decide(obs(rss_slope_bytes_per_second=slope), LoopState(START), restart_spec, NOW)
+    assert first.restart and first.state.last_restart == NOW
+    again = decide(obs(rss_slope_bytes_per_second=slope), first.state, restart_spec, NOW + timedelta(seconds=60))
+    assert not again.restart  # at most once per leak window
+    assert decide(obs(rss_slope_bytes_per_second=None), LoopState(START), SPEC, NOW).leak_suspected is None
+
+
+def test_decrease_and_increase_arithmetic() -> None:
+    lower, upper = floors(SPEC.batching), ceilings(SPEC.batching)
+    b = Budgets.model_validate({"maxPrefillTokens": 257, "maxDecodeTokens": 16, "maxBatchRequests": 3,
+                                "maxConcurrentBatches": 2, "queueTimeoutSeconds": 1.5})
+    d = decrease(b, 0.5, lower, BUDGET_FIELDS)
+    assert (d.max_prefill_tokens, d.max_decode_tokens, d.max_batch_requests, d.max_concurrent_batches,
+            d.queue_timeout_seconds) == (256, 16, 1, 1, 1.0)
+    assert increase(d, 0.1, upper).max_prefill_tokens == 256 + 819
+    assert increase(upper, 0.1, upper) == upper
+
+
+budget_values = st.fixed_dictionaries({
+    "max_prefill_tokens": st.integers(256, 8192), "max_decode_tokens": st.integers(16, 256),
+    "max_batch_requests": st.integers(1, 32), "max_long_requests_per_batch": st.integers(1, 4),
+    "max_concurrent_batches": st.integers(1, 2), "max_queue_requests": st.integers(1, 64),
+    "queue_timeout_seconds": st.floats(1.0, 30.0),
+})
+maybe = st.one_of(st.none(), st.floats(0, 1e4, allow_nan=False))
+maybe_time = st.one_of(st.none(), st.integers(0, 7200).map(lambda s: NOW - timedelta(seconds=s)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(values=budget_values, skew=maybe, memory=st.one_of(st.none(), st.floats(0, 2, allow_nan=False)),
+       ooms=st.integers(0, 3), error=st.sampled_from([None, "down"]), reporting=st.sampled_from([PODS, ("w-0",), ()]),
+       last_change=maybe_time, last_pressure=maybe_time)
+def test_budgets_stay_within_floors_and_ceilings_and_blind_never_loosens(
+        values: dict[str, Any], skew: float | None, memory: float | None, ooms: int, error: str | None,
+        reporting: tuple[str, ...], last_change: datetime | None, last_pressure: datetime | None) -> None:
+    budgets = Budgets.model_validate(values)
+    o = Observation(NOW, skew_ratio=skew, memory_ratio=memory, expected_pods=PODS, reporting_pods=reporting,
+                    new_oom_kills=ooms, error=error)
+    d = decide(o, LoopState(budgets, last_change=last_change, last_pressure=last_pressure), SPEC, NOW)
+    lower, upper = floors(SPEC.batching), ceilings(SPEC.batching)
+    for name in BUDGET_FIELDS:
+        new, old = getattr(d.state.budgets, name), getattr(budgets, name)
+        assert getattr(lower, name) <= new or new == old
+        assert new <= max(getattr(upper, name), old)
+        if not o.fully_visible:
+            assert new <= old, f"{name} loosened while blind"
+        if d.direction == "down":
+            assert new <= old
+    if ooms:
+        assert d.direction == "down" or d.state.budgets == budgets

@@ -1,0 +1,151 @@
+"""``moeguard``: one command for the operator, the worker, the demo, the benchmarks and planning.
+
+    moeguard operator run -A --standalone --prometheus-url http://127.0.0.1:19090
+    moeguard worker serve --preset tiny --port 8000
+    moeguard demo [--keep]
+    moeguard bench replay --url http://127.0.0.1:8000 --limit 200     (any bench.loadgen arguments)
+    moeguard plan --preset tiny --memory 8Gi [--skew 4] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from moeguard_cli.plan import DTYPE_BYTES, PlanInput, batching_yaml, estimate
+
+ROOT = Path(__file__).resolve().parents[2]
+PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+app = typer.Typer(help="moeguard: memory-safe Mixture-of-Experts inference on Kubernetes.", no_args_is_help=True,
+                  add_completion=False)
+operator_app = typer.Typer(help="The Kubernetes operator (kopf).", no_args_is_help=True)
+worker_app = typer.Typer(help="The torch MoE worker.", no_args_is_help=True)
+app.add_typer(operator_app, name="operator")
+app.add_typer(worker_app, name="worker")
+console = Console()
+
+
+@operator_app.command("run", context_settings=PASS_THROUGH)
+def operator_run(ctx: typer.Context) -> None:
+    """Run the operator; every argument goes to `python -m moeguard_operator` (try `--help`)."""
+    from moeguard_operator.__main__ import main
+
+    main(list(ctx.args))
+
+
+@worker_app.command("serve")
+def worker_serve(
+    preset: str = typer.Option(None, help="model preset (env MOEGUARD_MODEL_PRESET)"),
+    port: int = typer.Option(None, help="HTTP port (env MOEGUARD_PORT)"),
+) -> None:
+    """Serve the worker (OpenAI /v1/completions, /metrics, /healthz, /readyz); the rest of its
+    configuration comes from the environment, as the operator sets it (moeguard_runtime.contract)."""
+    from moeguard_runtime import contract
+
+    if preset:
+        os.environ[contract.ENV_MODEL_PRESET] = preset
+    if port:
+        os.environ[contract.ENV_PORT] = str(port)
+    from moeguard_runtime.__main__ import main
+
+    raise typer.Exit(main())
+
+
+@app.command("demo", context_settings=PASS_THROUGH)
+def demo(ctx: typer.Context) -> None:
+    """The end-to-end demo (hack/demo.py, from a source checkout): control plane, operator, workers,
+    traffic, the closed loop. Arguments go to hack/demo.py (e.g. --keep)."""
+    script = ROOT / "hack" / "demo.py"
+    if not script.exists():
+        console.print("[red]moeguard demo needs a source checkout (hack/demo.py is not installed)[/red]")
+        raise typer.Exit(2)
+    raise typer.Exit(subprocess.call([sys.executable, str(script), *ctx.args]))
+
+
+@app.command("bench", context_settings=PASS_THROUGH)
+def bench(ctx: typer.Context) -> None:
+    """The load generator: `moeguard bench replay|burst --url URL ...` (bench.loadgen; shows a progress
+    bar unless --no-progress)."""
+    sys.path.insert(0, str(ROOT))
+    from bench.loadgen.__main__ import main
+
+    raise typer.Exit(main(list(ctx.args)))
+
+
+def parse_memory(text: str) -> int:
+    """A Kubernetes memory quantity (``8Gi``, ``512Mi``, ``1G``) in bytes."""
+    from kubernetes.utils.quantity import parse_quantity
+
+    try:
+        return int(parse_quantity(text))
+    except ValueError as exc:
+        raise typer.BadParameter(f"not a memory quantity: {text!r}") from exc
+
+
+def parse_shape(text: str) -> dict[str, int]:
+    """``n_layer=32,dim=4096,...`` → a dict of ModelArgs fields."""
+    out = {}
+    for part in filter(None, text.split(",")):
+        key, _, value = part.partition("=")
+        if not value:
+            raise typer.BadParameter(f"expected key=value, got {part!r}")
+        out[key.strip()] = int(value)
+    return out
+
+
+@app.command("plan")
+def plan(
+    memory: str = typer.Option(..., "--memory", "-m", help="memory limit (Kubernetes quantity): the container's "
+                               "hardLimit on CPU, the GPU's memory on a GPU"),
+    preset: str = typer.Option("tiny", help="model preset (moeguard_runtime.presets)"),
+    shape: str = typer.Option("", help="shape overrides, e.g. n_layer=32,dim=4096,num_experts=8,top_k=2"),
+    dtype: str = typer.Option("bfloat16", help="weight and activation dtype: " + ", ".join(DTYPE_BYTES)),
+    skew: float = typer.Option(4.0, help="expert skew ratio to plan for (top / median expert tokens)"),
+    headroom: float = typer.Option(0.10, help="fraction of the limit kept free"),
+    overhead: str = typer.Option("512Mi", help="CUDA context, allocator and process overhead"),
+    concurrent_batches: int = typer.Option(2, help="maxConcurrentBatches"),
+) -> None:
+    """Print starting budgets for a model and a memory limit, with the arithmetic (a documented
+    estimate until the measured memory model lands; see moeguard_cli/plan.py)."""
+    import dataclasses
+
+    from moeguard_runtime.presets import get_preset
+
+    if dtype not in DTYPE_BYTES:
+        raise typer.BadParameter(f"dtype must be one of {', '.join(DTYPE_BYTES)}", param_hint="--dtype")
+    try:
+        args = get_preset(preset)
+    except KeyError as exc:
+        raise typer.BadParameter(str(exc.args[0]), param_hint="--preset") from None
+    try:
+        args = dataclasses.replace(args, **parse_shape(shape))
+    except TypeError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--shape") from None
+    result = estimate(PlanInput(args=args, memory_bytes=parse_memory(memory), dtype=dtype, skew=skew,
+                                headroom=headroom, overhead_bytes=parse_memory(overhead),
+                                concurrent_batches=concurrent_batches))
+    table = Table(title=f"plan: {preset} in {memory} ({dtype}, skew {skew})")
+    for col in ("term", "value", "arithmetic"):
+        table.add_column(col)
+    for row in result.lines:
+        table.add_row(*row)
+    console.print(table)
+    if not result.fits:
+        console.print("[red]does not fit: the weights and overhead leave no room for a 16-token prefill[/red]")
+        raise typer.Exit(1)
+    console.print(batching_yaml(result), markup=False)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
