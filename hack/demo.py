@@ -24,14 +24,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.loadgen.client import burst, replay  # noqa: E402
-from bench.loadgen.records import RunResult  # noqa: E402
-from bench.loadgen.stats import summarize  # noqa: E402
-from bench.loadgen.text import repetitive_prompt  # noqa: E402
-from bench.loadgen.trace import load_schedule  # noqa: E402
-from hack import stack  # noqa: E402
-from moeguard_operator.observe import skew_query  # noqa: E402
-from moeguard_runtime.contract import METRIC_PROCESS_RSS_BYTES  # noqa: E402
+from bench.loadgen.client import burst, replay
+from bench.loadgen.records import RunResult
+from bench.loadgen.stats import summarize
+from bench.loadgen.text import repetitive_prompt
+from bench.loadgen.trace import load_schedule
+from hack import stack
+
+from moeguard_operator.observe import skew_query
+from moeguard_runtime.contract import METRIC_PROCESS_RSS_BYTES
 
 NAMESPACE = "moeguard-demo"
 NAME = "mixtral-tiny"

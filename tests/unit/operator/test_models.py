@@ -32,7 +32,7 @@ def test_negative_budget_names_the_field() -> None:
 
 
 def test_floor_above_initial_is_rejected() -> None:
-    with pytest.raises(ValidationError, match="floors.maxPrefillTokens must be <= batching.maxPrefillTokens"):
+    with pytest.raises(ValidationError, match=r"floors\.maxPrefillTokens must be <= batching\.maxPrefillTokens"):
         MoEInferenceServiceSpec.model_validate({"batching": {"maxPrefillTokens": 128, "floors": {"maxPrefillTokens": 256}}})
 
 
@@ -42,7 +42,7 @@ def test_unknown_field_is_rejected() -> None:
 
 
 def test_ceiling_below_initial_is_rejected() -> None:
-    with pytest.raises(ValidationError, match="batching.maxDecodeTokens must be <= batching.ceilings.maxDecodeTokens"):
+    with pytest.raises(ValidationError, match=r"batching\.maxDecodeTokens must be <= batching\.ceilings\.maxDecodeTokens"):
         MoEInferenceServiceSpec.model_validate({"batching": {"maxDecodeTokens": 256, "ceilings": {"maxDecodeTokens": 128}}})
 
 

@@ -8,7 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moeguard_operator.models import BUDGET_FIELDS, MoEInferenceServiceSpec
-from moeguard_operator.policy import LoopState, Observation, ceilings, decide, decrease, floors, initial_budgets, increase
+from moeguard_operator.policy import (
+    LoopState,
+    Observation,
+    ceilings,
+    decide,
+    decrease,
+    floors,
+    increase,
+    initial_budgets,
+)
 from moeguard_runtime.contract import Budgets
 
 pytestmark = pytest.mark.unit

@@ -97,3 +97,72 @@ def test_skew_ratio_and_balancedness(counts: list[int], skew: float, balancednes
     assert s.balancedness == pytest.approx(balancedness)
     assert s.routed_slots == sum(counts)
     assert s.top_expert_tokens == max(counts)
+
+
+def test_capacity_follows_deepspeed_formula() -> None:
+    from moeguard_runtime.moe import expert_capacity
+
+    assert expert_capacity(100, 2, 8, 1.25) == 32  # ceil(100*2/8*1.25) = ceil(31.25)
+    assert expert_capacity(3, 2, 8, 1.0) == 4  # min_capacity
+    assert expert_capacity(64, 1, 8, 2.0, min_capacity=1) == 16
+
+
+def test_capacity_drops_and_counts_overflow_first_choices_first() -> None:
+    gate, w1, w2, w3 = _weights()
+    x = torch.randn(1, 32).expand(40, 32).contiguous()  # every token picks the same 2 experts
+    weights, experts = route(x @ gate.T, 2)
+    out, counts, overflow = grouped_expert_forward(x, weights, experts, w1, w2, w3, capacity=10)
+    assert sorted(counts.tolist())[-2:] == [40, 40] and overflow == 60
+    # tokens 0..9 keep both experts (renormalized weights = the dropless ones); others get nothing
+    full, _, _ = grouped_expert_forward(x, weights, experts, w1, w2, w3)
+    torch.testing.assert_close(out[:10], full[:10], rtol=1e-5, atol=1e-5)
+    assert float(out[10:].abs().max()) == 0.0
+    ff = MOEFeedForward(32, 48, 8, 2, capacity_factor=1.0)
+    for p in ff.parameters():
+        torch.nn.init.normal_(p)
+    with torch.no_grad():
+        _, stats = ff(x)
+    assert stats.overflow_tokens == 80 - 2 * 10  # capacity ceil(40*2/8*1) = 10 per expert
+
+
+def test_dropless_is_the_default() -> None:
+    ff = MOEFeedForward(32, 48, 8, 2)
+    assert ff.capacity_factor == 0.0
+    for p in ff.parameters():
+        torch.nn.init.normal_(p)
+    with torch.no_grad():
+        _, stats = ff(torch.randn(1, 32).expand(64, 32).contiguous())
+    assert stats.overflow_tokens == 0 and stats.routed_slots == 128
+
+
+def test_memory_returns_to_baseline_after_a_batch() -> None:
+    """malloc's bytes in use (glibc mallinfo2) after a prefill batch and the release
+    of its KV cache equal those before it, within 256 KiB, though the batch
+    itself allocated far more (activations, expert buffers, the KV cache)."""
+    from moeguard_runtime.engine import Engine
+    from moeguard_runtime.model import build_model
+    from moeguard_runtime.presets import ModelArgs
+    from moeguard_runtime.procmem import malloc_in_use
+
+    if malloc_in_use() is None:
+        pytest.skip("needs glibc mallinfo2")
+    args = ModelArgs(n_layer=2, dim=256, n_head=4, n_kv_head=2, intermediate_size=512,
+                     num_experts=8, top_k=2, max_seq_len=2048)
+    engine = Engine(build_model(args, seed=0, expert_chunk_tokens=256))
+    prompt = [i % 256 for i in range(1500)]
+
+    def batch(name: str) -> int:
+        engine.add(name, prompt, 4)
+        engine.step([(name, len(prompt))], [])
+        peak = engine.kv_cache_bytes()
+        engine.release(name)
+        return peak
+
+    batch("warm-up")
+    before = malloc_in_use()
+    assert before is not None
+    kv = batch("measured")
+    after = malloc_in_use()
+    assert after is not None
+    assert kv > 2 << 20
+    assert abs(after - before) < 256 << 10, (before, after)

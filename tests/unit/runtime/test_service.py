@@ -115,3 +115,119 @@ def test_soft_limit_shrinks_hard_limit_refuses(setup: tuple[Worker, list[int], L
     worker._iteration()
     assert worker.scheduler.budgets.max_prefill_tokens == 64
     assert gauge(worker, "moeguard_memory_limit_state") == 0
+
+
+def test_operator_overload_document_switches_mode_and_context_cap(
+        setup: tuple[Worker, list[int], Lines]) -> None:
+    worker, _, lines = setup
+    b = Budgets(max_prefill_tokens=64, max_decode_tokens=8, max_batch_requests=4,
+                max_concurrent_batches=2)
+    data = BudgetDocument(generation=1, budgets=b, overload_mode="On",
+                          overload_max_context_tokens=100).to_configmap_data()
+    worker.on_budget_data(data)
+    worker._iteration()
+    assert worker.scheduler.budgets.max_concurrent_batches == 1
+    assert worker.scheduler.budgets.max_decode_tokens == 4
+    assert gauge(worker, "moeguard_overload_active", source="operator") == 1
+    with pytest.raises(Rejected) as exc:
+        worker.submit(GenerationRequest("r", [1] * 90, 20), lambda e: None)
+    assert exc.value.status == 503 and "must be <= 100 tokens (given 90 + 20 = 110)" in exc.value.message
+    assert any(ev == "overload_mode" and kw["active"] for ev, kw in lines.lines)
+    off = BudgetDocument(generation=2, budgets=b).to_configmap_data()
+    worker.on_budget_data(off)
+    worker._iteration()
+    assert worker.scheduler.budgets.max_concurrent_batches == 2
+    assert gauge(worker, "moeguard_overload_active", source="operator") == 0
+
+
+def test_budget_update_with_floor_above_ceiling_is_refused_and_counted(
+        setup: tuple[Worker, list[int], Lines]) -> None:
+    worker, _, lines = setup
+    bad = {"budget.json": json.dumps({"generation": 5, "budgets": {
+        "maxPrefillTokens": 64, "maxDecodeTokens": 4, "maxBatchRequests": 4,
+        "maxLongRequestsPerBatch": 8, "maxConcurrentBatches": 1}})}
+    worker.on_budget_data(bad)
+    worker._iteration()
+    assert worker.budget_generation == -1 and worker.scheduler.budgets.max_prefill_tokens == 64
+    assert gauge(worker, "moeguard_budget_updates_total", result="rejected") == 1
+    reason = next(kw["reason"] for ev, kw in lines.lines if ev == "budget_rejected")
+    assert reason == ("invalid budget.json: budgets.maxLongRequestsPerBatch 8 is above "
+                      "budgets.maxBatchRequests 4")
+
+
+def test_worker_self_trigger_overload_with_hold(setup: tuple[Worker, list[int], Lines]) -> None:
+    worker, usage, _ = setup
+    now = [0.0]
+    worker._clock = lambda: now[0]
+    usage[0] = 1500  # above soft
+    worker.check_memory(force=True)
+    assert worker.overload_sources["worker"] and worker.scheduler.overload
+    usage[0] = 100
+    now[0] = 1.0
+    worker.check_memory(force=True)
+    assert worker.scheduler.overload  # held for OVERLOAD_HOLD_S after the last trigger
+    now[0] = 6.5
+    worker.check_memory(force=True)
+    assert not worker.scheduler.overload
+    assert gauge(worker, "moeguard_overload_active", source="worker") == 0
+
+
+def test_env_overload_off_disables_the_self_trigger() -> None:
+    settings = load_settings({"MOEGUARD_SOFT_LIMIT_BYTES": "1000", "MOEGUARD_OVERLOAD_MODE": "Off"})
+    worker = Worker(settings, Engine(build_model(presets.get_preset("tiny"), seed=1)),
+                    Telemetry(LABELS, 8), RateLimitedLog(0.0, logger=Lines()), clock=lambda: 0.0,
+                    memory_reader=lambda: MemoryReading(5000, "rss"))
+    worker.check_memory(force=True)
+    assert not worker.scheduler.overload
+    on = load_settings({"MOEGUARD_OVERLOAD_MODE": "On"})
+    w2 = Worker(on, worker.engine, Telemetry(LABELS, 8), RateLimitedLog(0.0, logger=Lines()))
+    assert w2.scheduler.overload and w2.overload_sources["env"]
+
+
+@pytest.mark.parametrize("error", [MemoryError("cannot allocate"), None])
+def test_out_of_memory_in_a_batch_fails_it_and_the_worker_goes_on(
+        setup: tuple[Worker, list[int], Lines], error: Exception | None) -> None:
+    import torch
+
+    worker, _, lines = setup
+    exc = error or torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    real_step = worker.engine.step
+
+    def boom(*a: object, **k: object) -> object:
+        raise exc
+
+    worker.engine.step = boom  # type: ignore[method-assign]
+    events: list[Event] = []
+    worker.submit(GenerationRequest("r1", tokenizer.encode("hello"), 3), events.append)
+    worker._iteration()
+    kind = "host" if error else "cuda"
+    assert events[-1].kind == "error" and events[-1].status == 503
+    assert events[-1].reason == "out_of_memory" and f"out of memory ({kind})" in events[-1].message
+    assert gauge(worker, "moeguard_oom_errors_total", kind=kind) == 1
+    assert any(ev == "inference_oom" and kw["kind"] == kind for ev, kw in lines.lines)
+    worker.engine.step = real_step  # type: ignore[method-assign]
+    ok: list[Event] = []
+    worker.submit(GenerationRequest("r2", tokenizer.encode("hello"), 2), ok.append)
+    for _ in range(5):
+        worker._iteration()
+    assert ok[-1].kind == "finish" and worker.engine.sequences == {}
+    assert worker.scheduler.queue_requests == 0 and worker.scheduler.running_requests == 0
+
+
+def test_events_and_stage_metrics(setup: tuple[Worker, list[int], Lines]) -> None:
+    worker, _, lines = setup
+    worker.submit(GenerationRequest("r", tokenizer.encode("x" * 40), 3), lambda e: None)
+    for _ in range(5):
+        worker._iteration()
+    start = next(kw for ev, kw in lines.lines if ev == "inference_batch_start")
+    assert start == {"step": 0, "batch": 0, "requests": 1, "input_tokens": 41,
+                     "longest_request": 41, "active_decode_sequences": 0, "concurrent_batches": 1}
+    routing = next(kw for ev, kw in lines.lines if ev == "moe_routing_stats")
+    assert routing["layers"] == 2 and len(str(routing["skew_ratio"]).split(",")) == 2
+    assert routing["overflow_tokens"] == "0,0"
+    snap = next(kw for ev, kw in lines.lines if ev == "memory_snapshot")
+    assert snap["stage"] == "post_pack_pre_forward" and int(str(snap["rss_bytes"])) > 0
+    assert {"rss_anonymous_bytes", "python_allocated_blocks", "gpu_allocated_bytes",
+            "gpu_reserved_bytes", "pinned_bytes"} <= set(snap)
+    for stage in ("queue", "prefill", "routing", "expert", "decode", "postprocess"):
+        assert (gauge(worker, "moeguard_stage_duration_seconds_count", stage=stage) or 0) >= 1, stage
