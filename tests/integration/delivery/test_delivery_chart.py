@@ -224,15 +224,17 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(timeout=5)
 
 
-def _adopt_existing_crd(cluster: Any, release: str, namespace: str) -> None:
-    """The CRD may already be in this shared cluster (applied from crds/ by other tests). Helm adopts an
-    existing object that carries its ownership metadata — the documented path for moving from
-    `kubectl apply -f crds/` to the chart."""
-    if cluster.kubectl("get", "crd", CRD_NAME, check=False).returncode != 0:
-        return
-    cluster.kubectl("label", "--overwrite", "crd", CRD_NAME, "app.kubernetes.io/managed-by=Helm")
-    cluster.kubectl("annotate", "--overwrite", "crd", CRD_NAME, f"meta.helm.sh/release-name={release}",
-                    f"meta.helm.sh/release-namespace={namespace}")
+def _adopt_existing_crds(cluster: Any, release: str, namespace: str) -> None:
+    """The chart's CRDs may already be in this shared cluster: applied from crds/ by other tests, or kept
+    (crds.keep) by an earlier release. Helm adopts an existing object that carries its ownership
+    metadata — the documented path from `kubectl apply -f crds/`, or from an uninstalled release, to a
+    new release."""
+    for name in (CRD_NAME, "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"):
+        if cluster.kubectl("get", "crd", name, check=False).returncode != 0:
+            continue
+        cluster.kubectl("label", "--overwrite", "crd", name, "app.kubernetes.io/managed-by=Helm")
+        cluster.kubectl("annotate", "--overwrite", "crd", name, f"meta.helm.sh/release-name={release}",
+                        f"meta.helm.sh/release-namespace={namespace}")
 
 
 def test_install_reconcile_upgrade_uninstall(cluster: Any, helm: Any, tmp_path: Path) -> None:
@@ -250,7 +252,7 @@ def test_install_reconcile_upgrade_uninstall(cluster: Any, helm: Any, tmp_path: 
     fullname = f"{release}-moeguard"
     proc: subprocess.Popen[bytes] | None = None
     try:
-        _adopt_existing_crd(cluster, release, ns)
+        _adopt_existing_crds(cluster, release, ns)
         helm("install", release, str(CHART), *base, timeout=200)
         assert _deployment_available(cluster, ns, fullname, 1)
         assert cluster.kubectl("get", "crd", CRD_NAME).returncode == 0
