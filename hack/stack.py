@@ -148,8 +148,9 @@ def worker_urls(namespace: str, moeis: str, run_dir: Path = RUN_DIR) -> list[str
 
 
 def healthy(url: str) -> bool:
+    """The worker is ready to serve (``/readyz`` is 200: model loaded, below the hard limit)."""
     try:
-        return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+        return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
 

@@ -83,7 +83,9 @@ def cluster() -> Iterator[Cluster]:
     if not kubectl.exists():
         pytest.skip(f"{kubectl} is missing: build the control plane with hack/build-binaries.sh")
     c = Cluster(RUN_DIR, RUN_DIR / "kubeconfig", PROMETHEUS_URL, kubectl)
-    c.started_here = not _healthy(c)
+    # Tear down at the end only a cluster this session brought up from nothing: one that was
+    # there but had a dead part (say, a test stopped Prometheus) is repaired and left running.
+    c.started_here = not c.kubeconfig.exists()
     # Always: on a running cluster it only checks every part (0.2 s) and restarts a dead one.
     env = {**os.environ, "MOEGUARD_RUN_DIR": str(RUN_DIR)}
     res = subprocess.run([str(HACK / "cluster-up.sh")], env=env, capture_output=True, text=True, timeout=600)

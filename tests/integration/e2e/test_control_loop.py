@@ -1,0 +1,193 @@
+"""The outer loop against real failures: Prometheus going away (C7), a silent pod (C8),
+an OOM kill, scaling, and what rolls the workers and what does not.
+
+Scale: the scenarios' minutes become seconds here (query interval 2 s, window 10 s,
+stabilization 6 s); the shapes are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+import pytest
+
+from bench.loadgen.text import prompt_of_length, repetitive_prompt
+from hack import stack
+from tests.integration.conftest import Cluster, PodWorkers
+from tests.integration.e2e.test_moeis_e2e import get, moeis, operator, wait, wait_cr  # noqa: F401
+
+SPEC: dict[str, Any] = {
+    "model": {"preset": "tiny"},
+    "replicas": 1,
+    "resources": {"gpus": 1, "softLimit": "3Gi", "hardLimit": "4Gi"},
+    "batching": {"maxPrefillTokens": 2048, "maxDecodeTokens": 64, "maxBatchRequests": 16, "maxConcurrentBatches": 2,
+                 "floors": {"maxPrefillTokens": 256}},
+    "control": {"queryIntervalSeconds": 2, "windowSeconds": 10, "skewThreshold": 8, "cooldownSeconds": 2,
+                "stabilizationWindowSeconds": 6},
+}
+
+
+def reasons(cluster: Cluster, ns: str, name: str) -> list[tuple[str, str, str]]:
+    items = cluster.kubectl_json("-n", ns, "get", "events", "--field-selector", f"involvedObject.name={name}")["items"]
+    return [(e["type"], e["reason"], e["message"]) for e in items]
+
+
+def cond(obj: dict[str, Any], type_: str) -> dict[str, Any]:
+    found = stack.condition(obj, type_)
+    assert found is not None, f"no {type_} condition in {obj.get('status')}"
+    return found
+
+
+def start(cluster: Cluster, ns: str, name: str, pod_workers: PodWorkers, **overrides: Any) -> list[str]:
+    """Apply the resource, wait for Ready and for its workers; returns their URLs."""
+    cluster.kubectl("-n", ns, "apply", "-f", "-", input=moeis(name, **(SPEC | overrides)))
+    obj = wait_cr(cluster, ns, name, lambda o: stack.condition(o, "Ready") is not None
+                  and cond(o, "Ready")["status"] == "True", 180, "Ready=True")
+    pods = cluster.kubectl_json("-n", ns, "get", "pods", "-l", f"app.kubernetes.io/instance={name}")["items"]
+    urls = [pod_workers.wait_for(f"{ns}/{p['metadata']['name']}", 60)["url"] for p in pods]
+    for url in urls:
+        wait(lambda u=url: stack.healthy(u), 120, "worker /healthz")
+    assert len(urls) == obj["spec"]["replicas"]
+    return urls
+
+
+def complete(url: str, prompt: str, max_tokens: int = 2) -> None:
+    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens}, timeout=120)
+    assert r.status_code == 200, r.text
+
+
+def prometheus_pid(cluster: Cluster) -> int:
+    return int((cluster.run_dir / "pids" / "prometheus.pid").read_text())
+
+
+@pytest.fixture
+def restore_prometheus(cluster: Cluster) -> Iterator[None]:
+    yield
+    if not stack.prom_query("vector(1)"):
+        subprocess.run([str(stack.ROOT / "hack" / "cluster-up.sh")], env={**os.environ, "MOEGUARD_RUN_DIR": str(cluster.run_dir)},
+                       check=True, capture_output=True, timeout=300)
+
+
+def test_c7_prometheus_goes_away_budgets_hold_then_control_resumes(
+        cluster: Cluster, operator: None, pod_workers: PodWorkers, namespace: str, restore_prometheus: None) -> None:
+    ns, name = namespace, "c7"
+    (url,) = start(cluster, ns, name, pod_workers)
+    for i in range(4):
+        complete(url, repetitive_prompt(512, 0), max_tokens=1 + i % 2)
+    tight = wait_cr(cluster, ns, name, lambda o: o["status"]["budgets"]["maxPrefillTokens"] < 2048, 60, "tightened")
+    held = tight["status"]["budgets"]
+
+    os.kill(prometheus_pid(cluster), signal.SIGTERM)
+    # (While Prometheus shuts down it may first answer with empty results: also blind.)
+    blind = wait_cr(cluster, ns, name, lambda o: "Prometheus at http://127.0.0.1:" in cond(o, "MetricsAvailable")["message"],
+                    30, "MetricsAvailable=False, Prometheus unreachable")
+    c = cond(blind, "MetricsAvailable")
+    assert c["status"] == "False" and c["reason"] == "MetricsUnavailable"
+    assert "failed: ConnectionError" in c["message"] and "budgets held, nothing loosens" in c["message"]
+    assert blind["status"]["observed"].get("skewRatio") is None  # missing is absent, never 0
+    # Longer than the stabilization window: with sight, budgets would climb; blind, they hold.
+    time.sleep(12)
+    still = get(cluster, ns, name)
+    assert still["status"]["budgets"] == held
+    assert cond(still, "MetricsAvailable")["status"] == "False"
+    assert ("Warning", "MetricsUnavailable") in [(t, r) for t, r, _ in reasons(cluster, ns, name)]
+    assert "BudgetRelaxed" not in [r for _, r, _ in reasons(cluster, ns, name)]
+
+    subprocess.run([str(stack.ROOT / "hack" / "cluster-up.sh")], env={**os.environ, "MOEGUARD_RUN_DIR": str(cluster.run_dir)},
+                   check=True, capture_output=True, timeout=300)
+    # Normal traffic brings skew down; once Prometheus sees it, normal control resumes and budgets climb.
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        complete(url, prompt_of_length(300, offset=5000))
+        obj = get(cluster, ns, name)
+        if obj["status"]["budgets"]["maxPrefillTokens"] > held["maxPrefillTokens"]:
+            break
+        time.sleep(1)
+    else:
+        pytest.fail(f"budgets never climbed after Prometheus returned: {obj['status']}")
+    assert cond(obj, "MetricsAvailable")["status"] == "True"
+    assert "BudgetRelaxed" in [r for _, r, _ in reasons(cluster, ns, name)]
+
+
+def test_c8_one_silent_pod_is_named_and_never_read_as_healthy(
+        cluster: Cluster, operator: None, pod_workers: PodWorkers, namespace: str) -> None:
+    ns, name = namespace, "c8"
+    urls = start(cluster, ns, name, pod_workers, replicas=3)
+    state = {k: v for k, v in pod_workers.state().items() if k.startswith(f"{ns}/")}
+    silent_key = sorted(state)[0]
+    silent_pod = silent_key.split("/", 1)[1]
+    for url in urls:
+        complete(url, prompt_of_length(300))
+    wait_cr(cluster, ns, name, lambda o: cond(o, "MetricsAvailable")["status"] == "True", 60, "all pods reporting")
+    pid = state[silent_key]["pid"]
+    os.kill(pid, signal.SIGSTOP)  # the process stays, its /metrics stops answering
+    try:
+        obj = wait_cr(cluster, ns, name, lambda o: o["status"].get("observed", {}).get("silentPods") == [silent_pod],
+                      60, f"{silent_pod} named silent")
+        c = cond(obj, "MetricsAvailable")
+        assert c["status"] == "False" and c["reason"] == "SilentPods" and silent_pod in c["message"]
+        warnings = [(r, m) for t, r, m in reasons(cluster, ns, name) if t == "Warning"]
+        assert any(r == "SilentPods" and silent_pod in m for r, m in warnings), warnings
+        up = cluster.prometheus_query(f'up{{namespace="{ns}",pod="{silent_pod}"}}')
+        assert up and up[0]["value"][1] == "0"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_cr(cluster, ns, name, lambda o: o["status"]["observed"]["silentPods"] == [], 60, "silent pod back")
+
+
+def test_oom_kill_tightens_at_once_scale_and_rollout(
+        cluster: Cluster, operator: None, pod_workers: PodWorkers, namespace: str) -> None:
+    ns, name = namespace, "oom"
+    start(cluster, ns, name, pod_workers, control=SPEC["control"] | {"queryIntervalSeconds": 3600})
+    dep_gen = cluster.kubectl_json("-n", ns, "get", "deployment", f"{name}-worker")["metadata"]["generation"]
+    pod = cluster.kubectl_json("-n", ns, "get", "pods", "-l", f"app.kubernetes.io/instance={name}")["items"][0]
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    status = {"status": {"containerStatuses": [{
+        "name": "worker", "ready": True, "restartCount": 1, "image": pod["spec"]["containers"][0]["image"],
+        "imageID": "", "started": True, "state": {"running": {"startedAt": now}},
+        "lastState": {"terminated": {"reason": "OOMKilled", "exitCode": 137, "startedAt": now, "finishedAt": now}},
+    }]}}
+    t0 = time.monotonic()
+    cluster.kubectl("-n", ns, "patch", "pod", pod["metadata"]["name"], "--subresource=status", "--type=merge",
+                    "-p", json.dumps(status))
+    # queryIntervalSeconds is an hour: only the OOM kill can make this move, and it must not wait.
+    obj = wait_cr(cluster, ns, name, lambda o: o["status"].get("observed", {}).get("oomKills") == 1, 30, "OOM kill seen")
+    assert time.monotonic() - t0 < 15
+    b = obj["status"]["budgets"]
+    assert (b["maxPrefillTokens"], b["maxDecodeTokens"], b["maxBatchRequests"]) == (1024, 32, 8)
+    assert "1 OOM kill(s)" in obj["status"]["lastAdjustment"]["reason"]
+    assert obj["status"]["overloadMode"] == "On" and cond(obj, "Overloaded")["status"] == "True"
+    assert ("Warning", "OOMKilled") in [(t, r) for t, r, _ in reasons(cluster, ns, name)]
+    cm = cluster.kubectl_json("-n", ns, "get", "configmap", f"{name}-budget")
+    doc = json.loads(cm["data"]["budget.json"])
+    assert doc["overloadMode"] == "On" and doc["budgets"]["maxDecodeTokens"] == 32
+    # A budget change travels through the ConfigMap: the workers do not roll.
+    assert cluster.kubectl_json("-n", ns, "get", "deployment", f"{name}-worker")["metadata"]["generation"] == dep_gen
+
+    # The scale subresource: kubectl scale works on the resource itself.
+    cluster.kubectl("-n", ns, "scale", "moeis", name, "--replicas=2")
+    wait(lambda: cluster.kubectl_json("-n", ns, "get", "deployment", f"{name}-worker")["spec"]["replicas"] == 2,
+         30, "Deployment scaled to 2")
+    wait_cr(cluster, ns, name, lambda o: o["status"].get("readyReplicas") == 2, 120, "2 ready replicas")
+
+    # A spec change rolls the workers.
+    cluster.kubectl("-n", ns, "patch", "moeis", name, "--type=merge", "-p", json.dumps({"spec": {"ucx": {"mode": "rcache"}}}))
+    def rolled() -> dict[str, Any] | None:
+        d: dict[str, Any] = cluster.kubectl_json("-n", ns, "get", "deployment", f"{name}-worker")
+        return d if d["metadata"]["generation"] > dep_gen + 1 else None
+
+    dep = wait(rolled, 30, "Deployment rolled")
+    env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert "UCX_MEM_MMAP_HOOK_MODE" not in env and env["UCX_RCACHE_MAX_UNRELEASED"] == "1024"
+    # Nothing the operator wrote touched the spec (GitOps sees no drift).
+    final = cluster.kubectl_json("-n", ns, "get", "moeis", name, "--show-managed-fields")
+    managers = {m["manager"] for m in final["metadata"]["managedFields"] if "f:spec" in json.dumps(m.get("fieldsV1", {}))}
+    assert managers <= {"kubectl-client-side-apply", "kubectl", "kubectl-patch", "kubectl-scale"}, managers
