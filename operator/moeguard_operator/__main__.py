@@ -12,6 +12,7 @@ import logging
 import os
 
 import kopf
+import prometheus_client
 
 from moeguard_operator import handlers  # noqa: F401  (registers the handlers)
 from moeguard_operator.constants import PROMETHEUS_URL_ENV
@@ -36,10 +37,14 @@ def main(argv: list[str] | None = None) -> None:
     peering.add_argument("--standalone", action="store_true", help="no peering (one operator replica)")
     peering.add_argument("--peering", default=None, help="kopf peering object name (several replicas)")
     parser.add_argument("--liveness", default=None, help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve the operator's Prometheus metrics on this port (0.0.0.0)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(argv)
     if args.prometheus_url:
         os.environ[PROMETHEUS_URL_ENV] = args.prometheus_url
+    if args.metrics_port is not None:
+        prometheus_client.start_http_server(args.metrics_port, addr="0.0.0.0")
     kopf.configure(verbose=args.log_level == "DEBUG", quiet=args.log_level in ("WARNING", "ERROR"))
     if args.log_level != "DEBUG":
         for handler in logging.getLogger().handlers:

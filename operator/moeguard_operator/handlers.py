@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import kopf
 from pydantic import ValidationError
+from pydantic.alias_generators import to_camel
 
 from moeguard_operator import constants as c
 from moeguard_operator import kube, metrics
@@ -29,10 +30,17 @@ from moeguard_operator.builders import (
     worker_name,
 )
 from moeguard_operator.conditions import Status, get_condition, set_condition
-from moeguard_operator.models import MoEInferenceServiceSpec
+from moeguard_operator.models import BUDGET_FIELDS, MoEInferenceServiceSpec
 from moeguard_operator.observe import observe
 from moeguard_operator.podstate import PodFacts, pod_facts
-from moeguard_operator.policy import LoopState, Observation, ceilings, decide, initial_budgets
+from moeguard_operator.policy import (
+    LoopState,
+    Observation,
+    ceilings,
+    decide,
+    floors,
+    initial_budgets,
+)
 from moeguard_runtime.contract import (
     API_GROUP,
     API_VERSION,
@@ -370,6 +378,10 @@ def _outer_loop(
         (status.get("lastAdjustment") or {}).get("reason", "") if below and not decision.changed else
         (decision.reason if below else "budgets at their ceilings"), now, generation)
     metrics.PREFILL_BUDGET.labels(ns, name).set(nxt.budgets.max_prefill_tokens)
+    lowest = floors(parsed.batching)
+    for field in BUDGET_FIELDS:
+        at_floor = getattr(nxt.budgets, field) <= getattr(lowest, field)
+        metrics.BUDGET_AT_FLOOR.labels(ns, name, to_camel(field)).set(1 if at_floor else 0)
 
     if decision.overload_changed:
         kopf.info(body, reason=f"Overload{nxt.overload}", message=decision.reason)

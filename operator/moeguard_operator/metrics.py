@@ -18,3 +18,6 @@ PREFILL_BUDGET = Gauge(
     "moeguard_operator_budget_max_prefill_tokens", "maxPrefillTokens in effect, tokens.", LABELS)
 OVERLOAD = Gauge("moeguard_operator_overload", "1 while overload mode is on.", LABELS)
 OOM_KILLS = Counter("moeguard_operator_oom_kills_total", "OOMKilled worker containers seen.", LABELS)
+BUDGET_AT_FLOOR = Gauge(
+    "moeguard_operator_budget_at_floor", "1 while a budget sits at its floor (the loop can tighten no further).",
+    [*LABELS, "budget"])

@@ -19,10 +19,14 @@ from hack import stack
 from tests.integration.conftest import Cluster, PodWorkers
 
 
+OPERATOR_METRICS_PORT = 18081
+
+
 @pytest.fixture(scope="module")
 def operator(cluster: Cluster) -> Iterator[None]:
     stack.apply_crds(run_dir=cluster.run_dir)
-    proc = stack.start_operator(cluster.run_dir / "logs" / "operator-e2e.log", run_dir=cluster.run_dir)
+    proc = stack.start_operator(cluster.run_dir / "logs" / "operator-e2e.log", run_dir=cluster.run_dir,
+                                args=("-A", "--standalone", "--metrics-port", str(OPERATOR_METRICS_PORT)))
     time.sleep(1)
     assert proc.poll() is None, f"operator exited: see {cluster.run_dir}/logs/operator-e2e.log"
     yield
@@ -128,6 +132,11 @@ def test_closed_loop_end_to_end(cluster: Cluster, operator: None, pod_workers: P
     reasons = [e["reason"] for e in cluster.kubectl_json("-n", ns, "get", "events",
                "--field-selector", f"involvedObject.name={name}")["items"]]
     assert "BudgetTightened" in reasons
+    # The operator's own metrics say the same.
+    text = httpx.get(f"http://127.0.0.1:{OPERATOR_METRICS_PORT}/metrics", timeout=5).text
+    assert f'moeguard_operator_budget_changes_total{{direction="down",moeis="{name}",namespace="{ns}"}} 1.0' in text
+    assert f'moeguard_operator_budget_max_prefill_tokens{{moeis="{name}",namespace="{ns}"}} 1024.0' in text
+    assert f'moeguard_operator_budget_at_floor{{budget="maxPrefillTokens",moeis="{name}",namespace="{ns}"}} 0.0' in text
 
 
 def test_api_server_rejects_invalid_specs(cluster: Cluster, operator: None, namespace: str) -> None:
