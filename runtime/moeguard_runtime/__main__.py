@@ -49,7 +49,7 @@ def main() -> int:
     loader.start()  # /healthz answers and /readyz says "loading" meanwhile
     app = create_app(slot, settings.max_body_bytes)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
-                            access_log=False)
+                            access_log=False, timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)
     threading.Thread(target=_stop_on_failure, args=(failed, server), daemon=True).start()
     server.run()

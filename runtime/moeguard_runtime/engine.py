@@ -152,9 +152,16 @@ class Engine:
         return StepOutput(new_tokens, finished, routing, n_prefill, len(decode))
 
 
+MIN_TEMPERATURE = 1e-5
+"""Below this, sampling is greedy: ``logits / 1e-234`` overflows to inf and softmax to NaN."""
+
+
 def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
-    """One token from ``[V]`` logits: argmax if ``temperature <= 0``, else sampled."""
-    if temperature <= 0:
+    """One token from ``[V]`` logits: argmax if ``temperature < MIN_TEMPERATURE``, else
+    sampled from ``softmax(logits / temperature)`` (computed in float64)."""
+    if temperature < MIN_TEMPERATURE:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    if not bool(torch.isfinite(probs).all()):
+        return int(torch.argmax(logits))
     return int(torch.multinomial(probs, 1, generator=generator))

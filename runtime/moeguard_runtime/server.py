@@ -38,7 +38,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from moeguard_runtime import tokenizer
 from moeguard_runtime.scheduler import Rejected
@@ -50,22 +50,35 @@ MAX_TOKENS_LIMIT = 1_048_576
 
 
 class CompletionRequest(BaseModel):
-    """The body of ``POST /v1/completions`` (strict types: ``"5"`` is not an integer)."""
+    """The body of ``POST /v1/completions``.
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    Types are strict, as JSON Schema states them: ``"5"`` and ``true`` are not
+    integers, while ``5.0`` is (JSON Schema's integers include numbers with a
+    zero fraction); ``"1"`` is not a number.
+    """
 
-    model: str | None = Field(default=None, max_length=256)
-    prompt: str = Field(description="Text to complete; at least one character.")
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(default=None, max_length=256, strict=True)
+    prompt: str = Field(min_length=1, strict=True,
+                        description="Text to complete; at least one character.")
     max_tokens: int = Field(default=16, ge=1, le=MAX_TOKENS_LIMIT,
                             description="Tokens to generate; prompt tokens + max_tokens must fit "
                                         "the model's context (GET /v1/models max_model_len).")
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="0 is greedy.")
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    stream: bool = False
+    stream: bool = Field(default=False, strict=True)
     n: int = Field(default=1, ge=1, le=1, description="Only 1 is supported.")
-    user: str | None = Field(default=None, max_length=256)
+    user: str | None = Field(default=None, max_length=256, strict=True)
     priority: Literal["interactive", "batch"] | None = Field(
         default=None, description="Queue class while overload mode is on (default interactive).")
+
+    @field_validator("max_tokens", "temperature", "seed", "n", mode="before")
+    @classmethod
+    def _numbers_only(cls, value: Any) -> Any:
+        if isinstance(value, (str, bool)):
+            raise ValueError(f"Input should be a JSON number, not {type(value).__name__}")
+        return value
 
 
 @dataclass
@@ -104,16 +117,23 @@ _ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error"
 _COMPLETIONS_OPENAPI: dict[str, Any] = {
     "requestBody": {"required": True, "content": {"application/json": {
         "schema": CompletionRequest.model_json_schema()}}},
-    "responses": {str(code): {"description": why, "content": {"application/json": {
-        "schema": _ERROR_SCHEMA}}} for code, why in (
-        (400, "invalid request"), (413, "body too large"), (429, "overloaded"),
-        (500, "inference failed"), (503, "unavailable"))},
+    "responses": {
+        "200": {"description": "The completion (JSON), or server-sent events when stream is true.",
+                "content": {"application/json": {"schema": {"type": "object"}},
+                            "text/event-stream": {"schema": {}}}},
+        **{str(code): {"description": why, "content": {"application/json": {
+            "schema": _ERROR_SCHEMA}}} for code, why in (
+            (400, "invalid request"), (413, "body too large"), (429, "overloaded"),
+            (500, "inference failed"), (503, "unavailable"))}},
 }
 
 
 def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
     """The FastAPI application serving ``slot.worker`` (once it is set)."""
     app = FastAPI(title="moeguard worker", version="1", docs_url=None, redoc_url=None)
+    openapi = json.loads(json.dumps(_COMPLETIONS_OPENAPI))  # the context is known only now
+    body_schema = openapi["requestBody"]["content"]["application/json"]["schema"]
+    body_schema["properties"]["max_tokens"]["maximum"] = slot.max_len - 1
     tel = slot.telemetry
     max_len = slot.max_len
 
@@ -165,7 +185,7 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    @app.post("/v1/completions", openapi_extra=_COMPLETIONS_OPENAPI)
+    @app.post("/v1/completions", openapi_extra=openapi)
     async def completions(request: Request) -> Response:
         raw = await read_body(request)
         if raw is None:
@@ -183,14 +203,14 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
             return invalid(f"request body must be a JSON object, given a {type(payload).__name__}")
         if "prompt" not in payload:
             return invalid("you must provide a prompt: the field 'prompt' is missing", "prompt")
+        if payload["prompt"] == "":
+            return invalid("invalid field 'prompt': the prompt must not be empty; given: \"\"",
+                           "prompt")
         try:
             body = CompletionRequest.model_validate(payload)
         except ValidationError as exc:
             message, param = describe_validation_error(exc)
             return invalid(message, param)
-        if not body.prompt:
-            return invalid("invalid field 'prompt': the prompt must not be empty; given: \"\"",
-                           "prompt")
         prompt = tokenizer.encode(body.prompt)
         if len(prompt) + body.max_tokens > max_len:
             return invalid(f"inputs tokens + max_new_tokens must be <= {max_len}. Given: "

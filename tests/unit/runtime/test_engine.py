@@ -91,3 +91,14 @@ def test_repeated_bytes_skew_far_more_than_english(model: torch.nn.Module) -> No
     print(f"\nskew per layer on tiny, {len(ENGLISH) + 1} tokens: english={english} repeated={repeated}")
     assert max(english) < 4.0
     assert max(repeated) > 10 * max(english)
+
+
+def test_tiny_temperature_is_greedy_not_nan() -> None:
+    """Found by schemathesis: temperature 1e-234 made logits/temperature infinite."""
+    from moeguard_runtime.engine import sample
+
+    logits = torch.tensor([0.1, 3.0, -2.0])
+    gen = torch.Generator().manual_seed(0)
+    assert sample(logits, 1.1446065092161173e-234, gen) == 1
+    assert sample(logits, 1e-300, gen) == 1
+    assert sample(logits, 1.0, gen) in (0, 1, 2)
