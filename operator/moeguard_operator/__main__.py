@@ -1,7 +1,8 @@
 """``python -m moeguard_operator``: run the operator (kopf) with moeguard's handlers.
 
 Flags mirror ``kopf run``: ``--namespace`` (repeatable) or ``--all-namespaces``,
-``--standalone`` (no peering) or ``--peering NAME``, ``--liveness URL``, and
+``--standalone`` (no peering) or ``--peering NAME`` with ``--priority N`` (active/standby
+replicas: the highest live priority works), ``--liveness URL``, ``--metrics-port``, and
 ``--prometheus-url`` (the default for resources whose spec names none).
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 
 import kopf
 import prometheus_client
@@ -36,6 +38,9 @@ def main(argv: list[str] | None = None) -> None:
     peering = parser.add_mutually_exclusive_group()
     peering.add_argument("--standalone", action="store_true", help="no peering (one operator replica)")
     peering.add_argument("--peering", default=None, help="kopf peering object name (several replicas)")
+    parser.add_argument("--priority", type=int, default=None,
+                        help="peering priority; the highest live one works, the others stand by "
+                             "(default with --peering: random, so that replicas differ)")
     parser.add_argument("--liveness", default=None, help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve the operator's Prometheus metrics on this port (0.0.0.0)")
@@ -49,11 +54,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.log_level != "DEBUG":
         for handler in logging.getLogger().handlers:
             handler.addFilter(_QuietTimerSuccess())
+    priority = args.priority
+    if args.peering and priority is None:
+        # kopf pauses *every* operator when two peers share a priority; replicas of one
+        # Deployment get the same flags, so each draws its own.
+        priority = secrets.randbelow(2**31 - 1) + 1
     kopf.run(
         clusterwide=args.all_namespaces or not args.namespace,
         namespaces=args.namespace,
         standalone=args.standalone or None,
         peering_name=args.peering,
+        priority=priority,
         liveness_endpoint=args.liveness,
     )
 

@@ -74,6 +74,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         prefix=c.ANNOTATION_PREFIX, key="last-handled-configuration"
     )
     settings.posting.level = logging.INFO
+    # A standby replica takes over this long after the active one stops renewing (kopf's default: 60 s).
+    settings.peering.lifetime = int(os.environ.get("MOEGUARD_PEERING_LIFETIME_SECONDS", "60"))
     settings.watching.server_timeout = 120
     kube.load_config()
 

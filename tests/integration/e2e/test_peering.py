@@ -1,0 +1,57 @@
+"""Two operator replicas with kopf peering: one works, the other stands by and takes over."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from hack import stack
+from tests.integration.conftest import Cluster
+from tests.integration.e2e.test_moeis_e2e import moeis, operator, wait  # noqa: F401
+
+PEERING = "moeguard-peering-test"
+
+
+def _peering(cluster: Cluster, namespace: str) -> None:
+    """kopf's peering CRDs (as the chart renders them) and a KopfPeering in ``namespace``."""
+    rendered = subprocess.run(
+        ["helm", "template", "moeguard", str(stack.ROOT / "charts" / "moeguard"), "--kube-version", "1.34.4",
+         "--set", "operator.peering.enabled=true", "--show-only", "templates/crds/kopf-peerings.yaml"],
+        env=stack.tools_env(cluster.run_dir), check=True, capture_output=True, text=True).stdout
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=rendered)
+    cluster.kubectl("wait", "--for=condition=Established", "crd/kopfpeerings.kopf.dev")
+    cluster.kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(
+        {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": PEERING}}))
+
+
+def _reconciled(log: Path, key: str) -> int:
+    return log.read_text().count(f"reconciled {key} ") if log.exists() else 0
+
+
+def test_active_standby_failover(cluster: Cluster, namespace: str) -> None:
+    stack.apply_crds(run_dir=cluster.run_dir)
+    _peering(cluster, namespace)
+    logs = [cluster.run_dir / "logs" / f"operator-peer-{i}-{namespace}.log" for i in (0, 1)]
+    env = {"MOEGUARD_PEERING_LIFETIME_SECONDS": "6"}
+    low = stack.start_operator(logs[0], cluster.run_dir, env, ("-n", namespace, "--peering", PEERING, "--priority", "10"))
+    high = stack.start_operator(logs[1], cluster.run_dir, env, ("-n", namespace, "--peering", PEERING, "--priority", "20"))
+    try:
+        time.sleep(4)
+        cluster.kubectl("-n", namespace, "apply", "-f", "-", input=moeis("peer", replicas=0))
+        key = f"{namespace}/peer"
+        wait(lambda: _reconciled(logs[1], key) >= 1, 60, "the priority-20 replica to reconcile")
+        time.sleep(3)
+        assert _reconciled(logs[0], key) == 0, "the standby replica must not act"
+
+        high.send_signal(signal.SIGKILL)  # no goodbye: the standby waits for the lease to lapse
+        high.wait(10)
+        cluster.kubectl("-n", namespace, "patch", "moeis", "peer", "--type=merge", "-p", '{"spec":{"replicas":1}}')
+        wait(lambda: _reconciled(logs[0], key) >= 1, 60, "the standby to take over")
+        dep = cluster.kubectl_json("-n", namespace, "get", "deployment", "peer-worker")
+        assert dep["spec"]["replicas"] == 1
+    finally:
+        for proc in (low, high):
+            stack.stop_process(proc)
