@@ -18,7 +18,6 @@ from typing import Any
 
 import httpx
 import pytest
-
 from bench.loadgen.text import prompt_of_length, repetitive_prompt
 from hack import stack
 from tests.integration.conftest import Cluster, PodWorkers

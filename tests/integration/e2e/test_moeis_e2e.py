@@ -18,7 +18,6 @@ from bench.loadgen.text import prompt_of_length, repetitive_prompt
 from hack import stack
 from tests.integration.conftest import Cluster, PodWorkers
 
-
 OPERATOR_METRICS_PORT = 18081
 
 
