@@ -21,7 +21,7 @@ import pytest
 from bench.loadgen.text import prompt_of_length, repetitive_prompt
 from hack import stack
 from tests.integration.conftest import Cluster, PodWorkers
-from tests.integration.e2e.test_moeis_e2e import get, moeis, operator, wait, wait_cr  # noqa: F401
+from tests.integration.e2e.helpers import get, moeis, wait, wait_cr
 
 SPEC: dict[str, Any] = {
     "model": {"preset": "tiny"},

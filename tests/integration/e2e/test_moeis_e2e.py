@@ -9,54 +9,18 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
-from typing import Any
 
 import httpx
-import pytest
 from bench.loadgen.text import prompt_of_length, repetitive_prompt
 from hack import stack
 from tests.integration.conftest import Cluster, PodWorkers
-
-OPERATOR_METRICS_PORT = 18081
-
-
-@pytest.fixture(scope="module")
-def operator(cluster: Cluster) -> Iterator[None]:
-    stack.apply_crds(run_dir=cluster.run_dir)
-    proc = stack.start_operator(cluster.run_dir / "logs" / "operator-e2e.log", run_dir=cluster.run_dir,
-                                args=("-A", "--standalone", "--metrics-port", str(OPERATOR_METRICS_PORT)))
-    time.sleep(1)
-    assert proc.poll() is None, f"operator exited: see {cluster.run_dir}/logs/operator-e2e.log"
-    yield
-    stack.stop_process(proc)
-
-
-def moeis(name: str, **spec: Any) -> str:
-    return json.dumps({"apiVersion": "moeguard.dev/v1alpha1", "kind": "MoEInferenceService",
-                       "metadata": {"name": name}, "spec": spec})
-
-
-def get(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
-    return dict(cluster.kubectl_json("-n", ns, "get", "moeis", name))
-
-
-def ready_status(obj: dict[str, Any]) -> str | None:
-    cond = stack.condition(obj, "Ready")
-    return None if cond is None else str(cond["status"])
-
-
-def wait(probe: Any, timeout: float, what: str) -> Any:
-    return stack.wait_for(probe, timeout, what, interval=0.5)
-
-
-def wait_cr(cluster: Cluster, ns: str, name: str, pred: Any, timeout: float, what: str) -> dict[str, Any]:
-    """Poll the CR until ``pred(obj)`` holds; returns the object."""
-    def probe() -> dict[str, Any] | None:
-        obj = get(cluster, ns, name)
-        return obj if pred(obj) else None
-    return dict(wait(probe, timeout, what))
-
+from tests.integration.e2e.helpers import (
+    OPERATOR_METRICS_PORT,
+    moeis,
+    ready_status,
+    wait,
+    wait_cr,
+)
 
 SPEC = {
     "model": {"preset": "tiny"},

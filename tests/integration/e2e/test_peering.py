@@ -10,7 +10,7 @@ from pathlib import Path
 
 from hack import stack
 from tests.integration.conftest import Cluster
-from tests.integration.e2e.test_moeis_e2e import moeis, operator, wait  # noqa: F401
+from tests.integration.e2e.helpers import moeis, wait
 
 PEERING = "moeguard-peering-test"
 
