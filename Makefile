@@ -27,8 +27,9 @@ test-unit: deps ## Unit tests only (no processes, no network).
 	$(PY) -m pytest tests -m unit $(PYTEST_ARGS)
 
 .PHONY: manifests
-manifests: ## Regenerate crds/ from the pydantic models.
+manifests: ## Regenerate crds/, the chart's CRD template, the dashboard and the generated docs from the models.
 	$(PY) -m moeguard_operator.crdgen
+	$(PY) hack/generate.py
 
 .PHONY: lint
 lint: ## ruff and mypy --strict.
@@ -44,7 +45,7 @@ cluster-down: ## Stop the local control plane and Prometheus.
 	hack/cluster-down.sh
 
 .PHONY: operator
-operator: ## Run the operator against $$KUBECONFIG (default: the local control plane).
+operator: ## Run the operator against KUBECONFIG (default: the local control plane).
 	KUBECONFIG=$${KUBECONFIG:-$(MOEGUARD_RUN_DIR)/kubeconfig} $(PY) -m moeguard_operator -A --standalone --prometheus-url http://127.0.0.1:19090
 
 .PHONY: lock
