@@ -1,35 +1,42 @@
-"""Starting budgets from a model shape and a memory limit: a documented estimate.
+"""Starting budgets from a model shape and a memory limit: the memory model, inverted.
 
-Until the measured memory model of issue 6 lands, ``moeguard plan`` uses this first-order estimate.
+``moeguard plan`` answers "which budgets keep this shape under this limit at this skew?" with
+:mod:`moeguard_cli.memory_model` (validated against measured peaks; bench/results/memory_model.md).
 Every term is printed with its arithmetic so that it can be checked by hand.
 
 * **Weights** = parameters x bytes per element (``presets.parameter_count``; embeddings untied).
-* **KV cache per token** = 2 (K and V) x layers x KV heads x head_dim x bytes — the standard figure
-  used to size vLLM's KV blocks and TGI's ``max_batch_total_tokens``.
-* **Activation peak per prefill token** (one layer at a time; attention is chunked):
-  hidden state and residual (2·D), Q/K/V (D + 2·KV·head_dim), router logits in float32 (E·4 bytes,
-  softmax in float32 as in HF ``MixtralSparseMoeBlock``), the top-k gathered expert inputs and outputs
-  (2·k·D), and the **MoE expert buffer** of the busiest expert: SwiGLU intermediate 3·I for each of its
-  token-slots. Under skew ``s`` (top expert / median), the busiest expert holds about
-  ``min(s·k/E, 1)`` slots per token — the per-expert gather buffers grow with the top expert's count,
-  not the average (the vLLM fused-MoE OOMs at long prefill, fixed by chunking activations; DeepSpeed /
-  GShard capacity = tokens·k/E·capacity_factor for the balanced case).
-* **Runtime overhead**: the CUDA context / torch allocator and the Python process (default 512 MiB),
-  and a **headroom** fraction of the limit (default 10%) for fragmentation and page cache.
-
-The memory left after weights, overhead and headroom is split: ``prefill_fraction`` (default 0.3) for
-prefill activations, the rest for the KV cache. ``maxConcurrentBatches`` batches can be in flight at
-once, and overlapping batches add their peaks, so the prefill share is divided among them.
+* **Runtime overhead**: the process without its weights (torch, Python; on a GPU the CUDA
+  context); default 512 MiB (measured here on CPU: about 410 MiB for ``tiny``, 550 MiB for
+  ``small``, as cgroup usage). **Headroom**: a fraction of the limit (default 10 %) for
+  fragmentation and page cache.
+* **available** = limit - weights - overhead - headroom.
+* **maxPrefillTokens**: the largest multiple of 16 whose worst step (one prefill chunk ending at
+  ``max_seq_len``, plus a full decode step) has a modelled peak within ``prefill_fraction`` of
+  available (default 0.3). The step's peak grows with the busiest expert's token-slots, from the
+  expected skew (top / median expert tokens), and is cut by the expert chunk bound.
+* **KV capacity** = available - that worst step's peak, in tokens of KV cache; running sequences
+  = KV capacity / ``context_tokens`` (prompt + max_tokens each; default ``max_seq_len``, where
+  every sequence may reach the model's limit).
+* **maxBatchRequests** = running sequences / ``maxConcurrentBatches`` (the engine runs one step
+  at a time, so batches add their KV caches but not their step peaks); **maxDecodeTokens** = the
+  same (every member decodes each step).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moeguard_cli.memory_model import (
+    DTYPE_BYTES,
+    MiB,
+    Shape,
+    kv_bytes_per_token,
+    top_share_from_skew_ratio,
+    worst_case_peak,
+)
 from moeguard_runtime.presets import ModelArgs, parameter_count
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-MiB = 1024 * 1024
+__all__ = ["DTYPE_BYTES", "MiB", "Plan", "PlanInput", "batching_yaml", "estimate"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,9 @@ class PlanInput:
     overhead_bytes: int = 512 * MiB
     prefill_fraction: float = 0.30
     concurrent_batches: int = 2
+    context_tokens: int | None = None
+    expert_chunk_tokens: int = 2048
+    capacity_factor: float = 0.0
 
 
 @dataclass
@@ -52,7 +62,7 @@ class Plan:
 
     weights_bytes: int
     kv_bytes_per_token: int
-    activation_bytes_per_prefill_token: int
+    step_peak_bytes: int
     available_bytes: int
     max_prefill_tokens: int
     max_decode_tokens: int
@@ -60,6 +70,7 @@ class Plan:
     max_concurrent_batches: int
     floor_prefill_tokens: int
     fits: bool
+    top_share: float = 0.0
     lines: list[tuple[str, str, str]] = field(default_factory=list)
 
 
@@ -67,49 +78,73 @@ def _round_down(n: float, multiple: int) -> int:
     return max(0, int(n) // multiple * multiple)
 
 
+def _step_peak(shape: Shape, prefill: int, decode: int, p: PlanInput, share: float) -> int:
+    _, est = worst_case_peak(shape, prefill, decode, 0, share, p.dtype, p.expert_chunk_tokens,
+                             p.capacity_factor)
+    return est.total_bytes
+
+
 def estimate(p: PlanInput) -> Plan:
     """Starting budgets for ``p`` (see the module docstring for every term)."""
     a = p.args
+    shape = Shape.of(a)
     b = DTYPE_BYTES[p.dtype]
     params = parameter_count(a)
     weights = params * b
-    kv_dim = a.n_kv_head * a.head_dim
-    kv = 2 * a.n_layer * kv_dim * b
-    top_share = min(p.skew * a.top_k / a.num_experts, 1.0)
-    act_elems = 2 * a.dim + (a.dim + 2 * kv_dim) + 2 * a.top_k * a.dim + top_share * 3 * a.intermediate_size
-    act = int(act_elems * b + a.num_experts * 4)
+    kv = kv_bytes_per_token(shape, b)
+    share = top_share_from_skew_ratio(p.skew, a.num_experts, a.top_k)
+    context = min(p.context_tokens or a.max_seq_len, a.max_seq_len)
     headroom = int(p.memory_bytes * p.headroom)
     available = p.memory_bytes - weights - p.overhead_bytes - headroom
     lines = [
         ("parameters", f"{params:,}", "presets.parameter_count"),
         ("weights", f"{weights / MiB:,.1f} MiB", f"{params:,} x {b} B ({p.dtype})"),
-        ("KV cache per token", f"{kv:,} B", f"2 x {a.n_layer} layers x {a.n_kv_head} kv heads x {a.head_dim} x {b} B"),
-        ("busiest expert share", f"{top_share:.3f} slots/token", f"min(skew {p.skew} x k {a.top_k} / E {a.num_experts}, 1)"),
-        ("activation per prefill token", f"{act:,} B",
-         f"({2 * a.dim} + {a.dim + 2 * kv_dim} + {2 * a.top_k * a.dim} + {top_share:.3f} x 3 x {a.intermediate_size}) x {b} B"
-         f" + {a.num_experts} x 4 B"),
+        ("KV cache per token", f"{kv:,} B",
+         f"2 x {a.n_layer} layers x {a.n_kv_head} kv heads x {a.head_dim} x {b} B"),
+        ("busiest expert share", f"{share:.3f} of slots",
+         f"skew {p.skew:g} / (skew + E {a.num_experts} - 1), within [1/E, 1/k]"),
         ("overhead + headroom", f"{(p.overhead_bytes + headroom) / MiB:,.1f} MiB",
          f"{p.overhead_bytes / MiB:.0f} MiB + {p.headroom:.0%} of {p.memory_bytes / MiB:,.0f} MiB"),
         ("available", f"{available / MiB:,.1f} MiB", "limit - weights - overhead - headroom"),
     ]
     if available <= 0:
-        return Plan(weights, kv, act, available, 0, 0, 0, p.concurrent_batches, 0, False, lines)
-    prefill_mem = available * p.prefill_fraction / p.concurrent_batches
-    prefill = min(_round_down(prefill_mem / act, 16), 1_048_576)
-    kv_tokens = available * (1 - p.prefill_fraction) / kv
-    decode = max(1, min(int(kv_tokens // a.max_seq_len), 1_048_576))
-    requests = max(1, min(decode, 65_536))
+        return Plan(weights, kv, 0, available, 0, 0, 0, p.concurrent_batches, 0, False, share, lines)
+    step_budget = available * p.prefill_fraction
+    # Decode tokens share the step with the prefill chunk; size the decode part first from a
+    # provisional request count, then find the largest prefill chunk (binary search, multiples of 16).
+    provisional = max(1, int(available * (1 - p.prefill_fraction) / (kv * context)) // p.concurrent_batches)
+    lo, hi = 0, min(a.max_seq_len, 1_048_576) // 16
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _step_peak(shape, mid * 16, provisional, p, share) <= step_budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    prefill = lo * 16
+    peak = _step_peak(shape, prefill, provisional, p, share) if prefill else 0
+    kv_tokens = max(0, available - peak) // kv
+    running = int(kv_tokens // context)
+    requests = max(0, min(running // p.concurrent_batches, 65_536))
+    decode = requests
     floor = max(16, _round_down(prefill / 8, 16)) if prefill >= 16 else 0
-    fits = prefill >= 16
+    fits = prefill >= 16 and requests >= 1
+    _, worst = worst_case_peak(shape, prefill, provisional, 0, share, p.dtype, p.expert_chunk_tokens,
+                               p.capacity_factor)
     lines += [
         ("maxPrefillTokens", f"{prefill:,}",
-         f"{p.prefill_fraction:.0%} x available / {p.concurrent_batches} batches / {act:,} B, down to a multiple of 16"),
-        ("KV capacity", f"{int(kv_tokens):,} tokens", f"{1 - p.prefill_fraction:.0%} x available / {kv:,} B"),
-        ("maxDecodeTokens", f"{decode:,}", f"KV capacity / max_seq_len {a.max_seq_len} (every sequence may reach it)"),
-        ("maxBatchRequests", f"{requests:,}", "= maxDecodeTokens"),
+         f"largest multiple of 16 with worst step <= {p.prefill_fraction:.0%} x available "
+         f"= {step_budget / MiB:,.1f} MiB"),
+        ("worst step peak", f"{peak / MiB:,.1f} MiB",
+         f"{worst.phase} phase; chunk of {prefill:,} ending at {a.max_seq_len} + {provisional} decode tokens"),
+        *[(f"  {name}", f"{v / MiB:,.2f} MiB", how) for name, v, how in worst.terms if v],
+        ("KV capacity", f"{kv_tokens:,} tokens", f"(available - worst step) / {kv:,} B"),
+        ("running sequences", f"{running:,}", f"KV capacity / {context:,} context tokens each"),
+        ("maxBatchRequests", f"{requests:,}", f"running / {p.concurrent_batches} concurrent batches"),
+        ("maxDecodeTokens", f"{decode:,}", "= maxBatchRequests (every member decodes each step)"),
         ("floors.maxPrefillTokens", f"{floor:,}", "maxPrefillTokens / 8, at least 16"),
     ]
-    return Plan(weights, kv, act, available, prefill, decode, requests, p.concurrent_batches, floor, fits, lines)
+    return Plan(weights, kv, peak, available, prefill, decode, requests, p.concurrent_batches, floor, fits,
+                share, lines)
 
 
 def batching_yaml(plan: Plan) -> str:

@@ -17,29 +17,63 @@ SHAPE = ModelArgs(n_layer=2, dim=64, n_head=4, n_kv_head=2, intermediate_size=12
 
 
 def test_plan_arithmetic_by_hand() -> None:
+    from moeguard_cli.memory_model import (
+        Shape,
+        kv_bytes_per_token,
+        top_share_from_skew_ratio,
+        worst_case_peak,
+    )
+
     p = estimate(PlanInput(args=SHAPE, memory_bytes=2048 * MiB, dtype="bfloat16", skew=2.0, headroom=0.1,
                            overhead_bytes=512 * MiB, prefill_fraction=0.3, concurrent_batches=2))
     assert p.weights_bytes == parameter_count(SHAPE) * 2
     assert p.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2  # K,V x layers x kv heads x head_dim x bytes = 256
-    # top share = min(2 x 2 / 8, 1) = 0.5; elements = 128 + (64 + 64) + 256 + 0.5 x 384 = 704
-    assert p.activation_bytes_per_prefill_token == 704 * 2 + 8 * 4
+    assert p.top_share == pytest.approx(2 / 9)  # skew / (skew + E - 1)
     available = 2048 * MiB - p.weights_bytes - 512 * MiB - int(2048 * MiB * 0.1)
     assert p.available_bytes == available
-    assert p.max_prefill_tokens == int(available * 0.3 / 2 / 1440) // 16 * 16
     assert p.max_prefill_tokens % 16 == 0
-    assert p.max_decode_tokens == int(available * 0.7 / 256 // 1024)
+    shape = Shape.of(SHAPE)
+    share = top_share_from_skew_ratio(2.0, 8, 2)
+    provisional = int(available * 0.7 / (256 * 1024)) // 2
+    peak = worst_case_peak(shape, p.max_prefill_tokens, provisional, 0, share, "bfloat16")[0]
+    assert peak == p.step_peak_bytes <= available * 0.3
+    # the tiny shape's budget is bound by max_seq_len, not by memory
+    assert p.max_prefill_tokens == 1024
+    running = (available - peak) // kv_bytes_per_token(shape, 2) // 1024
+    assert p.max_batch_requests == running // 2 == p.max_decode_tokens
     assert p.floor_prefill_tokens == p.max_prefill_tokens // 8 // 16 * 16
     assert p.fits
 
 
-def test_plan_skew_and_concurrency_shrink_prefill() -> None:
-    base = PlanInput(args=SHAPE, memory_bytes=2048 * MiB)
+SMALL = ModelArgs(n_layer=6, dim=512, n_head=8, n_kv_head=4, intermediate_size=1280, num_experts=8, top_k=2,
+                  max_seq_len=4096)
+
+
+def test_plan_prefill_is_the_largest_that_fits() -> None:
+    from moeguard_cli.memory_model import Shape, top_share_from_skew_ratio, worst_case_peak
+
+    p = estimate(PlanInput(args=SMALL, memory_bytes=1344 * MiB, dtype="float32", skew=4.0, headroom=0.0,
+                           overhead_bytes=560 * MiB, context_tokens=1536))
+    share = top_share_from_skew_ratio(4.0, 8, 2)
+    provisional = int(p.available_bytes * 0.7 / (12288 * 1536)) // 2
+    budget = p.available_bytes * 0.3
+    assert 16 <= p.max_prefill_tokens < 4096
+    assert worst_case_peak(Shape.of(SMALL), p.max_prefill_tokens, provisional, 0, share, "float32")[0] <= budget
+    assert worst_case_peak(Shape.of(SMALL), p.max_prefill_tokens + 16, provisional, 0, share, "float32")[0] > budget
+
+
+def test_plan_skew_and_concurrency_shrink_budgets() -> None:
+    # a short context and wide experts: the MoE phase, where skew acts, sets the step's peak
+    wide = ModelArgs(n_layer=2, dim=256, n_head=4, n_kv_head=4, intermediate_size=4096, num_experts=8, top_k=2,
+                     max_seq_len=512)
+    base = PlanInput(args=wide, memory_bytes=1024 * MiB, dtype="float32", headroom=0.0, overhead_bytes=560 * MiB,
+                     prefill_fraction=0.05, expert_chunk_tokens=1_000_000)
     calm = estimate(PlanInput(**{**base.__dict__, "skew": 1.0}))
-    skewed = estimate(PlanInput(**{**base.__dict__, "skew": 4.0}))
+    skewed = estimate(PlanInput(**{**base.__dict__, "skew": 50.0}))
     single = estimate(PlanInput(**{**base.__dict__, "concurrent_batches": 1}))
-    assert skewed.activation_bytes_per_prefill_token > calm.activation_bytes_per_prefill_token
+    assert skewed.top_share > calm.top_share
     assert skewed.max_prefill_tokens < calm.max_prefill_tokens
-    assert single.max_prefill_tokens >= 2 * estimate(base).max_prefill_tokens - 16
+    assert single.max_batch_requests >= 2 * estimate(base).max_batch_requests
 
 
 def test_plan_does_not_fit() -> None:
