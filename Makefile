@@ -64,3 +64,14 @@ chart-lint: ## helm lint the chart (strict).
 .PHONY: test-delivery
 test-delivery: deps ## Chart, GitOps, image, CLI and docs tests (unit, then against the local control plane).
 	$(PY) -m pytest tests/unit/delivery tests/integration/delivery $(PYTEST_ARGS)
+
+
+.PHONY: bench-memory-model
+bench-memory-model: ## Memory model vs measured step peaks (28 configs, fresh process each) -> bench/results/memory_model.md.
+	$(PY) -m bench.memory_run
+	$(PY) -m bench.memory_validate
+
+.PHONY: bench-headline
+bench-headline: ## Headline: request-count vs token budgets vs moeguard, same traffic and memory limit, 3 reps -> bench/RESULTS.md + plots (~20 min).
+	$(PY) -m bench.headline --reps 3
+	$(PY) -m bench.headline_report

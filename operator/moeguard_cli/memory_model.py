@@ -14,9 +14,9 @@ their KV caches do.
 * **Attention phase** (one layer; layers run one after another)::
 
       ATTN_STREAM x T x D x b            residual stream, norm, QKV, rotary temporaries
-    + MASK_BYTES_PER_PAIR(b) x max(n x s1) the causal mask of the largest prefill segment
+    + mask_bytes_per_pair(b) x max(n x s1) the causal mask of the largest prefill segment
                                          (n queries over s1 keys: bool ones, its tril, and the
-                                         float copy SDPA makes of it: (2 + b) bytes a pair)
+                                         copies SDPA makes of it: 2 x (2 + b) bytes a pair)
     + 2 x H x s1 x head_dim x b          keys and values repeated over the query heads (GQA)
 
 * **MoE phase**::
@@ -39,11 +39,14 @@ their KV caches do.
 balanced, at most ``1/k`` (every token sends one slot to it). The worker's metric
 ``expert_skew_ratio = top / median`` converts with :func:`top_share_from_skew_ratio`.
 
-**Coefficients.** ``ATTN_STREAM``, ``MOE_STREAM``, ``UPCAST_STREAM`` and ``STEP_CONSTANT`` are
-empirical: counting the tensors alive at each point gives about 4-6 residual-size tensors, but
-the RSS also keeps memory that glibc's heap has freed and not yet returned, so they were fitted
-to four measured float32 configurations of the ``small`` preset (``bench/memory_configs.py``,
-role ``calibration``) and then checked, unchanged, on all the others (bench/results/memory_model.md).
+**Coefficients.** ``ATTN_STREAM``, ``MOE_STREAM``, ``STEP_CONSTANT`` and the factor 2 of
+:func:`mask_bytes_per_pair` are empirical: counting the tensors alive at each point gives about
+4-6 residual-size tensors, but the RSS also keeps memory that glibc's heap has freed and not yet
+returned. They were chosen by a grid search minimising the worst relative error on the eight
+float32, unskewed, default-chunk configurations of the ``small`` preset (``bench/memory_configs.py``,
+role ``calibration``) and then checked, unchanged, on the twenty others (skew, chunk bound,
+capacity factor, decode, KV-heavy, bfloat16, three other shapes): bench/results/memory_model.md.
+``UPCAST_STREAM`` is counted, not fitted, and the bfloat16 rows show it is not enough.
 """
 
 from __future__ import annotations
@@ -51,13 +54,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-ATTN_STREAM = 7.0
+ATTN_STREAM = 6.0
 """Residual-size tensors (T x D x b) the attention phase holds at its peak, RSS included."""
-MOE_STREAM = 11.0
+MOE_STREAM = 7.0
 """Residual-size tensors the MoE phase holds at its peak, RSS included."""
 UPCAST_STREAM = 2.0
 """Extra float32 residual-size tensors when the dtype is 2 bytes (norm and rotary upcasts)."""
-STEP_CONSTANT = 4 * 1024 * 1024
+STEP_CONSTANT = 2 * 1024 * 1024
 """Bytes every step touches whatever its size (allocator arenas, Python objects)."""
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -170,8 +173,10 @@ def busiest_expert_slots(tokens: int, shape: Shape, routing: Routing) -> int:
 
 
 def mask_bytes_per_pair(dtype_bytes: int) -> int:
-    """Bool ``ones``, its ``tril`` copy, and SDPA's additive mask in the query dtype."""
-    return 2 + dtype_bytes
+    """Bool ``ones``, its ``tril`` copy, and SDPA's additive mask in the query dtype (2 + b bytes),
+    doubled: the measured peaks of long single prompts need twice that (SDPA's CPU path makes
+    a second copy of the converted mask)."""
+    return 2 * (2 + dtype_bytes)
 
 
 def step_peak(shape: Shape, step: Step, routing: Routing, dtype: str = "float32") -> Estimate:
