@@ -145,7 +145,7 @@ def test_c8_one_silent_pod_is_named_and_never_read_as_healthy(
 def test_oom_kill_tightens_at_once_scale_and_rollout(
         cluster: Cluster, operator: None, pod_workers: PodWorkers, namespace: str) -> None:
     ns, name = namespace, "oom"
-    start(cluster, ns, name, pod_workers, control=SPEC["control"] | {"queryIntervalSeconds": 3600})
+    (url,) = start(cluster, ns, name, pod_workers, control=SPEC["control"] | {"queryIntervalSeconds": 3600})
     dep_gen = cluster.kubectl_json("-n", ns, "get", "deployment", f"{name}-worker")["metadata"]["generation"]
     pod = cluster.kubectl_json("-n", ns, "get", "pods", "-l", f"app.kubernetes.io/instance={name}")["items"][0]
     now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -168,6 +168,15 @@ def test_oom_kill_tightens_at_once_scale_and_rollout(
     cm = cluster.kubectl_json("-n", ns, "get", "configmap", f"{name}-budget")
     doc = json.loads(cm["data"]["budget.json"])
     assert doc["overloadMode"] == "On" and doc["budgets"]["maxDecodeTokens"] == 32
+    # ... and the worker applies both from its ConfigMap.
+    def worker_overloaded() -> bool:
+        samples = stack.scrape(url, "moeguard_overload_active")
+        return any(lbl.get("source") == "operator" and v == 1.0 for lbl, v in samples)
+
+    wait(worker_overloaded, 10, "the worker to enter overload mode")
+    # 32 from the operator, halved again by the worker's overload mode (scheduler.OverloadPolicy.decode_factor)
+    assert stack.scrape_one(url, "moeguard_budget_max_decode_tokens") == 16
+    assert stack.scrape_one(url, "moeguard_budget_max_concurrent_batches") == 1
     # A budget change travels through the ConfigMap: the workers do not roll.
     assert cluster.kubectl_json("-n", ns, "get", "deployment", f"{name}-worker")["metadata"]["generation"] == dep_gen
 
@@ -190,3 +199,35 @@ def test_oom_kill_tightens_at_once_scale_and_rollout(
     final = cluster.kubectl_json("-n", ns, "get", "moeis", name, "--show-managed-fields")
     managers = {m["manager"] for m in final["metadata"]["managedFields"] if "f:spec" in json.dumps(m.get("fieldsV1", {}))}
     assert managers <= {"kubectl-client-side-apply", "kubectl", "kubectl-patch", "kubectl-scale"}, managers
+
+
+PODMONITOR_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "podmonitors.monitoring.coreos.com"},
+    "spec": {"group": "monitoring.coreos.com", "scope": "Namespaced",
+             "names": {"kind": "PodMonitor", "plural": "podmonitors", "singular": "podmonitor", "listKind": "PodMonitorList"},
+             "versions": [{"name": "v1", "served": True, "storage": True,
+                           "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]},
+}
+
+
+def test_podmonitor_only_when_prometheus_operator_is_installed(cluster: Cluster, operator: None, namespace: str) -> None:
+    """Without the PodMonitor CRD no PodMonitor is made; with it (a schema-less stand-in of
+    prometheus-operator's CRD, same group and kind), one is applied for the workers."""
+    cluster.kubectl("-n", namespace, "apply", "-f", "-", input=moeis("nomon", replicas=0))
+    wait_cr(cluster, namespace, "nomon", lambda o: o.get("status", {}).get("budgets"), 60, "reconciled")
+    installed = cluster.kubectl("get", "crd", "podmonitors.monitoring.coreos.com", check=False).returncode == 0
+    if not installed:
+        assert cluster.kubectl("-n", namespace, "get", "podmonitors", check=False).returncode != 0
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(PODMONITOR_CRD))
+        cluster.kubectl("wait", "--for=condition=Established", "crd/podmonitors.monitoring.coreos.com")
+    try:
+        cluster.kubectl("-n", namespace, "apply", "-f", "-", input=moeis("mon", replicas=0))
+        pm = wait(lambda: (r := cluster.kubectl("-n", namespace, "get", "podmonitor", "mon-worker", "-o", "json",
+                                                 check=False)).returncode == 0 and json.loads(r.stdout), 60, "PodMonitor")
+        assert pm["spec"]["podMetricsEndpoints"] == [{"port": "http", "path": "/metrics", "interval": "5s", "honorLabels": True}]
+        assert pm["spec"]["selector"]["matchLabels"]["app.kubernetes.io/instance"] == "mon"
+        assert pm["metadata"]["ownerReferences"][0]["name"] == "mon"
+    finally:
+        if not installed:
+            cluster.kubectl("delete", "crd", "podmonitors.monitoring.coreos.com", "--wait=false")
