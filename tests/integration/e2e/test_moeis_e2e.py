@@ -38,6 +38,10 @@ def test_closed_loop_end_to_end(cluster: Cluster, operator: None, pod_workers: P
     obj = wait_cr(cluster, ns, name, lambda o: ready_status(o) == "True", 180, "Ready=True")
     status = obj["status"]
     assert status["observedGeneration"] == obj["metadata"]["generation"]
+    # kopf's bookkeeping lives under moeguard.dev, not kopf.zalando.org
+    annotations = obj["metadata"].get("annotations", {})
+    assert "moeguard.dev/last-handled-configuration" in annotations
+    assert not [k for k in annotations if k.startswith("kopf.zalando.org")]
     assert status["readyReplicas"] == 1
     assert status["budgets"]["maxPrefillTokens"] == 2048
 
