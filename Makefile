@@ -65,6 +65,13 @@ chart-lint: ## helm lint the chart (strict).
 test-delivery: deps ## Chart, GitOps, image, CLI and docs tests (unit, then against the local control plane).
 	$(PY) -m pytest tests/unit/delivery tests/integration/delivery $(PYTEST_ARGS)
 
+.PHONY: bench-runtime
+bench-runtime: ## Runtime benchmarks (MoE layer vs HF loop, decode vs bandwidth, loop overhead) -> bench/results/runtime.md.
+	$(PY) -m bench.runtime_bench
+
+.PHONY: bench-soak
+bench-soak: ## C6 at full length: 10 minutes of steady traffic, RSS slope -> bench/results/soak.md.
+	$(PY) -m bench.soak --minutes 10
 
 .PHONY: bench-memory-model
 bench-memory-model: ## Memory model vs measured step peaks (28 configs, fresh process each) -> bench/results/memory_model.md.

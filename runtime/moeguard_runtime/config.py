@@ -1,8 +1,19 @@
 """Worker settings, all from the environment.
 
-Contract variables (``contract.ENV_*``, set by the operator) and the worker's
-own knobs (``MOEGUARD_*`` below, with defaults). A malformed value stops the
-worker at start with a message naming the variable.
+Contract variables (``contract.ENV_*``, set by the operator; imported, never
+redefined here) and the worker's own knobs (``MOEGUARD_*`` below, with
+defaults). A malformed value stops the worker at start with a message naming
+the variable.
+
+* Initial budgets (later replaced by the budget ConfigMap): prefill, decode,
+  batch requests, long requests per batch, concurrent batches, queue length
+  and queue timeout (``contract.ENV_MAX_*``, ``ENV_QUEUE_TIMEOUT_SECONDS``).
+* Static limits: ``ENV_MAX_CONCURRENT_REQUESTS`` (429 beyond it, default 128),
+  ``ENV_LONG_REQUEST_THRESHOLD_TOKENS`` (default 512), the host limits
+  ``ENV_SOFT/HARD_LIMIT_BYTES`` (compared with cgroup ``memory.current`` or RSS),
+  the GPU limits ``ENV_GPU_SOFT/HARD_FRACTION`` of device memory (0.9, 0.97),
+  ``ENV_OVERLOAD_MODE`` (Auto, On, Off; default Auto).
+* Model: ``ENV_MODEL_PRESET``, ``ENV_MODEL_OVERRIDES``, ``ENV_CHECKPOINT_PATH``.
 """
 
 from __future__ import annotations

@@ -166,3 +166,13 @@ def test_memory_returns_to_baseline_after_a_batch() -> None:
     assert after is not None
     assert kv > 2 << 20
     assert abs(after - before) < 256 << 10, (before, after)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+def test_decode_sized_batches_take_the_matrix_vector_path_and_match(tokens: int) -> None:
+    """At most SMALL_EXPERT_TOKENS tokens per expert run as torch.mv; same results."""
+    gate, w1, w2, w3 = _weights()
+    x = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(5))
+    weights, experts = route(x @ gate.T, 2)
+    out, _, _ = grouped_expert_forward(x, weights, experts, w1, w2, w3)
+    torch.testing.assert_close(out, hf_expert_loop(x, gate, w1, w2, w3, 2), rtol=1e-5, atol=1e-5)
