@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 import kopf
@@ -304,7 +304,8 @@ def _outer_loop(
         obs = observe(url, ns, name, hard_limit_bytes=parsed.resources.hard_limit_bytes,
                       window_seconds=parsed.control.window_seconds,
                       leak_window_seconds=parsed.control.leak_window_seconds,
-                      expected_pods=facts.running, new_oom_kills=new_ooms, now=now)
+                      expected_pods=facts.running, new_oom_kills=new_ooms, now=now,
+                      slope_pods=facts.running_since(now - timedelta(seconds=parsed.control.leak_window_seconds)))
     else:
         obs = Observation(time=now, expected_pods=facts.running, new_oom_kills=new_ooms,
                           error="no Prometheus URL configured (spec.control.prometheusUrl or --prometheus-url)")
@@ -334,12 +335,21 @@ def _outer_loop(
         "restarts": facts.restarts,
         "silentPods": list(obs.silent_pods),
     }
-    was = (get_condition(conditions, c.CONDITION_METRICS_AVAILABLE) or {}).get("status")
+    prior = get_condition(conditions, c.CONDITION_METRICS_AVAILABLE) or {}
+    was = prior.get("status")
     if not obs.available:
         message = f"{obs.error}; budgets held, nothing loosens"
-        conditions = set_condition(conditions, c.CONDITION_METRICS_AVAILABLE, "False", "MetricsUnavailable", message, now, generation)
-        if was != "False":
-            kopf.warn(body, reason="MetricsUnavailable", message=message)
+        waiting_since = _time(prior.get("lastTransitionTime")) if prior.get("reason") == "WaitingForMetrics" else None
+        grace = max(60, 3 * parsed.control.window_seconds)
+        if was is None or (waiting_since is not None and (now - waiting_since).total_seconds() < grace):
+            # A new service has no series until its first scrapes and batches: blind, but not yet a fault.
+            conditions = set_condition(conditions, c.CONDITION_METRICS_AVAILABLE, "False", "WaitingForMetrics",
+                                       message, now, generation)
+        else:
+            conditions = set_condition(conditions, c.CONDITION_METRICS_AVAILABLE, "False", "MetricsUnavailable",
+                                       message, now, generation)
+            if prior.get("reason") != "MetricsUnavailable":
+                kopf.warn(body, reason="MetricsUnavailable", message=message)
     elif obs.silent_pods:
         message = f"pods report no metrics: {', '.join(obs.silent_pods)}; nothing loosens"
         conditions = set_condition(conditions, c.CONDITION_METRICS_AVAILABLE, "False", "SilentPods", message, now, generation)

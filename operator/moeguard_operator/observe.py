@@ -49,7 +49,7 @@ def queries(namespace: str, name: str, window_seconds: int, leak_window_seconds:
     return Queries(
         skew=f"max(max_over_time({METRIC_EXPERT_SKEW_RATIO}{{{sel}}}[{w}]))",
         memory=f"max(max_over_time({METRIC_MEMORY_USAGE_BYTES}{{{sel}}}[{w}]))",
-        rss_slope=f"max(deriv({METRIC_PROCESS_RSS_BYTES}{{{sel}}}[{lw}]))",
+        rss_slope=f"max by ({LABEL_POD}) (deriv({METRIC_PROCESS_RSS_BYTES}{{{sel}}}[{lw}]))",
         rejection_rate=f"sum(rate({METRIC_REJECTIONS_TOTAL}{{{sel}}}[{w}]))",
         p99_latency=f"histogram_quantile(0.99, sum by (le) (rate({METRIC_E2E_LATENCY_SECONDS}_bucket{{{sel}}}[{w}])))",
         reporting_pods=f"count by ({LABEL_POD}) ({METRIC_PROCESS_RSS_BYTES}{{{sel}}})",
@@ -78,6 +78,21 @@ def parse_scalar(result: Any) -> tuple[float | None, str | None]:
     return value, None
 
 
+def parse_by_label(result: Any, label: str) -> dict[str, float]:
+    """``{label value: number}`` from an instant-query ``result``; malformed or non-finite entries are left out."""
+    out: dict[str, float] = {}
+    if not isinstance(result, list):
+        return out
+    for r in result:
+        try:
+            key, value = str(r["metric"][label]), float(r["value"][1])
+        except (KeyError, IndexError, TypeError, ValueError):
+            continue
+        if math.isfinite(value):
+            out[key] = value
+    return out
+
+
 def parse_label_values(result: Any, label: str) -> tuple[str, ...]:
     """The values of ``label`` across the series of an instant-query ``result``, sorted."""
     if not isinstance(result, list):
@@ -96,8 +111,14 @@ def observe(
     expected_pods: tuple[str, ...],
     new_oom_kills: int,
     now: datetime,
+    slope_pods: tuple[str, ...] | None = None,
 ) -> Observation:
-    """One look at Prometheus for ``name``; Kubernetes facts (pods, OOM kills) are passed in."""
+    """One look at Prometheus for ``name``; Kubernetes facts (pods, OOM kills) are passed in.
+
+    ``slope_pods``: the pods whose RSS slope counts — those whose worker has run for at
+    least the leak window, so that start-up growth (model load, first batches) is never
+    read as a leak. None: every pod.
+    """
     q = queries(namespace, name, window_seconds, leak_window_seconds)
     base = Observation(time=now, expected_pods=expected_pods, new_oom_kills=new_oom_kills)
     try:
@@ -108,7 +129,9 @@ def observe(
                            error=f"Prometheus at {prometheus_url} failed: {type(exc).__name__}: {exc}"[:500])
     skew, skew_err = parse_scalar(answers["skew"])
     memory, memory_err = parse_scalar(answers["memory"])
-    slope, _ = parse_scalar(answers["rss_slope"])
+    slopes = parse_by_label(answers["rss_slope"], LABEL_POD)
+    counted = [v for pod, v in slopes.items() if slope_pods is None or pod in slope_pods]
+    slope = max(counted) if counted else None
     rejections, _ = parse_scalar(answers["rejection_rate"])
     p99, _ = parse_scalar(answers["p99_latency"])
     missing = [f"{what}: {err}" for what, err in (("skew", skew_err), ("memory", memory_err)) if err]

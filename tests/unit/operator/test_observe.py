@@ -4,7 +4,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from moeguard_operator.observe import observe, parse_label_values, parse_scalar, queries, skew_query
+from moeguard_operator.observe import observe, parse_by_label, parse_label_values, parse_scalar, queries, skew_query
 
 pytestmark = pytest.mark.unit
 
@@ -30,7 +30,7 @@ def test_parse_scalar_never_reads_missing_as_zero(result: object, value: float |
 def test_every_query_selects_the_service() -> None:
     q = queries("ns1", "svc", 30, 600)
     assert q.memory == 'max(max_over_time(moeguard_memory_usage_bytes{namespace="ns1",moeis="svc"}[30s]))'
-    assert q.rss_slope == 'max(deriv(moeguard_process_resident_memory_bytes{namespace="ns1",moeis="svc"}[600s]))'
+    assert q.rss_slope == 'max by (pod) (deriv(moeguard_process_resident_memory_bytes{namespace="ns1",moeis="svc"}[600s]))'
     assert q.rejection_rate == 'sum(rate(moeguard_rejections_total{namespace="ns1",moeis="svc"}[30s]))'
     assert q.reporting_pods == 'count by (pod) (moeguard_process_resident_memory_bytes{namespace="ns1",moeis="svc"})'
     assert q.p99_latency.startswith("histogram_quantile(0.99, sum by (le) (rate(moeguard_e2e_request_latency_seconds_bucket{")
@@ -49,3 +49,9 @@ def test_unreachable_prometheus_is_no_data() -> None:
     assert obs.skew_ratio is None and obs.memory_ratio is None and not obs.available
     assert obs.silent_pods == ("p",)
     assert obs.error is not None and obs.error.startswith("Prometheus at http://127.0.0.1:1 failed: ConnectionError")
+
+
+def test_values_by_label_skip_bad_entries() -> None:
+    result = [{"metric": {"pod": "a"}, "value": [0, "2.5"]}, {"metric": {"pod": "b"}, "value": [0, "NaN"]},
+              {"metric": {"pod": "c"}}, {"metric": {}, "value": [0, "1"]}]
+    assert parse_by_label(result, "pod") == {"a": 2.5}

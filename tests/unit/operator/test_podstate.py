@@ -10,8 +10,8 @@ pytestmark = pytest.mark.unit
 
 
 def pod(name: str, phase: str = "Running", restarts: int = 0, last_reason: str | None = None,
-        finished: str = "2026-11-30T10:00:00Z", deleting: bool = False) -> dict:
-    cs: dict = {"name": "worker", "restartCount": restarts}
+        finished: str = "2026-11-30T10:00:00Z", deleting: bool = False, started: str = "2026-11-30T09:00:00Z") -> dict:
+    cs: dict = {"name": "worker", "restartCount": restarts, "state": {"running": {"startedAt": started}}}
     if last_reason:
         cs["lastState"] = {"terminated": {"reason": last_reason, "exitCode": 137, "finishedAt": finished}}
     meta: dict = {"name": name}
@@ -38,3 +38,10 @@ def test_running_restarts_and_oom_kills() -> None:
 def test_no_pods() -> None:
     facts = pod_facts([])
     assert facts.running == () and facts.restarts == 0 and facts.latest_oom() is None
+
+
+def test_pods_old_enough_for_a_slope() -> None:
+    facts = pod_facts([pod("old", started="2026-11-30T09:00:00Z"), pod("young", started="2026-11-30T10:09:00Z"),
+                       pod("gone", phase="Succeeded")])
+    assert facts.running_since(datetime(2026, 11, 30, 10, 0, tzinfo=UTC)) == ("old",)
+    assert facts.running_since(datetime(2026, 11, 30, 10, 10, tzinfo=UTC)) == ("old", "young")
