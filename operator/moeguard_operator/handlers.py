@@ -29,7 +29,7 @@ from moeguard_operator.builders import (
     selector_string,
     worker_name,
 )
-from moeguard_operator.conditions import Status, get_condition, set_condition
+from moeguard_operator.conditions import Status, get_condition, metrics_verdict, set_condition
 from moeguard_operator.models import BUDGET_FIELDS, MoEInferenceServiceSpec
 from moeguard_operator.observe import observe
 from moeguard_operator.podstate import PodFacts, pod_facts
@@ -335,31 +335,14 @@ def _outer_loop(
         "restarts": facts.restarts,
         "silentPods": list(obs.silent_pods),
     }
-    prior = get_condition(conditions, c.CONDITION_METRICS_AVAILABLE) or {}
-    was = prior.get("status")
-    if not obs.available:
-        message = f"{obs.error}; budgets held, nothing loosens"
-        waiting_since = _time(prior.get("lastTransitionTime")) if prior.get("reason") == "WaitingForMetrics" else None
-        grace = max(60, 3 * parsed.control.window_seconds)
-        if was is None or (waiting_since is not None and (now - waiting_since).total_seconds() < grace):
-            # A new service has no series until its first scrapes and batches: blind, but not yet a fault.
-            conditions = set_condition(conditions, c.CONDITION_METRICS_AVAILABLE, "False", "WaitingForMetrics",
-                                       message, now, generation)
-        else:
-            conditions = set_condition(conditions, c.CONDITION_METRICS_AVAILABLE, "False", "MetricsUnavailable",
-                                       message, now, generation)
-            if prior.get("reason") != "MetricsUnavailable":
-                kopf.warn(body, reason="MetricsUnavailable", message=message)
-    elif obs.silent_pods:
-        message = f"pods report no metrics: {', '.join(obs.silent_pods)}; nothing loosens"
-        conditions = set_condition(conditions, c.CONDITION_METRICS_AVAILABLE, "False", "SilentPods", message, now, generation)
-        if list(obs.silent_pods) != list(previous.get("silentPods") or []):
-            kopf.warn(body, reason="SilentPods", message=message)
-    else:
-        conditions = set_condition(conditions, c.CONDITION_METRICS_AVAILABLE, "True", "AllPodsReporting",
-                                   f"{len(obs.reporting_pods)} pods reporting", now, generation)
-        if was == "False":
-            kopf.info(body, reason="MetricsAvailable", message="every pod reports again; normal control resumes")
+    prior = get_condition(conditions, c.CONDITION_METRICS_AVAILABLE)
+    verdict = metrics_verdict(obs, prior, list(previous.get("silentPods") or []), now,
+                              grace_seconds=max(60, 3 * parsed.control.window_seconds))
+    conditions = set_condition(conditions, c.CONDITION_METRICS_AVAILABLE, verdict.status, verdict.reason,
+                               verdict.message, now, generation)
+    if verdict.event is not None:
+        event_type, event_reason = verdict.event
+        (kopf.warn if event_type == "Warning" else kopf.info)(body, reason=event_reason, message=verdict.message)
     metrics.PROMETHEUS_QUERIES.labels(ns, name, "ok" if obs.fully_visible else "blind").inc()
     metrics.METRICS_AVAILABLE.labels(ns, name).set(1 if obs.fully_visible else 0)
     if new_ooms:

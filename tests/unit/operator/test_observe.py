@@ -4,7 +4,14 @@ from datetime import UTC, datetime
 
 import pytest
 
-from moeguard_operator.observe import observe, parse_by_label, parse_label_values, parse_scalar, queries, skew_query
+from moeguard_operator.observe import (
+    observe,
+    parse_by_label,
+    parse_label_values,
+    parse_scalar,
+    queries,
+    skew_query,
+)
 
 pytestmark = pytest.mark.unit
 
