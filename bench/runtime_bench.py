@@ -19,7 +19,9 @@ both sides alike.
     machine's read bandwidth), the bandwidth measured here as the median rate
     of ``tensor.sum()`` over 1 GiB.
 * **Worker overhead**: the ``small`` preset (99M parameters) serving 16
-  requests through :class:`moeguard_runtime.service.Worker` driven by hand;
+  requests through :class:`moeguard_runtime.service.Worker` driven by hand, on
+  ``--device`` in ``--dtype`` (the engine places weights, KV caches, inputs and
+  generators there, as the worker does with ``MOEGUARD_DEVICE``);
   overhead = (loop iteration time - engine step time) / iteration time, which
   counts the scheduler, metrics, rate-limited logfmt logging (to /dev/null),
   the memory checks and the leak-signal sampling.
@@ -189,8 +191,9 @@ def moe_benchmarks(device: str, dtype: torch.dtype, dtype_name: str, reps: int) 
     }
 
 
-def overhead_benchmark(reps: int) -> dict[str, Any]:
-    """Worker loop overhead over engine step time, ``small`` preset, 16 requests."""
+def overhead_benchmark(reps: int, device: str = "cpu", dtype_name: str = "fp32") -> dict[str, Any]:
+    """Worker loop overhead over engine step time, ``small`` preset, 16 requests, the
+    model, caches and sampling on ``device`` (the worker's ``MOEGUARD_DEVICE``)."""
     import structlog
 
     from moeguard_runtime import presets
@@ -205,8 +208,10 @@ def overhead_benchmark(reps: int) -> dict[str, Any]:
                                     structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
                                     structlog.processors.LogfmtRenderer()],
                         logger_factory=structlog.PrintLoggerFactory(devnull))
-    engine = Engine(build_model(presets.get_preset("small"), seed=0))
-    settings = load_settings({"MOEGUARD_MAX_PREFILL_TOKENS": "512"})
+    settings = load_settings({"MOEGUARD_MAX_PREFILL_TOKENS": "512", "MOEGUARD_DEVICE": device,
+                              "MOEGUARD_DTYPE": dtype_name})
+    engine = Engine(build_model(presets.get_preset("small"), seed=0, dtype=settings.torch_dtype,
+                                device=settings.torch_device))
     worker = Worker(settings, engine, Telemetry({"moeis": "b", "namespace": "b", "pod": "b"}, 8),
                     RateLimitedLog(1.0))
     step_s: list[float] = []
@@ -289,7 +294,7 @@ def render(r: dict[str, Any]) -> str:
     if "overhead" in r:
         o = r["overhead"]
         lines += ["## Worker loop overhead (scheduler, metrics, logging, memory checks)", "",
-                  f"`small` preset, 16 requests of 64 prompt + 24 generated tokens, "
+                  f"`small` preset on {m['device']} in {r['dtype']}, 16 requests of 64 prompt + 24 generated tokens, "
                   f"{o['steps_per_rep']} steps per repetition: overhead median "
                   f"**{o['overhead_median'] * 100:.2f} %** of step time (target <= 3 %: "
                   f"{'met' if o['overhead_median'] <= 0.03 else 'not met'}); per repetition: "
@@ -317,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                               "command": " ".join(["python -m bench.runtime_bench", *(argv or sys.argv[1:])])}
     result["moe"] = moe_benchmarks(a.device, dtype, a.dtype, a.reps)
     if a.overhead_reps > 0:
-        result["overhead"] = overhead_benchmark(a.overhead_reps)
+        result["overhead"] = overhead_benchmark(a.overhead_reps, a.device, a.dtype)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")

@@ -68,8 +68,13 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
 
     t0 = time.monotonic()
     try:
+        if settings.torch_device.type == "cuda" and settings.torch_device.index is not None:
+            import torch
+
+            torch.cuda.set_device(settings.torch_device)  # cuda:N: caches and streams there
         model = build_model(args, seed=settings.seed, expert_chunk_tokens=settings.expert_chunk_tokens,
-                            capacity_factor=settings.capacity_factor, checkpoint=settings.checkpoint)
+                            capacity_factor=settings.capacity_factor, checkpoint=settings.checkpoint,
+                            dtype=settings.torch_dtype, device=settings.torch_device)
     except Exception as exc:  # a bad checkpoint: say why and exit
         log.event("model_load_error", force=True, error=str(exc)[:1000])
         failed.set()
@@ -77,6 +82,7 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
     worker = Worker(settings, Engine(model), slot.telemetry, log)
     log.event("worker_start", force=True, preset=settings.preset, seed=settings.seed,
               checkpoint=settings.checkpoint, parameters=presets.parameter_count(args),
+              device=settings.device, dtype=settings.dtype,
               model_overrides=dict(settings.model_overrides) or None,
               load_seconds=round(time.monotonic() - t0, 3), torch_threads=settings.torch_threads,
               port=settings.port, capacity_factor=settings.capacity_factor,

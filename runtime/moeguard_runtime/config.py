@@ -14,6 +14,9 @@ the variable.
   the GPU limits ``ENV_GPU_SOFT/HARD_FRACTION`` of device memory (0.9, 0.97),
   ``ENV_OVERLOAD_MODE`` (Auto, On, Off; default Auto).
 * Model: ``ENV_MODEL_PRESET``, ``ENV_MODEL_OVERRIDES``, ``ENV_CHECKPOINT_PATH``.
+* Placement: ``ENV_DEVICE`` (``auto``: ``cuda`` when ``torch.cuda.is_available()``,
+  else ``cpu``) and ``ENV_DTYPE`` (``auto``: bfloat16 on CUDA, float32 on CPU).
+  ``Settings.device``/``Settings.dtype`` hold the resolved names, never ``auto``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from moeguard_runtime import contract
 from moeguard_runtime.contract import Budgets
@@ -50,6 +55,9 @@ ENV_FAULT_STEP_DELAY = "MOEGUARD_FAULT_STEP_DELAY_SECONDS"
 """Test-only fault: sleep this long in every engine step (a slow model, for timeout tests)."""
 
 OVERLOAD_MODES = ("Auto", "On", "Off")
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+"""Accepted ``MOEGUARD_DTYPE`` values (besides ``auto``); the short names are aliases."""
 
 DEFAULT_BUDGETS = Budgets.model_validate({"max_prefill_tokens": 2048, "max_decode_tokens": 256,
                                           "max_batch_requests": 32, "max_concurrent_batches": 2})
@@ -88,6 +96,52 @@ class Settings:
     fault_leak_anon_bps: int = 0
     fault_leak_python_bps: int = 0
     fault_step_delay_s: float = 0.0
+    device: str = "cpu"
+    """Resolved torch device (``cpu``, ``cuda`` or ``cuda:N``)."""
+    dtype: str = "float32"
+    """Resolved dtype name (``float32``, ``bfloat16`` or ``float16``)."""
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def resolve_device(raw: str | None, cuda_available: bool | None = None) -> str:
+    """``ENV_DEVICE``'s value resolved: ``auto`` (or unset) is ``cuda`` when CUDA is
+    available, else ``cpu``. A CUDA device asked for without CUDA is a ConfigError."""
+    name = contract.ENV_DEVICE
+    value = (raw or "auto").strip().lower() or "auto"
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    if value == "auto":
+        return "cuda" if cuda_available else "cpu"
+    if value == "cpu":
+        return "cpu"
+    if value == "cuda" or (value.startswith("cuda:") and value[5:].isdigit()):
+        if not cuda_available:
+            raise ConfigError(f"{name}={value!r}: torch.cuda.is_available() is False "
+                              f"(torch {torch.__version__}); use cpu or auto")
+        index = int(value[5:]) if ":" in value else 0
+        count = torch.cuda.device_count()
+        if count and index >= count:
+            raise ConfigError(f"{name}={value!r}: only {count} CUDA device(s)")
+        return value
+    raise ConfigError(f"{name}={value!r} must be auto, cpu, cuda or cuda:N")
+
+
+def resolve_dtype(raw: str | None, device: str) -> str:
+    """``ENV_DTYPE``'s value resolved: ``auto`` (or unset) is bfloat16 on CUDA, float32 on CPU."""
+    value = (raw or "auto").strip().lower() or "auto"
+    if value == "auto":
+        return "bfloat16" if device.startswith("cuda") else "float32"
+    if value not in DTYPES:
+        raise ConfigError(f"{contract.ENV_DTYPE}={value!r} must be auto or one of "
+                          f"{', '.join(DTYPES)}")
+    return str(DTYPES[value]).removeprefix("torch.")
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None, minimum: int = 0) -> int | None:
@@ -208,6 +262,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     if soft and hard and soft > hard:
         raise ConfigError(f"{contract.ENV_SOFT_LIMIT_BYTES}={soft} must be <= "
                           f"{contract.ENV_HARD_LIMIT_BYTES}={hard}")
+    device = resolve_device(env.get(contract.ENV_DEVICE))
+    dtype = resolve_dtype(env.get(contract.ENV_DTYPE), device)
     capacity = _float(env, ENV_CAPACITY_FACTOR, 0.0)
     if capacity < 0:
         raise ConfigError(f"{ENV_CAPACITY_FACTOR}={capacity} must be >= 0 (0: dropless)")
@@ -237,4 +293,6 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         fault_leak_anon_bps=req(ENV_FAULT_LEAK_ANON, 0, minimum=0),
         fault_leak_python_bps=req(ENV_FAULT_LEAK_PYTHON, 0, minimum=0),
         fault_step_delay_s=_float(env, ENV_FAULT_STEP_DELAY, 0.0),
+        device=device,
+        dtype=dtype,
     )

@@ -61,6 +61,12 @@ ENV_GPU_HARD_FRACTION = "MOEGUARD_GPU_HARD_FRACTION"
 """Static: fraction of device memory above which the worker admits no new requests (GPU only)."""
 ENV_OVERLOAD_MODE = "MOEGUARD_OVERLOAD_MODE"
 """Static: Auto (the worker may switch overload on itself), On or Off (the operator decides)."""
+ENV_DEVICE = "MOEGUARD_DEVICE"
+"""Torch device of the model, KV caches and inputs: ``auto`` (default: ``cuda`` when
+``torch.cuda.is_available()``, else ``cpu``), ``cpu``, ``cuda`` or ``cuda:N``."""
+ENV_DTYPE = "MOEGUARD_DTYPE"
+"""Weights and KV cache dtype: ``auto`` (default: bfloat16 on CUDA, float32 on CPU),
+``float32``, ``bfloat16`` or ``float16``. The router softmax is float32 whatever this is."""
 ENV_PORT = "MOEGUARD_PORT"
 """TCP port of the worker's HTTP server (OpenAI API, /metrics, health)."""
 WORKER_PORT = 8000

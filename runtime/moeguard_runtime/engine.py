@@ -9,7 +9,12 @@ only executes it and samples.
 Sampling: ``temperature == 0`` is greedy (argmax); otherwise softmax of
 ``logits / temperature`` sampled with the request's own ``torch.Generator``
 (seeded from the request's ``seed``, so a seeded request is reproducible
-whatever else shares its batch).
+whatever else shares its batch). The generator lives on the engine's device, so
+a seed reproduces on the same device type; CPU and CUDA draw different streams.
+
+Device: the KV caches, the token and position tensors and the generators are
+created on the weights' device (``MOEGUARD_DEVICE``); only the sampled token ids
+come back to the host.
 """
 
 from __future__ import annotations
@@ -73,7 +78,10 @@ class Engine:
     def __init__(self, model: Transformer) -> None:
         self.model = model
         self.args = model.args
-        self.dtype = next(model.parameters()).dtype
+        first = next(model.parameters())
+        self.dtype = first.dtype
+        self.device = first.device
+        """Where the KV caches, token tensors and sampling generators live: the weights' device."""
         self.sequences: dict[str, SequenceState] = {}
 
     def add(self, seq_id: str, prompt: list[int], max_new_tokens: int,
@@ -87,9 +95,9 @@ class Engine:
             raise ValueError("prompt must hold at least one token")
         if len(prompt) + max_new_tokens > self.args.max_seq_len:
             raise ValueError(f"prompt + max_new_tokens must be <= {self.args.max_seq_len}")
-        gen = torch.Generator()
+        gen = torch.Generator(device=self.device)
         gen.manual_seed(seed if seed is not None else int(torch.seed()))
-        cache = KVCache(self.args, len(prompt) + max_new_tokens, self.dtype)
+        cache = KVCache(self.args, len(prompt) + max_new_tokens, self.dtype, self.device)
         seq = SequenceState(seq_id, list(prompt), max_new_tokens, temperature, gen, cache)
         self.sequences[seq_id] = seq
         return seq
@@ -132,7 +140,8 @@ class Engine:
         if not segments:
             return StepOutput({}, {}, [], 0, 0)
         with torch.inference_mode():
-            logits, routing = self.model(torch.tensor(tokens), torch.tensor(positions), segments)
+            logits, routing = self.model(torch.tensor(tokens, device=self.device),
+                                         torch.tensor(positions, device=self.device), segments)
         new_tokens: dict[str, int] = {}
         finished: dict[str, str] = {}
         for i, (seq, segment) in enumerate(zip(order, segments, strict=True)):

@@ -161,8 +161,13 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.angles = torch.empty(0)  # [max_seq_len, hd/2], set by setup_rope()
 
-    def setup_rope(self) -> None:
-        self.angles = rope_angles(self.args.max_seq_len, self.args.head_dim, self.args.rope_base)
+    def setup_rope(self, device: torch.device | str | None = None) -> None:
+        """Rotary angles, float32 on ``device`` (default: the weights' device). Kept
+        out of the parameters and buffers so that ``model.to(dtype)`` never rounds them."""
+        if device is None:
+            device = self.output.weight.device
+        angles = rope_angles(self.args.max_seq_len, self.args.head_dim, self.args.rope_base)
+        self.angles = angles.to(device)
 
     def set_expert_chunk_tokens(self, n: int) -> None:
         """Bound on token-slots one expert processes at once (applies to the next step)."""
@@ -182,7 +187,8 @@ class Transformer(nn.Module):
         for layer in self.layers:
             x, s = layer(x, angles, segments)
             stats.append(s)
-        last = torch.tensor([0, *(s.length for s in segments)]).cumsum(0)[1:] - 1  # [S]
+        last = torch.tensor([0, *(s.length for s in segments)],
+                            device=x.device).cumsum(0)[1:] - 1  # [S]
         logits = self.output(self.norm(x[last]))  # [S, V]
         return logits.float(), stats
 
@@ -205,11 +211,14 @@ def init_weights(model: Transformer, seed: int) -> None:
 
 def build_model(args: ModelArgs, seed: int = 0, dtype: torch.dtype = torch.float32,
                 expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS,
-                capacity_factor: float = 0.0, checkpoint: str | None = None) -> Transformer:
+                capacity_factor: float = 0.0, checkpoint: str | None = None,
+                device: torch.device | str = "cpu") -> Transformer:
     """Build on the meta device (no allocation), then either load ``checkpoint``
     (a local safetensors file or folder, :mod:`moeguard_runtime.checkpoint`;
     tensors are assigned, not copied into fresh storage) or materialise and fill
-    with seeded weights."""
+    with seeded weights (drawn on the CPU, so a seed gives the same weights on
+    every device), then cast to ``dtype`` and move to ``device``. The rotary
+    angles stay float32 on ``device``."""
     with torch.device("meta"):
         model = Transformer(args, expert_chunk_tokens, capacity_factor)
     if checkpoint is not None:
@@ -219,5 +228,6 @@ def build_model(args: ModelArgs, seed: int = 0, dtype: torch.dtype = torch.float
     else:
         model = model.to_empty(device="cpu")
         init_weights(model, seed)
-    model.setup_rope()
-    return model.to(dtype).eval()
+    model = model.to(dtype).to(device)
+    model.setup_rope(device)
+    return model.eval()

@@ -179,8 +179,8 @@ def grouped_expert_forward(
         overflow = int((counts - kept_counts).sum())
         order, slot_weight = order[keep], slot_weight[keep]
         slot_token = order // k
-        denom = torch.zeros(num_tokens, dtype=slot_weight.dtype).index_add_(0, slot_token,
-                                                                           slot_weight)
+        denom = torch.zeros(num_tokens, dtype=slot_weight.dtype,
+                            device=slot_weight.device).index_add_(0, slot_token, slot_weight)
         slot_weight = slot_weight / denom[slot_token]  # renormalize what each token keeps
     slot_token = order // k  # [S] token of each sorted slot
     out = torch.zeros_like(x)  # [T, D]
@@ -203,8 +203,10 @@ def _capacity_keep(experts: torch.Tensor, counts: torch.Tensor, capacity: int) -
     rank_major = experts.T.reshape(-1)  # [k*T], index r*T + t
     order = torch.argsort(rank_major, stable=True)
     starts = torch.cumsum(counts, 0) - counts  # [E]
-    pos = torch.arange(order.numel()) - torch.repeat_interleave(starts, counts)  # within expert
-    keep_rm = torch.zeros(order.numel(), dtype=torch.bool)
+    device = experts.device
+    pos = (torch.arange(order.numel(), device=device)
+           - torch.repeat_interleave(starts, counts))  # position within its expert
+    keep_rm = torch.zeros(order.numel(), dtype=torch.bool, device=device)
     keep_rm[order] = pos < capacity
     return keep_rm.view(k, num_tokens).T.reshape(-1)  # back to token-major t*k + r
 

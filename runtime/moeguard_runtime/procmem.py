@@ -17,7 +17,8 @@ metric is then absent rather than 0):
 * GPU: ``torch.cuda.memory_allocated`` / ``memory_reserved`` (torch's caching
   allocator only), ``mem_get_info`` (the whole device: context and other
   processes included), pinned host memory from ``torch.cuda.host_memory_stats``
-  (torch >= 2.5). No CUDA: all None.
+  (torch >= 2.5), all of the worker's own device (``MOEGUARD_DEVICE``). A worker
+  on the CPU, or no CUDA: all None.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class ProcessMemory:
 
 @dataclass(frozen=True)
 class DeviceMemory:
-    """GPU figures in bytes (device 0)."""
+    """GPU figures in bytes, of the worker's device."""
 
     allocated: int
     reserved: int
@@ -113,13 +114,17 @@ def malloc_in_use() -> int | None:
     return int(info.uordblks + info.hblkhd)
 
 
-def read_device_memory() -> DeviceMemory | None:
-    """GPU figures, or None without CUDA."""
+def read_device_memory(device: str | Any = "cuda") -> DeviceMemory | None:
+    """GPU figures of ``device`` (the worker's ``MOEGUARD_DEVICE``), or None when it is
+    not a CUDA device or CUDA is unavailable. ``cuda`` means the current device."""
     import torch
 
-    if not torch.cuda.is_available():
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
         return None
-    free, total = torch.cuda.mem_get_info()
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    free, total = torch.cuda.mem_get_info(dev)
     pinned = None
     stats_fn = getattr(torch.cuda, "host_memory_stats", None)
     if stats_fn is not None:
@@ -127,5 +132,5 @@ def read_device_memory() -> DeviceMemory | None:
             pinned = int(stats_fn().get("allocated_bytes.current", 0))
         except RuntimeError:
             pinned = None
-    return DeviceMemory(int(torch.cuda.memory_allocated()), int(torch.cuda.memory_reserved()),
+    return DeviceMemory(int(torch.cuda.memory_allocated(dev)), int(torch.cuda.memory_reserved(dev)),
                         int(total - free), int(total), pinned)

@@ -100,7 +100,7 @@ class Worker:
     def __init__(self, settings: Settings, engine: Engine, telemetry: Telemetry,
                  log: RateLimitedLog, clock: Callable[[], float] = time.monotonic,
                  memory_reader: Callable[[], MemoryReading] = read_memory,
-                 device_reader: Callable[[], DeviceMemory | None] = read_device_memory,
+                 device_reader: Callable[[], DeviceMemory | None] | None = None,
                  process_reader: Callable[[], ProcessMemory] = read_process_memory) -> None:
         self.settings = settings
         self.engine = engine
@@ -108,7 +108,7 @@ class Worker:
         self.log = log
         self._clock = clock
         self._read_memory = memory_reader
-        self._read_device = device_reader
+        self._read_device = device_reader or (lambda: read_device_memory(settings.device))
         self._read_process = process_reader
         max_ctx = settings.overload_max_context_tokens or engine.args.max_seq_len // 2
         self.overload_policy = OverloadPolicy(max_context_tokens=max_ctx)

@@ -6,11 +6,12 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from tests.integration.worker.conftest import WorkerProcess
+from tests.integration.worker.conftest import WorkerProcess, start_worker_process
 
 pytestmark = pytest.mark.integration
 
@@ -170,3 +171,21 @@ def test_client_disconnect_cancels_request(start_worker: Callable[..., WorkerPro
     assert cancelled == [1]
     # the worker is still serving
     assert post(w, {"prompt": "b", "max_tokens": 2}).status_code == 200
+
+
+def test_bfloat16_worker_serves_and_says_where_it_runs(
+        start_worker: Callable[..., WorkerProcess]) -> None:
+    """MOEGUARD_DEVICE/MOEGUARD_DTYPE reach the worker: bf16 on the CPU serves
+    greedy completions, and worker_start names the device and dtype."""
+    w = start_worker(MOEGUARD_DEVICE="cpu", MOEGUARD_DTYPE="bf16")
+    r = post(w, {"prompt": "Hello, bf16", "max_tokens": 5, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert 1 <= r.json()["usage"]["completion_tokens"] <= 5
+    start = next(line for line in w.logs().splitlines() if "event=worker_start" in line)
+    assert "device=cpu" in start and "dtype=bfloat16" in start
+
+
+def test_bad_device_stops_the_worker_naming_the_variable(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match=r"exited with 2") as info:
+        start_worker_process(tmp_path, {"MOEGUARD_DEVICE": "tpu"})
+    assert "MOEGUARD_DEVICE='tpu' must be auto, cpu, cuda or cuda:N" in str(info.value)
