@@ -20,6 +20,13 @@ Fields: those of OpenAI ``POST /v1/completions`` that the worker honours, plus
 OpenAI fields (``stop``, ``logprobs``, ``echo``, ``top_p`` …) are refused as
 unknown rather than silently ignored.
 
+Streaming answers its HTTP status only once the request is admitted to a
+batch: a refusal or a queue timeout before that is the same JSON error (503 or
+429, ``Retry-After``, the reason in ``code``) as without streaming; only a
+failure after admission (out of memory in the batch) arrives as an SSE error
+event. ``stream_options: {"include_usage": true}`` (OpenAI) adds a final chunk
+with ``usage`` and ``"choices": []``; an unknown key in it is a 400 naming it.
+
 A client that disconnects cancels its request (polled every 0.25 s while it
 waits; a streaming response is cancelled by Starlette when the socket closes).
 """
@@ -49,6 +56,15 @@ DISCONNECT_POLL_S = 0.25
 MAX_TOKENS_LIMIT = 1_048_576
 
 
+class StreamOptions(BaseModel):
+    """OpenAI ``stream_options``: ``include_usage`` adds a last chunk with ``usage``
+    (and ``"choices": []``) before ``[DONE]``. Other keys are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = Field(default=False, strict=True)
+
+
 class CompletionRequest(BaseModel):
     """The body of ``POST /v1/completions``.
 
@@ -68,6 +84,8 @@ class CompletionRequest(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="0 is greedy.")
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stream: bool = Field(default=False, strict=True)
+    stream_options: StreamOptions | None = Field(
+        default=None, description="OpenAI's stream options; only with stream: true.")
     n: int = Field(default=1, ge=1, le=1, description="Only 1 is supported.")
     user: str | None = Field(default=None, max_length=256, strict=True)
     priority: Literal["interactive", "batch"] | None = Field(
@@ -114,9 +132,28 @@ _ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error"
     "type": "object", "required": ["message", "type", "param", "code"],
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                    "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+def _inline_refs(schema: dict[str, Any]) -> dict[str, Any]:
+    """Pydantic's schema with its ``$defs`` inlined: the request body schema sits
+    inside the OpenAPI document, where ``#/$defs/...`` would not resolve."""
+    defs = schema.pop("$defs", {})
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return walk(defs[ref.removeprefix("#/$defs/")])
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    result: dict[str, Any] = walk(schema)
+    return result
+
+
 _COMPLETIONS_OPENAPI: dict[str, Any] = {
     "requestBody": {"required": True, "content": {"application/json": {
-        "schema": CompletionRequest.model_json_schema()}}},
+        "schema": _inline_refs(CompletionRequest.model_json_schema())}}},
     "responses": {
         "200": {"description": "The completion (JSON), or server-sent events when stream is true.",
                 "content": {"application/json": {"schema": {"type": "object"}},
@@ -211,6 +248,9 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
         except ValidationError as exc:
             message, param = describe_validation_error(exc)
             return invalid(message, param)
+        if body.stream_options is not None and not body.stream:
+            return invalid("invalid field 'stream_options': only allowed when 'stream' is true; "
+                           "given: stream false", "stream_options", "stream_options_without_stream")
         prompt = tokenizer.encode(body.prompt)
         if len(prompt) + body.max_tokens > max_len:
             return invalid(f"inputs tokens + max_new_tokens must be <= {max_len}. Given: "
@@ -228,6 +268,14 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
         return await _serve(worker, body, prompt, priority, request, count)
 
     return app
+
+
+def _event_error(event: Event) -> JSONResponse:
+    """An ``error`` event as an HTTP error: 503 (with ``Retry-After``) or 500."""
+    return error_response(event.status, event.message,
+                          "service_unavailable_error" if event.status == 503 else "server_error",
+                          event.reason,
+                          headers={"Retry-After": "1"} if event.status == 503 else None)
 
 
 async def _serve(worker: Worker, body: CompletionRequest, prompt: list[int], priority: str,
@@ -251,32 +299,51 @@ async def _serve(worker: Worker, body: CompletionRequest, prompt: list[int], pri
                               headers={"Retry-After": str(rej.retry_after_s)})
     created = int(time.time())
     model = body.model or f"moeguard-{worker.settings.preset}"
-    if body.stream:
-        return StreamingResponse(_stream(worker, req_id, queue, created, model, len(prompt), count),
-                                 media_type="text/event-stream")
-    tokens: list[int] = []
     next_poll = loop.time() + DISCONNECT_POLL_S
+
+    async def next_event() -> Event | None:
+        """The next event, or None once the client has gone (the request is cancelled)."""
+        nonlocal next_poll
+        while True:
+            event = None
+            with contextlib.suppress(TimeoutError):
+                event = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+            if loop.time() >= next_poll:  # tokens may arrive faster than the poll period
+                next_poll = loop.time() + DISCONNECT_POLL_S
+                if await request.is_disconnected():
+                    worker.cancel(req_id)
+                    count("cancelled", 499)
+                    return None
+            if event is not None:
+                return event
+
+    if body.stream:
+        # No 200 before admission: a request refused or timed out in the queue gets the
+        # same HTTP error (503/429, Retry-After, reason) as without streaming.
+        first = await next_event()
+        if first is None:
+            return Response(status_code=499)
+        if first.kind == "error":
+            count("error", first.status)
+            return _event_error(first)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(
+            _stream(worker, req_id, queue, created, model, len(prompt), count,
+                    first if first.kind != "admitted" else None, include_usage),
+            media_type="text/event-stream")
+    tokens: list[int] = []
     while True:
-        event = None
-        with contextlib.suppress(TimeoutError):
-            event = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
-        if loop.time() >= next_poll:  # tokens may arrive faster than the poll period
-            next_poll = loop.time() + DISCONNECT_POLL_S
-            if await request.is_disconnected():
-                worker.cancel(req_id)
-                count("cancelled", 499)
-                return Response(status_code=499)
+        event = await next_event()
         if event is None:
+            return Response(status_code=499)
+        if event.kind == "admitted":
             continue
         if event.kind == "token":
             tokens.append(event.token)
             continue
         if event.kind == "error":
             count("error", event.status)
-            return error_response(event.status, event.message,
-                                  "service_unavailable_error" if event.status == 503
-                                  else "server_error", event.reason,
-                                  headers={"Retry-After": "1"} if event.status == 503 else None)
+            return _event_error(event)
         count("ok", 200)
         return JSONResponse({
             "id": req_id, "object": "text_completion", "created": created, "model": model,
@@ -288,23 +355,35 @@ async def _serve(worker: Worker, body: CompletionRequest, prompt: list[int], pri
 
 
 async def _stream(worker: Worker, req_id: str, queue: asyncio.Queue[Event], created: int,
-                  model: str, prompt_tokens: int, count: Any) -> AsyncIterator[str]:
-    """Server-sent events as OpenAI streams completions, ending with ``data: [DONE]``."""
+                  model: str, prompt_tokens: int, count: Any, first: Event | None = None,
+                  include_usage: bool = False) -> AsyncIterator[str]:
+    """Server-sent events as OpenAI streams completions, ending with ``data: [DONE]``.
+
+    Started once the request is admitted (``first``: an event already taken off
+    the queue, if any). An error after admission (out of memory in a batch)
+    can only be an ``error`` event in the stream. Without ``include_usage`` the
+    finishing chunk carries ``usage``; with it (OpenAI ``stream_options``), every
+    chunk has ``"usage": null`` and a last chunk with ``"choices": []`` and the
+    usage precedes ``[DONE]``.
+    """
     decoder = tokenizer.StreamDecoder()
     done = False
     n = 0
 
-    def chunk(text: str, finish: str | None, usage: dict[str, int] | None = None) -> str:
+    def chunk(text: str | None, finish: str | None, usage: dict[str, int] | None = None) -> str:
+        choices = [] if text is None else [{"index": 0, "text": text, "finish_reason": finish}]
         body: dict[str, Any] = {"id": req_id, "object": "text_completion", "created": created,
-                                "model": model,
-                                "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
-        if usage is not None:
+                                "model": model, "choices": choices}
+        if usage is not None or include_usage:
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
 
     try:
         while True:
-            event = await queue.get()
+            event = first if first is not None else await queue.get()
+            first = None
+            if event.kind == "admitted":
+                continue
             if event.kind == "token":
                 n += 1
                 text = decoder.push(event.token)
@@ -321,7 +400,11 @@ async def _stream(worker: Worker, req_id: str, queue: asyncio.Queue[Event], crea
                 count("ok", 200)
                 usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n,
                          "total_tokens": prompt_tokens + n}
-                yield chunk(decoder.flush(), event.finish_reason, usage)
+                if include_usage:
+                    yield chunk(decoder.flush(), event.finish_reason)
+                    yield chunk(None, None, usage)
+                else:
+                    yield chunk(decoder.flush(), event.finish_reason, usage)
             yield "data: [DONE]\n\n"
             return
     finally:

@@ -73,9 +73,13 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class Event:
-    """What a request's sink receives: tokens, then one ``finish`` or ``error``."""
+    """What a request's sink receives: ``admitted`` once, when the request leaves the
+    queue for a batch (its KV cache allocated, just before its first step), then
+    tokens, then one ``finish`` or ``error``. A request refused or timed out in
+    the queue, or whose KV cache cannot be allocated, receives only ``error``, so
+    a streaming response can still answer with an HTTP error status."""
 
-    kind: Literal["token", "finish", "error"]
+    kind: Literal["admitted", "token", "finish", "error"]
     token: int = -1
     finish_reason: str = ""
     status: int = 200
@@ -373,6 +377,9 @@ class Worker:
                     r = active.request
                     tel.stage("queue", now - active.arrival)
                     self.engine.add(req_id, r.prompt, r.max_new_tokens, r.temperature, r.seed)
+            for req_id, active in admitted:
+                if active is not None and req_id in self.engine.sequences:
+                    active.sink(Event("admitted"))
             prefill = [(r, n) for r, _, n in plan.prefill if r in self.engine.sequences]
             decode = [r for r in plan.decode if r in self.engine.sequences]
             if self.log.allowed("inference_batch_start"):

@@ -230,3 +230,38 @@ def test_c6_slow_rss_creep(start_worker: Callable[..., WorkerProcess]) -> None:
     assert counter[0] > 200
     assert abs(mb_per_min) < 20, f"RSS slope {mb_per_min:.2f} MB/min"
     assert value(w, "moeguard_memory_leak_suspected", kind="native") == 0
+
+
+def test_c5_queue_timeout_with_stream_is_a_503_not_a_200(
+        start_worker: Callable[..., WorkerProcess]) -> None:
+    """C5 with ``stream: true``: no 200 before admission. The queued stream gets the
+    same 503 JSON error, ``Retry-After`` and reason as the non-streaming path, at
+    about the queue timeout; once the slot frees, a stream is admitted and served."""
+    w = start_worker(MOEGUARD_QUEUE_TIMEOUT_SECONDS="2", MOEGUARD_MAX_CONCURRENT_BATCHES="1",
+                     MOEGUARD_MAX_BATCH_REQUESTS="1", MOEGUARD_FAULT_STEP_DELAY_SECONDS="0.02")
+    first: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: first.append(
+        post(w, {"prompt": "a", "max_tokens": 200, "temperature": 0})))
+    t.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    with httpx.stream("POST", f"{w.base_url}/v1/completions", timeout=30,
+                      json={"prompt": "second", "max_tokens": 4, "stream": True}) as r:
+        r.read()
+    waited = time.monotonic() - t0
+    assert r.status_code == 503, r.text
+    assert r.headers["content-type"] == "application/json"
+    assert r.headers["retry-after"] == "1"
+    err = r.json()["error"]
+    assert err["code"] == "queue_timeout" and err["type"] == "service_unavailable_error"
+    assert "queue_timeout_seconds 2.0 s" in err["message"]
+    assert 2.0 <= waited <= 2.8, waited
+    t.join(60)
+    assert first[0].status_code == 200
+    with httpx.stream("POST", f"{w.base_url}/v1/completions", timeout=30,
+                      json={"prompt": "third", "max_tokens": 3, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    rejected = value(w, "moeguard_rejections_total", reason="queue_timeout")
+    assert rejected == 1

@@ -100,6 +100,48 @@ def test_streaming_completion(worker: WorkerProcess) -> None:
     assert text == plain
 
 
+def test_stream_options_include_usage_ends_with_a_usage_chunk(worker: WorkerProcess) -> None:
+    body = {"prompt": "Hi", "max_tokens": 6, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{worker.base_url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == [] and usage_chunk["object"] == "text_completion"
+    completion = sum(1 for _ in chunks)  # at least the finish and the usage chunks
+    assert completion >= 2
+    usage = usage_chunk["usage"]
+    assert usage["prompt_tokens"] == 3
+    assert usage["total_tokens"] == 3 + usage["completion_tokens"]
+    assert all(c["usage"] is None and len(c["choices"]) == 1 for c in chunks[:-1])
+    assert chunks[-2]["choices"][0]["finish_reason"] in ("length", "stop")
+    plain = post(worker, {"prompt": "Hi", "max_tokens": 6, "temperature": 0}).json()
+    assert usage == plain["usage"]
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == plain["choices"][0]["text"]
+    off = {**body, "stream_options": {"include_usage": False}}
+    with httpx.stream("POST", f"{worker.base_url}/v1/completions", json=off, timeout=60) as r:
+        last = [json.loads(line[6:]) for line in r.iter_lines()
+                if line.startswith("data: {")][-1]
+    assert last["choices"][0]["finish_reason"] and last["usage"] == plain["usage"]
+
+
+def test_stream_options_are_validated(worker: WorkerProcess) -> None:
+    base = {"prompt": "Hi", "max_tokens": 2, "stream": True}
+    err = assert_openai_error(post(worker, {**base, "stream_options": {"include_usage": True,
+                                                                       "chunk_size": 3}}),
+                              400, "unknown field 'stream_options.chunk_size' (given: 3)")
+    assert err["param"] == "stream_options.chunk_size"
+    err = assert_openai_error(post(worker, {**base, "stream_options": {"include_usage": "yes"}}),
+                              400, "invalid field 'stream_options.include_usage'", '"yes"')
+    assert err["param"] == "stream_options.include_usage"
+    err = assert_openai_error(post(worker, {**base, "stream": False,
+                                            "stream_options": {"include_usage": True}}),
+                              400, "'stream_options': only allowed when 'stream' is true")
+    assert err["param"] == "stream_options" and err["code"] == "stream_options_without_stream"
+
+
 def test_metrics_carry_identity_labels(worker: WorkerProcess) -> None:
     post(worker, {"prompt": "The quick brown fox jumps over the lazy dog" * 3, "max_tokens": 3,
                   "temperature": 0})
@@ -154,6 +196,10 @@ def test_above_hard_limit_is_503_and_not_ready(start_worker: Callable[..., Worke
     r = post(w, {"prompt": "hello"})
     err = assert_openai_error(r, 503, "above the hard limit 1000 bytes")
     assert err["code"] == "memory_hard_limit" and "retry-after" in r.headers
+    r = post(w, {"prompt": "hello", "stream": True})  # refused before admission: JSON, not SSE
+    err = assert_openai_error(r, 503, "above the hard limit 1000 bytes")
+    assert err["code"] == "memory_hard_limit" and r.headers["retry-after"] == "5"
+    assert r.headers["content-type"] == "application/json"
     assert httpx.get(f"{w.base_url}/readyz").status_code == 503
     assert "event=memory_source" in w.logs()
 

@@ -231,3 +231,27 @@ def test_events_and_stage_metrics(setup: tuple[Worker, list[int], Lines]) -> Non
             "gpu_reserved_bytes", "pinned_bytes"} <= set(snap)
     for stage in ("queue", "prefill", "routing", "expert", "decode", "postprocess"):
         assert (gauge(worker, "moeguard_stage_duration_seconds_count", stage=stage) or 0) >= 1, stage
+
+
+def test_admitted_comes_before_tokens_and_never_after_a_queue_timeout() -> None:
+    """The server holds a stream's 200 until ``admitted``: it must precede the first
+    token, and a request that times out in the queue must get only its error."""
+    now = [0.0]
+    settings = load_settings({"MOEGUARD_MAX_CONCURRENT_BATCHES": "1",
+                              "MOEGUARD_MAX_BATCH_REQUESTS": "1",
+                              "MOEGUARD_QUEUE_TIMEOUT_SECONDS": "2"})
+    worker = Worker(settings, Engine(build_model(presets.get_preset("tiny"), seed=1)),
+                    Telemetry(LABELS, 8), RateLimitedLog(0.0, logger=Lines()),
+                    clock=lambda: now[0], memory_reader=lambda: MemoryReading(1, "rss"))
+    first: list[Event] = []
+    second: list[Event] = []
+    worker.submit(GenerationRequest("a", tokenizer.encode("hello"), 50, 0.0), first.append)
+    worker.submit(GenerationRequest("b", tokenizer.encode("queued"), 2, 0.0), second.append)
+    worker._iteration()
+    assert [e.kind for e in first][:2] == ["admitted", "token"]
+    assert second == []
+    now[0] = 2.5
+    worker._iteration()
+    assert [e.kind for e in second] == ["error"]
+    assert second[0].status == 503 and second[0].reason == "queue_timeout"
+    assert [e.kind for e in first].count("admitted") == 1
