@@ -5,7 +5,12 @@ in a cgroup with a memory limit: cgroup v2 ``memory.current`` (limit in
 ``memory.max``), or v1 ``memory.usage_in_bytes`` (limit in
 ``memory.limit_in_bytes``). That is the number the kernel's OOM killer compares
 with the limit, and it also counts page cache, tmpfs and the container's other
-processes. Without a limited cgroup (a laptop, a test) it is the process RSS.
+processes. The cgroup is the worker's own, read from ``/proc/self/cgroup``
+(v2 line ``0::/path``, v1 ``memory`` line), looked up under the mounted
+hierarchy with its ancestors, the smallest limit winning; when that path is not
+mounted (a container without a cgroup namespace) the mount root, which inside a
+container is the container's cgroup. Without a limited cgroup (a laptop, a
+test) it is the process RSS.
 The source in use is logged at start (``event=memory_source``) and exported as
 the ``source`` label of ``moeguard_memory_usage_bytes``.
 
@@ -29,6 +34,7 @@ from pathlib import Path
 import psutil
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")
 _V1_UNLIMITED = 1 << 60  # v1 reports "no limit" as a huge page-rounded number
 
 
@@ -43,6 +49,7 @@ class MemoryReading:
     usage_bytes: int
     source: str  # "cgroup_v2", "cgroup_v1" or "rss"
     limit_bytes: int | None = None  # the cgroup's own limit, when limited
+    cgroup_path: str | None = None  # the directory read, when a cgroup
 
 
 @dataclass(frozen=True)
@@ -61,15 +68,70 @@ def _read_int(path: Path) -> int | None:
     return None if text == "max" else int(text)
 
 
-def read_memory(root: Path = CGROUP_ROOT) -> MemoryReading:
-    """The compared figure (see module docstring)."""
-    current, limit = _read_int(root / "memory.current"), _read_int(root / "memory.max")
-    if current is not None and limit is not None:
-        return MemoryReading(current, "cgroup_v2", limit)
-    current = _read_int(root / "memory" / "memory.usage_in_bytes")
-    limit = _read_int(root / "memory" / "memory.limit_in_bytes")
-    if current is not None and limit is not None and limit < _V1_UNLIMITED:
-        return MemoryReading(current, "cgroup_v1", limit)
+def own_cgroups(proc_cgroup: Path = PROC_SELF_CGROUP) -> tuple[str | None, str | None]:
+    """``(v2 path, v1 memory path)`` of this process from ``/proc/self/cgroup``: the
+    unified line ``0::/path`` and the v1 line whose controllers include ``memory``
+    (``4:memory:/path``). None where the line (or the file) is missing."""
+    try:
+        text = proc_cgroup.read_text()
+    except OSError:
+        return None, None
+    v2 = v1 = None
+    for line in text.splitlines():
+        parts = line.strip().split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":
+            v2 = path
+        elif "memory" in controllers.split(","):
+            v1 = path
+    return v2, v1
+
+
+def _chain(mount: Path, path: str | None) -> list[Path]:
+    """The process's cgroup directory under ``mount`` and its ancestors up to
+    ``mount``, innermost first. When ``path`` is not there (a container without a
+    cgroup namespace, whose own cgroup is mounted as the root), ``[mount]``."""
+    parts = [p for p in (path or "").split("/") if p]
+    if parts and ".." not in parts and mount.joinpath(*parts).is_dir():
+        return [mount.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
+    return [mount]
+
+
+def _tightest(dirs: list[Path], usage_file: str, limit_file: str,
+              unlimited: int | None) -> tuple[int, int, Path] | None:
+    """``(usage, limit, dir)`` of the directory with the smallest limit (the one the
+    kernel enforces first), or None when none has both files and a limit."""
+    best: tuple[int, int, Path] | None = None
+    for d in dirs:
+        limit = _read_int(d / limit_file)
+        if limit is None or (unlimited is not None and limit >= unlimited):
+            continue
+        usage = _read_int(d / usage_file)
+        if usage is not None and (best is None or limit < best[1]):
+            best = (usage, limit, d)
+    return best
+
+
+def read_memory(root: Path = CGROUP_ROOT,
+                proc_cgroup: Path = PROC_SELF_CGROUP) -> MemoryReading:
+    """The compared figure (see module docstring).
+
+    The worker's own cgroup comes from ``proc_cgroup``; the v2 files are read
+    under ``root`` (the unified mount), the v1 files under ``root/memory``, in
+    that cgroup's directory and its ancestors (a limit set on the pod's level
+    binds the container too), falling back to the mount root (inside a container
+    the root is the container's cgroup) and then to the process RSS.
+    """
+    v2_path, v1_path = own_cgroups(proc_cgroup)
+    found = _tightest(_chain(root, v2_path), "memory.current", "memory.max", None)
+    if found is not None:
+        return MemoryReading(found[0], "cgroup_v2", found[1], str(found[2]))
+    found = _tightest(_chain(root / "memory", v1_path), "memory.usage_in_bytes",
+                      "memory.limit_in_bytes", _V1_UNLIMITED)
+    if found is not None:
+        return MemoryReading(found[0], "cgroup_v1", found[1], str(found[2]))
     return MemoryReading(psutil.Process().memory_info().rss, "rss")
 
 

@@ -267,6 +267,7 @@ class Worker:
         if self.last_memory is None:
             self.log.event("memory_source", force=True, source=reading.source,
                            usage_bytes=reading.usage_bytes, cgroup_limit_bytes=reading.limit_bytes,
+                           cgroup_path=reading.cgroup_path,
                            soft_limit_bytes=self.policy.soft_limit_bytes,
                            hard_limit_bytes=self.policy.hard_limit_bytes,
                            gpu=device is not None,

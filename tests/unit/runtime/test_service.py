@@ -67,6 +67,7 @@ def test_request_runs_to_finish_with_chunked_prefill(setup: tuple[Worker, list[i
     assert gauge(worker, "moeguard_batch_tokens_sum", phase="prefill") == 151
     source = next(kw for ev, kw in lines.lines if ev == "memory_source")
     assert source == {"source": "rss", "usage_bytes": 100, "cgroup_limit_bytes": None,
+                      "cgroup_path": None,
                       "soft_limit_bytes": 1000, "hard_limit_bytes": 2000, "gpu": False,
                       "gpu_soft_fraction": 0.9, "gpu_hard_fraction": 0.97}
     assert worker.engine.sequences == {}  # released after finishing
