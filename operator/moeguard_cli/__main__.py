@@ -111,9 +111,13 @@ def plan(
     headroom: float = typer.Option(0.10, help="fraction of the limit kept free"),
     overhead: str = typer.Option("512Mi", help="CUDA context, allocator and process overhead"),
     concurrent_batches: int = typer.Option(2, help="maxConcurrentBatches"),
+    context_tokens: int = typer.Option(None, "--context-tokens", min=1,
+                                       help="expected prompt + max_tokens per running sequence, to size the "
+                                       "KV share (default: the model's max_seq_len, the worst case); the "
+                                       "worst prefill step is still sized at max_seq_len"),
 ) -> None:
-    """Print starting budgets for a model and a memory limit, with the arithmetic (a documented
-    estimate until the measured memory model lands; see moeguard_cli/plan.py)."""
+    """Print starting budgets for a model and a memory limit, with the arithmetic: the memory model
+    (moeguard_cli/memory_model.py, validated in bench/results/memory_model.md) inverted."""
     import dataclasses
 
     from moeguard_runtime.presets import get_preset
@@ -130,7 +134,7 @@ def plan(
         raise typer.BadParameter(str(exc), param_hint="--shape") from None
     result = estimate(PlanInput(args=args, memory_bytes=parse_memory(memory), dtype=dtype, skew=skew,
                                 headroom=headroom, overhead_bytes=parse_memory(overhead),
-                                concurrent_batches=concurrent_batches))
+                                concurrent_batches=concurrent_batches, context_tokens=context_tokens))
     table = Table(title=f"plan: {preset} in {memory} ({dtype}, skew {skew})")
     for col in ("term", "value", "arithmetic"):
         table.add_column(col)

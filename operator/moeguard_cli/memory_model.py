@@ -13,17 +13,18 @@ their KV caches do.
   where capacity = prompt + max_new_tokens, allocated whole at admission (``KVCache``).
 * **Attention phase** (one layer; layers run one after another)::
 
-      ATTN_STREAM x T x D x b            residual stream, norm, QKV, rotary temporaries
-    + mask_bytes_per_pair(b) x max(n x s1) the causal mask of the largest prefill segment
-                                         (n queries over s1 keys: bool ones, its tril, and the
-                                         copies SDPA makes of it: 2 x (2 + b) bytes a pair)
+      ATTN_STREAM x T x D x b            residual stream, norm, QKV, rotary temporaries, SDPA output
+    + MASK_FACTOR x (2 + b) x max(n x s1) the causal mask of the largest prefill segment (n queries
+                                         over s1 keys): the bool tril (1 B), SDPA's inverted copy
+                                         while it converts it (1 B), the additive mask (b B)
     + 2 x H x s1 x head_dim x b          keys and values repeated over the query heads (GQA)
 
 * **MoE phase**::
 
       MOE_STREAM x T x D x b             residual stream, norm, output accumulator
-    + n_top x (D + 3 x I) x b            the busiest expert's slice: gathered inputs [n, D] and
-                                         SwiGLU temporaries w1 x, silu, w3 x [n, I] each
+    + n_top x (D + 2 x I) x b            the busiest expert's slice: gathered inputs [n, D] and the
+                                         SwiGLU buffers w1 x (activated and multiplied in place)
+                                         and w3 x [n, I]; the output [n, D] reuses the gathered size
     + T x E x (b + 4)                    router logits and the float32 softmax
     + 32 x k x T                         dispatch indices (int64 sort order, token ids)
 
@@ -32,21 +33,31 @@ their KV caches do.
   (``MOEGUARD_EXPERT_CHUNK_TOKENS``) or the DeepSpeed capacity
   ``ceil(T x k / E x capacity_factor)`` cuts them.
 
-* ``b`` = dtype bytes; with a 2-byte dtype the RMSNorm and rotary code upcast to float32, which
-  adds ``UPCAST_STREAM x T x D x 4`` to both phases.
+* ``b`` = dtype bytes. With a 2-byte dtype, (a) the RMSNorm and rotary code upcast to float32,
+  which adds ``UPCAST_STREAM x T x D x 4`` to both phases (counted), and (b) on CPU the MoE phase
+  holds ``LOWP_EXPERT_WEIGHT x layers x active experts x I x D x b`` more (empirical): bfloat16
+  steps were measured as large as float32 ones when the tokens spread over all experts (small
+  1x2048: 109 MiB bf16, 106 MiB float32), but 40 % smaller when every token went to the same two
+  experts (67 MiB), so the excess follows the experts a step touches. One bf16 ``F.linear`` or
+  SwiGLU measured alone, warm, keeps no float32 copy, so the mechanism is not pinned down; the
+  term is a fitted description, not a count. ``active experts`` is interpolated from the top share
+  (:func:`active_experts`).
 
 ``top_share`` is the top expert's share of the step's ``T x k`` token-slots: ``1/E`` when perfectly
 balanced, at most ``1/k`` (every token sends one slot to it). The worker's metric
 ``expert_skew_ratio = top / median`` converts with :func:`top_share_from_skew_ratio`.
 
-**Coefficients.** ``ATTN_STREAM``, ``MOE_STREAM``, ``STEP_CONSTANT`` and the factor 2 of
-:func:`mask_bytes_per_pair` are empirical: counting the tensors alive at each point gives about
-4-6 residual-size tensors, but the RSS also keeps memory that glibc's heap has freed and not yet
-returned. They were chosen by a grid search minimising the worst relative error on the eight
-float32, unskewed, default-chunk configurations of the ``small`` preset (``bench/memory_configs.py``,
-role ``calibration``) and then checked, unchanged, on the twenty others (skew, chunk bound,
-capacity factor, decode, KV-heavy, bfloat16, three other shapes): bench/results/memory_model.md.
-``UPCAST_STREAM`` is counted, not fitted, and the bfloat16 rows show it is not enough.
+**Coefficients.** ``ATTN_STREAM``, ``MOE_STREAM``, ``MASK_FACTOR``, ``STEP_CONSTANT`` and
+``LOWP_EXPERT_WEIGHT`` are empirical: the RSS keeps memory that glibc's heap has freed and not yet
+returned, so the resident peak is more than the live tensors. ``python -m bench.memory_fit`` chose
+them by a grid search minimising the worst relative error on the ten configurations of role ``fit``
+in ``bench/memory_configs.py`` (eight float32 unskewed ``small`` steps, one bfloat16 step, one
+``tiny`` step), medians of three fresh-process runs each; the 22 others (role ``check``: skew, chunk
+bound, capacity factor, decode, KV-heavy, bfloat16, three other shapes) played no part.
+Results: bench/results/memory_model.md. The fit put the float32 peak in the attention phase on
+every configuration measured (``ATTN_STREAM`` 12 absorbs what the attention layer's temporaries
+and the heap keep), so on this CPU path, at the default chunk bound, the top-expert share moves the
+predicted float32 peak only through the MoE phase when it exceeds the attention phase.
 """
 
 from __future__ import annotations
@@ -54,13 +65,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-ATTN_STREAM = 6.0
+ATTN_STREAM = 12.0
 """Residual-size tensors (T x D x b) the attention phase holds at its peak, RSS included."""
-MOE_STREAM = 7.0
+MOE_STREAM = 4.0
 """Residual-size tensors the MoE phase holds at its peak, RSS included."""
 UPCAST_STREAM = 2.0
 """Extra float32 residual-size tensors when the dtype is 2 bytes (norm and rotary upcasts)."""
-STEP_CONSTANT = 2 * 1024 * 1024
+LOWP_EXPERT_WEIGHT = 1.875
+"""With a 2-byte dtype on CPU: resident bytes per (layer, expert that receives tokens), in units
+of one expert weight matrix (I x D x b), held until the step ends. Empirical (see module docstring)."""
+STEP_CONSTANT = 1 * 1024 * 1024
 """Bytes every step touches whatever its size (allocator arenas, Python objects)."""
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -172,11 +186,28 @@ def busiest_expert_slots(tokens: int, shape: Shape, routing: Routing) -> int:
     return min(n, routing.expert_chunk_tokens)
 
 
+MASK_FACTOR = 1.0
+"""Resident bytes of the causal mask per counted byte (``mask_bytes_per_pair``) in a whole step;
+empirical: above 1 where the step's RSS keeps more of the mask's pages than one SDPA call alone."""
+
+
 def mask_bytes_per_pair(dtype_bytes: int) -> int:
-    """Bool ``ones``, its ``tril`` copy, and SDPA's additive mask in the query dtype (2 + b bytes),
-    doubled: the measured peaks of long single prompts need twice that (SDPA's CPU path makes
-    a second copy of the converted mask)."""
-    return 2 * (2 + dtype_bytes)
+    """The bool ``tril`` mask (1 B), SDPA's inverted bool copy while it converts it (1 B) and the
+    additive mask in the query dtype (b B): ``2 + b``. Counted; measured alone (one SDPA call with
+    a bool mask, fresh process) as 5.5 B a pair in float32 and 4 in bfloat16."""
+    return 2 + dtype_bytes
+
+
+def active_experts(tokens: int, shape: Shape, top_share: float) -> int:
+    """Experts that receive at least one token-slot: all ``E`` when balanced (``top_share`` 1/E),
+    only ``k`` when every token picks the same experts (``top_share`` 1/k), linear in between;
+    at most ``T x k``."""
+    e, k = shape.num_experts, shape.top_k
+    if e <= k:
+        return min(e, tokens * k)
+    share = min(max(top_share, 1.0 / e), 1.0 / k)
+    frac = (1.0 / k - share) / (1.0 / k - 1.0 / e)  # 1 balanced, 0 fully skewed
+    return min(e, tokens * k, k + math.ceil(frac * (e - k)))
 
 
 def step_peak(shape: Shape, step: Step, routing: Routing, dtype: str = "float32") -> Estimate:
@@ -185,30 +216,36 @@ def step_peak(shape: Shape, step: Step, routing: Routing, dtype: str = "float32"
     t = step.tokens
     d, i, e, k = shape.dim, shape.intermediate_size, shape.num_experts, shape.top_k
     upcast = int(UPCAST_STREAM * t * d * 4) if b < 4 else 0
+    n_active = active_experts(t, shape, routing.top_share) if t else 0
+    lowp = int(LOWP_EXPERT_WEIGHT * shape.n_layer * n_active * i * d * b) if b < 4 else 0
     pairs = max([n * (s + n) for s, n in step.prefill] + [c + 1 for c in step.decode_contexts], default=0)
     longest = max([s + n for s, n in step.prefill] + [c + 1 for c in step.decode_contexts], default=0)
     attn_stream = int(ATTN_STREAM * t * d * b)
-    mask = mask_bytes_per_pair(b) * pairs
+    mask = int(MASK_FACTOR * mask_bytes_per_pair(b) * pairs)
     repeat = 2 * shape.n_head * longest * shape.head_dim * b
     attention = attn_stream + mask + repeat + upcast
     n_top = busiest_expert_slots(t, shape, routing)
     moe_stream = int(MOE_STREAM * t * d * b)
-    expert = n_top * (d + 3 * i) * b
+    expert = n_top * (d + 2 * i) * b
     router = t * e * (b + 4) + 32 * k * t
-    moe = moe_stream + expert + router + upcast
+    moe = moe_stream + expert + router + upcast + lowp
     kv = step.new_kv_tokens * kv_bytes_per_token(shape, b)
     terms = [
         ("KV cache of admitted sequences", kv,
          f"{step.new_kv_tokens:,} tokens x {kv_bytes_per_token(shape, b):,} B"),
         ("attention: stream", attn_stream, f"{ATTN_STREAM:g} x T {t:,} x D {d} x {b} B"),
-        ("attention: causal mask", mask, f"{mask_bytes_per_pair(b)} B x {pairs:,} query-key pairs"),
+        ("attention: causal mask", mask,
+         f"{MASK_FACTOR:g} x {mask_bytes_per_pair(b)} B x {pairs:,} query-key pairs"),
         ("attention: repeated K/V", repeat, f"2 x H {shape.n_head} x {longest:,} keys x {shape.head_dim} x {b} B"),
         ("MoE: stream", moe_stream, f"{MOE_STREAM:g} x T {t:,} x D {d} x {b} B"),
-        ("MoE: busiest expert", expert, f"{n_top:,} slots x (D {d} + 3 x I {i}) x {b} B"),
+        ("MoE: busiest expert", expert, f"{n_top:,} slots x (D {d} + 2 x I {i}) x {b} B"),
         ("MoE: router and dispatch", router, f"T {t:,} x E {e} x ({b} + 4) B + 32 x k {k} x T"),
     ]
     if upcast:
         terms.append(("float32 upcasts (2-byte dtype)", upcast, f"{UPCAST_STREAM:g} x T {t:,} x D {d} x 4 B"))
+    if lowp:
+        terms.append(("MoE: 2-byte dtype, per active expert", lowp,
+                      f"{LOWP_EXPERT_WEIGHT:g} x {shape.n_layer} layers x {n_active} experts x I {i} x D {d} x {b} B"))
     terms.append(("step constant", STEP_CONSTANT, "allocator arenas, Python objects"))
     return Estimate(kv, attention, moe, STEP_CONSTANT, n_top, terms)
 

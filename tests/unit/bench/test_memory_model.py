@@ -40,12 +40,12 @@ def test_step_peak_terms_by_hand() -> None:
     est = mm.step_peak(SHAPE, step, mm.Routing(top_share=0.25), "float32")
     t, d, b = 101, 64, 4
     assert est.kv_bytes == 116 * mm.kv_bytes_per_token(SHAPE, 4)
-    mask = mm.mask_bytes_per_pair(4) * 100 * 100
+    mask = int(mm.MASK_FACTOR * mm.mask_bytes_per_pair(4) * 100 * 100)
     repeat = 2 * 4 * 100 * 16 * 4
     assert est.attention_bytes == int(mm.ATTN_STREAM * t * d * b) + mask + repeat
     n_top = math.ceil(0.25 * 2 * t)
     assert est.busiest_expert_slots == n_top
-    assert est.moe_bytes == int(mm.MOE_STREAM * t * d * b) + n_top * (d + 3 * 128) * b + t * 8 * 8 + 32 * 2 * t
+    assert est.moe_bytes == int(mm.MOE_STREAM * t * d * b) + n_top * (d + 2 * 128) * b + t * 8 * 8 + 32 * 2 * t
     assert est.total_bytes == est.kv_bytes + mm.STEP_CONSTANT + max(est.attention_bytes, est.moe_bytes)
     assert sum(v for name, v, _ in est.terms if not name.startswith(("attention", "MoE"))) == \
         est.kv_bytes + mm.STEP_CONSTANT
@@ -56,8 +56,17 @@ def test_bfloat16_adds_upcasts_and_halves_the_rest() -> None:
     f32 = mm.step_peak(SHAPE, step, mm.Routing(top_share=0.125), "float32")
     bf16 = mm.step_peak(SHAPE, step, mm.Routing(top_share=0.125), "bfloat16")
     upcast = int(mm.UPCAST_STREAM * 512 * 64 * 4)
-    assert bf16.moe_bytes - upcast < f32.moe_bytes
+    lowp = int(mm.LOWP_EXPERT_WEIGHT * 2 * 8 * 128 * 64 * 2)  # 2 layers x 8 active experts x I x D x 2 B
+    assert bf16.moe_bytes - upcast - lowp < f32.moe_bytes
     assert any("upcast" in name for name, _, _ in bf16.terms)
+    assert any("active expert" in name for name, v, _ in bf16.terms if v == lowp)
+
+
+def test_active_experts_from_top_share() -> None:
+    assert mm.active_experts(1000, SHAPE, 1 / 8) == 8  # balanced: all
+    assert mm.active_experts(1000, SHAPE, 0.5) == 2  # every token on the same k
+    assert 2 < mm.active_experts(1000, SHAPE, 0.3) < 8
+    assert mm.active_experts(1, SHAPE, 1 / 8) == 2  # at most T x k
 
 
 def test_skew_raises_the_peak_until_the_chunk_bound() -> None:
@@ -66,7 +75,7 @@ def test_skew_raises_the_peak_until_the_chunk_bound() -> None:
     high = mm.step_peak(SHAPE, step, mm.Routing(top_share=0.5)).moe_bytes
     bounded = mm.step_peak(SHAPE, step, mm.Routing(top_share=0.5, expert_chunk_tokens=500)).moe_bytes
     assert low < high
-    assert high - low == (2000 - 500) * (64 + 3 * 128) * 4  # 1000 x 2 x 0.5 vs 0.125 slots
+    assert high - low == (2000 - 500) * (64 + 2 * 128) * 4  # 1000 x 2 x 0.5 vs 0.125 slots
     assert bounded == low  # the chunk bound (500 = the balanced count) erases the skew
 
 

@@ -81,6 +81,19 @@ def test_plan_does_not_fit() -> None:
     assert not p.fits and p.max_prefill_tokens == 0
 
 
+def test_cli_plan_context_tokens() -> None:
+    full = runner.invoke(cli.app, ["plan", "--memory", "2Gi", "--preset", "tiny"])
+    short = runner.invoke(cli.app, ["plan", "--memory", "2Gi", "--preset", "tiny", "--context-tokens", "256"])
+    assert full.exit_code == 0 and short.exit_code == 0, short.output
+
+    def requests(out: str) -> int:
+        return int(out.split("maxBatchRequests:")[1].split()[0])
+
+    assert requests(short.output) > 3 * requests(full.output)  # KV sized at 256 tokens, not max_seq_len 1024
+    res = runner.invoke(cli.app, ["plan", "--memory", "2Gi", "--context-tokens", "0"])
+    assert res.exit_code != 0
+
+
 def test_cli_plan_prints_budgets_and_arithmetic() -> None:
     res = runner.invoke(cli.app, ["plan", "--memory", "2Gi", "--preset", "tiny"])
     assert res.exit_code == 0, res.output
