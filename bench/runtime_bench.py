@@ -15,9 +15,15 @@ both sides alike.
     (``VmHWM``, reset through ``/proc/self/clear_refs``) over its RSS just before
     one forward, each in a fresh process; on CUDA, ``torch.cuda.max_memory_allocated`` over the allocated
     bytes before.
-  - decode of 16 tokens: time / (bytes of the touched experts' weights / the
-    machine's read bandwidth), the bandwidth measured here as the median rate
-    of ``tensor.sum()`` over 1 GiB.
+  - decode of 16 tokens: time / the time to read the touched experts' weights
+    once, measured two ways: ``.sum()`` over exactly those weights, interleaved
+    with the decode repetitions (the side-by-side figure the target is judged
+    on), and their bytes over the machine's read bandwidth (median rate of
+    ``tensor.sum()`` over 1 GiB, measured once).
+  - a third column, ``moeguard_f_linear``: the same dispatch with ``F.linear``
+    (MKL) for the expert matmuls instead of oneDNN, to show which part of the
+    gain is the dispatch and which the matmul kernel.
+  - ``OMP_WAIT_POLICY=PASSIVE`` unless set otherwise, as the worker sets it.
 * **Worker overhead**: the ``small`` preset (99M parameters) serving 16
   requests through :class:`moeguard_runtime.service.Worker` driven by hand, on
   ``--device`` in ``--dtype`` (the engine places weights, KV caches, inputs and
@@ -29,9 +35,14 @@ both sides alike.
 
 from __future__ import annotations
 
+import os
+
+# As the worker does (moeguard_runtime.__main__), before torch loads libgomp: OpenMP
+# threads sleep at barriers instead of spinning. Both implementations run under it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import argparse
 import json
-import os
 import platform
 import statistics
 import subprocess
@@ -44,6 +55,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from moeguard_runtime import moe
 from moeguard_runtime.moe import grouped_expert_forward, route
 
 D, I, E, K = 1024, 2816, 8, 2  # noqa: E741 - the field's names for the MoE sizes
@@ -83,12 +95,24 @@ def ours(x: torch.Tensor, gate: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
     return grouped_expert_forward(x, w, e, w1, w2, w3)[0]
 
 
+def ours_f_linear(x: torch.Tensor, gate: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                  w3: torch.Tensor) -> torch.Tensor:
+    """moeguard's dispatch with ``F.linear`` (MKL on CPU) instead of oneDNN for the
+    expert matmuls: splits the gain between the dispatch and the matmul kernel."""
+    moe.USE_ONEDNN = False
+    try:
+        return ours(x, gate, w1, w2, w3)
+    finally:
+        moe.USE_ONEDNN = True
+
+
 def hf(x: torch.Tensor, gate: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
        w3: torch.Tensor) -> torch.Tensor:
     return hf_expert_loop(x, gate, w1, w2, w3, K)
 
 
-IMPLS: dict[str, Callable[..., torch.Tensor]] = {"moeguard": ours, "hf": hf}
+IMPLS: dict[str, Callable[..., torch.Tensor]] = {"moeguard": ours, "moeguard_f_linear": ours_f_linear,
+                                                 "hf": hf}
 
 
 def sync(device: str) -> None:
@@ -167,27 +191,43 @@ def moe_benchmarks(device: str, dtype: torch.dtype, dtype_name: str, reps: int) 
         diff = float((ours(x_pre, gate, w1, w2, w3) - hf(x_pre, gate, w1, w2, w3)).abs().max())
         pre = side_by_side({n: (lambda f=f: f(x_pre, gate, w1, w2, w3)) for n, f in IMPLS.items()},
                            reps, device)
-        dec = side_by_side({n: (lambda f=f: f(x_dec, gate, w1, w2, w3)) for n, f in IMPLS.items()},
+        touched_ids = route(x_dec @ gate.T, K)[1].unique().tolist()
+        touched = len(touched_ids)
+
+        def read_touched() -> None:
+            """Read the touched experts' weights once (the decode bound, measured)."""
+            for e in touched_ids:
+                w1[e].sum()
+                w3[e].sum()
+                w2[e].sum()
+
+        dec = side_by_side({**{n: (lambda f=f: f(x_dec, gate, w1, w2, w3))
+                               for n, f in IMPLS.items()}, "read_touched": read_touched},
                            reps * 6, device)
-        touched = int(route(x_dec @ gate.T, K)[1].unique().numel())
     bw = read_bandwidth(device, dtype)
     expert_bytes = 3 * D * I * torch.finfo(dtype).bits // 8
     bound_s = touched * expert_bytes / bw
     peaks = {impl: peak_memory(impl, device, dtype_name, 3) for impl in IMPLS}
     med = {k: statistics.median(v) for k, v in pre.items()}
     dmed = {k: statistics.median(v) for k, v in dec.items()}
+    read_s = dmed.pop("read_touched")
     pmed = {k: statistics.median(v) for k, v in peaks.items()}
     return {
         "max_abs_diff_prefill": diff,
         "prefill_seconds": pre, "prefill_median_s": med,
         "prefill_tokens_per_s": {k: PREFILL_TOKENS / v for k, v in med.items()},
         "prefill_speedup": med["hf"] / med["moeguard"],
+        "prefill_speedup_f_linear": med["hf"] / med["moeguard_f_linear"],
         "prefill_peak_bytes": peaks, "prefill_peak_median_bytes": pmed,
         "prefill_peak_ratio": pmed["moeguard"] / pmed["hf"],
         "decode_seconds": dec, "decode_median_s": dmed,
         "read_bandwidth_bytes_per_s": bw, "decode_touched_experts": touched,
         "decode_bound_s": bound_s, "decode_ratio_to_bound": dmed["moeguard"] / bound_s,
         "decode_hf_ratio_to_bound": dmed["hf"] / bound_s,
+        "decode_read_touched_median_s": read_s,
+        "decode_ratio_to_read": dmed["moeguard"] / read_s,
+        "decode_hf_ratio_to_read": dmed["hf"] / read_s,
+        "decode_f_linear_ratio_to_read": dmed["moeguard_f_linear"] / read_s,
     }
 
 
@@ -253,6 +293,8 @@ def machine(device: str) -> dict[str, Any]:
     info = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
             "device": device, "load_average": os.getloadavg(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "onednn_linear_available": moe._ONEDNN_LINEAR,
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name(0)
@@ -260,36 +302,61 @@ def machine(device: str) -> dict[str, Any]:
 
 
 def render(r: dict[str, Any]) -> str:
-    m, moe = r["machine"], r["moe"]
-    pm, dm = moe["prefill_median_s"], moe["decode_median_s"]
+    m, moe_r = r["machine"], r["moe"]
+    pm, dm = moe_r["prefill_median_s"], moe_r["decode_median_s"]
+    peak = moe_r["prefill_peak_median_bytes"]
+    tps = moe_r["prefill_tokens_per_s"]
+    onednn = m.get("onednn_linear_available") and m["device"] == "cpu" and r["dtype"] == "fp32"
+    yes = {True: "yes", False: "no"}
     lines = [
         "# Runtime benchmarks", "",
         f"Regenerate: `make bench-runtime` ({r['command']}). Medians of interleaved repetitions.", "",
         f"Machine: {m['cpu']}, {m['cpu_count']} CPUs, {m['memory_gib']} GiB, device {m['device']}"
         + (f" ({m['gpu']})" if "gpu" in m else "") + f"; torch {m['torch']}, "
-        f"{m['torch_threads']} threads, Python {m['python']}; dtype {r['dtype']}. Load average "
-        f"at the start {', '.join(f'{v:.1f}' for v in m['load_average'])} (a shared machine: "
-        "other suites ran alongside, so absolute times are noisy; ratios are side by side).", "",
+        f"{m['torch_threads']} threads, OMP_WAIT_POLICY={m.get('omp_wait_policy')}, Python "
+        f"{m['python']}; dtype {r['dtype']}. Load average at the start "
+        f"{', '.join(f'{v:.1f}' for v in m['load_average'])}: a shared machine, other engineers' "
+        "suites ran alongside, so absolute times are noisy; every ratio is from side-by-side "
+        "(interleaved) repetitions.", "",
         f"## MoE layer: D={D}, I={I}, E={E}, k={K}, same weights; moeguard grouped dispatch vs "
         "HF MixtralSparseMoeBlock's expert loop", "",
-        f"Outputs agree: max |difference| {moe['max_abs_diff_prefill']:.2e} at prefill.", "",
-        "| measure | moeguard | HF loop | ratio | target | met |",
-        "|---|---|---|---|---|---|",
-        f"| prefill {PREFILL_TOKENS} tokens, median s | {pm['moeguard']:.3f} | {pm['hf']:.3f} | "
-        f"{moe['prefill_speedup']:.2f}x throughput | >= 1.5x | "
-        f"{'yes' if moe['prefill_speedup'] >= 1.5 else 'no'} |",
-        f"| prefill tokens/s | {moe['prefill_tokens_per_s']['moeguard']:.0f} | "
-        f"{moe['prefill_tokens_per_s']['hf']:.0f} | | | |",
-        f"| prefill peak memory, MB | {moe['prefill_peak_median_bytes']['moeguard'] / 1e6:.1f} | "
-        f"{moe['prefill_peak_median_bytes']['hf'] / 1e6:.1f} | {moe['prefill_peak_ratio']:.2f}x | "
-        f"<= 1.0x | {'yes' if moe['prefill_peak_ratio'] <= 1.0 else 'no'} |",
+        f"Outputs agree: max |difference| {moe_r['max_abs_diff_prefill']:.2e} at prefill. "
+        + ("moeguard's expert matmuls run on oneDNN (`torch.ops.mkldnn._linear_pointwise` on the "
+           "dense weights); the column `moeguard, F.linear` is the same dispatch with `F.linear` "
+           "(MKL sgemm, as HF's loop uses), which separates the dispatch's share from the "
+           "matmul kernel's." if onednn else
+           "Expert matmuls: `F.linear` (oneDNN is used for CPU float32 only)."), "",
+        "| measure | moeguard | moeguard, F.linear | HF loop | ratio (moeguard) | target | met |",
+        "|---|---|---|---|---|---|---|",
+        f"| prefill {PREFILL_TOKENS} tokens, median s | {pm['moeguard']:.3f} | "
+        f"{pm['moeguard_f_linear']:.3f} | {pm['hf']:.3f} | "
+        f"{moe_r['prefill_speedup']:.2f}x throughput (F.linear: "
+        f"{moe_r['prefill_speedup_f_linear']:.2f}x) | >= 1.5x | "
+        f"{yes[moe_r['prefill_speedup'] >= 1.5]} |",
+        f"| prefill tokens/s | {tps['moeguard']:.0f} | {tps['moeguard_f_linear']:.0f} | "
+        f"{tps['hf']:.0f} | | | |",
+        f"| prefill peak memory, MB | {peak['moeguard'] / 1e6:.1f} | "
+        f"{peak['moeguard_f_linear'] / 1e6:.1f} | {peak['hf'] / 1e6:.1f} | "
+        f"{moe_r['prefill_peak_ratio']:.2f}x | <= 1.0x | {yes[moe_r['prefill_peak_ratio'] <= 1.0]} |",
         f"| decode {DECODE_TOKENS} tokens, median ms | {dm['moeguard'] * 1e3:.2f} | "
-        f"{dm['hf'] * 1e3:.2f} | {moe['decode_ratio_to_bound']:.2f}x of the bound "
-        f"(HF {moe['decode_hf_ratio_to_bound']:.2f}x) | <= 1.2x | "
-        f"{'yes' if moe['decode_ratio_to_bound'] <= 1.2 else 'no'} |", "",
-        f"Decode bound: {moe['decode_touched_experts']} touched experts x {3 * D * I:,} weights "
-        f"read once at {moe['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (median of "
-        f"`tensor.sum()` over 1 GiB) = {moe['decode_bound_s'] * 1e3:.2f} ms.", "",
+        f"{dm['moeguard_f_linear'] * 1e3:.2f} | {dm['hf'] * 1e3:.2f} | "
+        f"{moe_r['decode_ratio_to_read']:.2f}x of reading the touched weights, side by side "
+        f"(F.linear {moe_r['decode_f_linear_ratio_to_read']:.2f}x, HF "
+        f"{moe_r['decode_hf_ratio_to_read']:.2f}x) | <= 1.2x | "
+        f"{yes[moe_r['decode_ratio_to_read'] <= 1.2]} |",
+        f"| decode, against the 1 GiB bandwidth figure | | | | "
+        f"{moe_r['decode_ratio_to_bound']:.2f}x (HF {moe_r['decode_hf_ratio_to_bound']:.2f}x) | "
+        f"<= 1.2x | {yes[moe_r['decode_ratio_to_bound'] <= 1.2]} |", "",
+        f"Decode bound, two measurements of the same quantity: (1) reading the "
+        f"{moe_r['decode_touched_experts']} touched experts' weights once (`w1[e]`, `w3[e]`, "
+        f"`w2[e]` `.sum()`, {moe_r['decode_touched_experts'] * 3 * D * I * 4 / 1e6:.0f} MB in "
+        f"fp32), timed interleaved with the decode repetitions: median "
+        f"{moe_r['decode_read_touched_median_s'] * 1e3:.2f} ms; (2) the same bytes at the "
+        f"machine's read bandwidth measured once before or after (`tensor.sum()` over 1 GiB, "
+        f"{moe_r['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s) = "
+        f"{moe_r['decode_bound_s'] * 1e3:.2f} ms. On this shared machine the bandwidth moves with "
+        "the neighbours' load, so (1), taken side by side, is the figure the target is judged on; "
+        "(2) is shown as measured.", "",
     ]
     if "overhead" in r:
         o = r["overhead"]

@@ -4,13 +4,32 @@ budget watch and the HTTP server. All configuration from the environment
 
 from __future__ import annotations
 
+import os
+
+# Before torch loads libgomp: OpenMP threads that sleep at a barrier instead of
+# spinning. On a shared or CPU-limited (CFS quota) machine, spinning threads steal
+# the cores the work needs: 2-thread fp32 matmuls of 2 to 8 rows ran 30-40x slower
+# with the default policy on the 2-core benchmark machine (bench/results/runtime.md).
+# Set OMP_WAIT_POLICY=ACTIVE in the environment to override.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from moeguard_runtime.config import ConfigError, Settings, load_settings, model_args
-from moeguard_runtime.telemetry import RateLimitedLog, Telemetry, configure_logging, worker_labels
+from moeguard_runtime.config import (
+    ConfigError,
+    Settings,
+    load_settings,
+    model_args,
+)
+from moeguard_runtime.telemetry import (
+    RateLimitedLog,
+    Telemetry,
+    configure_logging,
+    worker_labels,
+)
 
 if TYPE_CHECKING:
     from moeguard_runtime.presets import ModelArgs
@@ -85,6 +104,7 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
               device=settings.device, dtype=settings.dtype,
               model_overrides=dict(settings.model_overrides) or None,
               load_seconds=round(time.monotonic() - t0, 3), torch_threads=settings.torch_threads,
+              omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
               port=settings.port, capacity_factor=settings.capacity_factor,
               overload_mode=settings.overload_mode,
               long_request_threshold_tokens=settings.limits.long_request_threshold_tokens,

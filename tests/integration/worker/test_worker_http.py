@@ -229,6 +229,7 @@ def test_bfloat16_worker_serves_and_says_where_it_runs(
     assert 1 <= r.json()["usage"]["completion_tokens"] <= 5
     start = next(line for line in w.logs().splitlines() if "event=worker_start" in line)
     assert "device=cpu" in start and "dtype=bfloat16" in start
+    assert "omp_wait_policy=PASSIVE" in start  # set by the worker before torch loads libgomp
 
 
 def test_bad_device_stops_the_worker_naming_the_variable(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moeguard_runtime import moe
 from moeguard_runtime.moe import (
     MOEFeedForward,
     grouped_expert_forward,
@@ -168,11 +169,57 @@ def test_memory_returns_to_baseline_after_a_batch() -> None:
     assert abs(after - before) < 256 << 10, (before, after)
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 16])
-def test_decode_sized_batches_take_the_matrix_vector_path_and_match(tokens: int) -> None:
-    """At most SMALL_EXPERT_TOKENS tokens per expert run as torch.mv; same results."""
+@pytest.mark.parametrize("onednn", [True, False])
+@pytest.mark.parametrize("tokens", [1, 3, 16, 200])
+def test_small_and_large_batches_match_the_reference_with_either_matmul(
+        tokens: int, onednn: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to SMALL_BATCH_SLOTS token-slots (decode) the experts' rows are combined in
+    one index_add_, above it chunk by chunk; oneDNN or F.linear for the matmuls:
+    the same results as HF's loop either way."""
+    monkeypatch.setattr(moe, "USE_ONEDNN", onednn)
+    assert 2 * 3 <= moe.SMALL_BATCH_SLOTS < 2 * 200
     gate, w1, w2, w3 = _weights()
     x = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(5))
     weights, experts = route(x @ gate.T, 2)
-    out, _, _ = grouped_expert_forward(x, weights, experts, w1, w2, w3)
+    out, _, _ = grouped_expert_forward(x, weights, experts, w1, w2, w3, expert_chunk_tokens=7)
     torch.testing.assert_close(out, hf_expert_loop(x, gate, w1, w2, w3, 2), rtol=1e-5, atol=1e-5)
+    capped, counts, overflow = grouped_expert_forward(x, weights, experts, w1, w2, w3, capacity=2)
+    assert overflow == int((counts - counts.clamp(max=2)).sum())
+    monkeypatch.setattr(moe, "SMALL_BATCH_SLOTS", 0)  # force the chunk-by-chunk combine
+    chunked, _, _ = grouped_expert_forward(x, weights, experts, w1, w2, w3, capacity=2)
+    torch.testing.assert_close(capped, chunked, rtol=1e-6, atol=1e-6)
+
+
+def test_expert_linear_uses_onednn_on_cpu_float32_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, ...]] = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def spy(x: torch.Tensor, w: torch.Tensor, *a: object) -> torch.Tensor:
+        calls.append(tuple(x.shape))
+        return real(x, w, *a)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(moe, "torch", _TorchWithSpy(spy))
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 16, generator=g), torch.randn(24, 16, generator=g)
+    torch.testing.assert_close(moe.expert_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert calls == ([(5, 16)] if moe._ONEDNN_LINEAR else [])
+    bf = moe.expert_linear(x.bfloat16(), w.bfloat16())
+    assert bf.dtype == torch.bfloat16 and len(calls) <= 1  # bf16: F.linear
+    assert moe.expert_linear(x[:0], w).shape == (0, 24)
+
+
+class _TorchWithSpy:
+    """``torch`` as moe.py sees it, with ``ops.mkldnn._linear_pointwise`` replaced."""
+
+    def __init__(self, spy: object) -> None:
+        self._spy = spy
+
+    def __getattr__(self, name: str) -> object:
+        if name == "ops":
+            return _Ns(mkldnn=_Ns(_linear_pointwise=self._spy))
+        return getattr(torch, name)
+
+
+class _Ns:
+    def __init__(self, **kw: object) -> None:
+        self.__dict__.update(kw)
