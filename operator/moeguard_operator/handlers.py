@@ -9,12 +9,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 import kopf
+from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 from pydantic.alias_generators import to_camel
 
@@ -44,6 +47,7 @@ from moeguard_operator.policy import (
 from moeguard_runtime.contract import (
     API_GROUP,
     API_VERSION,
+    BUDGET_KEY,
     PLURAL,
     BudgetDocument,
     BudgetDocumentError,
@@ -51,12 +55,15 @@ from moeguard_runtime.contract import (
     budget_configmap_name,
     parse_budget_configmap_data,
 )
-from moeguard_runtime.presets import get_preset
+from moeguard_runtime.presets import get_preset, parameter_count, shape_problems
 
 TIMER_INTERVAL_SECONDS = float(os.environ.get("MOEGUARD_TIMER_INTERVAL_SECONDS", "5"))
 """How often each resource's timer runs (readiness; Prometheus only every queryIntervalSeconds)."""
 
 RESOURCE = (API_GROUP, API_VERSION, PLURAL)
+WEIGHT_BYTES = 2
+"""Bytes per parameter assumed when checking that the weights fit in hardLimit (bf16, the GPU default;
+float32 on the CPU needs twice as much, so this check only catches shapes that can never fit)."""
 Logger = logging.Logger | logging.LoggerAdapter[Any]
 PODMONITOR_CRD = "podmonitors.monitoring.coreos.com"
 
@@ -100,9 +107,20 @@ def parse_spec(spec: Any) -> MoEInferenceServiceSpec:
         problems = "; ".join(f"spec.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
         raise SpecError("InvalidSpec", problems) from None
     try:
-        get_preset(parsed.model.preset)
+        preset = get_preset(parsed.model.preset)
     except KeyError as exc:
         raise SpecError("UnknownModelPreset", f"spec.model.preset: {exc.args[0]}") from None
+    args = dataclasses.replace(preset, **parsed.model.overrides.model_dump(exclude_none=True))
+    issues = [f"spec.model.overrides: {p}" for p in shape_problems(args)]
+    weights = parameter_count(args) * WEIGHT_BYTES
+    if weights >= parsed.resources.hard_limit_bytes:
+        issues.append(f"spec.resources.hardLimit ({parsed.resources.hard_limit}) is below the model's weights alone "
+                        f"({weights / 2**30:.2f} GiB at {WEIGHT_BYTES} bytes per parameter)")
+    cap = parsed.overload.max_context_tokens
+    if cap is not None and cap > args.max_seq_len:
+        issues.append(f"spec.overload.maxContextTokens ({cap}) is above the model's context ({args.max_seq_len})")
+    if issues:
+        raise SpecError("InvalidSpec", "; ".join(issues))
     return parsed
 
 
@@ -167,15 +185,25 @@ def reconcile(
         raise kopf.PermanentError(message) from None
 
     owner = Owner(name=name, namespace=namespace, uid=uid)
-    for manifest in build_children(owner, parsed):
-        kube.apply(manifest)
-    if kube.crd_exists(PODMONITOR_CRD):
-        kube.apply(build_pod_monitor(owner))
+    try:
+        apply_children(owner, parsed)
+    except ApiException as exc:
+        if exc.status is None or (exc.status >= 500 and "duplicate" not in str(exc.body)):
+            raise kopf.TemporaryError(f"API server error {exc.status}; retrying", delay=10) from exc
+        message = f"the API server refused a child object: {exc.status} {_api_message(exc)}"
+        conditions = set_condition(conditions, c.CONDITION_READY, "False", "ApplyFailed", message, now, generation)
+        conditions = set_condition(conditions, c.CONDITION_STALLED, "True", "ApplyFailed", message, now, generation)
+        conditions = set_condition(conditions, c.CONDITION_RECONCILING, "False", "ApplyFailed", message, now, generation)
+        patch.status["conditions"] = conditions
+        patch.status["observedGeneration"] = generation
+        kopf.warn(body, reason="ApplyFailed", message=message)
+        metrics.RECONCILIATIONS.labels(namespace, name, "refused").inc()
+        raise kopf.PermanentError(message) from None
 
     # Budgets: keep those in effect unless the spec's initial budgets changed.
     initial = initial_budgets(parsed.batching)
     budgets = _budgets(status, "budgets")
-    budget_generation = int(status.get("budgetGeneration") or 0)
+    budget_generation = max(int(status.get("budgetGeneration") or 0), _configmap_generation(owner))
     overload: Literal["On", "Off"] = "On" if status.get("overloadMode") == "On" else "Off"
     if parsed.overload.mode != "Auto":
         overload = parsed.overload.mode
@@ -211,6 +239,39 @@ def reconcile(
     kopf.info(body, reason="Reconciled",
               message=f"applied worker Deployment, Service, PDB, RBAC and budget ConfigMap (budget generation {budget_generation})")
     logger.info("reconciled %s/%s generation %s", namespace, name, generation)
+
+
+def apply_children(owner: Owner, spec: MoEInferenceServiceSpec) -> None:
+    """Server-side apply every child (and the PodMonitor when prometheus-operator is installed)."""
+    for manifest in build_children(owner, spec):
+        kube.apply(manifest)
+    if kube.crd_exists(PODMONITOR_CRD):
+        kube.apply(build_pod_monitor(owner))
+
+
+def _api_message(exc: ApiException) -> str:
+    try:
+        return str(json.loads(str(exc.body)).get("message", exc.body))[:800]
+    except (TypeError, ValueError, AttributeError):
+        return str(exc.body or exc.reason)[:800]
+
+
+def _configmap_generation(owner: Owner) -> int:
+    """The generation in the budget ConfigMap now (0 when missing or unreadable).
+
+    The operator's next document must be newer than anything found there: a
+    worker ignores a generation that is not newer than the one it applied, so a
+    hand-edited document with a high generation would otherwise pin it.
+    """
+    data = kube.read_configmap_data(owner.namespace, budget_configmap_name(owner.name))
+    try:
+        return parse_budget_configmap_data(data).generation if data is not None else 0
+    except BudgetDocumentError:
+        try:
+            raw = json.loads((data or {}).get(BUDGET_KEY, "{}"))
+            return int(raw.get("generation", 0)) if isinstance(raw, dict) else 0
+        except (TypeError, ValueError):
+            return 0
 
 
 def _ensure_budget_configmap(owner: Owner, document: BudgetDocument) -> None:
@@ -256,7 +317,19 @@ def control_loop(
     conditions = list(status.get("conditions") or [])
     owner = Owner(name=name, namespace=namespace, uid=uid)
 
-    dep = kube.read_deployment_status(namespace, worker_name(owner)) or {}
+    dep_status = kube.read_deployment_status(namespace, worker_name(owner))
+    cm = kube.read_configmap_data(namespace, budget_configmap_name(name))
+    if dep_status is None or cm is None:
+        # A child deleted by hand (or by a tool) comes back, as with any controller.
+        missing = [what for what, gone in (("Deployment", dep_status is None), ("budget ConfigMap", cm is None)) if gone]
+        apply_children(owner, parsed)
+        generation_now = max(int(status.get("budgetGeneration") or 0), _configmap_generation(owner))
+        if cm is None:
+            overload_now: Literal["On", "Off"] = "On" if status.get("overloadMode") == "On" else "Off"
+            kube.apply(build_budget_configmap(owner, _document(parsed, budgets, overload_now, generation_now,
+                                                               "recreated: the ConfigMap was deleted", now)))
+        kopf.warn(body, reason="ChildRecreated", message=f"{' and '.join(missing)} missing; applied again")
+    dep = dep_status or {}
     ready = int(dep.get("readyReplicas") or 0)
     state: Status = "True" if ready >= parsed.replicas else "False"
     why = "AllReplicasReady" if state == "True" else "WaitingForReplicas"
@@ -317,6 +390,7 @@ def _outer_loop(
         last_pressure=_time(loop.get("lastPressureTime")),
         last_overload_trigger=_time(loop.get("lastOverloadTriggerTime")),
         last_restart=_time(loop.get("lastRestartTime")),
+        last_blind=_time(loop.get("lastBlindTime")),
     )
     decision = decide(obs, state, parsed, now)
     nxt = decision.state
@@ -351,7 +425,7 @@ def _outer_loop(
 
     # Budgets and overload: one new budget document for both.
     if decision.changed or decision.overload_changed:
-        budget_generation = int(status.get("budgetGeneration") or 0) + 1
+        budget_generation = max(int(status.get("budgetGeneration") or 0), _configmap_generation(owner)) + 1
         kube.apply(build_budget_configmap(owner, _document(parsed, nxt.budgets, nxt.overload, budget_generation,
                                                            decision.reason, now)))
         patch.status["budgetGeneration"] = budget_generation
@@ -406,5 +480,6 @@ def _outer_loop(
         "lastPressureTime": _iso(nxt.last_pressure),
         "lastOverloadTriggerTime": _iso(nxt.last_overload_trigger),
         "lastRestartTime": _iso(nxt.last_restart),
+        "lastBlindTime": _iso(nxt.last_blind),
     })
     return conditions

@@ -94,6 +94,9 @@ class ResourcesSpec(_Model):
     model_config = ConfigDict(json_schema_extra=_cel(
         ("quantity(self.softLimit).isLessThan(quantity(self.hardLimit))",
          "resources.softLimit must be less than resources.hardLimit", ".softLimit"),
+        ("quantity(self.softLimit).isGreaterThan(quantity('0'))", "resources.softLimit must be above 0", ".softLimit"),
+        ("quantity(self.hardLimit).isLessThan(quantity('64Ti'))", "resources.hardLimit must be below 64Ti", ".hardLimit"),
+        ("quantity(self.cpu).isGreaterThan(quantity('0'))", "resources.cpu must be above 0", ".cpu"),
         ("self.gpuSoftFraction < self.gpuHardFraction",
          "resources.gpuSoftFraction must be less than resources.gpuHardFraction", ".gpuSoftFraction"),
     ))
@@ -121,6 +124,12 @@ class ResourcesSpec(_Model):
 
     @model_validator(mode="after")
     def _soft_below_hard(self) -> ResourcesSpec:
+        if parse_quantity(self.soft_limit) <= 0:
+            raise ValueError("resources.softLimit must be above 0")
+        if parse_quantity(self.hard_limit) >= parse_quantity("64Ti"):
+            raise ValueError("resources.hardLimit must be below 64Ti")
+        if parse_quantity(self.cpu) <= 0:
+            raise ValueError("resources.cpu must be above 0")
         if parse_quantity(self.soft_limit) >= parse_quantity(self.hard_limit):
             raise ValueError(
                 f"resources.softLimit ({self.soft_limit}) must be less than resources.hardLimit ({self.hard_limit})"
@@ -245,6 +254,9 @@ class ControlSpec(_Model):
     model_config = ConfigDict(json_schema_extra=_cel(
         ("self.rssSoftFraction < self.rssHardFraction",
          "control.rssSoftFraction must be less than control.rssHardFraction", ".rssSoftFraction"),
+        ("self.windowSeconds >= self.queryIntervalSeconds",
+         "control.windowSeconds must be >= control.queryIntervalSeconds (a shorter window misses samples)",
+         ".windowSeconds"),
     ))
 
     prometheus_url: str | None = Field(default=None, max_length=2048, pattern=r"^https?://")
@@ -274,6 +286,14 @@ class ControlSpec(_Model):
     leak_window_seconds: int = Field(default=600, ge=30, le=86_400)
     """Window of the RSS slope, seconds."""
 
+    @model_validator(mode="after")
+    def _orders(self) -> ControlSpec:
+        if self.rss_soft_fraction >= self.rss_hard_fraction:
+            raise ValueError("control.rssSoftFraction must be less than control.rssHardFraction")
+        if self.window_seconds < self.query_interval_seconds:
+            raise ValueError("control.windowSeconds must be >= control.queryIntervalSeconds (a shorter window misses samples)")
+        return self
+
 
 class OverloadSpec(_Model):
     """Overload mode: aggressive batching off, fewer decode sequences, long contexts refused,
@@ -300,7 +320,10 @@ class UcxSpec(_Model):
     rcache_max_unreleased: int = Field(default=1024, ge=1, le=1_000_000_000)
     """``UCX_RCACHE_MAX_UNRELEASED``: regions held in the rcache invalidation queue."""
     extra_env: dict[str, str] = Field(default_factory=dict, max_length=64, json_schema_extra=_cel(
-        ("self.all(k, k.startsWith('UCX_'))", "ucx.extraEnv keys must start with UCX_", "")))
+        ("self.all(k, k.startsWith('UCX_'))", "ucx.extraEnv keys must start with UCX_", ""),
+        ("self.all(k, k != 'UCX_RCACHE_MAX_UNRELEASED' && k != 'UCX_MEM_MMAP_HOOK_MODE')",
+         "ucx.extraEnv must not set UCX_RCACHE_MAX_UNRELEASED or UCX_MEM_MMAP_HOOK_MODE (use ucx.mode and "
+         "ucx.rcacheMaxUnreleased)", "")))
     """More UCX variables (keys start with ``UCX_``), e.g. ``UCX_CUDA_IPC_CACHE: n``."""
 
     @field_validator("extra_env")
@@ -309,6 +332,9 @@ class UcxSpec(_Model):
         bad = sorted(k for k in env if not k.startswith("UCX_"))
         if bad:
             raise ValueError(f"ucx.extraEnv keys must start with UCX_ (got {', '.join(bad)})")
+        managed = sorted(k for k in env if k in ("UCX_RCACHE_MAX_UNRELEASED", "UCX_MEM_MMAP_HOOK_MODE"))
+        if managed:
+            raise ValueError(f"ucx.extraEnv must not set {', '.join(managed)} (use ucx.mode and ucx.rcacheMaxUnreleased)")
         return env
 
 
@@ -360,13 +386,15 @@ class PodTemplateSpec(_Model):
     """core/v1 Affinity of the worker pods, as Kubernetes writes it."""
     priority_class_name: str | None = Field(default=None, max_length=253)
     """PriorityClass of the worker pods."""
-    extra_env: list[EnvVar] = Field(default_factory=list, max_length=128, json_schema_extra=_cel(
-        ("self.all(e, !e.name.startsWith('MOEGUARD_') && !e.name.startsWith('UCX_'))",
-         "template.extraEnv must not set MOEGUARD_* or UCX_* (use spec fields and ucx.extraEnv)", "")))
+    extra_env: list[EnvVar] = Field(default_factory=list, max_length=128, json_schema_extra={
+        **_cel(("self.all(e, !e.name.startsWith('MOEGUARD_') && !e.name.startsWith('UCX_'))",
+                "template.extraEnv must not set MOEGUARD_* or UCX_* (use spec fields and ucx.extraEnv)", "")),
+        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
     """More environment variables for the worker container."""
     volumes: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
     """core/v1 Volumes added to the worker pods, as Kubernetes writes them."""
-    volume_mounts: list[VolumeMount] = Field(default_factory=list, max_length=64)
+    volume_mounts: list[VolumeMount] = Field(default_factory=list, max_length=64, json_schema_extra={
+        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["mountPath"]})
     """Mounts of those volumes in the worker container."""
     annotations: dict[str, str] = Field(default_factory=dict, max_length=64)
     """Annotations of the worker pods."""
@@ -377,7 +405,19 @@ class PodTemplateSpec(_Model):
         bad = sorted(e.name for e in env if e.name.startswith(("MOEGUARD_", "UCX_")))
         if bad:
             raise ValueError(f"template.extraEnv must not set MOEGUARD_* or UCX_* (got {', '.join(bad)})")
+        names = [e.name for e in env]
+        dups = sorted({n for n in names if names.count(n) > 1})
+        if dups:
+            raise ValueError(f"template.extraEnv names must be unique (repeated: {', '.join(dups)})")
         return env
+
+    @model_validator(mode="after")
+    def _mounts_have_volumes(self) -> PodTemplateSpec:
+        volumes = {str(v.get("name")) for v in self.volumes} | {"tmp"}
+        missing = sorted(m.name for m in self.volume_mounts if m.name not in volumes)
+        if missing:
+            raise ValueError(f"template.volumeMounts name no volume in template.volumes: {', '.join(missing)}")
+        return self
 
 
 class MoEInferenceServiceSpec(_Model):
@@ -480,6 +520,8 @@ class LoopState(_Model):
     """Last time an overload trigger was seen."""
     last_restart_time: datetime | None = None
     """Last rolling restart for a suspected leak."""
+    last_blind_time: datetime | None = None
+    """Last look without full visibility (the stabilization window restarts after it)."""
     oom_checked_time: datetime | None = None
     """OOM kills that finished after this time are new."""
 

@@ -11,9 +11,10 @@ rule TCP congestion control uses):
   per-expert buffers grow with the top expert's share of the prefill tokens.
   Memory and OOM kills drop every budget.
 * Moves are at least ``cooldownSeconds`` apart; an OOM kill does not wait.
-* **Recovery** — after ``stabilizationWindowSeconds`` without pressure, *and only
-  while every signal is visible* (no missing series, no silent pod), budgets
-  climb additively (+ ``increaseStep`` × ceiling), never above their ceilings.
+* **Recovery** — after ``stabilizationWindowSeconds`` without pressure *and with
+  every signal visible all along* (no missing series, no silent pod: blind time
+  restarts the window), budgets climb additively (+ ``increaseStep`` × ceiling),
+  never above their ceilings.
 * **No data is never read as healthy**: while blind the loop can tighten on what
   it sees, but never loosens (KEDA #965, AIBrix #1032).
 * **Overload** (mode Auto) turns on when memory passes ``rssHardFraction``, the
@@ -74,13 +75,14 @@ class Observation:
 
     @property
     def available(self) -> bool:
-        """Prometheus answered and the core signals (skew, memory) are present."""
-        return self.error is None and self.skew_ratio is not None and self.memory_ratio is not None
+        """Prometheus answered and the pods' memory is there (skew appears only after large batches)."""
+        return self.error is None and self.memory_ratio is not None
 
     @property
     def fully_visible(self) -> bool:
-        """Available, and every Running pod reports: the only state in which the loop may loosen."""
-        return self.available and not self.silent_pods
+        """Available, every Running pod reports, and skew has been seen: the only state in which
+        the loop may loosen."""
+        return self.available and not self.silent_pods and self.skew_ratio is not None
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ class LoopState:
     last_pressure: datetime | None = None
     last_overload_trigger: datetime | None = None
     last_restart: datetime | None = None
+    last_blind: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -207,6 +210,10 @@ def decide(observation: Observation, state: LoopState, spec: MoEInferenceService
         reasons.append(f"metrics unavailable ({obs.error or 'no data'}): not loosening")
     elif obs.silent_pods:
         reasons.append(f"silent pods {', '.join(obs.silent_pods)}: not loosening")
+    elif obs.skew_ratio is None:
+        reasons.append("no expert-skew samples yet (no batch large enough): not loosening")
+    # Blind time never counts as calm: the stabilization window restarts when sight returns.
+    last_blind = state.last_blind if obs.fully_visible else now
 
     budgets, direction = state.budgets, "hold"
     last_change, last_pressure = state.last_change, state.last_pressure
@@ -224,7 +231,7 @@ def decide(observation: Observation, state: LoopState, spec: MoEInferenceService
         else:
             reasons.append("in cooldown")
     elif obs.fully_visible:
-        calm = _since(now, state.last_pressure) >= control.stabilization_window_seconds
+        calm = min(_since(now, state.last_pressure), _since(now, state.last_blind)) >= control.stabilization_window_seconds
         rested = _since(now, state.last_change) >= control.cooldown_seconds
         new = increase(state.budgets, control.increase_step, ceilings(batching))
         if new != state.budgets and calm and rested:
@@ -250,7 +257,8 @@ def decide(observation: Observation, state: LoopState, spec: MoEInferenceService
     elif triggers:
         overload = "On"
     elif (state.overload == "On" and obs.fully_visible
-          and _since(now, state.last_overload_trigger) >= control.stabilization_window_seconds):
+          and min(_since(now, state.last_overload_trigger), _since(now, state.last_blind))
+          >= control.stabilization_window_seconds):
         overload = "Off"
     overload_changed = overload != state.overload
     if overload_changed:
@@ -275,6 +283,7 @@ def decide(observation: Observation, state: LoopState, spec: MoEInferenceService
         last_pressure=last_pressure,
         last_overload_trigger=last_trigger,
         last_restart=now if restart else state.last_restart,
+        last_blind=last_blind,
     )
     return Decision(
         state=next_state,

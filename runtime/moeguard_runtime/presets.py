@@ -83,3 +83,22 @@ def get_preset(name: str) -> ModelArgs:
     except KeyError:
         known = ", ".join(sorted(PRESETS))
         raise KeyError(f"unknown model preset {name!r}; known presets: {known}") from None
+
+
+def shape_problems(args: ModelArgs) -> list[str]:
+    """Why ``args`` is not a shape the worker can build (empty when it is).
+
+    Rules of the attention and MoE code: ``dim`` divisible by ``n_head``, ``n_head``
+    by ``n_kv_head`` (grouped-query attention), an even ``head_dim`` (rotary
+    embeddings rotate pairs), and ``top_k <= num_experts``.
+    """
+    problems = []
+    if args.dim % args.n_head:
+        problems.append(f"dim ({args.dim}) must be a multiple of nHead ({args.n_head})")
+    elif (args.dim // args.n_head) % 2:
+        problems.append(f"dim / nHead ({args.dim // args.n_head}) must be even for rotary embeddings")
+    if args.n_head % args.n_kv_head:
+        problems.append(f"nHead ({args.n_head}) must be a multiple of nKvHead ({args.n_kv_head})")
+    if args.top_k > args.num_experts:
+        problems.append(f"topK ({args.top_k}) must be <= numExperts ({args.num_experts})")
+    return problems

@@ -145,7 +145,7 @@ def test_c8_one_silent_pod_is_named_and_never_read_as_healthy(
 def test_oom_kill_tightens_at_once_scale_and_rollout(
         cluster: Cluster, operator: None, pod_workers: PodWorkers, namespace: str) -> None:
     ns, name = namespace, "oom"
-    (url,) = start(cluster, ns, name, pod_workers, control=SPEC["control"] | {"queryIntervalSeconds": 3600})
+    (url,) = start(cluster, ns, name, pod_workers, control=SPEC["control"] | {"queryIntervalSeconds": 3600, "windowSeconds": 3600})
     dep_gen = cluster.kubectl_json("-n", ns, "get", "deployment", f"{name}-worker")["metadata"]["generation"]
     pod = cluster.kubectl_json("-n", ns, "get", "pods", "-l", f"app.kubernetes.io/instance={name}")["items"][0]
     now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -231,3 +231,43 @@ def test_podmonitor_only_when_prometheus_operator_is_installed(cluster: Cluster,
     finally:
         if not installed:
             cluster.kubectl("delete", "crd", "podmonitors.monitoring.coreos.com", "--wait=false")
+
+
+def test_hand_edits_never_pin_or_lose_the_budget(
+        cluster: Cluster, operator: None, pod_workers: PodWorkers, namespace: str) -> None:
+    ns, name = namespace, "edits"
+    (url,) = start(cluster, ns, name, pod_workers, control=SPEC["control"] | {"cooldownSeconds": 600})
+    cm_name = f"{name}-budget"
+    doc = json.loads(cluster.kubectl_json("-n", ns, "get", "configmap", cm_name)["data"]["budget.json"])
+    doc["generation"] = 50
+    doc["budgets"]["maxPrefillTokens"] = 700
+    cluster.kubectl("-n", ns, "patch", "configmap", cm_name, "--type=merge", "-p",
+                    json.dumps({"data": {"budget.json": json.dumps(doc)}}))
+    wait(lambda: stack.scrape_one(url, "moeguard_budget_generation") == 50, 10, "the worker to take the hand edit")
+    # The operator's next document must still win: its generation is above the hand-edited one.
+    for i in range(3):
+        complete(url, repetitive_prompt(512, 0), max_tokens=1 + i % 2)
+    obj = wait_cr(cluster, ns, name, lambda o: o["status"]["budgets"]["maxPrefillTokens"] < 2048, 60, "tightened")
+    assert obj["status"]["budgetGeneration"] == 51
+    wait(lambda: stack.scrape_one(url, "moeguard_budget_generation") == 51
+         and stack.scrape_one(url, "moeguard_budget_max_prefill_tokens") == 1024, 10, "the worker to apply generation 51")
+
+    # Children deleted by hand come back, with the budgets in effect.
+    cluster.kubectl("-n", ns, "delete", "configmap", cm_name)
+    cluster.kubectl("-n", ns, "delete", "deployment", f"{name}-worker", "--wait=false")
+    def back() -> bool:
+        cm = cluster.kubectl("-n", ns, "get", "configmap", cm_name, "-o", "json", check=False)
+        dep = cluster.kubectl("-n", ns, "get", "deployment", f"{name}-worker", check=False)
+        return cm.returncode == 0 and dep.returncode == 0 and \
+            json.loads(json.loads(cm.stdout)["data"]["budget.json"])["budgets"]["maxPrefillTokens"] == 1024
+    wait(back, 30, "the ConfigMap and the Deployment to come back")
+    assert ("Warning", "ChildRecreated") in [(t, r) for t, r, _ in reasons(cluster, ns, name)]
+
+
+def test_specs_the_operator_cannot_serve_are_reported(cluster: Cluster, operator: None, namespace: str) -> None:
+    cluster.kubectl("-n", namespace, "apply", "-f", "-", input=moeis("badshape", replicas=0, model={"overrides": {"dim": 66}}))
+    obj = wait_cr(cluster, namespace, "badshape", lambda o: (stack.condition(o, "Ready") or {}).get("status") == "False",
+                  60, "Ready=False")
+    ready = cond(obj, "Ready")
+    assert ready["reason"] == "InvalidSpec" and "dim (66) must be a multiple of nHead (4)" in ready["message"]
+    assert cluster.kubectl("-n", namespace, "get", "deployment", "badshape-worker", check=False).returncode != 0

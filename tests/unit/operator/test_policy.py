@@ -181,3 +181,24 @@ def test_budgets_stay_within_floors_and_ceilings_and_blind_never_loosens(
             assert new <= old
     if ooms:
         assert d.direction == "down" or d.state.budgets == budgets
+
+
+def test_blind_time_restarts_the_stabilization_window() -> None:
+    tight = START.model_copy(update={"max_prefill_tokens": 1024})
+    # calm for an hour, but blind a moment ago: sight has just come back
+    state = LoopState(tight, last_change=ago(3600), last_pressure=ago(3600), last_blind=ago(5))
+    d = decide(obs(), state, SPEC, NOW)
+    assert d.direction == "hold" and "waiting for the stabilization window" in d.reason
+    assert d.state.last_blind == ago(5)  # seeing now: the blind mark stays where it was
+    later = decide(obs(), LoopState(tight, last_change=ago(3600), last_pressure=ago(3600), last_blind=ago(121)), SPEC, NOW)
+    assert later.direction == "up"
+    blind = decide(obs(error="down", memory_ratio=None), state, SPEC, NOW)
+    assert blind.state.last_blind == NOW
+
+
+def test_no_skew_samples_yet_is_visible_but_does_not_loosen() -> None:
+    o = obs(skew_ratio=None)
+    assert o.available and not o.fully_visible
+    tight = START.model_copy(update={"max_prefill_tokens": 1024})
+    d = decide(o, LoopState(tight, last_change=ago(3600), last_pressure=ago(3600)), SPEC, NOW)
+    assert d.direction == "hold" and "no expert-skew samples yet" in d.reason

@@ -1,0 +1,50 @@
+"""Checks the API server cannot make (they need the model preset), done by the operator."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from moeguard_operator.handlers import SpecError, parse_spec
+from moeguard_operator.models import MoEInferenceServiceSpec
+from moeguard_runtime.presets import get_preset, shape_problems
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(("spec", "reason", "message"), [
+    ({"model": {"preset": "gpt-17"}}, "UnknownModelPreset", "spec.model.preset: unknown model preset 'gpt-17'; known presets:"),
+    ({"model": {"overrides": {"dim": 66}}}, "InvalidSpec", "spec.model.overrides: dim (66) must be a multiple of nHead (4)"),
+    ({"model": {"overrides": {"nKvHead": 3}}}, "InvalidSpec", "nHead (4) must be a multiple of nKvHead (3)"),
+    ({"model": {"overrides": {"dim": 65536, "nLayer": 256, "numExperts": 1024, "intermediateSize": 262144}},
+      "resources": {"softLimit": "3Gi", "hardLimit": "4Gi"}},
+     "InvalidSpec", "spec.resources.hardLimit (4Gi) is below the model's weights alone"),
+    ({"overload": {"maxContextTokens": 4096}}, "InvalidSpec", "spec.overload.maxContextTokens (4096) is above the model's context (1024)"),
+])
+def test_operator_reports_specs_it_cannot_serve(spec: dict, reason: str, message: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_spec(spec)
+    assert info.value.reason == reason and message in str(info.value)
+
+
+def test_default_spec_is_servable() -> None:
+    assert parse_spec({}).model.preset == "tiny"
+
+
+def test_shape_rules() -> None:
+    assert shape_problems(get_preset("tiny")) == []
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ({"ucx": {"extraEnv": {"UCX_RCACHE_MAX_UNRELEASED": "inf"}}}, "ucx.extraEnv must not set UCX_RCACHE_MAX_UNRELEASED"),
+    ({"template": {"extraEnv": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}}, "names must be unique (repeated: A)"),
+    ({"template": {"volumeMounts": [{"name": "nope", "mountPath": "/x"}]}}, "volumeMounts name no volume in template.volumes: nope"),
+    ({"resources": {"softLimit": "0"}}, "resources.softLimit must be above 0"),
+    ({"resources": {"cpu": "0"}}, "resources.cpu must be above 0"),
+    ({"resources": {"hardLimit": "99999Ti", "softLimit": "1Gi"}}, "resources.hardLimit must be below 64Ti"),
+    ({"control": {"queryIntervalSeconds": 600, "windowSeconds": 5}}, "control.windowSeconds must be >= control.queryIntervalSeconds"),
+])
+def test_cross_field_rules(spec: dict, message: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        MoEInferenceServiceSpec.model_validate(spec)
+    assert message in str(info.value)
