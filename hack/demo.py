@@ -144,21 +144,26 @@ def main() -> int:
         print(f"[5/8] replaying {len(schedule.requests)} trace requests over {schedule.meta.duration_s:.0f} s "
               f"(time x1/{args.time_compression:g}, lengths x{args.length_scale:g}) on {len(urls)} workers", flush=True)
         trace_run = asyncio.run(replay(urls, schedule, progress=False, max_in_flight=64, request_timeout_s=120))
-        print(f"[6/8] burst of {args.burst} repetitive prompts", flush=True)
+        before = stack.get_moeis(NAMESPACE, NAME)["status"]["budgets"]["maxPrefillTokens"]
+        floor = stack.get_moeis(NAMESPACE, NAME)["spec"]["batching"]["floors"]["maxPrefillTokens"]
+        print(f"[6/8] burst of {args.burst} repetitive prompts (maxPrefillTokens now {before})", flush=True)
         # One repeated pattern for every prompt: a batch of them routes nearly all tokens to top-k experts.
         prompts = [repetitive_prompt(512, seed=0)] * args.burst
         burst_run = asyncio.run(burst(urls, prompts, max_tokens=8, progress=False, request_timeout_s=120))
         print("[7/8] waiting for the operator to tighten the budget and the workers to apply it", flush=True)
-        initial = stack.get_moeis(NAMESPACE, NAME)["spec"]["batching"]["maxPrefillTokens"]
 
         def applied() -> bool:
+            target = stack.get_moeis(NAMESPACE, NAME)["status"]["budgets"]["maxPrefillTokens"]
             values = [stack.scrape_one(u, "moeguard_budget_max_prefill_tokens") for u in urls]
-            return all(v is not None and v < initial for v in values)
+            return target < before and all(v == target for v in values)
 
-        try:
-            stack.wait_for(applied, 90, "the workers to apply a tightened budget", interval=1)
-        except TimeoutError as exc:
-            print(f"  !! {exc}", flush=True)
+        if before <= floor:
+            print(f"  maxPrefillTokens is already at its floor {floor}: nothing left to tighten", flush=True)
+        else:
+            try:
+                stack.wait_for(applied, 90, "the workers to apply a tightened budget", interval=1)
+            except TimeoutError as exc:
+                print(f"  !! {exc}", flush=True)
         time.sleep(2)
         timeline.stop()
         sampler.join(5)
