@@ -271,7 +271,7 @@ def overhead_benchmark(reps: int, device: str = "cpu", dtype_name: str = "fp32")
         for i in range(16):
             prompt = [(i * 31 + j) % 256 for j in range(64)]
             worker.submit(GenerationRequest(f"r{rep}-{i}", prompt, 24, 0.0),
-                          lambda e, d=done: d.append(1) if e.kind != "token" else None)
+                          lambda e, d=done: d.append(1) if e.kind in ("finish", "error") else None)
         step_s.clear()
         t0 = time.perf_counter()
         while len(done) < 16:
