@@ -61,6 +61,42 @@ BASE_PORT = 18600
 HUGE = {"prefill": 1_048_576, "decode": 1_048_576, "requests": 65_536, "queue": 1_048_576}
 
 
+QUEUE_TIMEOUT_S = float(os.environ.get("BENCH_QUEUE_TIMEOUT_S", "2"))
+"""The moeguard policy's queue timeout: a request that has not started within 2 s is refused
+(the trace's requests take ~1-4 s to serve here; waiting longer than that only adds latency)."""
+
+
+MOEGUARD_BATCHES = int(os.environ.get("BENCH_MOEGUARD_BATCHES", "1"))
+"""One batch in flight: the engine runs batches' steps in turn, so with two batches each request
+decodes every other step; one batch with the plan's request count decodes every step."""
+STEP_PREFILL_TOKENS = int(os.environ.get("BENCH_STEP_PREFILL_TOKENS", "256"))
+"""Prefill tokens per step chosen for decode latency (chunked prefill, as vLLM's
+``max_num_batched_tokens``): every step that carries a prefill chunk also carries the running
+requests' decode tokens, so the chunk sets their time per output token. The plan's figure is the
+memory ceiling; the policy uses the smaller of the two."""
+
+
+def moeguard_env(b: dict[str, int]) -> dict[str, str]:
+    """The full moeguard policy: plan budgets, concurrency cap, bounded queue, limits, overload."""
+    running = MOEGUARD_BATCHES * b["max_batch_requests"]
+    queue = b["max_batch_requests"]  # one batch's worth waiting: it can start within a step or two
+    prefill = min(b["max_prefill_tokens"], STEP_PREFILL_TOKENS)
+    return {
+        "MOEGUARD_MAX_PREFILL_TOKENS": str(prefill),
+        "MOEGUARD_MAX_DECODE_TOKENS": str(b["max_decode_tokens"]),
+        "MOEGUARD_MAX_BATCH_REQUESTS": str(b["max_batch_requests"]),
+        "MOEGUARD_MAX_CONCURRENT_BATCHES": str(MOEGUARD_BATCHES),
+        "MOEGUARD_MAX_LONG_REQUESTS_PER_BATCH": "1",  # KV is planned at PLAN_CONTEXT per sequence
+        "MOEGUARD_MAX_QUEUE_REQUESTS": str(queue),
+        "MOEGUARD_MAX_QUEUE_TOKENS": str(8 * prefill),
+        "MOEGUARD_MAX_CONCURRENT_REQUESTS": str(running + queue),
+        "MOEGUARD_QUEUE_TIMEOUT_SECONDS": f"{QUEUE_TIMEOUT_S:g}",
+        "MOEGUARD_SOFT_LIMIT_BYTES": str(SOFT_LIMIT),
+        "MOEGUARD_HARD_LIMIT_BYTES": str(HARD_LIMIT),
+        "MOEGUARD_OVERLOAD_MODE": "Auto",
+    }
+
+
 def policy_env(plan_budgets: dict[str, int]) -> dict[str, dict[str, str]]:
     """Environment of each policy. Everything not named here is the worker's default."""
     unbounded_queue = {
@@ -89,22 +125,12 @@ def policy_env(plan_budgets: dict[str, int]) -> dict[str, dict[str, str]]:
             "MOEGUARD_MAX_BATCH_REQUESTS": str(HUGE["requests"]),
             "MOEGUARD_MAX_CONCURRENT_BATCHES": "2",
         },
-        # 3. full moeguard: the same budgets + requests per batch + concurrency cap + bounded
-        #    queue with timeout and 429 + soft and hard memory limits + overload mode (Auto).
-        "moeguard": {
-            "MOEGUARD_MAX_PREFILL_TOKENS": str(plan_budgets["max_prefill_tokens"]),
-            "MOEGUARD_MAX_DECODE_TOKENS": str(plan_budgets["max_decode_tokens"]),
-            "MOEGUARD_MAX_BATCH_REQUESTS": str(plan_budgets["max_batch_requests"]),
-            "MOEGUARD_MAX_CONCURRENT_BATCHES": "2",
-            "MOEGUARD_MAX_LONG_REQUESTS_PER_BATCH": "2",
-            "MOEGUARD_MAX_QUEUE_REQUESTS": "24",
-            "MOEGUARD_MAX_QUEUE_TOKENS": "24576",
-            "MOEGUARD_MAX_CONCURRENT_REQUESTS": str(24 + 2 * plan_budgets["max_batch_requests"]),
-            "MOEGUARD_QUEUE_TIMEOUT_SECONDS": "10",
-            "MOEGUARD_SOFT_LIMIT_BYTES": str(SOFT_LIMIT),
-            "MOEGUARD_HARD_LIMIT_BYTES": str(HARD_LIMIT),
-            "MOEGUARD_OVERLOAD_MODE": "Auto",
-        },
+        # 3. full moeguard, as a platform engineer would deploy it: `moeguard plan` budgets for the
+        #    soft limit and the expected context, a concurrency cap (what the batches can run plus
+        #    a short queue), a bounded queue with a short timeout (a request that cannot start within
+        #    QUEUE_TIMEOUT_S gets a fast 429/503 with Retry-After instead of a slow success), soft and
+        #    hard memory limits, overload mode Auto.
+        "moeguard": moeguard_env(plan_budgets),
     }
 
 
@@ -370,16 +396,49 @@ def machine() -> dict[str, Any]:
             "python": platform.python_version(), "torch": torch.__version__, "gpu": "none"}
 
 
-def plan_budgets() -> tuple[dict[str, int], list[tuple[str, str, str]]]:
-    """The moeguard policy's budgets: `moeguard plan` for this shape and limit."""
+def _weights_bytes() -> int:
+    sys.path.insert(0, str(ROOT / "runtime"))
+    from moeguard_runtime.presets import get_preset, parameter_count
+
+    return parameter_count(get_preset(PRESET)) * 4  # float32
+
+
+def measure_idle(use_cgroup: bool, out_dir: Path) -> int:
+    """The idle worker's memory as soon as it is ready (no traffic yet): start it in its memory
+    cgroup, sample ``memory.usage_in_bytes`` (RSS without cgroups) for 3 s, keep the maximum.
+    A worker that has served requests sits higher (the heap keeps what its steps freed, and the
+    cgroup counts page cache): see ``main``."""
+    w = Worker("idle", {"MOEGUARD_MAX_PREFILL_TOKENS": str(STEP_PREFILL_TOKENS)}, BASE_PORT - 1, use_cgroup,
+               out_dir / "idle.log")
+    w.t0 = time.monotonic()
+    w.start()
+    try:
+        if not w.ready():
+            raise RuntimeError(f"idle worker did not become ready; see {w.log_path}")
+        peak = 0
+        for _ in range(30):
+            if w.cgroup is not None:
+                peak = max(peak, int((w.cgroup / "memory.usage_in_bytes").read_text()))
+            elif w.proc is not None:
+                peak = max(peak, _status_kb(w.proc.pid, "VmRSS") or 0)
+            time.sleep(0.1)
+        return peak
+    finally:
+        w.stop()
+        w.remove_cgroup()
+
+
+def plan_budgets(overhead: int = 0) -> tuple[dict[str, int], list[tuple[str, str, str]]]:
+    """The moeguard policy's budgets: `moeguard plan` for this shape, the soft limit, the measured
+    runtime overhead and the expected context."""
     sys.path.insert(0, str(ROOT / "operator"))
     sys.path.insert(0, str(ROOT / "runtime"))
     from moeguard_cli.plan import PlanInput, estimate
     from moeguard_runtime.presets import get_preset
 
     p = estimate(PlanInput(args=get_preset(PRESET), memory_bytes=SOFT_LIMIT, dtype="float32", skew=4.0,
-                           headroom=0.0, overhead_bytes=PLAN_OVERHEAD, concurrent_batches=2,
-                           context_tokens=PLAN_CONTEXT))
+                           headroom=0.0, overhead_bytes=overhead or PLAN_OVERHEAD,
+                           concurrent_batches=MOEGUARD_BATCHES, context_tokens=PLAN_CONTEXT))
     if not p.fits:
         raise RuntimeError("plan says the model does not fit the soft limit")
     return ({"max_prefill_tokens": p.max_prefill_tokens, "max_decode_tokens": p.max_decode_tokens,
@@ -387,12 +446,13 @@ def plan_budgets() -> tuple[dict[str, int], list[tuple[str, str, str]]]:
 
 
 PLAN_OVERHEAD = 450 * MiB
-"""The idle worker's memory besides its weights, measured here: cgroup usage of the idle
-``small`` worker (797-880 MiB over runs) minus its 379 MiB of weights, rounded up from the low end."""
+"""Least runtime overhead (the idle worker's memory besides its weights) the plan uses: the fresh
+worker measured 800 MiB of cgroup usage here (421 MiB besides its 379 MiB of weights); ``main``
+measures it again each run (:func:`measure_idle`) and takes the larger figure."""
 PLAN_CONTEXT = 1024
 """Expected context (prompt + max_tokens) per running sequence used to size the KV share;
 above the p90 of the scaled trace's prompts plus max_tokens (676 + 32); longer requests are
-what the soft limit and the bounded queue are for."""
+what the soft limit, the long-request cap and the bounded queue are for."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -400,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="a few requests per phase (a smoke test)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "headline")
+    ap.add_argument("--policies", default="", help="comma-separated subset (pilot runs; the report needs all)")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     use_cgroup = cgroups_writable()
@@ -411,18 +472,23 @@ def main(argv: list[str] | None = None) -> int:
         traffic = TrafficConfig(trace_limit=8, burst_at_s=2.0, burst_n=6, skew_at_s=3.0, skew_s=2.0,
                                 ramp_at_s=5.0, ramp_s=2.0)
     items = build(traffic)
-    budgets, plan_lines = plan_budgets()
+    idle = measure_idle(use_cgroup, args.out)
+    weights = _weights_bytes()
+    # The runtime overhead for the plan: the measured idle worker less its weights, rounded up to
+    # 8 MiB, and never below PLAN_OVERHEAD (a served worker sits higher than a fresh one).
+    overhead = max(PLAN_OVERHEAD, -(-(idle - weights) // (8 * MiB)) * 8 * MiB)
+    budgets, plan_lines = plan_budgets(overhead)
     envs = policy_env(budgets)
     meta = {"machine": machine(), "preset": PRESET, "hard_limit": HARD_LIMIT, "soft_limit": SOFT_LIMIT,
             "limit_mechanism": "cgroup v1 memory.limit_in_bytes (kernel OOM kill)" if use_cgroup
             else "watchdog: SIGKILL when RSS > hard limit",
             "traffic": traffic.to_dict(), "phases": describe(items), "plan_budgets": budgets,
-            "plan_lines": plan_lines, "plan_overhead": PLAN_OVERHEAD, "plan_context": PLAN_CONTEXT,
+            "plan_lines": plan_lines, "plan_overhead": overhead, "idle_measured": idle, "weights_bytes": weights, "plan_context": PLAN_CONTEXT,
             "envs": envs, "reps": args.reps, "started_unix": time.time(),
             "sample_s": SAMPLE_S, "metrics_every": METRICS_EVERY, "restart_delay_s": RESTART_DELAY_S,
             "request_timeout_s": REQUEST_TIMEOUT_S, "drain_s": DRAIN_S}
     (args.out / "meta.json").write_text(json.dumps(meta, indent=1))
-    names = list(envs)
+    names = [n for n in envs if not args.policies or n in args.policies.split(",")]
     t_start = time.monotonic()
     for rep in range(args.reps):
         order = names[rep % len(names):] + names[:rep % len(names)]  # rotate: no policy always first

@@ -59,3 +59,28 @@ def test_bucket_quantiles() -> None:
     buckets = {"16": 1.0, "64": 5.0, "256": 9.0, "+Inf": 10.0}
     assert bucket_quantiles(buckets, (0.1, 0.5, 0.9, 0.99)) == [16.0, 64.0, 256.0, float("inf")]
     assert bucket_quantiles({}, (0.5,)) == [None]
+
+
+def test_time_to_answer_counts_every_answer() -> None:
+    from bench.headline_report import time_to_answer
+
+    base = {"scheduled_s": 1.0, "status": 200, "error": None, "end_s": 3.5}
+    assert time_to_answer(base, 30.0) == 2.5  # a success
+    assert time_to_answer({**base, "status": 429, "error": "queue full", "end_s": 1.1}, 30.0) == \
+        pytest.approx(0.1)  # a fast refusal
+    assert time_to_answer({**base, "status": None, "error": "ConnectError", "end_s": 1.2}, 30.0) == \
+        pytest.approx(0.2)  # refused connection while restarting
+    assert time_to_answer({**base, "status": None, "error": "ReadTimeout", "end_s": 31.0}, 30.0) == 30.0
+    assert time_to_answer({**base, "status": None, "error": "deadline", "end_s": None}, 30.0) == 30.0
+
+
+def test_moeguard_env_bounds_queue_and_concurrency() -> None:
+    from bench.headline import STEP_PREFILL_TOKENS, moeguard_env
+
+    env = moeguard_env({"max_prefill_tokens": 4096, "max_decode_tokens": 6, "max_batch_requests": 6})
+    assert int(env["MOEGUARD_MAX_PREFILL_TOKENS"]) == STEP_PREFILL_TOKENS  # below the memory ceiling
+    running = int(env["MOEGUARD_MAX_CONCURRENT_BATCHES"]) * 6
+    assert int(env["MOEGUARD_MAX_CONCURRENT_REQUESTS"]) == running + int(env["MOEGUARD_MAX_QUEUE_REQUESTS"])
+    assert float(env["MOEGUARD_QUEUE_TIMEOUT_SECONDS"]) <= 5
+    assert moeguard_env({"max_prefill_tokens": 64, "max_decode_tokens": 1,
+                         "max_batch_requests": 1})["MOEGUARD_MAX_PREFILL_TOKENS"] == "64"
