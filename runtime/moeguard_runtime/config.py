@@ -264,12 +264,15 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
                           f"{contract.ENV_HARD_LIMIT_BYTES}={hard}")
     device = resolve_device(env.get(contract.ENV_DEVICE))
     dtype = resolve_dtype(env.get(contract.ENV_DTYPE), device)
+    port = req(contract.ENV_PORT, contract.WORKER_PORT)
+    if not 0 < port < 65536:
+        raise ConfigError(f"{contract.ENV_PORT}={port} must be a TCP port, 1-65535")
     capacity = _float(env, ENV_CAPACITY_FACTOR, 0.0)
     if capacity < 0:
         raise ConfigError(f"{ENV_CAPACITY_FACTOR}={capacity} must be >= 0 (0: dropless)")
     return Settings(
         host=env.get(ENV_HOST, "0.0.0.0"),
-        port=req(contract.ENV_PORT, contract.WORKER_PORT),
+        port=port,
         preset=env.get(contract.ENV_MODEL_PRESET, "tiny") or "tiny",
         seed=req(ENV_SEED, 0, minimum=0),
         torch_threads=req(ENV_TORCH_THREADS, 1),

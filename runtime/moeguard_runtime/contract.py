@@ -87,11 +87,12 @@ class Budgets(BaseModel):
     """The batching budgets in effect: the knobs the operator's outer loop moves.
 
     Names follow TGI/vLLM/Triton where the meaning matches (see each field).
+    Strict: a number written as a string (``"100"``) is refused, as the HTTP API refuses it.
     Fields added after the first release carry defaults, so an older document
     still parses.
     """
 
-    model_config = ConfigDict(populate_by_name=True, extra="forbid", frozen=True)
+    model_config = ConfigDict(populate_by_name=True, extra="forbid", frozen=True, strict=True)
 
     max_prefill_tokens: int = Field(alias="maxPrefillTokens", gt=0, le=1_048_576,
                                     description="Prompt tokens per prefill batch (TGI max_batch_prefill_tokens, vLLM max_num_batched_tokens).")

@@ -46,6 +46,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moeguard_runtime import tokenizer
 from moeguard_runtime.scheduler import Rejected
@@ -168,6 +169,14 @@ _COMPLETIONS_OPENAPI: dict[str, Any] = {
 def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
     """The FastAPI application serving ``slot.worker`` (once it is set)."""
     app = FastAPI(title="moeguard worker", version="1", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Unknown paths and wrong methods answer in OpenAI's error shape too (not FastAPI's {"detail": ...}).
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return error_response(exc.status_code, message, kind, code=str(exc.detail).lower().replace(" ", "_"),
+                              headers=dict(exc.headers or {}))
     openapi = json.loads(json.dumps(_COMPLETIONS_OPENAPI))  # the context is known only now
     body_schema = openapi["requestBody"]["content"]["application/json"]["schema"]
     body_schema["properties"]["max_tokens"]["maximum"] = slot.max_len - 1
@@ -236,6 +245,8 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
             payload = json.loads(text)
         except json.JSONDecodeError as exc:
             return invalid(f"request body is not valid JSON: {exc}")
+        except RecursionError:
+            return invalid("request body is not valid JSON for this API: nested too deeply")
         if not isinstance(payload, dict):
             return invalid(f"request body must be a JSON object, given a {type(payload).__name__}")
         if "prompt" not in payload:

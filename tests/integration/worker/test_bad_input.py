@@ -47,6 +47,8 @@ def rss(w: WorkerProcess) -> float:
     ({"prompt": "x", "priority": "urgent"}, 400, ["invalid field 'priority'", '"urgent"'],
      "priority"),
     ("[1, 2]", 400, ["request body must be a JSON object, given a list"], None),
+    ('{"prompt": "hi", "x": ' + "[" * 50_000 + "]" * 50_000 + "}", 400,
+     ["request body is not valid JSON for this API: nested too deeply"], None),
 ])
 def test_bad_body_is_a_4xx_naming_field_limit_and_value(
         worker: WorkerProcess, body: object, status: int, needles: list[str],
@@ -98,3 +100,15 @@ def test_ten_megabyte_bodies_are_413_and_leave_no_memory_behind(worker: WorkerPr
     invalid = [v for lab, v in metrics(worker)["moeguard_rejections_total"]
                if lab["reason"] == "invalid_request"]
     assert invalid and invalid[0] >= 11
+
+
+@pytest.mark.parametrize(("method", "path", "status", "needle"), [
+    ("GET", "/v1/completions", 405, "GET /v1/completions: Method Not Allowed"),
+    ("POST", "/v1/chat/nothing", 404, "POST /v1/chat/nothing: Not Found"),
+])
+def test_wrong_method_or_path_is_an_openai_error(worker: WorkerProcess, method: str, path: str, status: int,
+                                                 needle: str) -> None:
+    r = httpx.request(method, f"{worker.base_url}{path}", timeout=10)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert needle in err["message"] and set(err) == {"message", "type", "param", "code"}

@@ -168,10 +168,11 @@ async def test_replay_records_fields(workers: list[FakeWorker]) -> None:
     r = run.results
     assert [x.status for x in r] == [200, 429, 400, 503, 200]
     assert [x.scheduled_s for x in r] == pytest.approx([0.0, 0.2, 0.4, 0.6, 0.8])
+    assert [x.send_s for x in r] == sorted(x.send_s for x in r if x.send_s is not None)
     for x in r:
         assert x.url == workers[0].url
         assert x.send_s is not None and x.first_byte_s is not None and x.end_s is not None
-        assert x.scheduled_s - 0.005 <= x.send_s <= x.scheduled_s + 0.15  # sent on time
+        assert x.send_s >= x.scheduled_s - 0.005  # never early (lateness is not asserted: a loaded machine is late)
         assert x.send_s <= x.first_byte_s <= x.end_s
     ok, refused, bad, busy, last = r
     assert ok.ok and last.ok

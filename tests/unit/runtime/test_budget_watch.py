@@ -99,3 +99,14 @@ def test_watcher_gets_then_watches_one_object(monkeypatch: pytest.MonkeyPatch) -
     assert call["namespace"] == "ns1"
     assert call["field_selector"] == "metadata.name=svc-budget"
     assert call["resource_version"] == "10"
+
+
+def test_a_number_written_as_a_string_is_refused() -> None:
+    import json as _json
+
+    from moeguard_runtime.contract import BudgetDocumentError, parse_budget_configmap_data
+
+    doc = {"generation": 3, "budgets": {"maxPrefillTokens": "100", "maxDecodeTokens": 16, "maxBatchRequests": 4,
+                                         "maxConcurrentBatches": 1}}
+    with pytest.raises(BudgetDocumentError, match=r"budgets\.maxPrefillTokens: Input should be a valid integer"):
+        parse_budget_configmap_data({"budget.json": _json.dumps(doc)})

@@ -170,3 +170,9 @@ def test_cuda_end_to_end() -> None:  # pragma: no cover - no GPU in CI
     assert during is not None and during.allocated > before.allocated  # the KV caches
     assert during.used >= during.reserved >= during.allocated
     assert read_device_memory("cpu") is None
+
+
+@pytest.mark.parametrize("port", ["0", "99999", "-1"])
+def test_a_port_outside_tcp_range_is_a_config_error(port: str) -> None:
+    with pytest.raises(ConfigError, match="MOEGUARD_PORT"):
+        load_settings({contract.ENV_PORT: port})
