@@ -198,13 +198,13 @@ def model_args(settings: Settings) -> ModelArgs:
     """
     import dataclasses
 
-    from moeguard_runtime.presets import get_preset
+    from moeguard_runtime.presets import get_preset, shape_problems
 
     overrides: dict[str, Any] = dict(settings.model_overrides)
     args = dataclasses.replace(get_preset(settings.preset), **overrides)
-    if args.dim % args.n_head or args.n_head % args.n_kv_head or args.top_k > args.num_experts:
-        raise ConfigError(f"{contract.ENV_MODEL_OVERRIDES}: dim must be a multiple of n_head, "
-                          f"n_head of n_kv_head, and top_k <= num_experts (given {args})")
+    problems = shape_problems(args)
+    if problems:
+        raise ConfigError(f"{contract.ENV_MODEL_OVERRIDES}: {'; '.join(problems)} (given {args})")
     return args
 
 
