@@ -84,9 +84,12 @@ def parse_memory(text: str) -> int:
     from kubernetes.utils.quantity import parse_quantity
 
     try:
-        return int(parse_quantity(text))
-    except ValueError as exc:
+        value = int(parse_quantity(text))
+    except (ValueError, ArithmeticError) as exc:
         raise typer.BadParameter(f"not a memory quantity: {text!r}") from exc
+    if not 0 < value < 2**60:
+        raise typer.BadParameter(f"memory must be above 0 and below 1Ei, given {text!r}")
+    return value
 
 
 def parse_shape(text: str) -> dict[str, int]:
@@ -107,10 +110,10 @@ def plan(
     preset: str = typer.Option("tiny", help="model preset (moeguard_runtime.presets)"),
     shape: str = typer.Option("", help="shape overrides, e.g. n_layer=32,dim=4096,num_experts=8,top_k=2"),
     dtype: str = typer.Option("bfloat16", help="weight and activation dtype: " + ", ".join(DTYPE_BYTES)),
-    skew: float = typer.Option(4.0, help="expert skew ratio to plan for (top / median expert tokens)"),
-    headroom: float = typer.Option(0.10, help="fraction of the limit kept free"),
+    skew: float = typer.Option(4.0, min=1.0, max=1e6, help="expert skew ratio to plan for (top / median expert tokens), >= 1"),
+    headroom: float = typer.Option(0.10, min=0.0, max=0.9, help="fraction of the limit kept free"),
     overhead: str = typer.Option("512Mi", help="CUDA context, allocator and process overhead"),
-    concurrent_batches: int = typer.Option(2, help="maxConcurrentBatches"),
+    concurrent_batches: int = typer.Option(2, min=1, max=64, help="maxConcurrentBatches"),
     context_tokens: int = typer.Option(None, "--context-tokens", min=1,
                                        help="expected prompt + max_tokens per running sequence, to size the "
                                        "KV share (default: the model's max_seq_len, the worst case); the "
@@ -120,7 +123,7 @@ def plan(
     (moeguard_cli/memory_model.py, validated in bench/results/memory_model.md) inverted."""
     import dataclasses
 
-    from moeguard_runtime.presets import get_preset
+    from moeguard_runtime.presets import get_preset, shape_problems
 
     if dtype not in DTYPE_BYTES:
         raise typer.BadParameter(f"dtype must be one of {', '.join(DTYPE_BYTES)}", param_hint="--dtype")
@@ -132,6 +135,12 @@ def plan(
         args = dataclasses.replace(args, **parse_shape(shape))
     except TypeError as exc:
         raise typer.BadParameter(str(exc), param_hint="--shape") from None
+    problems = shape_problems(args) + [f"{k} ({v}) must be positive" for k, v in dataclasses.asdict(args).items()
+                                       if isinstance(v, (int, float)) and v <= 0]
+    if problems:
+        raise typer.BadParameter("; ".join(problems), param_hint="--shape")
+    if skew != skew:  # NaN passes min/max checks
+        raise typer.BadParameter("must be a number", param_hint="--skew")
     result = estimate(PlanInput(args=args, memory_bytes=parse_memory(memory), dtype=dtype, skew=skew,
                                 headroom=headroom, overhead_bytes=parse_memory(overhead),
                                 concurrent_batches=concurrent_batches, context_tokens=context_tokens))

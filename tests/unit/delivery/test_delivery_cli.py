@@ -153,3 +153,18 @@ def test_cli_help_lists_every_command() -> None:
     res = runner.invoke(cli.app, ["--help"])
     for name in ("operator", "worker", "demo", "bench", "plan"):
         assert name in res.output
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--memory", "1e400"], "memory must be above 0 and below 1Ei"),
+    (["--memory", "-1Gi"], "memory must be above 0 and below 1Ei"),
+    (["--memory", "8Gi", "--concurrent-batches", "0"], "--concurrent-batches"),
+    (["--memory", "8Gi", "--headroom", "-1"], "--headroom"),
+    (["--memory", "8Gi", "--skew", "0"], "--skew"),
+    (["--memory", "8Gi", "--shape", "dim=66"], "dim (66) must be a multiple of nHead (4)"),
+    (["--memory", "8Gi", "--shape", "top_k=99"], "topK (99) must be <= numExperts (8)"),
+])
+def test_cli_plan_refuses_bad_input_with_a_usage_error(args: list[str], needle: str) -> None:
+    result = runner.invoke(cli.app, ["plan", *args])
+    assert result.exit_code == 2, result.output
+    assert needle in " ".join(result.output.split()) or needle in result.output
