@@ -34,7 +34,7 @@ def role_of(row: dict[str, Any]) -> str:
 
 def predict(row: dict[str, Any]) -> tuple[mm.Estimate, float]:
     args = dataclasses.replace(get_preset(row.get("preset", "tiny")), **row.get("shape", {}))
-    shape = mm.Shape.of(args)
+    shape = args
     max_new = int(row.get("max_new", 16))
     prefill = tuple((0, int(n)) for n in row.get("prefill", []))
     decode = (int(row.get("decode_context", 64)),) * int(row.get("decode", 0))

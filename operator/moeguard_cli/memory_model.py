@@ -65,6 +65,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from moeguard_runtime.presets import ModelArgs as Shape  # the shape is the preset dataclass itself
+
+__all__ = ["Shape"]
+
 ATTN_STREAM = 12.0
 """Residual-size tensors (T x D x b) the attention phase holds at its peak, RSS included."""
 MOE_STREAM = 4.0
@@ -81,29 +85,6 @@ STEP_CONSTANT = 0
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MiB = 1024 * 1024
-
-
-@dataclass(frozen=True)
-class Shape:
-    """The model's shape (the fields of ``moeguard_runtime.presets.ModelArgs`` the model needs)."""
-
-    n_layer: int
-    dim: int
-    n_head: int
-    n_kv_head: int
-    intermediate_size: int
-    num_experts: int
-    top_k: int
-    max_seq_len: int
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_head
-
-    @classmethod
-    def of(cls, args: object) -> Shape:
-        """From any object with the ``ModelArgs`` attribute names."""
-        return cls(**{f: int(getattr(args, f)) for f in cls.__dataclass_fields__})
 
 
 @dataclass(frozen=True)

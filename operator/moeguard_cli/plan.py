@@ -87,7 +87,7 @@ def _step_peak(shape: Shape, prefill: int, decode: int, p: PlanInput, share: flo
 def estimate(p: PlanInput) -> Plan:
     """Starting budgets for ``p`` (see the module docstring for every term)."""
     a = p.args
-    shape = Shape.of(a)
+    shape = a
     b = DTYPE_BYTES[p.dtype]
     params = parameter_count(a)
     weights = params * b

@@ -18,7 +18,6 @@ SHAPE = ModelArgs(n_layer=2, dim=64, n_head=4, n_kv_head=2, intermediate_size=12
 
 def test_plan_arithmetic_by_hand() -> None:
     from moeguard_cli.memory_model import (
-        Shape,
         kv_bytes_per_token,
         top_share_from_skew_ratio,
         worst_case_peak,
@@ -32,7 +31,7 @@ def test_plan_arithmetic_by_hand() -> None:
     available = 2048 * MiB - p.weights_bytes - 512 * MiB - int(2048 * MiB * 0.1)
     assert p.available_bytes == available
     assert p.max_prefill_tokens % 16 == 0
-    shape = Shape.of(SHAPE)
+    shape = SHAPE
     share = top_share_from_skew_ratio(2.0, 8, 2)
     provisional = int(available * 0.7 / (256 * 1024)) // 2
     peak = worst_case_peak(shape, p.max_prefill_tokens, provisional, 0, share, "bfloat16")[0]
@@ -50,7 +49,7 @@ SMALL = ModelArgs(n_layer=6, dim=512, n_head=8, n_kv_head=4, intermediate_size=1
 
 
 def test_plan_prefill_is_the_largest_that_fits() -> None:
-    from moeguard_cli.memory_model import Shape, top_share_from_skew_ratio, worst_case_peak
+    from moeguard_cli.memory_model import top_share_from_skew_ratio, worst_case_peak
 
     p = estimate(PlanInput(args=SMALL, memory_bytes=1344 * MiB, dtype="float32", skew=4.0, headroom=0.0,
                            overhead_bytes=560 * MiB, context_tokens=1536))
@@ -58,8 +57,8 @@ def test_plan_prefill_is_the_largest_that_fits() -> None:
     provisional = int(p.available_bytes * 0.7 / (12288 * 1536)) // 2
     budget = p.available_bytes * 0.3
     assert 16 <= p.max_prefill_tokens < 4096
-    assert worst_case_peak(Shape.of(SMALL), p.max_prefill_tokens, provisional, 0, share, "float32")[0] <= budget
-    assert worst_case_peak(Shape.of(SMALL), p.max_prefill_tokens + 16, provisional, 0, share, "float32")[0] > budget
+    assert worst_case_peak(SMALL, p.max_prefill_tokens, provisional, 0, share, "float32")[0] <= budget
+    assert worst_case_peak(SMALL, p.max_prefill_tokens + 16, provisional, 0, share, "float32")[0] > budget
 
 
 def test_plan_skew_and_concurrency_shrink_budgets() -> None:
