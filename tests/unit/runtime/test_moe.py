@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from bench.hf_reference import hf_expert_loop
 
 from moeguard_runtime import moe
 from moeguard_runtime.moe import (
@@ -15,25 +16,6 @@ from moeguard_runtime.moe import (
 )
 
 pytestmark = pytest.mark.unit
-
-
-def hf_expert_loop(x: torch.Tensor, gate_w: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                   w3: torch.Tensor, top_k: int) -> torch.Tensor:
-    """transformers ``MixtralSparseMoeBlock.forward`` (v4.4x), re-typed as the reference."""
-    router_logits = x @ gate_w.T
-    routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
-    routing_weights, selected_experts = torch.topk(routing_weights, top_k, dim=-1)
-    routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
-    routing_weights = routing_weights.to(x.dtype)
-    final = torch.zeros_like(x)
-    expert_mask = F.one_hot(selected_experts, num_classes=w1.shape[0]).permute(2, 1, 0)
-    for e in range(w1.shape[0]):
-        idx, top_x = torch.where(expert_mask[e])
-        current = x[None, top_x].reshape(-1, x.shape[-1])
-        # MixtralBlockSparseTop2MLP: w2(act(w1(x)) * w3(x))
-        h = (F.silu(current @ w1[e].T) * (current @ w3[e].T)) @ w2[e].T
-        final.index_add_(0, top_x, h * routing_weights[top_x, idx, None])
-    return final
 
 
 def _weights(E: int = 8, D: int = 32, I: int = 48, seed: int = 0):  # noqa: E741
