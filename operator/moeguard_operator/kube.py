@@ -58,7 +58,8 @@ def apply(manifest: dict[str, Any]) -> dict[str, Any]:
 def read_deployment_status(namespace: str, name: str) -> dict[str, Any] | None:
     """The Deployment's ``status`` as a dict, or None when it does not exist."""
     try:
-        dep = client.AppsV1Api().read_namespaced_deployment_status(name, namespace)
+        # A plain GET carries the status too, and needs only `get deployments` (not deployments/status).
+        dep = client.AppsV1Api().read_namespaced_deployment(name, namespace)
     except ApiException as exc:
         if exc.status == 404:
             return None

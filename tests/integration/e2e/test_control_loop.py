@@ -174,9 +174,10 @@ def test_oom_kill_tightens_at_once_scale_and_rollout(
         return any(lbl.get("source") == "operator" and v == 1.0 for lbl, v in samples)
 
     wait(worker_overloaded, 10, "the worker to enter overload mode")
-    # 32 from the operator, halved again by the worker's overload mode (scheduler.OverloadPolicy.decode_factor)
-    assert stack.scrape_one(url, "moeguard_budget_max_decode_tokens") == 16
-    assert stack.scrape_one(url, "moeguard_budget_max_concurrent_batches") == 1
+    # 32 from the operator, halved again by the worker's overload mode (scheduler.OverloadPolicy.decode_factor),
+    # one batch at a time; the gauges follow at the worker's next step
+    wait(lambda: stack.scrape_one(url, "moeguard_budget_max_decode_tokens") == 16
+         and stack.scrape_one(url, "moeguard_budget_max_concurrent_batches") == 1, 10, "the overload budgets")
     # A budget change travels through the ConfigMap: the workers do not roll.
     assert cluster.kubectl_json("-n", ns, "get", "deployment", f"{name}-worker")["metadata"]["generation"] == dep_gen
 

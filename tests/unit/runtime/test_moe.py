@@ -183,11 +183,18 @@ def test_expert_linear_uses_onednn_on_cpu_float32_only(monkeypatch: pytest.Monke
     monkeypatch.setattr(moe, "torch", _TorchWithSpy(spy))
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(5, 16, generator=g), torch.randn(24, 16, generator=g)
-    torch.testing.assert_close(moe.expert_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    assert calls == ([(5, 16)] if moe._ONEDNN_LINEAR else [])
+    y = moe.expert_linear(x, w)
+    torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)  # padding rows sliced off: [5, 24]
+    assert calls == ([(8, 16)] if moe._ONEDNN_LINEAR else [])  # 5 rows padded to the bucket of 8
     bf = moe.expert_linear(x.bfloat16(), w.bfloat16())
     assert bf.dtype == torch.bfloat16 and len(calls) <= 1  # bf16: F.linear
     assert moe.expert_linear(x[:0], w).shape == (0, 24)
+
+
+def test_row_buckets_bound_the_shapes_onednn_sees() -> None:
+    assert [moe.padded_rows(n) for n in (1, 2, 3, 5, 17, 32, 33, 64, 65, 255, 256)] == \
+        [1, 2, 4, 8, 32, 32, 64, 64, 96, 256, 256]
+    assert len({moe.padded_rows(n) for n in range(1, 257)}) == 13
 
 
 class _TorchWithSpy:
