@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from prometheus_api_client import PrometheusConnect
+from urllib3.util.retry import Retry
 
 from moeguard_operator.policy import Observation
 from moeguard_runtime.contract import (
@@ -122,7 +123,10 @@ def observe(
     q = queries(namespace, name, window_seconds, leak_window_seconds)
     base = Observation(time=now, expected_pods=expected_pods, new_oom_kills=new_oom_kills)
     try:
-        prom = PrometheusConnect(url=prometheus_url, disable_ssl=True, timeout=QUERY_TIMEOUT_SECONDS)
+        # Fail fast (no retries with back-off): the next tick looks again, and a slow tick delays
+        # kopf's handling of the resource (deletion waits for a running timer to finish).
+        prom = PrometheusConnect(url=prometheus_url, disable_ssl=True, timeout=QUERY_TIMEOUT_SECONDS,
+                                 retry=Retry(total=0))
         answers = {field: prom.custom_query(query=getattr(q, field)) for field in q.__dataclass_fields__}
     except Exception as exc:  # any transport or HTTP failure means: blind
         return Observation(time=now, expected_pods=expected_pods, new_oom_kills=new_oom_kills,
