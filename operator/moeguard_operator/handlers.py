@@ -174,15 +174,9 @@ def reconcile(
     try:
         parsed = parse_spec(spec)
     except SpecError as exc:
-        message = str(exc)
-        conditions = set_condition(conditions, c.CONDITION_READY, "False", exc.reason, message, now, generation)
-        conditions = set_condition(conditions, c.CONDITION_STALLED, "True", exc.reason, message, now, generation)
-        conditions = set_condition(conditions, c.CONDITION_RECONCILING, "False", exc.reason, message, now, generation)
-        patch.status["conditions"] = conditions
-        patch.status["observedGeneration"] = generation
-        kopf.warn(body, reason=exc.reason, message=message)
+        _stall(body, patch, conditions, exc.reason, str(exc), now, generation)
         metrics.RECONCILIATIONS.labels(namespace, name, "invalid").inc()
-        raise kopf.PermanentError(message) from None
+        raise kopf.PermanentError(str(exc)) from None
 
     owner = Owner(name=name, namespace=namespace, uid=uid)
     try:
@@ -191,19 +185,15 @@ def reconcile(
         if exc.status is None or (exc.status >= 500 and "duplicate" not in str(exc.body)):
             raise kopf.TemporaryError(f"API server error {exc.status}; retrying", delay=10) from exc
         message = f"the API server refused a child object: {exc.status} {_api_message(exc)}"
-        conditions = set_condition(conditions, c.CONDITION_READY, "False", "ApplyFailed", message, now, generation)
-        conditions = set_condition(conditions, c.CONDITION_STALLED, "True", "ApplyFailed", message, now, generation)
-        conditions = set_condition(conditions, c.CONDITION_RECONCILING, "False", "ApplyFailed", message, now, generation)
-        patch.status["conditions"] = conditions
-        patch.status["observedGeneration"] = generation
-        kopf.warn(body, reason="ApplyFailed", message=message)
+        _stall(body, patch, conditions, "ApplyFailed", message, now, generation)
         metrics.RECONCILIATIONS.labels(namespace, name, "refused").inc()
         raise kopf.PermanentError(message) from None
 
     # Budgets: keep those in effect unless the spec's initial budgets changed.
     initial = initial_budgets(parsed.batching)
     budgets = _budgets(status, "budgets")
-    budget_generation = max(int(status.get("budgetGeneration") or 0), _configmap_generation(owner))
+    cm_data = kube.read_configmap_data(owner.namespace, budget_configmap_name(owner.name))
+    budget_generation = max(int(status.get("budgetGeneration") or 0), _generation_in(cm_data))
     overload: Literal["On", "Off"] = "On" if status.get("overloadMode") == "On" else "Off"
     if parsed.overload.mode != "Auto":
         overload = parsed.overload.mode
@@ -215,7 +205,7 @@ def reconcile(
     elif overload != status.get("overloadMode"):
         reason = f"overload.mode {parsed.overload.mode}"
         budget_generation += 1
-    _ensure_budget_configmap(owner, _document(parsed, budgets, overload, budget_generation, reason, now))
+    _ensure_budget_configmap(owner, cm_data, _document(parsed, budgets, overload, budget_generation, reason, now))
 
     conditions = set_condition(conditions, c.CONDITION_STALLED, "False", "Reconciled", "", now, generation)
     ready = get_condition(conditions, c.CONDITION_READY)
@@ -241,6 +231,18 @@ def reconcile(
     logger.info("reconciled %s/%s generation %s", namespace, name, generation)
 
 
+def _stall(body: kopf.Body, patch: kopf.Patch, conditions: list[dict[str, Any]], reason: str, message: str,
+           now: datetime, generation: int | None) -> None:
+    """Record a spec this generation cannot be served with: Ready=False, Stalled=True, a Warning Event."""
+    states: tuple[tuple[str, Status], ...] = (
+        (c.CONDITION_READY, "False"), (c.CONDITION_STALLED, "True"), (c.CONDITION_RECONCILING, "False"))
+    for type_, value in states:
+        conditions = set_condition(conditions, type_, value, reason, message, now, generation)
+    patch.status["conditions"] = conditions
+    patch.status["observedGeneration"] = generation
+    kopf.warn(body, reason=reason, message=message)
+
+
 def apply_children(owner: Owner, spec: MoEInferenceServiceSpec) -> None:
     """Server-side apply every child (and the PodMonitor when prometheus-operator is installed)."""
     for manifest in build_children(owner, spec):
@@ -256,27 +258,28 @@ def _api_message(exc: ApiException) -> str:
         return str(exc.body or exc.reason)[:800]
 
 
-def _configmap_generation(owner: Owner) -> int:
-    """The generation in the budget ConfigMap now (0 when missing or unreadable).
+def _generation_in(data: dict[str, str] | None) -> int:
+    """The generation in a budget ConfigMap's ``data`` (0 when missing or unreadable).
 
     The operator's next document must be newer than anything found there: a
     worker ignores a generation that is not newer than the one it applied, so a
     hand-edited document with a high generation would otherwise pin it.
     """
-    data = kube.read_configmap_data(owner.namespace, budget_configmap_name(owner.name))
+    if data is None:
+        return 0
     try:
-        return parse_budget_configmap_data(data).generation if data is not None else 0
+        return parse_budget_configmap_data(data).generation
     except BudgetDocumentError:
         try:
-            raw = json.loads((data or {}).get(BUDGET_KEY, "{}"))
+            raw = json.loads(data.get(BUDGET_KEY, "{}"))
             return int(raw.get("generation", 0)) if isinstance(raw, dict) else 0
         except (TypeError, ValueError):
             return 0
 
 
-def _ensure_budget_configmap(owner: Owner, document: BudgetDocument) -> None:
-    """Apply the budget ConfigMap unless it already holds this generation, budgets and overload mode."""
-    data = kube.read_configmap_data(owner.namespace, budget_configmap_name(owner.name))
+def _ensure_budget_configmap(owner: Owner, data: dict[str, str] | None, document: BudgetDocument) -> None:
+    """Apply the budget ConfigMap unless ``data`` (read this pass) already holds this generation,
+    budgets and overload mode."""
     if data is not None:
         try:
             current = parse_budget_configmap_data(data)
@@ -323,7 +326,7 @@ def control_loop(
         # A child deleted by hand (or by a tool) comes back, as with any controller.
         missing = [what for what, gone in (("Deployment", dep_status is None), ("budget ConfigMap", cm is None)) if gone]
         apply_children(owner, parsed)
-        generation_now = max(int(status.get("budgetGeneration") or 0), _configmap_generation(owner))
+        generation_now = max(int(status.get("budgetGeneration") or 0), _generation_in(cm))
         if cm is None:
             overload_now: Literal["On", "Off"] = "On" if status.get("overloadMode") == "On" else "Off"
             kube.apply(build_budget_configmap(owner, _document(parsed, budgets, overload_now, generation_now,
@@ -350,7 +353,7 @@ def control_loop(
     due = last_look is None or (now - last_look).total_seconds() >= parsed.control.query_interval_seconds
     if due or new_ooms:
         memo.last_look = now
-        conditions = _outer_loop(body, parsed, status, owner, conditions, loop, facts, new_ooms, patch, now,
+        conditions = _outer_loop(body, parsed, status, owner, cm, conditions, loop, facts, new_ooms, patch, now,
                                  generation, logger)
     patch.status["conditions"] = conditions
     patch.status["control"] = loop
@@ -361,6 +364,7 @@ def _outer_loop(
     parsed: MoEInferenceServiceSpec,
     status: kopf.Status,
     owner: Owner,
+    cm_data: dict[str, str] | None,
     conditions: list[dict[str, Any]],
     loop: dict[str, Any],
     facts: PodFacts,
@@ -425,7 +429,7 @@ def _outer_loop(
 
     # Budgets and overload: one new budget document for both.
     if decision.changed or decision.overload_changed:
-        budget_generation = max(int(status.get("budgetGeneration") or 0), _configmap_generation(owner)) + 1
+        budget_generation = max(int(status.get("budgetGeneration") or 0), _generation_in(cm_data)) + 1
         kube.apply(build_budget_configmap(owner, _document(parsed, nxt.budgets, nxt.overload, budget_generation,
                                                            decision.reason, now)))
         patch.status["budgetGeneration"] = budget_generation
