@@ -205,7 +205,8 @@ def reconcile(
     elif overload != status.get("overloadMode"):
         reason = f"overload.mode {parsed.overload.mode}"
         budget_generation += 1
-    _ensure_budget_configmap(owner, cm_data, _document(parsed, budgets, overload, budget_generation, reason, now))
+    budget_generation = _ensure_budget_configmap(
+        owner, cm_data, _document(parsed, budgets, overload, budget_generation, reason, now))
 
     conditions = set_condition(conditions, c.CONDITION_STALLED, "False", "Reconciled", "", now, generation)
     ready = get_condition(conditions, c.CONDITION_READY)
@@ -277,18 +278,26 @@ def _generation_in(data: dict[str, str] | None) -> int:
             return 0
 
 
-def _ensure_budget_configmap(owner: Owner, data: dict[str, str] | None, document: BudgetDocument) -> None:
+def _ensure_budget_configmap(owner: Owner, data: dict[str, str] | None, document: BudgetDocument) -> int:
     """Apply the budget ConfigMap unless ``data`` (read this pass) already holds this generation,
-    budgets and overload mode."""
+    budgets and overload mode; returns the generation in effect.
+
+    A ConfigMap that differs but already carries this generation (edited by hand) gets the
+    next one, so that the workers, which ignore a generation they have seen, take it.
+    """
     if data is not None:
         try:
             current = parse_budget_configmap_data(data)
             if (current.generation, current.budgets, current.overload_mode) == (
                     document.generation, document.budgets, document.overload_mode):
-                return
+                return document.generation
         except BudgetDocumentError:
             pass  # replaced below by a valid document
+    found = _generation_in(data)
+    if data is not None and document.generation <= found:
+        document = document.model_copy(update={"generation": found + 1})
     kube.apply(build_budget_configmap(owner, document))
+    return document.generation
 
 
 @kopf.timer(*RESOURCE, interval=TIMER_INTERVAL_SECONDS, initial_delay=1.0)
