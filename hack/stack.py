@@ -21,6 +21,8 @@ from typing import Any, TypeVar
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from moeguard_operator.conditions import get_condition
+
 ROOT = Path(__file__).resolve().parent.parent
 RUN_DIR = Path(os.environ.get("MOEGUARD_RUN_DIR", "/tmp/moeguard-run"))
 PROMETHEUS_URL = f"http://127.0.0.1:{19090 + int(os.environ.get('MOEGUARD_PORT_OFFSET', '0'))}"
@@ -131,10 +133,8 @@ def get_moeis(namespace: str, name: str, run_dir: Path = RUN_DIR) -> dict[str, A
 
 
 def condition(obj: dict[str, Any], type_: str) -> dict[str, Any] | None:
-    for cond in obj.get("status", {}).get("conditions", []):
-        if cond.get("type") == type_:
-            return cond  # type: ignore[no-any-return]
-    return None
+    """The condition ``type_`` of a MoEInferenceService object, or None."""
+    return get_condition(obj.get("status", {}).get("conditions"), type_)
 
 
 def worker_urls(namespace: str, moeis: str, run_dir: Path = RUN_DIR) -> list[str]:
