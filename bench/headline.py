@@ -327,25 +327,6 @@ class Sampler(threading.Thread):
         client.close()
 
 
-def _without_stream_options() -> None:
-    """The worker (issue 3, in progress) refuses the ``stream_options`` field that the loadgen
-    sends with ``stream=True`` (HTTP 400, unknown field). Drop that one field on the way out so
-    that TTFT is the first streamed token; completion tokens then come from the streamed text
-    (bytes = tokens for the byte-level tokenizer, except replacement characters)."""
-    import bench.loadgen.client as client
-
-    original = client._send
-    if getattr(original, "_moeguard_wrapped", False):
-        return
-
-    async def send(c: Any, res: Any, body: dict[str, Any], stream: bool, now: Any) -> None:
-        body.pop("stream_options", None)
-        await original(c, res, body, stream, now)
-
-    send._moeguard_wrapped = True  # type: ignore[attr-defined]
-    client._send = send  # type: ignore[assignment]
-
-
 def run_policy(name: str, env: dict[str, str], items: list[Any], port: int, use_cgroup: bool,
                out_dir: Path, rep: int) -> dict[str, Any]:
     w = Worker(name, env, port, use_cgroup, out_dir / f"{name}-rep{rep}.log")
@@ -464,7 +445,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     use_cgroup = cgroups_writable()
-    _without_stream_options()
     traffic = TrafficConfig()
     if args.quick:
         global DRAIN_S
