@@ -3,7 +3,8 @@
 Flags mirror ``kopf run``: ``--namespace`` (repeatable) or ``--all-namespaces``,
 ``--standalone`` (no peering) or ``--peering NAME`` with ``--priority N`` (active/standby
 replicas: the highest live priority works), ``--liveness URL``, ``--metrics-port``, and
-``--prometheus-url`` (the default for resources whose spec names none).
+``--prometheus-url`` (the default for resources whose spec names none). Every option of
+moeguard's own reaches the handlers in one :class:`~moeguard_operator.config.OperatorConfig`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import secrets
 import kopf
 import prometheus_client
 
-from moeguard_operator import handlers  # noqa: F401  (registers the handlers)
+from moeguard_operator import handlers
+from moeguard_operator.config import OperatorConfig
 from moeguard_operator.constants import PROMETHEUS_URL_ENV
 
 
@@ -44,10 +46,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--liveness", default=None, help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve the operator's Prometheus metrics on this port (0.0.0.0)")
+    parser.add_argument("--peering-lifetime-seconds", type=int, default=OperatorConfig.peering_lifetime_seconds,
+                        help="seconds after which a standby replica takes over from a silent active one "
+                             "(default: %(default)s)")
+    parser.add_argument("--timer-interval-seconds", type=float, default=OperatorConfig.timer_interval_seconds,
+                        help="seconds between two timer ticks per resource (default: %(default)s); "
+                             "for tests, which shorten it")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(argv)
-    if args.prometheus_url:
-        os.environ[PROMETHEUS_URL_ENV] = args.prometheus_url
+    try:
+        config = OperatorConfig(prometheus_url=args.prometheus_url or None,
+                                timer_interval_seconds=args.timer_interval_seconds,
+                                peering_lifetime_seconds=args.peering_lifetime_seconds)
+    except ValueError as exc:
+        parser.error(str(exc))
+    registry = kopf.OperatorRegistry()
+    handlers.register(config, registry)
     if args.metrics_port is not None:
         prometheus_client.start_http_server(args.metrics_port, addr="0.0.0.0")
     kopf.configure(verbose=args.log_level == "DEBUG", quiet=args.log_level in ("WARNING", "ERROR"))
@@ -60,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         # Deployment get the same flags, so each draws its own.
         priority = secrets.randbelow(2**31 - 1) + 1
     kopf.run(
+        registry=registry,
         clusterwide=args.all_namespaces or not args.namespace,
         namespaces=args.namespace,
         standalone=args.standalone or None,

@@ -8,6 +8,7 @@ operator owns the fields it sets; the spec of a MoEInferenceService is never wri
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 from typing import Any
@@ -98,3 +99,11 @@ def crd_exists(name: str) -> bool:
             return False
         raise
     return True
+
+
+def api_message(exc: ApiException) -> str:
+    """The API server's message in a refusal (its Status ``message``), at most 800 characters."""
+    try:
+        return str(json.loads(str(exc.body)).get("message", exc.body))[:800]
+    except (TypeError, ValueError, AttributeError):
+        return str(exc.body or exc.reason)[:800]
