@@ -19,6 +19,7 @@ from typing import Literal
 
 from moeguard_operator.models import MoEInferenceServiceSpec, MoEInferenceServiceStatus
 from moeguard_operator.policy import initial_budgets
+from moeguard_runtime import contract
 from moeguard_runtime.contract import (
     BUDGET_KEY,
     BudgetDocument,
@@ -34,15 +35,14 @@ REASON_MAX_CHARS = 1024
 
 
 def overload_context_cap(spec: MoEInferenceServiceSpec) -> int:
-    """Prompt + max_tokens refused while overload is on, tokens: the spec's, else half the model's context.
+    """Prompt + max_tokens refused while overload is on, tokens (:func:`contract.overload_context_cap`
+    of ``spec.overload.maxContextTokens`` and the model's context).
 
     Raises:
         KeyError: the spec names an unknown preset (:func:`~moeguard_operator.spec_checks.parse_spec` reports it first).
     """
-    if spec.overload.max_context_tokens:
-        return spec.overload.max_context_tokens
     max_seq = spec.model.overrides.max_seq_len or get_preset(spec.model.preset).max_seq_len
-    return max(1, max_seq // 2)
+    return contract.overload_context_cap(spec.overload.max_context_tokens, max_seq)
 
 
 def generation_in(data: dict[str, str] | None) -> int:
