@@ -58,8 +58,11 @@ def register(config: OperatorConfig, registry: kopf.OperatorRegistry) -> None:
     command-line option: so the handlers are registered here, after the command line is
     parsed, not at import time (where the value could only come from a global or the
     environment). The startup handler puts ``config`` in kopf's memo, which every
-    resource's memo copies, so the other handlers read it from there.
+    resource's memo copies, so the other handlers read it from there. A fresh registry has
+    none of kopf's fallback login handlers, so the kubernetes client's login is registered
+    explicitly (the one kopf would pick: in-cluster credentials, else the kubeconfig).
     """
+    kopf.on.login(registry=registry)(kopf.login_via_client)
     kopf.on.startup(registry=registry)(functools.partial(configure, config=config))
     for on in (kopf.on.resume, kopf.on.create, kopf.on.update):
         on(*RESOURCE, registry=registry)(reconcile)

@@ -35,9 +35,9 @@ def test_active_standby_failover(cluster: Cluster, namespace: str) -> None:
     stack.apply_crds(run_dir=cluster.run_dir)
     _peering(cluster, namespace)
     logs = [cluster.run_dir / "logs" / f"operator-peer-{i}-{namespace}.log" for i in (0, 1)]
-    env = {"MOEGUARD_PEERING_LIFETIME_SECONDS": "6"}
-    low = stack.start_operator(logs[0], cluster.run_dir, env, ("-n", namespace, "--peering", PEERING, "--priority", "10"))
-    high = stack.start_operator(logs[1], cluster.run_dir, env, ("-n", namespace, "--peering", PEERING, "--priority", "20"))
+    peer = ("-n", namespace, "--peering", PEERING, "--peering-lifetime-seconds", "6", "--priority")
+    low = stack.start_operator(logs[0], cluster.run_dir, args=(*peer, "10"))
+    high = stack.start_operator(logs[1], cluster.run_dir, args=(*peer, "20"))
     try:
         time.sleep(4)
         cluster.kubectl("-n", namespace, "apply", "-f", "-", input=moeis("peer", replicas=0))
