@@ -30,7 +30,12 @@ class _QuietTimerSuccess(logging.Filter):
                     and record.getMessage().endswith(" succeeded."))
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, OperatorConfig]:
+    """The command line, and the :class:`OperatorConfig` it sets.
+
+    Raises:
+        SystemExit: the command line is invalid (argparse prints why), or ``--help``.
+    """
     parser = argparse.ArgumentParser(prog="moeguard-operator", description=__doc__.splitlines()[0])
     scope = parser.add_mutually_exclusive_group()
     scope.add_argument("-n", "--namespace", action="append", default=[], help="namespace to watch (repeatable)")
@@ -60,6 +65,11 @@ def main(argv: list[str] | None = None) -> None:
                                 peering_lifetime_seconds=args.peering_lifetime_seconds)
     except ValueError as exc:
         parser.error(str(exc))
+    return args, config
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, config = parse_args(argv)
     registry = kopf.OperatorRegistry()
     handlers.register(config, registry)
     if args.metrics_port is not None:
