@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 from hack import stack
@@ -13,6 +12,8 @@ from tests.integration.conftest import Cluster
 from tests.integration.e2e.helpers import moeis, wait
 
 PEERING = "moeguard-peering-test"
+DEADLINE_SECONDS = 120
+"""Generous: each wait ends as soon as the state is there."""
 
 
 def _peering(cluster: Cluster, namespace: str) -> None:
@@ -27,6 +28,11 @@ def _peering(cluster: Cluster, namespace: str) -> None:
         {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": PEERING}}))
 
 
+def _paused(log: Path) -> bool:
+    """kopf's standby log line: it saw a live peer of higher priority and stopped handling objects."""
+    return log.exists() and "Pausing operations in favour of" in log.read_text()
+
+
 def _reconciled(log: Path, key: str) -> int:
     return log.read_text().count(f"reconciled {key} ") if log.exists() else 0
 
@@ -39,17 +45,17 @@ def test_active_standby_failover(cluster: Cluster, namespace: str) -> None:
     low = stack.start_operator(logs[0], cluster.run_dir, args=(*peer, "10"))
     high = stack.start_operator(logs[1], cluster.run_dir, args=(*peer, "20"))
     try:
-        time.sleep(4)
+        # The standby pauses once it sees the higher priority in the peering object: state, not a sleep.
+        wait(lambda: _paused(logs[0]), DEADLINE_SECONDS, "the priority-10 replica to stand by")
         cluster.kubectl("-n", namespace, "apply", "-f", "-", input=moeis("peer", replicas=0))
         key = f"{namespace}/peer"
-        wait(lambda: _reconciled(logs[1], key) >= 1, 60, "the priority-20 replica to reconcile")
-        time.sleep(3)
+        wait(lambda: _reconciled(logs[1], key) >= 1, DEADLINE_SECONDS, "the priority-20 replica to reconcile")
         assert _reconciled(logs[0], key) == 0, "the standby replica must not act"
 
         high.send_signal(signal.SIGKILL)  # no goodbye: the standby waits for the lease to lapse
         high.wait(10)
         cluster.kubectl("-n", namespace, "patch", "moeis", "peer", "--type=merge", "-p", '{"spec":{"replicas":1}}')
-        wait(lambda: _reconciled(logs[0], key) >= 1, 60, "the standby to take over")
+        wait(lambda: _reconciled(logs[0], key) >= 1, DEADLINE_SECONDS, "the standby to take over")
         dep = cluster.kubectl_json("-n", namespace, "get", "deployment", "peer-worker")
         assert dep["spec"]["replicas"] == 1
     finally:
