@@ -28,9 +28,13 @@ def _peering(cluster: Cluster, namespace: str) -> None:
         {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": PEERING}}))
 
 
-def _paused(log: Path) -> bool:
-    """kopf's standby log line: it saw a live peer of higher priority and stopped handling objects."""
-    return log.exists() and "Pausing operations in favour of" in log.read_text()
+def _standing_by(cluster: Cluster, namespace: str, log: Path) -> bool:
+    """Both replicas are in the peering object, and the low one has not resumed since: kopf starts
+    every replica paused and resumes it only while no live peer has a higher priority."""
+    status = cluster.kubectl_json("-n", namespace, "get", "kopfpeering", PEERING).get("status") or {}
+    priorities = sorted(peer.get("priority") for peer in status.values())
+    text = log.read_text() if log.exists() else ""
+    return priorities == [10, 20] and text.rfind("Resuming operations") <= text.rfind("Pausing operations")
 
 
 def _reconciled(log: Path, key: str) -> int:
@@ -45,8 +49,8 @@ def test_active_standby_failover(cluster: Cluster, namespace: str) -> None:
     low = stack.start_operator(logs[0], cluster.run_dir, args=(*peer, "10"))
     high = stack.start_operator(logs[1], cluster.run_dir, args=(*peer, "20"))
     try:
-        # The standby pauses once it sees the higher priority in the peering object: state, not a sleep.
-        wait(lambda: _paused(logs[0]), DEADLINE_SECONDS, "the priority-10 replica to stand by")
+        # Wait for the state (both peers registered, the low one paused), not for a fixed time.
+        wait(lambda: _standing_by(cluster, namespace, logs[0]), DEADLINE_SECONDS, "the priority-10 replica to stand by")
         cluster.kubectl("-n", namespace, "apply", "-f", "-", input=moeis("peer", replicas=0))
         key = f"{namespace}/peer"
         wait(lambda: _reconciled(logs[1], key) >= 1, DEADLINE_SECONDS, "the priority-20 replica to reconcile")
