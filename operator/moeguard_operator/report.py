@@ -13,7 +13,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from moeguard_operator import constants as c
-from moeguard_operator.conditions import find_condition, metrics_verdict, set_condition
+from moeguard_operator.conditions import Status, find_condition, metrics_verdict, set_condition
 from moeguard_operator.models import (
     Adjustment,
     ControlStatus,
@@ -72,9 +72,11 @@ def status_patch(prior: MoEInferenceServiceStatus, new: MoEInferenceServiceStatu
 def stalled(prior: MoEInferenceServiceStatus, reason: str, message: str, now: datetime,
             generation: int | None) -> tuple[MoEInferenceServiceStatus, Event]:
     """A spec this generation cannot be served with: Ready=False, Stalled=True, and a Warning Event."""
+    states: tuple[tuple[str, Status], ...] = (
+        (c.CONDITION_READY, "False"), (c.CONDITION_STALLED, "True"), (c.CONDITION_RECONCILING, "False"))
     conditions = prior.conditions
-    for type_, value in ((c.CONDITION_READY, "False"), (c.CONDITION_STALLED, "True"), (c.CONDITION_RECONCILING, "False")):
-        conditions = set_condition(conditions, type_, value, reason, message, now, generation)  # type: ignore[arg-type]
+    for type_, value in states:
+        conditions = set_condition(conditions, type_, value, reason, message, now, generation)
     status = prior.model_copy(update={"conditions": conditions, "observed_generation": generation})
     return status, Event("Warning", reason, message)
 
@@ -105,7 +107,7 @@ def reconciled(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, 
 def readiness(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, ready: int, now: datetime,
               generation: int | None) -> MoEInferenceServiceStatus:
     """Ready and Reconciling from the worker Deployment's ``ready`` replicas."""
-    state: Literal["True", "False"] = "True" if ready >= spec.replicas else "False"
+    state: Status = "True" if ready >= spec.replicas else "False"
     why = "AllReplicasReady" if state == "True" else "WaitingForReplicas"
     message = f"{ready}/{spec.replicas} worker pods ready"
     conditions = set_condition(prior.conditions, c.CONDITION_READY, state, why, message, now, generation)
