@@ -13,6 +13,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tests.integration.worker.conftest import WorkerProcess, start_worker_process
 
+from moeguard_runtime import contract
+
 pytestmark = pytest.mark.integration
 
 IDENTITY = {"moeis": "demo", "namespace": "ns-test", "pod": "demo-0"}
@@ -165,7 +167,8 @@ def test_metrics_carry_identity_labels(worker: WorkerProcess) -> None:
     assert layers == {"0", "1"}
     ok = [v for lab, v in m["moeguard_requests_total"] if lab["status"] == "ok"]
     assert ok and ok[0] >= 1
-    assert [v for _, v in m["moeguard_budget_max_prefill_tokens"]] == [2048]
+    # a worker started without the variables runs with the contract's defaults (the operator's)
+    assert [v for _, v in m["moeguard_budget_max_prefill_tokens"]] == [contract.DEFAULT_BUDGETS.max_prefill_tokens]
     assert next(v for _, v in m["moeguard_process_resident_memory_bytes"]) > 10e6
 
 
