@@ -2,8 +2,9 @@
 
 * :func:`for_spec` — the document a reconcile writes: the budgets in effect, unless the spec's
   initial budgets changed (then those), and the overload mode the spec forces;
-* :func:`for_budgets` — the document for given budgets and overload mode (a control-loop
-  decision, or a ConfigMap deleted by hand and written again);
+* :func:`for_decision` — the document a control-loop decision asks for (None when budgets and
+  overload mode stay), at the next generation;
+* :func:`in_effect` — the document of the budgets in effect, for a ConfigMap deleted by hand;
 * :func:`to_apply` — the one rule for writing it: nothing when the ConfigMap already holds it,
   else the document with a generation newer than anything found there.
 
@@ -18,7 +19,7 @@ from datetime import datetime
 from typing import Literal
 
 from moeguard_operator.models import MoEInferenceServiceSpec, MoEInferenceServiceStatus
-from moeguard_operator.policy import initial_budgets
+from moeguard_operator.policy import Decision, initial_budgets
 from moeguard_runtime import contract
 from moeguard_runtime.contract import (
     BUDGET_KEY,
@@ -98,6 +99,26 @@ def for_spec(spec: MoEInferenceServiceSpec, status: MoEInferenceServiceStatus, d
     elif overload != status.overload_mode:
         reason, generation = f"overload.mode {spec.overload.mode}", generation + 1
     return for_budgets(spec, budgets, overload, generation, reason, now)
+
+
+def for_decision(spec: MoEInferenceServiceSpec, status: MoEInferenceServiceStatus, data: dict[str, str] | None,
+                 decision: Decision, now: datetime) -> BudgetDocument | None:
+    """The document for ``decision``'s budgets and overload mode at the next generation, or None
+    when neither changed (nothing to write)."""
+    if not (decision.changed or decision.overload_changed):
+        return None
+    return for_budgets(spec, decision.state.budgets, decision.state.overload,
+                       generation_in_effect(status, data) + 1, decision.reason, now)
+
+
+def in_effect(spec: MoEInferenceServiceSpec, status: MoEInferenceServiceStatus, reason: str,
+              now: datetime) -> BudgetDocument | None:
+    """The document of the budgets, overload mode and generation in ``status`` (None before the
+    first reconcile recorded any): what a ConfigMap deleted by hand is written back with."""
+    if status.budgets is None:
+        return None
+    return for_budgets(spec, status.budgets, overload_in_effect(status), generation_in_effect(status, None),
+                       reason, now)
 
 
 def to_apply(data: dict[str, str] | None, document: BudgetDocument) -> BudgetDocument | None:

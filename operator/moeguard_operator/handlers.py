@@ -200,11 +200,9 @@ def control_loop(
         memo[LAST_LOOK_KEY] = now
         obs = observe_service(from_memo(memo).prometheus_url, namespace, name, parsed, facts, new_ooms, now)
         decision = decide(obs, report.policy_state(new, parsed), parsed, now)
-        document = None
-        if decision.changed or decision.overload_changed:
-            document = apply_budget_document(owner, data, budget_document.for_budgets(
-                parsed, decision.state.budgets, decision.state.overload,
-                budget_document.generation_in_effect(new, data) + 1, decision.reason, now))
+        document = budget_document.for_decision(parsed, new, data, decision, now)
+        if document is not None:
+            document = apply_budget_document(owner, data, document)
         if decision.restart:
             kube.patch_deployment(namespace, worker_name(owner), restart_patch(now.isoformat()))
         new, events = report.looked(new, parsed, obs, decision, document, facts.restarts, now, generation)
@@ -220,10 +218,9 @@ def _recreate(body: kopf.Body, owner: Owner, spec: MoEInferenceServiceSpec, prio
     """Children deleted by hand (or by a tool) come back, as with any controller: ``missing`` names
     them (``Deployment``, ``budget ConfigMap``); the ConfigMap with the budgets in effect in ``prior``."""
     apply_children(owner, spec)
-    if missing["budget ConfigMap"] and prior.budgets is not None:
-        apply_budget_document(owner, None, budget_document.for_budgets(
-            spec, prior.budgets, budget_document.overload_in_effect(prior),
-            budget_document.generation_in_effect(prior, None), "recreated: the ConfigMap was deleted", now))
+    document = budget_document.in_effect(spec, prior, "recreated: the ConfigMap was deleted", now)
+    if missing["budget ConfigMap"] and document is not None:
+        apply_budget_document(owner, None, document)
     gone = " and ".join(what for what, is_gone in missing.items() if is_gone)
     kopf.warn(body, reason="ChildRecreated", message=f"{gone} missing; applied again")
 

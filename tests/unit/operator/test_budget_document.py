@@ -103,3 +103,25 @@ def test_overload_context_cap() -> None:
 def test_reason_is_cut_to_1024_characters() -> None:
     doc = bd.for_budgets(SPEC, MINE, "Off", 2, "x" * 5000, NOW)
     assert len(doc.reason) == 1024
+
+
+def test_a_decision_that_moves_nothing_writes_nothing() -> None:
+    from moeguard_operator.policy import Decision, PolicyState
+
+    status = _status(budgets=MINE.model_dump(by_alias=True), budgetGeneration=6)
+    hold = Decision(state=PolicyState(MINE), direction="hold", reasons=())
+    assert bd.for_decision(SPEC, status, None, hold, NOW) is None
+    down = Decision(state=PolicyState(HAND), direction="down", reasons=("expert skew", "2048 -> 700"))
+    data = BudgetDocument(generation=9, budgets=MINE).to_configmap_data()
+    doc = bd.for_decision(SPEC, status, data, down, NOW)
+    assert doc is not None and (doc.generation, doc.budgets, doc.reason) == (10, HAND, "expert skew; 2048 -> 700")
+    overload = Decision(state=PolicyState(MINE, overload="On"), direction="hold", reasons=("x",), overload_changed=True)
+    doc = bd.for_decision(SPEC, status, None, overload, NOW)
+    assert doc is not None and (doc.generation, doc.overload_mode) == (7, "On")
+
+
+def test_the_document_in_effect_rewrites_a_deleted_configmap_at_the_same_generation() -> None:
+    status = _status(budgets=HAND.model_dump(by_alias=True), budgetGeneration=6, overloadMode="On")
+    doc = bd.in_effect(SPEC, status, "recreated", NOW)
+    assert doc is not None and (doc.generation, doc.budgets, doc.overload_mode) == (6, HAND, "On")
+    assert bd.in_effect(SPEC, _status(), "recreated", NOW) is None
