@@ -93,7 +93,8 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
             torch.cuda.set_device(settings.torch_device)  # cuda:N: caches and streams there
         model = build_model(args, seed=settings.seed, expert_chunk_tokens=settings.expert_chunk_tokens,
                             capacity_factor=settings.capacity_factor, checkpoint=settings.checkpoint,
-                            dtype=settings.torch_dtype, device=settings.torch_device)
+                            dtype=settings.torch_dtype, device=settings.torch_device,
+                            matmul_backend=settings.matmul_backend)
     except Exception as exc:  # a bad checkpoint: say why and exit
         log.event("model_load_error", force=True, error=str(exc)[:1000])
         failed.set()

@@ -30,7 +30,7 @@ import torch
 
 from moeguard_runtime import contract
 from moeguard_runtime.contract import Budgets
-from moeguard_runtime.moe import DEFAULT_EXPERT_CHUNK_TOKENS
+from moeguard_runtime.moe import DEFAULT_EXPERT_CHUNK_TOKENS, MATMUL_BACKENDS, MatmulBackend
 from moeguard_runtime.presets import ModelArgs
 from moeguard_runtime.scheduler import QueueLimits
 
@@ -40,6 +40,8 @@ ENV_HOST = "MOEGUARD_HOST"
 ENV_EXPERT_CHUNK_TOKENS = "MOEGUARD_EXPERT_CHUNK_TOKENS"
 ENV_CAPACITY_FACTOR = "MOEGUARD_CAPACITY_FACTOR"
 """0 or unset: dropless (default); > 0: DeepSpeed capacity, overflow slots dropped and counted."""
+ENV_MATMUL_BACKEND = "MOEGUARD_MATMUL_BACKEND"
+"""Kernel of the expert matmuls: ``onednn`` (default; oneDNN for CPU float32) or ``torch``."""
 ENV_MAX_QUEUE_TOKENS = "MOEGUARD_MAX_QUEUE_TOKENS"
 ENV_SOFT_SHRINK_FACTOR = "MOEGUARD_SOFT_LIMIT_SHRINK_FACTOR"
 ENV_LOG_INTERVAL_S = "MOEGUARD_LOG_INTERVAL_SECONDS"
@@ -90,6 +92,7 @@ class Settings:
     gpu_soft_fraction: float = 0.9
     gpu_hard_fraction: float = 0.97
     capacity_factor: float = 0.0
+    matmul_backend: MatmulBackend = "onednn"
     checkpoint: str | None = None
     model_overrides: tuple[tuple[str, int | float], ...] = ()
     max_body_bytes: int = 1 << 20
@@ -270,6 +273,10 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     capacity = _float(env, ENV_CAPACITY_FACTOR, 0.0)
     if capacity < 0:
         raise ConfigError(f"{ENV_CAPACITY_FACTOR}={capacity} must be >= 0 (0: dropless)")
+    backend = (env.get(ENV_MATMUL_BACKEND) or "onednn").strip()
+    if backend not in MATMUL_BACKENDS:
+        raise ConfigError(f"{ENV_MATMUL_BACKEND}={backend!r} must be one of "
+                          f"{', '.join(MATMUL_BACKENDS)}")
     return Settings(
         host=env.get(ENV_HOST, "0.0.0.0"),
         port=port,
@@ -290,6 +297,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         gpu_soft_fraction=gpu_soft,
         gpu_hard_fraction=gpu_hard,
         capacity_factor=capacity,
+        matmul_backend="torch" if backend == "torch" else "onednn",
         checkpoint=env.get(contract.ENV_CHECKPOINT_PATH) or None,
         model_overrides=_overrides(env),
         max_body_bytes=req(ENV_MAX_BODY_BYTES, 1 << 20),

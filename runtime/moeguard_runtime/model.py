@@ -22,7 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeguard_runtime.moe import DEFAULT_EXPERT_CHUNK_TOKENS, MOEFeedForward, RoutingStats
+from moeguard_runtime.checkpoint import load_state_dict
+from moeguard_runtime.moe import (
+    DEFAULT_EXPERT_CHUNK_TOKENS,
+    MatmulBackend,
+    MOEFeedForward,
+    RoutingStats,
+)
 from moeguard_runtime.presets import ModelArgs
 
 
@@ -131,11 +137,12 @@ class Attention(nn.Module):
 
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer: int, expert_chunk_tokens: int,
-                 capacity_factor: float = 0.0) -> None:
+                 capacity_factor: float = 0.0, matmul_backend: MatmulBackend = "onednn") -> None:
         super().__init__()
         self.attention = Attention(args, layer)
         self.feed_forward = MOEFeedForward(args.dim, args.intermediate_size, args.num_experts,
-                                           args.top_k, expert_chunk_tokens, capacity_factor)
+                                           args.top_k, expert_chunk_tokens, capacity_factor,
+                                           matmul_backend)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
@@ -147,15 +154,17 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """The decoder. :meth:`forward` returns logits of each segment's last token."""
+    """The decoder. :meth:`forward` returns logits of each segment's last token.
+    ``matmul_backend``: kernel of the expert matmuls (:data:`moe.MatmulBackend`)."""
 
     def __init__(self, args: ModelArgs,
                  expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS,
-                 capacity_factor: float = 0.0) -> None:
+                 capacity_factor: float = 0.0, matmul_backend: MatmulBackend = "onednn") -> None:
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args, i, expert_chunk_tokens, capacity_factor)
+        self.layers = nn.ModuleList(TransformerBlock(args, i, expert_chunk_tokens, capacity_factor,
+                                                     matmul_backend)
                                     for i in range(args.n_layer))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -212,19 +221,23 @@ def init_weights(model: Transformer, seed: int) -> None:
 def build_model(args: ModelArgs, seed: int = 0, dtype: torch.dtype = torch.float32,
                 expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS,
                 capacity_factor: float = 0.0, checkpoint: str | None = None,
-                device: torch.device | str = "cpu") -> Transformer:
+                device: torch.device | str = "cpu",
+                matmul_backend: MatmulBackend = "onednn") -> Transformer:
     """Build on the meta device (no allocation), then either load ``checkpoint``
     (a local safetensors file or folder, :mod:`moeguard_runtime.checkpoint`;
     tensors are assigned, not copied into fresh storage) or materialise and fill
     with seeded weights (drawn on the CPU, so a seed gives the same weights on
     every device), then cast to ``dtype`` and move to ``device``. The rotary
-    angles stay float32 on ``device``."""
-    with torch.device("meta"):
-        model = Transformer(args, expert_chunk_tokens, capacity_factor)
-    if checkpoint is not None:
-        from moeguard_runtime.checkpoint import load_state_dict
+    angles stay float32 on ``device``. ``matmul_backend``: see :data:`moe.MatmulBackend`.
 
-        model.load_state_dict(load_state_dict(checkpoint, args), assign=True, strict=True)
+    Raises:
+        checkpoint.CheckpointError: an unreadable checkpoint, or one of another shape.
+    """
+    with torch.device("meta"):
+        model = Transformer(args, expert_chunk_tokens, capacity_factor, matmul_backend)
+    if checkpoint is not None:
+        expected = {k: v.shape for k, v in model.state_dict().items()}
+        model.load_state_dict(load_state_dict(checkpoint, args, expected), assign=True, strict=True)
     else:
         model = model.to_empty(device="cpu")
         init_weights(model, seed)

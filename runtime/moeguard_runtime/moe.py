@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -120,13 +121,17 @@ SMALL_BATCH_SLOTS = 256
 
 _ONEDNN_LINEAR = (bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
                   and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-USE_ONEDNN = True
-"""CPU float32 expert matmuls go to oneDNN (``torch.ops.mkldnn._linear_pointwise``
+MatmulBackend = Literal["onednn", "torch"]
+"""Kernel of the expert matmuls, a parameter of :class:`MOEFeedForward` (and of the model).
+
+``onednn`` (default): CPU float32 expert matmuls go to oneDNN (``torch.ops.mkldnn._linear_pointwise``
 on the dense weight, no packed copy) instead of ``F.linear`` (MKL sgemm): on the
 2-core AMD EPYC of the benchmarks oneDNN ran the [1024, 1024] x [1024, 2816]
 expert matmul at about 130 GFLOP/s against MKL's 60, and 4-row decode matmuls
 at about 30 GB/s of weight reads against 19. Same float32 arithmetic (the
-results differ only in summation order)."""
+results differ only in summation order); other devices and dtypes use ``F.linear``.
+``torch``: ``F.linear`` everywhere (the benchmarks compare the two)."""
+MATMUL_BACKENDS: tuple[MatmulBackend, ...] = ("onednn", "torch")
 
 
 ONEDNN_CHUNK_TOKENS = 256
@@ -137,8 +142,8 @@ had the lowest peak (74 MB against 146 MB in chunks of 2048, whose temporaries
 alone are 31 MB) and ran as fast as or faster than any larger chunk."""
 
 
-def _onednn(x: torch.Tensor) -> bool:
-    return USE_ONEDNN and _ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype == torch.float32
+def _onednn(x: torch.Tensor, backend: MatmulBackend) -> bool:
+    return backend == "onednn" and _ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype == torch.float32
 
 
 def padded_rows(n: int) -> int:
@@ -154,11 +159,13 @@ def padded_rows(n: int) -> int:
     return -(-n // 32) * 32
 
 
-def expert_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` (``x`` [n, in], ``w`` [out, in]): oneDNN for CPU float32 (rows padded to
-    :func:`padded_rows`, the padding sliced off), else ``F.linear``."""
+def expert_linear(x: torch.Tensor, w: torch.Tensor,
+                  backend: MatmulBackend = "onednn") -> torch.Tensor:
+    """``x @ w.T`` (``x`` [n, in], ``w`` [out, in]) → [n, out]: with ``backend`` ``onednn``,
+    oneDNN for CPU float32 (rows padded to :func:`padded_rows`, the padding sliced off),
+    else ``F.linear``."""
     n = x.shape[0]
-    if _onednn(x) and n > 0:
+    if _onednn(x, backend) and n > 0:
         m = padded_rows(n)
         if m != n:
             x = F.pad(x, (0, 0, 0, m - n))
@@ -168,15 +175,15 @@ def expert_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_expert(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                  w3: torch.Tensor) -> torch.Tensor:
+                  w3: torch.Tensor, backend: MatmulBackend = "onednn") -> torch.Tensor:
     """One expert: ``w2(silu(w1 x) * w3 x)``. ``x`` [n, D], ``w1``/``w3`` [I, D],
     ``w2`` [D, I] → [n, D]. Inference only (in-place activation). Each weight is
     read once for all ``n`` rows, also at decode (a per-row ``torch.mv`` would
     read it ``n`` times)."""
-    h = expert_linear(x, w1)  # [n, I]
+    h = expert_linear(x, w1, backend)  # [n, I]
     F.silu(h, inplace=True)
-    h.mul_(expert_linear(x, w3))  # in place: one [n, I] buffer fewer at the peak
-    return expert_linear(h, w2)  # [n, D]
+    h.mul_(expert_linear(x, w3, backend))  # in place: one [n, I] buffer fewer at the peak
+    return expert_linear(h, w2, backend)  # [n, D]
 
 
 def grouped_expert_forward(
@@ -188,6 +195,7 @@ def grouped_expert_forward(
     w3: torch.Tensor,
     expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS,
     capacity: int | None = None,
+    backend: MatmulBackend = "onednn",
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Run the experts on their token-slots, grouped by expert.
 
@@ -198,6 +206,7 @@ def grouped_expert_forward(
         w1, w3: ``[E, I, D]``; w2: ``[E, D, I]``.
         expert_chunk_tokens: most token-slots one expert processes at once.
         capacity: most token-slots per expert (None: dropless).
+        backend: kernel of the expert matmuls (:data:`MatmulBackend`).
 
     Returns:
         ``(out, tokens_per_expert, overflow)``: ``[T, D]`` in ``x.dtype`` (the
@@ -231,7 +240,7 @@ def grouped_expert_forward(
     # Small batches (decode): every expert writes its rows into one [S, D] buffer and
     # a single index_add_ combines them; eight small index_add_ calls cost more than
     # the buffer. Large batches add each chunk at once, so no [S, D] buffer exists.
-    if _onednn(x):
+    if _onednn(x, backend):
         expert_chunk_tokens = min(expert_chunk_tokens, ONEDNN_CHUNK_TOKENS)
     slots = int(bounds[-1])
     gathered = x.new_empty(slots, x.shape[1]) if slots <= SMALL_BATCH_SLOTS else None
@@ -239,7 +248,7 @@ def grouped_expert_forward(
         for c0 in range(bounds[e], bounds[e + 1], expert_chunk_tokens):
             c1 = min(c0 + expert_chunk_tokens, bounds[e + 1])
             tok = slot_token[c0:c1]  # [n], ascending
-            y = swiglu_expert(x.index_select(0, tok), w1[e], w2[e], w3[e])  # [n, D]
+            y = swiglu_expert(x.index_select(0, tok), w1[e], w2[e], w3[e], backend)  # [n, D]
             if gathered is not None:
                 torch.mul(y, slot_weight[c0:c1, None].to(y.dtype), out=gathered[c0:c1])
             else:
@@ -270,11 +279,12 @@ class MOEFeedForward(nn.Module):
     """Router plus stacked SwiGLU experts (gpt-fast ``MOEFeedForward``).
 
     ``capacity_factor`` 0 (default) is dropless; above 0, DeepSpeed capacity.
+    ``matmul_backend``: kernel of the expert matmuls (:data:`MatmulBackend`).
     """
 
     def __init__(self, dim: int, intermediate_size: int, num_experts: int, top_k: int,
                  expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS,
-                 capacity_factor: float = 0.0) -> None:
+                 capacity_factor: float = 0.0, matmul_backend: MatmulBackend = "onednn") -> None:
         super().__init__()
         self.gate = nn.Linear(dim, num_experts, bias=False)  # weight [E, D]
         self.w1 = nn.Parameter(torch.empty(num_experts, intermediate_size, dim))  # [E, I, D]
@@ -284,6 +294,7 @@ class MOEFeedForward(nn.Module):
         self.num_experts = num_experts
         self.expert_chunk_tokens = expert_chunk_tokens
         self.capacity_factor = capacity_factor
+        self.matmul_backend: MatmulBackend = matmul_backend
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingStats]:
         """``x`` [T, D] → ``([T, D], RoutingStats)``."""
@@ -295,6 +306,7 @@ class MOEFeedForward(nn.Module):
             capacity = expert_capacity(x.shape[0], self.top_k, self.num_experts,
                                        self.capacity_factor)
         out, counts, overflow = grouped_expert_forward(
-            x, weights, experts, self.w1, self.w2, self.w3, self.expert_chunk_tokens, capacity)
+            x, weights, experts, self.w1, self.w2, self.w3, self.expert_chunk_tokens, capacity,
+            self.matmul_backend)
         t2 = time.perf_counter()
         return out, routing_stats(counts, overflow, t1 - t0, t2 - t1)
