@@ -97,7 +97,10 @@ def apply_rope(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Causal self-attention with rotary positions and grouped KV heads (GQA)."""
+    """Causal self-attention with rotary positions and grouped KV heads (GQA, Ainslie
+    et al. 2023): query head ``j`` attends with KV head ``j // (n_head // n_kv_head)``,
+    as HF's ``repeat_kv``; ``scaled_dot_product_attention(enable_gqa=True)`` reads the
+    cached K/V in place instead of repeating them per layer per step."""
 
     def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
@@ -122,13 +125,13 @@ class Attention(nn.Module):
             cache_k, cache_v = seg.cache.k[self.layer], seg.cache.v[self.layer]  # [KvH, cap, hd]
             cache_k[:, s0:s1] = k[offset:offset + n].transpose(0, 1)
             cache_v[:, s0:s1] = v[offset:offset + n].transpose(0, 1)
-            keys = cache_k[:, :s1].repeat_interleave(h // kvh, dim=0)  # [H, s1, hd]
-            vals = cache_v[:, :s1].repeat_interleave(h // kvh, dim=0)  # [H, s1, hd]
             qs = q[offset:offset + n].transpose(0, 1)  # [H, n, hd]
             mask = None
             if n > 1:  # query i (position s0+i) sees keys 0..s0+i
                 mask = torch.ones(n, s1, dtype=torch.bool, device=x.device).tril(diagonal=s0)
-            o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask)  # [H, n, hd]
+            # GQA without a copy: query head j reads KV head j // (H // KvH) (torch >= 2.5)
+            o = F.scaled_dot_product_attention(qs, cache_k[:, :s1], cache_v[:, :s1],
+                                               attn_mask=mask, enable_gqa=h != kvh)  # [H, n, hd]
             outs.append(o.transpose(0, 1).reshape(n, h * hd))
             offset += n
         out: torch.Tensor = self.wo(torch.cat(outs, dim=0))  # [T, D]

@@ -29,14 +29,18 @@ orientation, so Mixtral checkpoints load without transposes):
 
 from __future__ import annotations
 
+import itertools
 import math
-import time
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from moeguard_runtime.timing import Mark, mark, seconds_between
 
 DEFAULT_EXPERT_CHUNK_TOKENS = 2048
 DEFAULT_MIN_CAPACITY = 4
@@ -52,10 +56,11 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
 
 @dataclass(frozen=True)
 class RoutingStats:
-    """Routing of one batch through one MoE layer.
+    """Routing of one batch through one MoE layer (plain Python numbers: built from
+    the one host transfer of the counts that the dispatch makes anyway).
 
     Attributes:
-        tokens_per_expert: ``[E]`` int64, token-slots routed to each expert.
+        tokens_per_expert: ``E`` ints, token-slots routed to each expert.
         routed_slots: ``T * k``, the sum of ``tokens_per_expert``.
         top_expert_tokens: the largest entry of ``tokens_per_expert``.
         median_expert_tokens: the median entry (mean of the two middle entries
@@ -68,34 +73,45 @@ class RoutingStats:
             measure): 1.0 is perfect balance, ``1/E`` is everything on one
             expert; an empty batch gives 1.0.
         overflow_tokens: token-slots dropped over capacity (0 when dropless).
-        routing_seconds, expert_seconds: wall time of the router and of the
-            expert matmuls in this layer (``time.perf_counter``).
+        marks: :func:`timing.mark` before the router, after it, and after the
+            experts; read them (:attr:`routing_seconds`, :attr:`expert_seconds`)
+            after the step has synchronised.
     """
 
-    tokens_per_expert: torch.Tensor
+    tokens_per_expert: tuple[int, ...]
     routed_slots: int
     top_expert_tokens: int
     median_expert_tokens: float
     expert_skew_ratio: float
     balancedness: float
     overflow_tokens: int = 0
-    routing_seconds: float = 0.0
-    expert_seconds: float = 0.0
+    marks: tuple[Mark, Mark, Mark] = (0.0, 0.0, 0.0)
+
+    @property
+    def routing_seconds(self) -> float:
+        """Wall time of the router in this layer, seconds."""
+        return seconds_between(self.marks[0], self.marks[1])
+
+    @property
+    def expert_seconds(self) -> float:
+        """Wall time of the expert matmuls in this layer, seconds."""
+        return seconds_between(self.marks[1], self.marks[2])
 
 
-def routing_stats(tokens_per_expert: torch.Tensor, overflow_tokens: int = 0,
-                  routing_seconds: float = 0.0, expert_seconds: float = 0.0) -> RoutingStats:
-    """Statistics of a ``[E]`` tensor of token-slot counts (see :class:`RoutingStats`)."""
-    counts = tokens_per_expert.detach().to(torch.int64).cpu()
-    as_float = counts.to(torch.float64)
-    total = int(counts.sum())
-    top = int(counts.max()) if counts.numel() else 0
-    median = float(torch.quantile(as_float, 0.5)) if counts.numel() else 0.0
-    mean = float(as_float.mean()) if counts.numel() else 0.0
+def routing_stats(tokens_per_expert: Sequence[int] | torch.Tensor, overflow_tokens: int = 0,
+                  marks: tuple[Mark, Mark, Mark] = (0.0, 0.0, 0.0)) -> RoutingStats:
+    """Statistics of ``E`` token-slot counts (see :class:`RoutingStats`); a tensor is
+    read with one ``tolist()``, a sequence of ints costs no device access."""
+    counts = [int(c) for c in (tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor)
+                               else tokens_per_expert)]
+    total = sum(counts)
+    top = max(counts, default=0)
+    median = float(statistics.median(counts)) if counts else 0.0
+    mean = total / len(counts) if counts else 0.0
     skew = top / max(median, 1.0)
     balancedness = mean / top if top > 0 else 1.0
-    return RoutingStats(counts, total, top, median, skew, balancedness, overflow_tokens,
-                        routing_seconds, expert_seconds)
+    return RoutingStats(tuple(counts), total, top, median, skew, balancedness, overflow_tokens,
+                        marks)
 
 
 def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,6 +213,23 @@ def grouped_expert_forward(
     capacity: int | None = None,
     backend: MatmulBackend = "onednn",
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """:func:`dispatch_experts` with the counts as a ``[E]`` int64 CPU tensor."""
+    out, counts, overflow = dispatch_experts(x, weights, experts, w1, w2, w3,
+                                             expert_chunk_tokens, capacity, backend)
+    return out, torch.tensor(counts, dtype=torch.int64), overflow
+
+
+def dispatch_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS,
+    capacity: int | None = None,
+    backend: MatmulBackend = "onednn",
+) -> tuple[torch.Tensor, list[int], int]:
     """Run the experts on their token-slots, grouped by expert.
 
     Args:
@@ -210,8 +243,12 @@ def grouped_expert_forward(
 
     Returns:
         ``(out, tokens_per_expert, overflow)``: ``[T, D]`` in ``x.dtype`` (the
-        weighted sum over each token's kept experts), ``[E]`` int64 token-slot
-        counts routed (before capacity), and the number of slots dropped.
+        weighted sum over each token's kept experts), ``E`` ints, the token-slot
+        counts routed (before capacity; the layer's one host transfer), and the
+        number of slots dropped.
+
+    Raises:
+        ValueError: ``expert_chunk_tokens < 1``.
     """
     if expert_chunk_tokens < 1:
         raise ValueError("expert_chunk_tokens must be >= 1")
@@ -219,30 +256,35 @@ def grouped_expert_forward(
     num_experts = w1.shape[0]
     flat_experts = experts.reshape(-1)  # [T*k] token-major
     counts = torch.bincount(flat_experts, minlength=num_experts)  # [E]
+    # The one host transfer of this layer: the slices' bounds are data-dependent
+    # shapes; capacity, overflow and the routing statistics reuse these ints.
+    host_counts: list[int] = counts.tolist()
     # Stable sort: within an expert the tokens stay in ascending order, which keeps
     # index_add_ on its fast path (unsorted indices make it ~100x slower on CPU).
     order = torch.argsort(flat_experts, stable=True)  # [T*k]
     slot_weight = weights.reshape(-1)[order]  # [T*k] float32
-    kept_counts = counts
+    kept = host_counts
     overflow = 0
-    if capacity is not None and int(counts.max()) > capacity:
+    if capacity is not None and max(host_counts, default=0) > capacity:
         keep = _capacity_keep(experts, counts, capacity)[order]  # [T*k] bool, sorted order
-        kept_counts = counts.clamp(max=capacity)
-        overflow = int((counts - kept_counts).sum())
-        order, slot_weight = order[keep], slot_weight[keep]
+        kept = [min(c, capacity) for c in host_counts]
+        overflow = sum(host_counts) - sum(kept)
+        # the kept slots in their order; no boolean indexing (its size is read on the host)
+        kept_idx = torch.argsort((~keep).to(torch.uint8), stable=True)[:sum(kept)]
+        order, slot_weight = order[kept_idx], slot_weight[kept_idx]
         slot_token = order // k
         denom = torch.zeros(num_tokens, dtype=slot_weight.dtype,
                             device=slot_weight.device).index_add_(0, slot_token, slot_weight)
         slot_weight = slot_weight / denom[slot_token]  # renormalize what each token keeps
     slot_token = order // k  # [S] token of each sorted slot
     out = torch.zeros_like(x)  # [T, D]
-    bounds = [0, *torch.cumsum(kept_counts, 0).tolist()]
+    bounds = [0, *itertools.accumulate(kept)]
     # Small batches (decode): every expert writes its rows into one [S, D] buffer and
     # a single index_add_ combines them; eight small index_add_ calls cost more than
     # the buffer. Large batches add each chunk at once, so no [S, D] buffer exists.
     if _onednn(x, backend):
         expert_chunk_tokens = min(expert_chunk_tokens, ONEDNN_CHUNK_TOKENS)
-    slots = int(bounds[-1])
+    slots = bounds[-1]
     gathered = x.new_empty(slots, x.shape[1]) if slots <= SMALL_BATCH_SLOTS else None
     for e in range(num_experts):
         for c0 in range(bounds[e], bounds[e + 1], expert_chunk_tokens):
@@ -257,7 +299,7 @@ def grouped_expert_forward(
             del y, tok
     if gathered is not None:
         out.index_add_(0, slot_token, gathered)
-    return out, counts, overflow
+    return out, host_counts, overflow
 
 
 def _capacity_keep(experts: torch.Tensor, counts: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -268,8 +310,8 @@ def _capacity_keep(experts: torch.Tensor, counts: torch.Tensor, capacity: int) -
     order = torch.argsort(rank_major, stable=True)
     starts = torch.cumsum(counts, 0) - counts  # [E]
     device = experts.device
-    pos = (torch.arange(order.numel(), device=device)
-           - torch.repeat_interleave(starts, counts))  # position within its expert
+    pos = (torch.arange(order.numel(), device=device)  # position within its expert
+           - torch.repeat_interleave(starts, counts, output_size=order.numel()))  # no host sync
     keep_rm = torch.zeros(order.numel(), dtype=torch.bool, device=device)
     keep_rm[order] = pos < capacity
     return keep_rm.view(k, num_tokens).T.reshape(-1)  # back to token-major t*k + r
@@ -298,15 +340,15 @@ class MOEFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingStats]:
         """``x`` [T, D] → ``([T, D], RoutingStats)``."""
-        t0 = time.perf_counter()
+        t0 = mark(x.device)
         weights, experts = route(self.gate(x), self.top_k)  # [T, k] each
-        t1 = time.perf_counter()
+        t1 = mark(x.device)
         capacity = None
         if self.capacity_factor > 0:
             capacity = expert_capacity(x.shape[0], self.top_k, self.num_experts,
                                        self.capacity_factor)
-        out, counts, overflow = grouped_expert_forward(
+        out, counts, overflow = dispatch_experts(
             x, weights, experts, self.w1, self.w2, self.w3, self.expert_chunk_tokens, capacity,
             self.matmul_backend)
-        t2 = time.perf_counter()
-        return out, routing_stats(counts, overflow, t1 - t0, t2 - t1)
+        t2 = mark(x.device)
+        return out, routing_stats(counts, overflow, (t0, t1, t2))

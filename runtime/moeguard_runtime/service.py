@@ -52,6 +52,7 @@ from moeguard_runtime.procmem import (
 )
 from moeguard_runtime.scheduler import OverloadPolicy, Rejected, Scheduler, StepPlan
 from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
+from moeguard_runtime.timing import clock
 
 MEMORY_CHECK_INTERVAL_S = 0.25
 GROWTH_SAMPLE_INTERVAL_S = 1.0
@@ -371,7 +372,7 @@ class Worker:
         with self._cond:
             admitted = [(r, self._active.get(r)) for r in plan.admitted]
         step_ids = [r for r, _, _ in plan.prefill] + list(plan.decode)
-        t0 = time.perf_counter()
+        t0 = clock(self.engine.device)
         try:
             for req_id, active in admitted:
                 if active is not None and req_id not in self.engine.sequences:
@@ -411,7 +412,7 @@ class Worker:
             self.log.event("inference_batch_error", force=True, error=repr(exc)[:500])
             self._fail(step_ids, 500, "engine_error", f"inference failed: {exc!r}"[:500])
             return
-        t1 = time.perf_counter()
+        t1 = clock(self.engine.device)
         routing_s = sum(r.routing_seconds for r in out.routing)
         expert_s = sum(r.expert_seconds for r in out.routing)
         tel.observe_step(out.prefill_tokens, out.decode_tokens, out.routing, t1 - t0)
@@ -426,7 +427,7 @@ class Worker:
                            skew_ratio=",".join(f"{r.expert_skew_ratio:.2f}" for r in out.routing),
                            overflow_tokens=",".join(str(r.overflow_tokens) for r in out.routing))
         self._deliver(out.new_tokens, out.finished)
-        tel.stage("postprocess", time.perf_counter() - t1)
+        tel.stage("postprocess", clock(self.engine.device) - t1)
 
     def _deliver(self, new_tokens: dict[str, int], finished_reasons: dict[str, str]) -> None:
         now = self._clock()
