@@ -80,7 +80,7 @@ def ucx_env(spec: MoEInferenceServiceSpec) -> dict[str, str]:
     """UCX variables for ``spec.ucx.mode`` (see :class:`~moeguard_operator.models.UcxSpec`), then extraEnv."""
     env: dict[str, str] = {}
     if spec.ucx.mode == "none":
-        env[k.UCX_MEM_MMAP_HOOK_MODE] = "none"
+        env[k.UCX_MEM_MMAP_HOOK_MODE] = k.UCX_SAFE_MMAP_HOOK_MODE
     if spec.ucx.mode in ("none", "rcache"):
         env[k.UCX_RCACHE_MAX_UNRELEASED] = str(spec.ucx.rcache_max_unreleased)
     env.update(spec.ucx.extra_env)
@@ -106,14 +106,8 @@ def worker_env(owner: Owner, spec: MoEInferenceServiceSpec) -> list[dict[str, An
         k.ENV_GPU_SOFT_FRACTION: _number(spec.resources.gpu_soft_fraction),
         k.ENV_GPU_HARD_FRACTION: _number(spec.resources.gpu_hard_fraction),
         k.ENV_BUDGET_CONFIGMAP: k.budget_configmap_name(owner.name),
-        k.ENV_MAX_PREFILL_TOKENS: str(b.max_prefill_tokens),
-        k.ENV_MAX_DECODE_TOKENS: str(b.max_decode_tokens),
-        k.ENV_MAX_BATCH_REQUESTS: str(b.max_batch_requests),
-        k.ENV_MAX_LONG_REQUESTS_PER_BATCH: str(b.max_long_requests_per_batch),
+        **{f.env: _number(getattr(b, f.name)) for f in k.BUDGET_FIELDS},
         k.ENV_LONG_REQUEST_THRESHOLD_TOKENS: str(b.long_request_threshold_tokens),
-        k.ENV_MAX_CONCURRENT_BATCHES: str(b.max_concurrent_batches),
-        k.ENV_MAX_QUEUE_REQUESTS: str(b.max_queue_requests),
-        k.ENV_QUEUE_TIMEOUT_SECONDS: _number(b.queue_timeout_seconds),
         k.ENV_MAX_CONCURRENT_REQUESTS: str(b.max_concurrent_requests),
         k.ENV_OVERLOAD_MODE: spec.overload.mode,
         k.ENV_PORT: str(k.WORKER_PORT),

@@ -14,12 +14,13 @@ and the Kubernetes API conventions for status (``observedGeneration``,
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from kubernetes.utils.quantity import parse_quantity
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from moeguard_runtime import contract
 from moeguard_runtime.contract import Budgets
 
 QUANTITY_PATTERN = r"^([0-9]+(\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
@@ -116,10 +117,10 @@ class ResourcesSpec(_Model):
     hard_limit: str = Field(default="8Gi", pattern=QUANTITY_PATTERN, max_length=32)
     """Hard memory limit (Kubernetes quantity, bytes): the container's memory limit. Above it the worker
     admits no new requests (HTTP 503)."""
-    gpu_soft_fraction: float = Field(default=0.85, gt=0.0, le=1.0)
+    gpu_soft_fraction: float = Field(default=contract.DEFAULT_GPU_SOFT_FRACTION, gt=0.0, le=1.0)
     """Fraction of device memory in use (``torch.cuda.mem_get_info``) above which the worker shrinks its
     budgets."""
-    gpu_hard_fraction: float = Field(default=0.95, gt=0.0, le=1.0)
+    gpu_hard_fraction: float = Field(default=contract.DEFAULT_GPU_HARD_FRACTION, gt=0.0, le=1.0)
     """Fraction of device memory in use above which the worker admits no new requests."""
 
     @model_validator(mode="after")
@@ -147,10 +148,7 @@ class ResourcesSpec(_Model):
         return int(parse_quantity(self.hard_limit))
 
 
-BUDGET_FIELDS = (
-    "max_prefill_tokens", "max_decode_tokens", "max_batch_requests", "max_long_requests_per_batch",
-    "max_concurrent_batches", "max_queue_requests", "queue_timeout_seconds",
-)
+BUDGET_FIELDS: tuple[str, ...] = contract.BUDGET_NAMES
 """The budgets the control loop moves (``contract.Budgets``), in snake case."""
 
 
@@ -168,68 +166,54 @@ def _bound_rules(kind: str, op: str) -> tuple[tuple[str, str, str], ...]:
     return tuple(rules)
 
 
-class BudgetFloors(_Model):
-    """The lowest value the control loop may set for each budget."""
+def _budget_fields(role: Literal["initial", "floor", "ceiling"]) -> dict[str, Any]:
+    """Pydantic field definitions for every budget, generated from the contract (never re-typed).
 
-    max_prefill_tokens: int = Field(default=256, ge=1, le=1_048_576)
-    """Floor of ``maxPrefillTokens``, tokens."""
-    max_decode_tokens: int = Field(default=16, ge=1, le=1_048_576)
-    """Floor of ``maxDecodeTokens``, tokens."""
-    max_batch_requests: int = Field(default=1, ge=1, le=65_536)
-    """Floor of ``maxBatchRequests``."""
-    max_long_requests_per_batch: int = Field(default=1, ge=1, le=65_536)
-    """Floor of ``maxLongRequestsPerBatch``."""
-    max_concurrent_batches: int = Field(default=1, ge=1, le=64)
-    """Floor of ``maxConcurrentBatches``."""
-    max_queue_requests: int = Field(default=1, ge=1, le=1_048_576)
-    """Floor of ``maxQueueRequests``."""
-    queue_timeout_seconds: float = Field(default=1.0, gt=0, le=3600)
-    """Floor of ``queueTimeoutSeconds``, seconds."""
-
-
-class BudgetCeilings(_Model):
-    """The highest value the control loop may set for each budget. Unset: the initial value."""
-
-    max_prefill_tokens: int | None = Field(default=None, ge=1, le=1_048_576)
-    """Ceiling of ``maxPrefillTokens``, tokens."""
-    max_decode_tokens: int | None = Field(default=None, ge=1, le=1_048_576)
-    """Ceiling of ``maxDecodeTokens``, tokens."""
-    max_batch_requests: int | None = Field(default=None, ge=1, le=65_536)
-    """Ceiling of ``maxBatchRequests``."""
-    max_long_requests_per_batch: int | None = Field(default=None, ge=1, le=65_536)
-    """Ceiling of ``maxLongRequestsPerBatch``."""
-    max_concurrent_batches: int | None = Field(default=None, ge=1, le=64)
-    """Ceiling of ``maxConcurrentBatches``."""
-    max_queue_requests: int | None = Field(default=None, ge=1, le=1_048_576)
-    """Ceiling of ``maxQueueRequests``."""
-    queue_timeout_seconds: float | None = Field(default=None, gt=0, le=3600)
-    """Ceiling of ``queueTimeoutSeconds``, seconds."""
+    Type, bounds and meaning come from ``contract.Budgets``; the default from ``contract.BUDGET_FIELDS``:
+    the initial value, the floor, or None (a ceiling left unset is the initial value).
+    """
+    fields: dict[str, Any] = {}
+    for budget in contract.BUDGET_FIELDS:
+        info = Budgets.model_fields[budget.name]
+        typed: Any = Annotated[info.annotation, *info.metadata]
+        unit = "" if budget.unit in ("requests", "batches") else f", {budget.unit}"
+        if role == "initial":
+            fields[budget.name] = (typed, Field(default=budget.default, description=info.description))
+        elif role == "floor":
+            fields[budget.name] = (typed, Field(default=budget.floor,
+                                                description=f"Floor of ``{budget.alias}``{unit}."))
+        else:
+            fields[budget.name] = (typed | None, Field(default=None,
+                                                       description=f"Ceiling of ``{budget.alias}``{unit}."))
+    return fields
 
 
-class BatchingSpec(_Model):
+if TYPE_CHECKING:  # generated classes: their budget attributes are read with getattr(…, name)
+    BudgetFloors = _Model
+    BudgetCeilings = _Model
+    _BatchingBudgets = _Model
+else:
+    BudgetFloors = create_model("BudgetFloors", __base__=_Model, __module__=__name__,
+                                __doc__="The lowest value the control loop may set for each budget.",
+                                **_budget_fields("floor"))
+    BudgetCeilings = create_model("BudgetCeilings", __base__=_Model, __module__=__name__,
+                                  __doc__="The highest value the control loop may set for each budget. "
+                                          "Unset: the initial value.",
+                                  **_budget_fields("ceiling"))
+    _BatchingBudgets = create_model("_BatchingBudgets", __base__=_Model, __module__=__name__,
+                                    **_budget_fields("initial"))
+
+
+class BatchingSpec(_BatchingBudgets):
     """Initial batching budgets, with the floors and ceilings the control loop keeps them within. The
     budgets in effect are in ``status.budgets`` and in the budget ConfigMap."""
 
     model_config = ConfigDict(json_schema_extra=_cel(*_bound_rules("floors", ""), *_bound_rules("ceilings", "<=")))
 
-    max_prefill_tokens: int = Field(default=4096, ge=1, le=1_048_576)
-    """Prompt tokens in one prefill batch, tokens (TGI ``max_batch_prefill_tokens``; vLLM
-    ``max_num_batched_tokens``). Longer prompts are prefilled in chunks."""
-    max_decode_tokens: int = Field(default=256, ge=1, le=1_048_576)
-    """Tokens in one decode step, i.e. sequences decoded together (vLLM ``max_num_seqs``)."""
-    max_batch_requests: int = Field(default=32, ge=1, le=65_536)
-    """Requests in one batch (Triton ``max_batch_size``)."""
-    max_long_requests_per_batch: int = Field(default=4, ge=1, le=65_536)
-    """Requests of at least ``longRequestThresholdTokens`` prompt tokens in one batch."""
-    long_request_threshold_tokens: int = Field(default=2048, ge=1, le=1_048_576)
+    long_request_threshold_tokens: int = Field(default=contract.DEFAULT_LONG_REQUEST_THRESHOLD_TOKENS, ge=1,
+                                               le=1_048_576)
     """Prompt length from which a request counts as long, tokens (not moved by the control loop)."""
-    max_concurrent_batches: int = Field(default=2, ge=1, le=64)
-    """Batches in flight at once in one worker."""
-    max_queue_requests: int = Field(default=64, ge=1, le=1_048_576)
-    """Requests waiting in the queue (Triton ``max_queue_size``); beyond it, HTTP 429."""
-    queue_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
-    """Seconds a request may wait in the queue (Triton ``default_timeout_microseconds``); then HTTP 503."""
-    max_concurrent_requests: int = Field(default=128, ge=1, le=1_048_576)
+    max_concurrent_requests: int = Field(default=contract.DEFAULT_MAX_CONCURRENT_REQUESTS, ge=1, le=1_048_576)
     """Requests admitted at once, running plus waiting (TGI ``max_concurrent_requests``); beyond it,
     HTTP 429 with ``Retry-After``. Not moved by the control loop."""
     floors: BudgetFloors = Field(default_factory=BudgetFloors)
@@ -317,12 +301,12 @@ class UcxSpec(_Model):
     """``none``: ``UCX_MEM_MMAP_HOOK_MODE=none`` and ``UCX_RCACHE_MAX_UNRELEASED``; ``rcache``: only the
     bounded ``UCX_RCACHE_MAX_UNRELEASED`` (vLLM's later choice); ``passthrough``: UCX's own defaults (for UCX
     versions with the root cause fixed)."""
-    rcache_max_unreleased: int = Field(default=1024, ge=1, le=1_000_000_000)
+    rcache_max_unreleased: int = Field(default=contract.UCX_SAFE_RCACHE_MAX_UNRELEASED, ge=1, le=1_000_000_000)
     """``UCX_RCACHE_MAX_UNRELEASED``: regions held in the rcache invalidation queue."""
     extra_env: dict[str, str] = Field(default_factory=dict, max_length=64, json_schema_extra=_cel(
         ("self.all(k, k.startsWith('UCX_'))", "ucx.extraEnv keys must start with UCX_", ""),
-        ("self.all(k, k != 'UCX_RCACHE_MAX_UNRELEASED' && k != 'UCX_MEM_MMAP_HOOK_MODE')",
-         "ucx.extraEnv must not set UCX_RCACHE_MAX_UNRELEASED or UCX_MEM_MMAP_HOOK_MODE (use ucx.mode and "
+        ("self.all(k, " + " && ".join(f"k != '{v}'" for v in reversed(contract.UCX_MANAGED_VARS)) + ")",
+         f"ucx.extraEnv must not set {' or '.join(reversed(contract.UCX_MANAGED_VARS))} (use ucx.mode and "
          "ucx.rcacheMaxUnreleased)", "")))
     """More UCX variables (keys start with ``UCX_``), e.g. ``UCX_CUDA_IPC_CACHE: n``."""
 
@@ -332,7 +316,7 @@ class UcxSpec(_Model):
         bad = sorted(k for k in env if not k.startswith("UCX_"))
         if bad:
             raise ValueError(f"ucx.extraEnv keys must start with UCX_ (got {', '.join(bad)})")
-        managed = sorted(k for k in env if k in ("UCX_RCACHE_MAX_UNRELEASED", "UCX_MEM_MMAP_HOOK_MODE"))
+        managed = sorted(k for k in env if k in contract.UCX_MANAGED_VARS)
         if managed:
             raise ValueError(f"ucx.extraEnv must not set {', '.join(managed)} (use ucx.mode and ucx.rcacheMaxUnreleased)")
         return env

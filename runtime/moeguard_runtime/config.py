@@ -8,11 +8,13 @@ the variable.
 * Initial budgets (later replaced by the budget ConfigMap): prefill, decode,
   batch requests, long requests per batch, concurrent batches, queue length
   and queue timeout (``contract.ENV_MAX_*``, ``ENV_QUEUE_TIMEOUT_SECONDS``).
-* Static limits: ``ENV_MAX_CONCURRENT_REQUESTS`` (429 beyond it, default 128),
-  ``ENV_LONG_REQUEST_THRESHOLD_TOKENS`` (default 512), the host limits
+* Static limits: ``ENV_MAX_CONCURRENT_REQUESTS`` (429 beyond it),
+  ``ENV_LONG_REQUEST_THRESHOLD_TOKENS``, the host limits
   ``ENV_SOFT/HARD_LIMIT_BYTES`` (compared with cgroup ``memory.current`` or RSS),
-  the GPU limits ``ENV_GPU_SOFT/HARD_FRACTION`` of device memory (0.9, 0.97),
-  ``ENV_OVERLOAD_MODE`` (Auto, On, Off; default Auto).
+  the GPU limits ``ENV_GPU_SOFT/HARD_FRACTION`` of device memory,
+  ``ENV_OVERLOAD_MODE`` (Auto, On, Off). Every default of a contract variable is the
+  contract's (``contract.DEFAULT_*``, ``contract.BUDGET_FIELDS``): a worker started by hand
+  runs with the values the operator would give it.
 * Model: ``ENV_MODEL_PRESET``, ``ENV_MODEL_OVERRIDES``, ``ENV_CHECKPOINT_PATH``.
 * Placement: ``ENV_DEVICE`` (``auto``: ``cuda`` when ``torch.cuda.is_available()``,
   else ``cpu``) and ``ENV_DTYPE`` (``auto``: bfloat16 on CUDA, float32 on CPU).
@@ -56,13 +58,13 @@ ENV_FAULT_LEAK_PYTHON = "MOEGUARD_FAULT_LEAK_PYTHON_BYTES_PER_SECOND"
 ENV_FAULT_STEP_DELAY = "MOEGUARD_FAULT_STEP_DELAY_SECONDS"
 """Test-only fault: sleep this long in every engine step (a slow model, for timeout tests)."""
 
-OVERLOAD_MODES = ("Auto", "On", "Off")
+OVERLOAD_MODES = contract.OVERLOAD_MODES
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 """Accepted ``MOEGUARD_DTYPE`` values (besides ``auto``); the short names are aliases."""
 
-DEFAULT_BUDGETS = Budgets.model_validate({"max_prefill_tokens": 2048, "max_decode_tokens": 256,
-                                          "max_batch_requests": 32, "max_concurrent_batches": 2})
+DEFAULT_BUDGETS = contract.DEFAULT_BUDGETS
+"""The initial budgets when the variables are unset: the contract's, the same as the operator's spec defaults."""
 
 
 class ConfigError(ValueError):
@@ -87,10 +89,10 @@ class Settings:
     budget_configmap: str | None
     namespace: str
     log_interval_s: float
-    overload_mode: str = "Auto"
+    overload_mode: str = contract.DEFAULT_OVERLOAD_MODE
     overload_max_context_tokens: int | None = None
-    gpu_soft_fraction: float = 0.9
-    gpu_hard_fraction: float = 0.97
+    gpu_soft_fraction: float = contract.DEFAULT_GPU_SOFT_FRACTION
+    gpu_hard_fraction: float = contract.DEFAULT_GPU_HARD_FRACTION
     capacity_factor: float = 0.0
     matmul_backend: MatmulBackend = "onednn"
     checkpoint: str | None = None
@@ -223,38 +225,32 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         assert value is not None
         return value
 
-    d = DEFAULT_BUDGETS
     try:
         budgets = Budgets.model_validate({
-            "max_prefill_tokens": req(contract.ENV_MAX_PREFILL_TOKENS, d.max_prefill_tokens),
-            "max_decode_tokens": req(contract.ENV_MAX_DECODE_TOKENS, d.max_decode_tokens),
-            "max_batch_requests": req(contract.ENV_MAX_BATCH_REQUESTS, d.max_batch_requests),
-            "max_concurrent_batches": req(contract.ENV_MAX_CONCURRENT_BATCHES,
-                                          d.max_concurrent_batches),
-            "max_long_requests_per_batch": req(contract.ENV_MAX_LONG_REQUESTS_PER_BATCH,
-                                               d.max_long_requests_per_batch),
-            "max_queue_requests": req(contract.ENV_MAX_QUEUE_REQUESTS, d.max_queue_requests),
-            "queue_timeout_seconds": _float(env, contract.ENV_QUEUE_TIMEOUT_SECONDS,
-                                            d.queue_timeout_seconds),
+            f.name: (_float(env, f.env, float(f.default)) if isinstance(f.default, float)
+                     else req(f.env, int(f.default)))
+            for f in contract.BUDGET_FIELDS
         })
     except ValueError as exc:
         raise ConfigError(f"invalid initial budgets: {exc}") from None
     limits = QueueLimits(
-        max_concurrent_requests=req(contract.ENV_MAX_CONCURRENT_REQUESTS, 128),
+        max_concurrent_requests=req(contract.ENV_MAX_CONCURRENT_REQUESTS,
+                                    contract.DEFAULT_MAX_CONCURRENT_REQUESTS),
         max_queue_tokens=req(ENV_MAX_QUEUE_TOKENS, 65_536),
-        long_request_threshold_tokens=req(contract.ENV_LONG_REQUEST_THRESHOLD_TOKENS, 512),
+        long_request_threshold_tokens=req(contract.ENV_LONG_REQUEST_THRESHOLD_TOKENS,
+                                          contract.DEFAULT_LONG_REQUEST_THRESHOLD_TOKENS),
     )
     soft = _int(env, contract.ENV_SOFT_LIMIT_BYTES, None)
     hard = _int(env, contract.ENV_HARD_LIMIT_BYTES, None)
     shrink = _float(env, ENV_SOFT_SHRINK_FACTOR, 0.5)
     if not 0 < shrink <= 1:
         raise ConfigError(f"{ENV_SOFT_SHRINK_FACTOR}={shrink} must be in (0, 1]")
-    overload = (env.get(contract.ENV_OVERLOAD_MODE) or "Auto").strip()
+    overload = (env.get(contract.ENV_OVERLOAD_MODE) or contract.DEFAULT_OVERLOAD_MODE).strip()
     if overload not in OVERLOAD_MODES:
         raise ConfigError(f"{contract.ENV_OVERLOAD_MODE}={overload!r} must be one of "
                           f"{', '.join(OVERLOAD_MODES)}")
-    gpu_soft = _float(env, contract.ENV_GPU_SOFT_FRACTION, 0.9)
-    gpu_hard = _float(env, contract.ENV_GPU_HARD_FRACTION, 0.97)
+    gpu_soft = _float(env, contract.ENV_GPU_SOFT_FRACTION, contract.DEFAULT_GPU_SOFT_FRACTION)
+    gpu_hard = _float(env, contract.ENV_GPU_HARD_FRACTION, contract.DEFAULT_GPU_HARD_FRACTION)
     for name, value in ((contract.ENV_GPU_SOFT_FRACTION, gpu_soft),
                         (contract.ENV_GPU_HARD_FRACTION, gpu_hard)):
         if not 0 < value <= 1:

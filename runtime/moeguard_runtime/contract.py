@@ -16,6 +16,7 @@ Both sides import this module; it imports no torch and no kopf.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Literal
 
@@ -72,7 +73,15 @@ ENV_PORT = "MOEGUARD_PORT"
 WORKER_PORT = 8000
 
 UCX_MEM_MMAP_HOOK_MODE = "UCX_MEM_MMAP_HOOK_MODE"
+"""UCX's memory hooks; ``none`` stops UCX from intercepting mmap/munmap (and queueing freed regions)."""
 UCX_RCACHE_MAX_UNRELEASED = "UCX_RCACHE_MAX_UNRELEASED"
+"""Bound of UCX's rcache invalidation queue (unbounded by default: host RSS grows outside the heap)."""
+UCX_SAFE_MMAP_HOOK_MODE = "none"
+"""The safe value of ``UCX_MEM_MMAP_HOOK_MODE`` (vLLM, NIXL: freed memory is returned at once)."""
+UCX_SAFE_RCACHE_MAX_UNRELEASED = 1024
+"""The bounded ``UCX_RCACHE_MAX_UNRELEASED`` of vLLM PR #32570 / NIXL PR #1210."""
+UCX_MANAGED_VARS = (UCX_MEM_MMAP_HOOK_MODE, UCX_RCACHE_MAX_UNRELEASED)
+"""UCX variables that only the operator sets (from ``spec.ucx``); never from ``ucx.extraEnv``."""
 
 # --- budget ConfigMap ----------------------------------------------------------
 BUDGET_KEY = "budget.json"
@@ -86,6 +95,11 @@ def budget_configmap_name(service: str) -> str:
 class Budgets(BaseModel):
     """The batching budgets in effect: the knobs the operator's outer loop moves.
 
+    This class declares each budget once (name, type, bounds, meaning); :data:`BUDGET_FIELDS`
+    adds its container variable, default and floor. The operator's spec models
+    (``batching``, ``batching.floors``, ``batching.ceilings``) and the worker's settings
+    are generated from the two, never re-typed.
+
     Names follow TGI/vLLM/Triton where the meaning matches (see each field).
     Strict: a number written as a string (``"100"``) is refused, as the HTTP API refuses it.
     Fields added after the first release carry defaults, so an older document
@@ -94,20 +108,100 @@ class Budgets(BaseModel):
 
     model_config = ConfigDict(populate_by_name=True, extra="forbid", frozen=True, strict=True)
 
-    max_prefill_tokens: int = Field(alias="maxPrefillTokens", gt=0, le=1_048_576,
-                                    description="Prompt tokens per prefill batch (TGI max_batch_prefill_tokens, vLLM max_num_batched_tokens).")
-    max_decode_tokens: int = Field(alias="maxDecodeTokens", gt=0, le=1_048_576,
-                                   description="Sequences decoded per decode step, one token each (vLLM max_num_seqs in tokens).")
-    max_batch_requests: int = Field(alias="maxBatchRequests", gt=0, le=65_536,
-                                    description="Requests per batch (Triton max_batch_size).")
-    max_long_requests_per_batch: int = Field(default=4, alias="maxLongRequestsPerBatch", gt=0, le=65_536,
-                                             description="Requests longer than the long-request threshold in one batch.")
-    max_concurrent_batches: int = Field(alias="maxConcurrentBatches", gt=0, le=64,
-                                        description="Batches in flight at once in one worker.")
-    max_queue_requests: int = Field(default=64, alias="maxQueueRequests", gt=0, le=1_048_576,
-                                    description="Requests waiting in the queue (Triton max_queue_size); beyond it, HTTP 429.")
-    queue_timeout_seconds: float = Field(default=30.0, alias="queueTimeoutSeconds", gt=0, le=3600,
-                                         description="Seconds a request may wait in the queue (Triton default_timeout_microseconds); then HTTP 503.")
+    max_prefill_tokens: int = Field(
+        alias="maxPrefillTokens", ge=1, le=1_048_576,
+        description="Prompt tokens in one prefill batch, tokens (TGI ``max_batch_prefill_tokens``; vLLM "
+                    "``max_num_batched_tokens``). Longer prompts are prefilled in chunks.")
+    max_decode_tokens: int = Field(
+        alias="maxDecodeTokens", ge=1, le=1_048_576,
+        description="Tokens in one decode step, i.e. sequences decoded together (vLLM ``max_num_seqs``).")
+    max_batch_requests: int = Field(
+        alias="maxBatchRequests", ge=1, le=65_536,
+        description="Requests in one batch (Triton ``max_batch_size``).")
+    max_long_requests_per_batch: int = Field(
+        default=4, alias="maxLongRequestsPerBatch", ge=1, le=65_536,
+        description="Requests of at least ``longRequestThresholdTokens`` prompt tokens in one batch.")
+    max_concurrent_batches: int = Field(
+        alias="maxConcurrentBatches", ge=1, le=64,
+        description="Batches in flight at once in one worker.")
+    max_queue_requests: int = Field(
+        default=64, alias="maxQueueRequests", ge=1, le=1_048_576,
+        description="Requests waiting in the queue (Triton ``max_queue_size``); beyond it, HTTP 429.")
+    queue_timeout_seconds: float = Field(
+        default=30.0, alias="queueTimeoutSeconds", gt=0, le=3600,
+        description="Seconds a request may wait in the queue (Triton ``default_timeout_microseconds``); "
+                    "then HTTP 503.")
+
+
+@dataclass(frozen=True)
+class BudgetField:
+    """What the contract adds to one :class:`Budgets` field: how it reaches the worker and its defaults.
+
+    ``default`` is the initial budget of a spec that sets none and of a worker started by hand
+    (``moeguard worker serve``); ``floor`` is the default lowest value the outer loop may set
+    (``spec.batching.floors``); the default ceiling is the initial value.
+    """
+
+    name: str
+    """The :class:`Budgets` attribute (snake case); the spec's key is its camelCase alias."""
+    env: str
+    """Container variable carrying the initial value."""
+    default: int | float
+    floor: int | float
+    unit: str
+    """``tokens``, ``requests``, ``batches`` or ``seconds``."""
+
+    @property
+    def alias(self) -> str:
+        """The camelCase key in the spec, the budget document and ``status.budgets``."""
+        return str(Budgets.model_fields[self.name].alias)
+
+
+BUDGET_FIELDS: tuple[BudgetField, ...] = (
+    BudgetField("max_prefill_tokens", ENV_MAX_PREFILL_TOKENS, 4096, 256, "tokens"),
+    BudgetField("max_decode_tokens", ENV_MAX_DECODE_TOKENS, 256, 16, "tokens"),
+    BudgetField("max_batch_requests", ENV_MAX_BATCH_REQUESTS, 32, 1, "requests"),
+    BudgetField("max_long_requests_per_batch", ENV_MAX_LONG_REQUESTS_PER_BATCH, 4, 1, "requests"),
+    BudgetField("max_concurrent_batches", ENV_MAX_CONCURRENT_BATCHES, 2, 1, "batches"),
+    BudgetField("max_queue_requests", ENV_MAX_QUEUE_REQUESTS, 64, 1, "requests"),
+    BudgetField("queue_timeout_seconds", ENV_QUEUE_TIMEOUT_SECONDS, 30.0, 1.0, "seconds"),
+)
+"""Every budget, in :class:`Budgets`' order (a unit test checks that the two agree)."""
+BUDGET_NAMES: tuple[str, ...] = tuple(f.name for f in BUDGET_FIELDS)
+"""The budgets' attribute names, snake case, in order."""
+DEFAULT_BUDGETS = Budgets.model_validate({f.name: f.default for f in BUDGET_FIELDS})
+"""The initial budgets of a spec that sets none, and of a worker started without the variables."""
+DEFAULT_FLOORS = Budgets.model_validate({f.name: f.floor for f in BUDGET_FIELDS})
+"""The default ``spec.batching.floors``."""
+
+# --- static knobs (set once per pod, not moved by the outer loop) --------------------------------
+DEFAULT_LONG_REQUEST_THRESHOLD_TOKENS = 2048
+"""``ENV_LONG_REQUEST_THRESHOLD_TOKENS`` / ``spec.batching.longRequestThresholdTokens`` default, tokens."""
+DEFAULT_MAX_CONCURRENT_REQUESTS = 128
+"""``ENV_MAX_CONCURRENT_REQUESTS`` / ``spec.batching.maxConcurrentRequests`` default (TGI's default is 128)."""
+DEFAULT_GPU_SOFT_FRACTION = 0.85
+"""``ENV_GPU_SOFT_FRACTION`` / ``spec.resources.gpuSoftFraction`` default: share of device memory."""
+DEFAULT_GPU_HARD_FRACTION = 0.95
+"""``ENV_GPU_HARD_FRACTION`` / ``spec.resources.gpuHardFraction`` default: share of device memory."""
+OVERLOAD_MODES = ("Auto", "On", "Off")
+"""``ENV_OVERLOAD_MODE`` / ``spec.overload.mode`` values; ``Auto`` is the default."""
+DEFAULT_OVERLOAD_MODE = "Auto"
+
+
+def overload_context_cap(max_context_tokens: int | None, max_seq_len: int) -> int:
+    """Tokens (prompt + ``max_tokens``) above which a request is refused while overload mode is on.
+
+    Args:
+        max_context_tokens: the cap set explicitly (``spec.overload.maxContextTokens``, the budget
+            document's ``overloadMaxContextTokens``), or None.
+        max_seq_len: the model's context length, tokens.
+
+    Returns:
+        The explicit cap, else half the model's context (at least 1): long contexts hold the most
+        KV cache and the longest prefill, so they are shed first (the overload cure of the
+        field's OOM reports; see docs/runbook.md).
+    """
+    return max_context_tokens if max_context_tokens else max(1, max_seq_len // 2)
 
 
 class BudgetDocument(BaseModel):
@@ -199,3 +293,12 @@ METRIC_QUEUE_REQUESTS = "moeguard_queue_requests"
 """Gauge: requests waiting in the queue."""
 METRIC_OOM_ERRORS_TOTAL = "moeguard_oom_errors_total"
 """Counter, label ``kind`` (cuda | host): batches failed by an out-of-memory error the worker survived."""
+
+OPERATOR_READS = (
+    METRIC_EXPERT_SKEW_RATIO,
+    METRIC_MEMORY_USAGE_BYTES,
+    METRIC_PROCESS_RSS_BYTES,
+    METRIC_REJECTIONS_TOTAL,
+    METRIC_E2E_LATENCY_SECONDS,
+)
+"""Every worker series the operator's Prometheus queries name (a test checks that the worker exports each)."""

@@ -44,6 +44,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from moeguard_runtime import contract
 from moeguard_runtime.contract import Budgets
 
 
@@ -53,16 +54,16 @@ class QueueLimits:
 
     Attributes:
         max_concurrent_requests: requests in the system, waiting plus running
-            (TGI ``max_concurrent_requests``, default 128); beyond it, HTTP 429.
+            (TGI ``max_concurrent_requests``); beyond it, HTTP 429.
         max_queue_tokens: prompt tokens waiting in the queue; beyond it, 429.
         long_request_threshold_tokens: a request whose prompt has at least this
             many tokens is *long* and counts against
             ``Budgets.max_long_requests_per_batch``.
     """
 
-    max_concurrent_requests: int = 128
+    max_concurrent_requests: int = contract.DEFAULT_MAX_CONCURRENT_REQUESTS
     max_queue_tokens: int = 65_536
-    long_request_threshold_tokens: int = 512
+    long_request_threshold_tokens: int = contract.DEFAULT_LONG_REQUEST_THRESHOLD_TOKENS
 
 
 @dataclass(frozen=True)

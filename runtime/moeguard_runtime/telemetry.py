@@ -48,9 +48,7 @@ STAGES = ("queue", "prefill", "routing", "expert", "decode", "postprocess")
 carries prefill (any) or only decode tokens, minus routing and expert time;
 ``routing`` the router (gate, softmax, top-k) and ``expert`` the expert matmuls
 of all MoE layers; ``postprocess`` sampling and delivery to the clients."""
-BUDGET_NAMES = ("max_prefill_tokens", "max_decode_tokens", "max_batch_requests",
-                "max_concurrent_batches", "max_long_requests_per_batch", "max_queue_requests",
-                "queue_timeout_seconds")
+BUDGET_NAMES = contract.BUDGET_NAMES
 
 
 class _ProcessMemoryCollector(Collector):
@@ -120,14 +118,14 @@ class Telemetry:
                                       [*base, "result"], registry=r)
         self.requests = Counter("moeguard_requests", "Finished requests, by status and HTTP code.",
                                 [*base, "status", "code"], registry=r)
-        self.rejections = Counter("moeguard_rejections", "Requests refused, by reason.",
+        self.rejections = Counter(contract.METRIC_REJECTIONS_TOTAL.removesuffix("_total"), "Requests refused, by reason.",
                                   [*base, "reason"], registry=r)
         self.queue_requests = gauge(contract.METRIC_QUEUE_REQUESTS, "Requests waiting in the queue.")
         self.queue_tokens = gauge("moeguard_queue_tokens", "Prompt tokens waiting in the queue.")
         self.running_requests = gauge("moeguard_running_requests", "Requests in running batches.")
         self.ttft = Histogram("moeguard_time_to_first_token_seconds", "Arrival to first token.",
                               base, registry=r, buckets=LATENCY_BUCKETS, unit="seconds")
-        self.e2e = Histogram("moeguard_e2e_request_latency_seconds", "Arrival to last token.",
+        self.e2e = Histogram(contract.METRIC_E2E_LATENCY_SECONDS, "Arrival to last token.",
                              base, registry=r, buckets=LATENCY_BUCKETS, unit="seconds")
         self.step_seconds = Histogram("moeguard_step_duration_seconds", "Engine step wall time.",
                                       base, registry=r, buckets=LATENCY_BUCKETS, unit="seconds")

@@ -69,7 +69,7 @@ def test_request_runs_to_finish_with_chunked_prefill(setup: tuple[Worker, list[i
     assert source == {"source": "rss", "usage_bytes": 100, "cgroup_limit_bytes": None,
                       "cgroup_path": None,
                       "soft_limit_bytes": 1000, "hard_limit_bytes": 2000, "gpu": False,
-                      "gpu_soft_fraction": 0.9, "gpu_hard_fraction": 0.97}
+                      "gpu_soft_fraction": 0.85, "gpu_hard_fraction": 0.95}
     assert worker.engine.sequences == {}  # released after finishing
     worker._iteration()
 

@@ -1,0 +1,120 @@
+"""The operator-worker contract holds on both sides.
+
+Fails when a budget is missing on either side, when a default differs between the
+operator's spec and a worker started by hand, when the operator's Deployment env does
+not reproduce the spec's values in the worker's settings, or when the operator queries a
+metric that the worker does not export.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from moeguard_operator.builders import Owner, worker_env
+from moeguard_operator.models import (
+    BatchingSpec,
+    BudgetCeilings,
+    BudgetFloors,
+    MoEInferenceServiceSpec,
+)
+from moeguard_operator.observe import queries
+from moeguard_operator.policy import floors, initial_budgets
+from moeguard_runtime import contract
+from moeguard_runtime.config import load_settings
+from moeguard_runtime.telemetry import Telemetry
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_budget_table_and_the_budgets_model_list_the_same_fields_in_order() -> None:
+    assert tuple(contract.Budgets.model_fields) == contract.BUDGET_NAMES
+    assert len(contract.BUDGET_NAMES) == 7
+    assert [f.alias for f in contract.BUDGET_FIELDS][:2] == ["maxPrefillTokens", "maxDecodeTokens"]
+    assert len({f.env for f in contract.BUDGET_FIELDS}) == 7
+
+
+@pytest.mark.parametrize("model", [BatchingSpec, BudgetFloors, BudgetCeilings])
+def test_every_budget_is_in_the_spec_models(model: type) -> None:
+    fields = model.model_fields  # type: ignore[attr-defined]
+    for name in contract.BUDGET_NAMES:
+        assert name in fields, f"{model.__name__} lacks {name}"
+        assert fields[name].alias == contract.Budgets.model_fields[name].alias
+
+
+def test_spec_defaults_are_the_contract_defaults() -> None:
+    batching = MoEInferenceServiceSpec().batching
+    assert initial_budgets(batching) == contract.DEFAULT_BUDGETS
+    assert floors(batching) == contract.DEFAULT_FLOORS
+    assert contract.DEFAULT_BUDGETS.max_prefill_tokens == 4096
+    assert contract.DEFAULT_FLOORS.max_prefill_tokens == 256
+    assert batching.long_request_threshold_tokens == contract.DEFAULT_LONG_REQUEST_THRESHOLD_TOKENS == 2048
+    resources = MoEInferenceServiceSpec().resources
+    assert (resources.gpu_soft_fraction, resources.gpu_hard_fraction) == (0.85, 0.95)
+
+
+def test_a_worker_started_by_hand_gets_the_operators_defaults() -> None:
+    spec = MoEInferenceServiceSpec()
+    s = load_settings({})
+    assert s.budgets == initial_budgets(spec.batching)
+    assert s.limits.long_request_threshold_tokens == spec.batching.long_request_threshold_tokens
+    assert s.limits.max_concurrent_requests == spec.batching.max_concurrent_requests
+    assert (s.gpu_soft_fraction, s.gpu_hard_fraction) == (spec.resources.gpu_soft_fraction,
+                                                          spec.resources.gpu_hard_fraction)
+    assert s.overload_mode == spec.overload.mode
+
+
+def test_the_deployment_env_reproduces_the_spec_in_the_worker_settings() -> None:
+    spec = MoEInferenceServiceSpec.model_validate({
+        "batching": {"maxPrefillTokens": 1000, "maxDecodeTokens": 77, "maxBatchRequests": 9,
+                     "maxLongRequestsPerBatch": 3, "maxConcurrentBatches": 5, "maxQueueRequests": 11,
+                     "queueTimeoutSeconds": 2.5, "longRequestThresholdTokens": 300, "maxConcurrentRequests": 40},
+        "resources": {"gpuSoftFraction": 0.7, "gpuHardFraction": 0.8},
+        "overload": {"mode": "On"},
+    })
+    env = {e["name"]: e["value"] for e in worker_env(Owner("svc", "ns", "uid"), spec) if "value" in e}
+    s = load_settings(env)
+    assert s.budgets == initial_budgets(spec.batching)
+    assert s.budgets.queue_timeout_seconds == 2.5
+    assert (s.limits.long_request_threshold_tokens, s.limits.max_concurrent_requests) == (300, 40)
+    assert (s.gpu_soft_fraction, s.gpu_hard_fraction, s.overload_mode) == (0.7, 0.8, "On")
+    assert env[contract.UCX_MEM_MMAP_HOOK_MODE] == contract.UCX_SAFE_MMAP_HOOK_MODE
+    assert env[contract.UCX_RCACHE_MAX_UNRELEASED] == str(contract.UCX_SAFE_RCACHE_MAX_UNRELEASED)
+
+
+SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",),
+            "summary": ("_sum", "_count", ""), "unknown": ("",)}
+
+
+def _exported_series() -> set[str]:
+    """Series names the worker's registry exposes, from each family's name and type
+    (a labelled family has no samples before its first observation, but it is declared)."""
+    telemetry = Telemetry({"moeis": "svc", "namespace": "ns", "pod": "p"}, num_experts=4)
+    text = generate_latest(telemetry.registry).decode()
+    return {family.name + suffix for family in text_string_to_metric_families(text)
+            for suffix in SUFFIXES[family.type]}
+
+
+def test_every_metric_the_operator_queries_is_exported_by_the_worker() -> None:
+    q = queries("ns", "svc", 30, 300)
+    promql = " ".join(vars(q).values())
+    named = set(re.findall(r"moeguard_[a-z0-9_]+", promql))
+    # every name in the queries is declared in the contract, and the contract lists what is queried
+    assert {n.removesuffix("_bucket") for n in named} == set(contract.OPERATOR_READS)
+    exported = _exported_series()
+    missing = sorted(n for n in named if n not in exported)
+    assert not missing, f"the operator queries series the worker does not export: {missing}"
+
+
+def test_the_worker_exports_every_budget_as_a_gauge() -> None:
+    exported = _exported_series()
+    assert {f"moeguard_budget_{name}" for name in contract.BUDGET_NAMES} <= exported
+
+
+def test_overload_context_cap_rule() -> None:
+    assert contract.overload_context_cap(None, 4096) == 2048
+    assert contract.overload_context_cap(1000, 4096) == 1000
+    assert contract.overload_context_cap(None, 1) == 1
