@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from moeguard_runtime import contract
 from moeguard_runtime.contract import Budgets
+from moeguard_runtime.faults import Faults, load_faults
 from moeguard_runtime.moe import DEFAULT_EXPERT_CHUNK_TOKENS, MATMUL_BACKENDS, MatmulBackend
 from moeguard_runtime.presets import ModelArgs
 from moeguard_runtime.scheduler import QueueLimits
@@ -51,12 +52,6 @@ ENV_OVERLOAD_MAX_CONTEXT_TOKENS = "MOEGUARD_OVERLOAD_MAX_CONTEXT_TOKENS"
 """Context cap while overload is on, when the budget document sets none (default: half the model's)."""
 ENV_MAX_BODY_BYTES = "MOEGUARD_MAX_BODY_BYTES"
 """Largest request body accepted (default 1 MiB); beyond it, HTTP 413."""
-ENV_FAULT_LEAK_ANON = "MOEGUARD_FAULT_LEAK_ANON_BYTES_PER_SECOND"
-"""Test-only fault: leak anonymous mmaps (outside the Python heap) at this rate."""
-ENV_FAULT_LEAK_PYTHON = "MOEGUARD_FAULT_LEAK_PYTHON_BYTES_PER_SECOND"
-"""Test-only fault: leak small Python objects (the Python heap) at this rate."""
-ENV_FAULT_STEP_DELAY = "MOEGUARD_FAULT_STEP_DELAY_SECONDS"
-"""Test-only fault: sleep this long in every engine step (a slow model, for timeout tests)."""
 
 OVERLOAD_MODES = contract.OVERLOAD_MODES
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -98,9 +93,8 @@ class Settings:
     checkpoint: str | None = None
     model_overrides: tuple[tuple[str, int | float], ...] = ()
     max_body_bytes: int = 1 << 20
-    fault_leak_anon_bps: int = 0
-    fault_leak_python_bps: int = 0
-    fault_step_delay_s: float = 0.0
+    faults: Faults = field(default_factory=Faults)
+    """Test-only fault injectors (:mod:`moeguard_runtime.faults`; off unless ``MOEGUARD_TEST_FAULTS=1``)."""
     device: str = "cpu"
     """Resolved torch device (``cpu``, ``cuda`` or ``cuda:N``)."""
     dtype: str = "float32"
@@ -269,6 +263,10 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     capacity = _float(env, ENV_CAPACITY_FACTOR, 0.0)
     if capacity < 0:
         raise ConfigError(f"{ENV_CAPACITY_FACTOR}={capacity} must be >= 0 (0: dropless)")
+    try:
+        faults = load_faults(env)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     backend = (env.get(ENV_MATMUL_BACKEND) or "onednn").strip()
     if backend not in MATMUL_BACKENDS:
         raise ConfigError(f"{ENV_MATMUL_BACKEND}={backend!r} must be one of "
@@ -297,9 +295,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         checkpoint=env.get(contract.ENV_CHECKPOINT_PATH) or None,
         model_overrides=_overrides(env),
         max_body_bytes=req(ENV_MAX_BODY_BYTES, 1 << 20),
-        fault_leak_anon_bps=req(ENV_FAULT_LEAK_ANON, 0, minimum=0),
-        fault_leak_python_bps=req(ENV_FAULT_LEAK_PYTHON, 0, minimum=0),
-        fault_step_delay_s=_float(env, ENV_FAULT_STEP_DELAY, 0.0),
+        faults=faults,
         device=device,
         dtype=dtype,
     )

@@ -175,7 +175,8 @@ def test_c5_queue_timeout_behind_a_long_request(start_worker: Callable[..., Work
     20 ms by the test-only fault switch) holds the only batch slot; a second one is
     refused at about 2 s, not after the first one finishes."""
     w = start_worker(MOEGUARD_QUEUE_TIMEOUT_SECONDS="2", MOEGUARD_MAX_CONCURRENT_BATCHES="1",
-                     MOEGUARD_MAX_BATCH_REQUESTS="1", MOEGUARD_FAULT_STEP_DELAY_SECONDS="0.02")
+                     MOEGUARD_MAX_BATCH_REQUESTS="1", MOEGUARD_TEST_FAULTS="1",
+                     MOEGUARD_FAULT_STEP_DELAY_SECONDS="0.02")
     first: list[httpx.Response] = []
     t = threading.Thread(target=lambda: first.append(
         post(w, {"prompt": "a", "max_tokens": 250, "temperature": 0})))  # greedy: no EOS in 400
@@ -238,7 +239,8 @@ def test_c5_queue_timeout_with_stream_is_a_503_not_a_200(
     same 503 JSON error, ``Retry-After`` and reason as the non-streaming path, at
     about the queue timeout; once the slot frees, a stream is admitted and served."""
     w = start_worker(MOEGUARD_QUEUE_TIMEOUT_SECONDS="2", MOEGUARD_MAX_CONCURRENT_BATCHES="1",
-                     MOEGUARD_MAX_BATCH_REQUESTS="1", MOEGUARD_FAULT_STEP_DELAY_SECONDS="0.02")
+                     MOEGUARD_MAX_BATCH_REQUESTS="1", MOEGUARD_TEST_FAULTS="1",
+                     MOEGUARD_FAULT_STEP_DELAY_SECONDS="0.02")
     first: list[httpx.Response] = []
     t = threading.Thread(target=lambda: first.append(
         post(w, {"prompt": "a", "max_tokens": 200, "temperature": 0})))
