@@ -37,7 +37,7 @@ from moeguard_runtime.procmem import (
     read_process_memory,
 )
 from moeguard_runtime.scheduler import OverloadPolicy, Scheduler
-from moeguard_runtime.step_loop import StepLoop
+from moeguard_runtime.step_loop import IDLE_WAIT_S, StepLoop
 from moeguard_runtime.step_telemetry import log_memory_snapshot
 from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
 
@@ -45,13 +45,15 @@ __all__ = ["Event", "GenerationRequest", "Sink", "Worker"]
 
 
 class Worker:
-    """Owns the engine thread. ``clock`` is monotonic seconds (injected for tests)."""
+    """Owns the engine thread. ``clock`` is monotonic seconds; it, the memory readers and
+    ``idle_wait_s`` (the idle loop's longest wait, 0 to never block) are injected for tests."""
 
     def __init__(self, settings: Settings, engine: Engine, telemetry: Telemetry,
                  log: RateLimitedLog, clock: Callable[[], float] = time.monotonic,
                  memory_reader: Callable[[], MemoryReading] = read_memory,
                  device_reader: Callable[[], DeviceMemory | None] | None = None,
-                 process_reader: Callable[[], ProcessMemory] = read_process_memory) -> None:
+                 process_reader: Callable[[], ProcessMemory] = read_process_memory,
+                 idle_wait_s: float = IDLE_WAIT_S) -> None:
         self.settings, self.engine, self.telemetry, self.log = settings, engine, telemetry, log
         self._clock = clock
         self._read_process = process_reader
@@ -62,7 +64,7 @@ class Worker:
         self.overload_trigger = OverloadTrigger(settings.overload_mode, policy, telemetry, log)
         self.scheduler = Scheduler(settings.budgets, settings.limits, self._now, policy)
         self.loop = StepLoop(self.scheduler, engine, telemetry, log, self._now, settings.faults,
-                             self._budgets_applied, self.memory_snapshot)
+                             self._budgets_applied, self.memory_snapshot, idle_wait_s)
         self.budget_generation = NO_GENERATION
         self._leaker = FaultLeaker.from_faults(settings.faults)
         self._stop = threading.Event()

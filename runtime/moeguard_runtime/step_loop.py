@@ -42,12 +42,13 @@ class _Active:
 
 
 class StepLoop:
-    """The requests in flight and the loop over steps. ``clock``: monotonic seconds."""
+    """The requests in flight and the loop over steps. ``clock``: monotonic seconds;
+    ``idle_wait_s`` 0 never blocks (tests that drive the loop by hand)."""
 
     def __init__(self, scheduler: Scheduler, engine: Engine, telemetry: Telemetry,
                  log: RateLimitedLog, clock: Callable[[], float], faults: Faults,
                  on_budgets_applied: Callable[[Budgets], None],
-                 memory_snapshot: Callable[[str], None]) -> None:
+                 memory_snapshot: Callable[[str], None], idle_wait_s: float = IDLE_WAIT_S) -> None:
         self.scheduler, self.engine = scheduler, engine
         self.telemetry, self.log = telemetry, log
         self.cond = threading.Condition()
@@ -56,6 +57,7 @@ class StepLoop:
         self._faults = faults
         self._on_budgets_applied = on_budgets_applied
         self._memory_snapshot = memory_snapshot
+        self._idle_wait_s = idle_wait_s
         self._active: dict[str, _Active] = {}
         self._to_release: list[str] = []
 
@@ -83,14 +85,14 @@ class StepLoop:
 
     def iteration(self) -> None:
         """Release finished caches, expire queued requests, run at most one step;
-        waits up to :data:`IDLE_WAIT_S` for work when there is none."""
+        waits up to ``idle_wait_s`` (default :data:`IDLE_WAIT_S`) for work when there is none."""
         with self.cond:
             release, self._to_release = self._to_release, []
             result = self.scheduler.schedule()
             expired = [(r, self._active.pop(r, None)) for r in result.expired]
             self.update_queue_gauges()
             if result.plan is None and not expired and not release:
-                self.cond.wait(timeout=IDLE_WAIT_S)
+                self.cond.wait(timeout=self._idle_wait_s)
         for req_id in release:
             self.engine.release(req_id)
         timeout = self.scheduler.next_budgets.queue_timeout_seconds
