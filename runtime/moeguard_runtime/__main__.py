@@ -94,7 +94,7 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
         model = build_model(args, seed=settings.seed, expert_chunk_tokens=settings.expert_chunk_tokens,
                             capacity_factor=settings.capacity_factor, checkpoint=settings.checkpoint,
                             dtype=settings.torch_dtype, device=settings.torch_device,
-                            matmul_backend=settings.matmul_backend)
+                            matmul_backend=settings.matmul_backend, dispatch=settings.moe_dispatch)
     except Exception as exc:  # a bad checkpoint: say why and exit
         log.event("model_load_error", force=True, error=str(exc)[:1000])
         failed.set()

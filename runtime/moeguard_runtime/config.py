@@ -33,7 +33,13 @@ import torch
 from moeguard_runtime import contract
 from moeguard_runtime.contract import Budgets
 from moeguard_runtime.faults import Faults, load_faults
-from moeguard_runtime.moe import DEFAULT_EXPERT_CHUNK_TOKENS, MATMUL_BACKENDS, MatmulBackend
+from moeguard_runtime.moe import (
+    DEFAULT_EXPERT_CHUNK_TOKENS,
+    MATMUL_BACKENDS,
+    MOE_DISPATCHES,
+    MatmulBackend,
+    MoeDispatch,
+)
 from moeguard_runtime.presets import ModelArgs
 from moeguard_runtime.scheduler import QueueLimits
 
@@ -45,6 +51,8 @@ ENV_CAPACITY_FACTOR = "MOEGUARD_CAPACITY_FACTOR"
 """0 or unset: dropless (default); > 0: DeepSpeed capacity, overflow slots dropped and counted."""
 ENV_MATMUL_BACKEND = "MOEGUARD_MATMUL_BACKEND"
 """Kernel of the expert matmuls: ``onednn`` (default; oneDNN for CPU float32) or ``torch``."""
+ENV_MOE_DISPATCH = "MOEGUARD_MOE_DISPATCH"
+"""How the MoE layers group their slots: ``auto`` (default), ``host`` or ``device`` (``moe.MoeDispatch``)."""
 ENV_MAX_QUEUE_TOKENS = "MOEGUARD_MAX_QUEUE_TOKENS"
 ENV_SOFT_SHRINK_FACTOR = "MOEGUARD_SOFT_LIMIT_SHRINK_FACTOR"
 ENV_LOG_INTERVAL_S = "MOEGUARD_LOG_INTERVAL_SECONDS"
@@ -90,6 +98,7 @@ class Settings:
     gpu_hard_fraction: float = contract.DEFAULT_GPU_HARD_FRACTION
     capacity_factor: float = 0.0
     matmul_backend: MatmulBackend = "onednn"
+    moe_dispatch: MoeDispatch = "auto"
     checkpoint: str | None = None
     model_overrides: tuple[tuple[str, int | float], ...] = ()
     max_body_bytes: int = 1 << 20
@@ -271,6 +280,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     if backend not in MATMUL_BACKENDS:
         raise ConfigError(f"{ENV_MATMUL_BACKEND}={backend!r} must be one of "
                           f"{', '.join(MATMUL_BACKENDS)}")
+    dispatch = (env.get(ENV_MOE_DISPATCH) or "auto").strip()
+    if dispatch not in MOE_DISPATCHES:
+        raise ConfigError(f"{ENV_MOE_DISPATCH}={dispatch!r} must be one of {', '.join(MOE_DISPATCHES)}")
     return Settings(
         host=env.get(ENV_HOST, "0.0.0.0"),
         port=port,
@@ -292,6 +304,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         gpu_hard_fraction=gpu_hard,
         capacity_factor=capacity,
         matmul_backend="torch" if backend == "torch" else "onednn",
+        moe_dispatch="host" if dispatch == "host" else "device" if dispatch == "device" else "auto",
         checkpoint=env.get(contract.ENV_CHECKPOINT_PATH) or None,
         model_overrides=_overrides(env),
         max_body_bytes=req(ENV_MAX_BODY_BYTES, 1 << 20),

@@ -14,10 +14,11 @@ a seed reproduces on the same device type; CPU and CUDA draw different streams.
 
 Device: the KV caches, the token and position tensors and the generators are
 created on the weights' device (``MOEGUARD_DEVICE``); only the sampled token ids
-come back to the host, all in one transfer per step. A step's host
-synchronisations are that transfer plus one per MoE layer (the grouped dispatch
-reads its ``[E]`` counts: the expert slices have data-dependent shapes,
-:func:`moe.dispatch_experts`); routing statistics and timings add none.
+come back to the host, with the routing counts, in one transfer per step
+(:func:`moe.read_back`). With the device dispatch (CUDA bfloat16,
+:mod:`moeguard_runtime.moe_device`) that is the step's only host
+synchronisation; the host dispatch (:func:`moe.dispatch_experts`, the CPU's)
+adds one per MoE layer, its ``[E]`` counts. Timings add none.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moeguard_runtime.model import KVCache, Segment, Transformer
-from moeguard_runtime.moe import RoutingStats
+from moeguard_runtime.moe import RoutingStats, read_back
 from moeguard_runtime.tokenizer import EOS
 
 
@@ -153,8 +154,9 @@ class Engine:
             seq.num_computed += segment.length
             if seq.prefilled:  # else a middle prefill chunk: nothing to sample yet
                 sampling.append((seq, sample_on_device(logits[i], seq.temperature, seq.generator)))
-        # The step's one host transfer: every sampled token id at once.
-        ids: list[int] = torch.stack([t for _, t in sampling]).tolist() if sampling else []
+        # The step's one host transfer: every sampled token id, with the routing counts
+        # that are still on the device (the device dispatch's).
+        stats, ids = read_back(list(routing), torch.stack([t for _, t in sampling]) if sampling else None)
         new_tokens: dict[str, int] = {}
         finished: dict[str, str] = {}
         for (seq, _), tok in zip(sampling, ids, strict=True):
@@ -167,7 +169,7 @@ class Engine:
             if seq.finish_reason is not None:
                 finished[seq.seq_id] = seq.finish_reason
         n_prefill = sum(n for _, n in prefill)
-        return StepOutput(new_tokens, finished, routing, n_prefill, len(decode))
+        return StepOutput(new_tokens, finished, stats, n_prefill, len(decode))
 
 
 MIN_TEMPERATURE = 1e-5

@@ -26,9 +26,11 @@ from moeguard_runtime.checkpoint import load_state_dict
 from moeguard_runtime.moe import (
     DEFAULT_EXPERT_CHUNK_TOKENS,
     MatmulBackend,
+    MoeDispatch,
     MOEFeedForward,
     RoutingStats,
 )
+from moeguard_runtime.moe_device import PendingRouting
 from moeguard_runtime.presets import ModelArgs
 
 
@@ -140,17 +142,18 @@ class Attention(nn.Module):
 
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer: int, expert_chunk_tokens: int,
-                 capacity_factor: float = 0.0, matmul_backend: MatmulBackend = "onednn") -> None:
+                 capacity_factor: float = 0.0, matmul_backend: MatmulBackend = "onednn",
+                 dispatch: MoeDispatch = "auto") -> None:
         super().__init__()
         self.attention = Attention(args, layer)
         self.feed_forward = MOEFeedForward(args.dim, args.intermediate_size, args.num_experts,
                                            args.top_k, expert_chunk_tokens, capacity_factor,
-                                           matmul_backend)
+                                           matmul_backend, dispatch)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
     def forward(self, x: torch.Tensor, angles: torch.Tensor,
-                segments: Sequence[Segment]) -> tuple[torch.Tensor, RoutingStats]:
+                segments: Sequence[Segment]) -> tuple[torch.Tensor, RoutingStats | PendingRouting]:
         h = x + self.attention(self.attention_norm(x), angles, segments)  # [T, D]
         ff, stats = self.feed_forward(self.ffn_norm(h))
         return h + ff, stats
@@ -158,16 +161,18 @@ class TransformerBlock(nn.Module):
 
 class Transformer(nn.Module):
     """The decoder. :meth:`forward` returns logits of each segment's last token.
-    ``matmul_backend``: kernel of the expert matmuls (:data:`moe.MatmulBackend`)."""
+    ``matmul_backend``: kernel of the expert matmuls (:data:`moe.MatmulBackend`);
+    ``dispatch``: how the MoE layers group their slots (:data:`moe.MoeDispatch`)."""
 
     def __init__(self, args: ModelArgs,
                  expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS,
-                 capacity_factor: float = 0.0, matmul_backend: MatmulBackend = "onednn") -> None:
+                 capacity_factor: float = 0.0, matmul_backend: MatmulBackend = "onednn",
+                 dispatch: MoeDispatch = "auto") -> None:
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args, i, expert_chunk_tokens, capacity_factor,
-                                                     matmul_backend)
+                                                     matmul_backend, dispatch)
                                     for i in range(args.n_layer))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -188,10 +193,12 @@ class Transformer(nn.Module):
             layer.feed_forward.expert_chunk_tokens = n
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
-                segments: Sequence[Segment]) -> tuple[torch.Tensor, list[RoutingStats]]:
+                segments: Sequence[Segment]
+                ) -> tuple[torch.Tensor, list[RoutingStats | PendingRouting]]:
         """``tokens``, ``positions``: [T] int64, packed in segment order.
 
-        Returns ``([S, V] float32 logits of each segment's last token, per-layer stats)``.
+        Returns ``([S, V] float32 logits of each segment's last token, per-layer routing)``;
+        :func:`moe.read_back` turns pending routing into :class:`moe.RoutingStats`.
         """
         x = self.tok_embeddings(tokens)  # [T, D]
         angles = self.angles[positions]  # [T, hd/2]
@@ -225,19 +232,20 @@ def build_model(args: ModelArgs, seed: int = 0, dtype: torch.dtype = torch.float
                 expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS,
                 capacity_factor: float = 0.0, checkpoint: str | None = None,
                 device: torch.device | str = "cpu",
-                matmul_backend: MatmulBackend = "onednn") -> Transformer:
+                matmul_backend: MatmulBackend = "onednn",
+                dispatch: MoeDispatch = "auto") -> Transformer:
     """Build on the meta device (no allocation), then either load ``checkpoint``
     (a local safetensors file or folder, :mod:`moeguard_runtime.checkpoint`;
     tensors are assigned, not copied into fresh storage) or materialise and fill
     with seeded weights (drawn on the CPU, so a seed gives the same weights on
     every device), then cast to ``dtype`` and move to ``device``. The rotary
-    angles stay float32 on ``device``. ``matmul_backend``: see :data:`moe.MatmulBackend`.
+    angles stay float32 on ``device``. ``matmul_backend``, ``dispatch``: see :data:`moe.MatmulBackend`, :data:`moe.MoeDispatch`.
 
     Raises:
         checkpoint.CheckpointError: an unreadable checkpoint, or one of another shape.
     """
     with torch.device("meta"):
-        model = Transformer(args, expert_chunk_tokens, capacity_factor, matmul_backend)
+        model = Transformer(args, expert_chunk_tokens, capacity_factor, matmul_backend, dispatch)
     if checkpoint is not None:
         expected = {k: v.shape for k, v in model.state_dict().items()}
         model.load_state_dict(load_state_dict(checkpoint, args, expected), assign=True, strict=True)

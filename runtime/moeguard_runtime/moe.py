@@ -40,6 +40,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeguard_runtime.moe_device import (
+    PendingRouting,
+    capacity_keep,
+    device_dispatch,
+    grouped_mm_available,
+)
 from moeguard_runtime.timing import Mark, mark, seconds_between
 
 DEFAULT_EXPERT_CHUNK_TOKENS = 2048
@@ -148,6 +154,13 @@ at about 30 GB/s of weight reads against 19. Same float32 arithmetic (the
 results differ only in summation order); other devices and dtypes use ``F.linear``.
 ``torch``: ``F.linear`` everywhere (the benchmarks compare the two)."""
 MATMUL_BACKENDS: tuple[MatmulBackend, ...] = ("onednn", "torch")
+
+MoeDispatch = Literal["auto", "host", "device"]
+"""How :class:`MOEFeedForward` groups the slots: ``host`` (:func:`dispatch_experts`, the
+counts read on the host once per layer; any device, oneDNN on the CPU), ``device``
+(:func:`moe_device.device_dispatch`, no host read; needs ``F.grouped_mm``), or ``auto``
+(default): ``device`` where :func:`moe_device.grouped_mm_available`, else ``host``."""
+MOE_DISPATCHES: tuple[MoeDispatch, ...] = ("auto", "host", "device")
 
 
 ONEDNN_CHUNK_TOKENS = 256
@@ -266,7 +279,7 @@ def dispatch_experts(
     kept = host_counts
     overflow = 0
     if capacity is not None and max(host_counts, default=0) > capacity:
-        keep = _capacity_keep(experts, counts, capacity)[order]  # [T*k] bool, sorted order
+        keep = capacity_keep(experts, counts, capacity)[order]  # [T*k] bool, sorted order
         kept = [min(c, capacity) for c in host_counts]
         overflow = sum(host_counts) - sum(kept)
         # the kept slots in their order; no boolean indexing (its size is read on the host)
@@ -302,31 +315,18 @@ def dispatch_experts(
     return out, host_counts, overflow
 
 
-def _capacity_keep(experts: torch.Tensor, counts: torch.Tensor, capacity: int) -> torch.Tensor:
-    """``[T*k]`` bool (token-major slots): kept under ``capacity`` with DeepSpeed's
-    priority, all first choices before second choices, each rank in token order."""
-    num_tokens, k = experts.shape
-    rank_major = experts.T.reshape(-1)  # [k*T], index r*T + t
-    order = torch.argsort(rank_major, stable=True)
-    starts = torch.cumsum(counts, 0) - counts  # [E]
-    device = experts.device
-    pos = (torch.arange(order.numel(), device=device)  # position within its expert
-           - torch.repeat_interleave(starts, counts, output_size=order.numel()))  # no host sync
-    keep_rm = torch.zeros(order.numel(), dtype=torch.bool, device=device)
-    keep_rm[order] = pos < capacity
-    return keep_rm.view(k, num_tokens).T.reshape(-1)  # back to token-major t*k + r
-
-
 class MOEFeedForward(nn.Module):
     """Router plus stacked SwiGLU experts (gpt-fast ``MOEFeedForward``).
 
     ``capacity_factor`` 0 (default) is dropless; above 0, DeepSpeed capacity.
-    ``matmul_backend``: kernel of the expert matmuls (:data:`MatmulBackend`).
+    ``matmul_backend``: kernel of the expert matmuls (:data:`MatmulBackend`);
+    ``dispatch``: see :data:`MoeDispatch`.
     """
 
     def __init__(self, dim: int, intermediate_size: int, num_experts: int, top_k: int,
                  expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS,
-                 capacity_factor: float = 0.0, matmul_backend: MatmulBackend = "onednn") -> None:
+                 capacity_factor: float = 0.0, matmul_backend: MatmulBackend = "onednn",
+                 dispatch: MoeDispatch = "auto") -> None:
         super().__init__()
         self.gate = nn.Linear(dim, num_experts, bias=False)  # weight [E, D]
         self.w1 = nn.Parameter(torch.empty(num_experts, intermediate_size, dim))  # [E, I, D]
@@ -337,9 +337,12 @@ class MOEFeedForward(nn.Module):
         self.expert_chunk_tokens = expert_chunk_tokens
         self.capacity_factor = capacity_factor
         self.matmul_backend: MatmulBackend = matmul_backend
+        self.dispatch: MoeDispatch = dispatch
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingStats]:
-        """``x`` [T, D] → ``([T, D], RoutingStats)``."""
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingStats | PendingRouting]:
+        """``x`` [T, D] → ``([T, D], routing)``: :class:`RoutingStats` from the host
+        dispatch, :class:`moe_device.PendingRouting` from the device one (read it with
+        :func:`read_back`, together with the step's other results)."""
         t0 = mark(x.device)
         weights, experts = route(self.gate(x), self.top_k)  # [T, k] each
         t1 = mark(x.device)
@@ -347,8 +350,38 @@ class MOEFeedForward(nn.Module):
         if self.capacity_factor > 0:
             capacity = expert_capacity(x.shape[0], self.top_k, self.num_experts,
                                        self.capacity_factor)
+        if self.dispatch == "device" or (self.dispatch == "auto" and grouped_mm_available(x)):
+            out, pending, dropped = device_dispatch(x, weights, experts, self.w1, self.w2, self.w3,
+                                                    self.expert_chunk_tokens, capacity)
+            return out, PendingRouting(pending, dropped, (t0, t1, mark(x.device)))
         out, counts, overflow = dispatch_experts(
             x, weights, experts, self.w1, self.w2, self.w3, self.expert_chunk_tokens, capacity,
             self.matmul_backend)
         t2 = mark(x.device)
         return out, routing_stats(counts, overflow, (t0, t1, t2))
+
+
+def read_back(records: list[RoutingStats | PendingRouting],
+              extra: torch.Tensor | None) -> tuple[list[RoutingStats], list[int]]:
+    """Every pending layer's counts and overflow, and ``extra`` (``[n]`` integers, the
+    sampled token ids), read in one host transfer.
+
+    Returns:
+        ``(stats per layer, extra as ints)``.
+    """
+    pending = [r for r in records if isinstance(r, PendingRouting)]
+    parts = [p.counts.reshape(-1) for p in pending] + [p.overflow.reshape(1) for p in pending]
+    if extra is not None:
+        parts.append(extra.reshape(-1))
+    if not parts:
+        return [r for r in records if isinstance(r, RoutingStats)], []
+    host: list[int] = torch.cat([p.to(torch.int64) for p in parts]).tolist()  # the one transfer
+    at = 0
+    counts: list[list[int]] = []
+    for p in pending:
+        counts.append(host[at:at + p.counts.numel()])
+        at += p.counts.numel()
+    overflow, at = host[at:at + len(pending)], at + len(pending)
+    resolved = iter(routing_stats(c, o, p.marks) for c, o, p in zip(counts, overflow, pending, strict=True))
+    stats = [r if isinstance(r, RoutingStats) else next(resolved) for r in records]
+    return stats, host[at:]

@@ -89,6 +89,44 @@ def test_a_step_reads_the_device_once_per_moe_layer_plus_once(host_reads: list[s
     assert all(r.routing_seconds >= 0 and r.expert_seconds >= 0 for r in out.routing)
 
 
+def test_with_the_device_dispatch_a_step_reads_the_device_once(host_reads: list[str]) -> None:
+    """The grouped_mm dispatch (CUDA bfloat16's by default; forced here on the CPU)
+    keeps the counts on the device: the step's one transfer carries the sampled
+    tokens and every layer's counts."""
+    engine = Engine(build_model(ARGS, seed=3, dispatch="device"))
+    host = Engine(build_model(ARGS, seed=3, dispatch="host"))
+    for e in (engine, host):
+        e.add("a", tokenizer.encode("Hello there"), 4)
+        e.add("b", tokenizer.encode("Hi"), 4, temperature=0.8, seed=1)
+    host_reads.clear()
+    out = engine.step([("a", 12), ("b", 3)], [])
+    assert host_reads == ["tolist"]
+    ref = host.step([("a", 12), ("b", 3)], [])
+    assert out.new_tokens == ref.new_tokens
+    assert [r.tokens_per_expert for r in out.routing] == [r.tokens_per_expert for r in ref.routing]
+
+
+@pytest.mark.parametrize("capacity", [None, 2])
+@pytest.mark.parametrize("chunk", [1, 7, 2048])
+@pytest.mark.parametrize("tokens", [1, 3, 16, 200])
+def test_device_dispatch_equals_the_host_dispatch(tokens: int, chunk: int, capacity: int | None) -> None:
+    """Same outputs, counts and overflow as :func:`moe.dispatch_experts` (itself tested
+    against HF's loop), dropless or with capacity, in any chunking."""
+    from moeguard_runtime.moe import dispatch_experts, route
+    from moeguard_runtime.moe_device import device_dispatch
+
+    g = torch.Generator().manual_seed(11)
+    gate, w1, w3 = torch.randn(8, 32, generator=g), torch.randn(8, 48, 32, generator=g), \
+        torch.randn(8, 48, 32, generator=g)
+    w2 = torch.randn(8, 32, 48, generator=g)
+    x = torch.randn(tokens, 32, generator=g)
+    weights, experts = route(x @ gate.T, 2)
+    want, counts, overflow = dispatch_experts(x, weights, experts, w1, w2, w3, chunk, capacity, "torch")
+    got, dev_counts, dev_overflow = device_dispatch(x, weights, experts, w1, w2, w3, chunk, capacity)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert dev_counts.tolist() == counts and int(dev_overflow) == overflow
+
+
 def test_no_global_reseed_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
     """An unseeded request gets its own freshly seeded generator; the global one is untouched."""
     def refuse() -> int:

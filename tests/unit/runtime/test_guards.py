@@ -86,6 +86,7 @@ def test_settings_read_every_contract_variable() -> None:
     ({"MOEGUARD_TEST_FAULTS": "1", "MOEGUARD_FAULT_LEAK_ANON_BYTES_PER_SECOND": "-1"},
      "MOEGUARD_FAULT_LEAK_ANON_BYTES_PER_SECOND=-1 must be >= 0"),
     ({"MOEGUARD_MATMUL_BACKEND": "cublas"}, "MOEGUARD_MATMUL_BACKEND='cublas' must be one of"),
+    ({"MOEGUARD_MOE_DISPATCH": "gpu"}, "MOEGUARD_MOE_DISPATCH='gpu' must be one of auto, host, device"),
 ])
 def test_bad_environment_names_the_variable(env: dict[str, str], needle: str) -> None:
     with pytest.raises(ConfigError) as exc:
