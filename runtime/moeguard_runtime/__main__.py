@@ -103,6 +103,7 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
     log.event("worker_start", force=True, preset=settings.preset, seed=settings.seed,
               checkpoint=settings.checkpoint, parameters=presets.parameter_count(args),
               device=settings.device, dtype=settings.dtype,
+              matmul_backend=settings.matmul_backend, moe_dispatch=settings.moe_dispatch,
               model_overrides=dict(settings.model_overrides) or None,
               load_seconds=round(time.monotonic() - t0, 3), torch_threads=settings.torch_threads,
               omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),

@@ -256,3 +256,12 @@ def test_admitted_comes_before_tokens_and_never_after_a_queue_timeout() -> None:
     assert [e.kind for e in second] == ["error"]
     assert second[0].status == 503 and second[0].reason == "queue_timeout"
     assert [e.kind for e in first].count("admitted") == 1
+
+
+def test_the_self_trigger_holds_until_calm() -> None:
+    from moeguard_runtime.overload_trigger import worker_wants_overload
+
+    assert worker_wants_overload(active=False, pressure=True, calm=False)
+    assert worker_wants_overload(active=True, pressure=False, calm=False)  # held
+    assert not worker_wants_overload(active=True, pressure=False, calm=True)
+    assert not worker_wants_overload(active=False, pressure=False, calm=False)
