@@ -122,11 +122,11 @@ def apply_crds(run_dir: Path = RUN_DIR) -> None:
 def start_operator(log_path: Path, run_dir: Path = RUN_DIR, extra_env: dict[str, str] | None = None,
                    args: tuple[str, ...] = ("-A", "--standalone")) -> subprocess.Popen[bytes]:
     """Start ``python -m moeguard_operator`` against the local cluster, logging to ``log_path``."""
-    env = tools_env(run_dir) | {"MOEGUARD_TIMER_INTERVAL_SECONDS": "2"} | (extra_env or {})
+    env = tools_env(run_dir) | (extra_env or {})
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = log_path.open("ab")
     return subprocess.Popen(
-        [sys.executable, "-m", "moeguard_operator", *args, "--prometheus-url", PROMETHEUS_URL],
+        [sys.executable, "-m", "moeguard_operator", "--timer-interval-seconds", "2", *args, "--prometheus-url", PROMETHEUS_URL],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
 

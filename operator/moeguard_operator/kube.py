@@ -105,3 +105,11 @@ def crd_exists(name: str) -> bool:
             return False
         raise
     return True
+
+
+def api_message(exc: ApiException) -> str:
+    """The API server's message in a refusal (its Status ``message``), at most 800 characters."""
+    try:
+        return str(json.loads(str(exc.body)).get("message", exc.body))[:800]
+    except (TypeError, ValueError, AttributeError):
+        return str(exc.body or exc.reason)[:800]

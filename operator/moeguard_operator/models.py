@@ -569,7 +569,7 @@ class Observed(_Model):
     """Running worker pods with no metrics in Prometheus."""
 
 
-class LoopState(_Model):
+class ControlStatus(_Model):
     """Bookkeeping of the control loop, kept in status so an operator restart resumes it."""
 
     last_change_time: datetime | None = None
@@ -614,5 +614,5 @@ class MoEInferenceServiceStatus(_Model):
     """The last budget change."""
     observed: Observed | None = None
     """The control loop's last observation."""
-    control: LoopState | None = None
+    control: ControlStatus | None = None
     """The control loop's bookkeeping."""

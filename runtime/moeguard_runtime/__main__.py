@@ -93,7 +93,8 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
             torch.cuda.set_device(settings.torch_device)  # cuda:N: caches and streams there
         model = build_model(args, seed=settings.seed, expert_chunk_tokens=settings.expert_chunk_tokens,
                             capacity_factor=settings.capacity_factor, checkpoint=settings.checkpoint,
-                            dtype=settings.torch_dtype, device=settings.torch_device)
+                            dtype=settings.torch_dtype, device=settings.torch_device,
+                            matmul_backend=settings.matmul_backend, dispatch=settings.moe_dispatch)
     except Exception as exc:  # a bad checkpoint: say why and exit
         log.event("model_load_error", force=True, error=str(exc)[:1000])
         failed.set()
@@ -102,6 +103,7 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
     log.event("worker_start", force=True, preset=settings.preset, seed=settings.seed,
               checkpoint=settings.checkpoint, parameters=presets.parameter_count(args),
               device=settings.device, dtype=settings.dtype,
+              matmul_backend=settings.matmul_backend, moe_dispatch=settings.moe_dispatch,
               model_overrides=dict(settings.model_overrides) or None,
               load_seconds=round(time.monotonic() - t0, 3), torch_threads=settings.torch_threads,
               omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
