@@ -82,7 +82,8 @@ def _deepseek(**kw: Any) -> Callable[[], Any]:
             num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
             kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8,
             v_head_dim=24, first_k_dense_replace=1, routed_scaling_factor=2.5,
-            num_mtp_layers=0)
+            num_mtp_layers=0,
+            num_key_value_heads=COMMON["num_attention_heads"])  # HF's MLA repeats K/V by H / KvH
         cfg = transformers.DeepseekV3Config(**{**COMMON, **base, **kw})
         return transformers.DeepseekV3ForCausalLM(cfg)
     return make
