@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+
 from moeguard_runtime.checkpoint import CheckpointError
 from moeguard_runtime.moe import DEFAULT_EXPERT_CHUNK_TOKENS
 from moeguard_runtime.serving import ServingModel
@@ -267,6 +268,37 @@ def eos_token_ids(folder: Path, config: HFConfig) -> tuple[int, ...]:
     return tuple(values)
 
 
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What the worker needs before the weights are read: from ``config.json`` and
+    ``generation_config.json`` only (:func:`read_checkpoint_info`)."""
+
+    model_type: str
+    max_seq_len: int
+    num_experts: int
+    eos_token_ids: tuple[int, ...]
+
+
+def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
+    """Read and check the folder's configuration without touching the weights.
+
+    Raises:
+        CheckpointError: unreadable ``config.json``, an unsupported ``model_type`` (the
+            message lists the supported ones), or a missing key.
+    """
+    from moeguard_runtime import families
+
+    folder = Path(path)
+    config = HFConfig.read(folder)
+    model_type = config.data.get("model_type")
+    if families.get(model_type) is None:
+        raise CheckpointError(f"{config.path}: model_type {model_type!r} is not supported; "
+                              f"supported: {', '.join(families.SUPPORTED)}")
+    return CheckpointInfo(str(model_type), config.max_seq_len(),
+                          config.get_int("n_routed_experts", "num_local_experts", "num_experts"),
+                          eos_token_ids(folder, config))
+
+
 def load_hf_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
                        device: torch.device | str = "cpu",
                        options: BuildOptions | None = None) -> LoadedCheckpoint:
@@ -281,17 +313,15 @@ def load_hf_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
     from moeguard_runtime import families
 
     folder = Path(path)
+    info = read_checkpoint_info(folder)
     config = HFConfig.read(folder)
-    model_type = config.data.get("model_type")
-    family = families.get(model_type)
-    if family is None:
-        raise CheckpointError(f"{config.path}: model_type {model_type!r} is not supported; "
-                              f"supported: {', '.join(families.SUPPORTED)}")
+    family = families.get(info.model_type)
+    assert family is not None
     with TensorSource(folder) as source:
         model: ServingModel = family(config, source, options or BuildOptions())
     model.to(dtype=dtype)
     model.to(device)
     model.setup_rope(device)
     model.eval()
-    return LoadedCheckpoint(model, dict(config.data), str(model_type),
-                            eos_token_ids(folder, config), config.max_seq_len(), folder)
+    return LoadedCheckpoint(model, dict(config.data), info.model_type, info.eos_token_ids,
+                            info.max_seq_len, folder)
