@@ -319,7 +319,12 @@ def load_hf_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
     assert family is not None
     with TensorSource(folder) as source:
         model: ServingModel = family(config, source, options or BuildOptions())
-    model.to(dtype=dtype)
+    from moeguard_runtime.families.common import HFDecoder
+
+    if isinstance(model, HFDecoder):
+        model.cast(dtype)  # routers that HF keeps in float32 stay float32
+    else:
+        model.to(dtype=dtype)
     model.to(device)
     model.setup_rope(device)
     model.eval()

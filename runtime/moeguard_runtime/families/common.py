@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeguard_runtime.checkpoint import hf_to_interleaved
+from moeguard_runtime.families.routers import Router
 from moeguard_runtime.hf_checkpoint import BuildOptions, HFConfig, TensorSource
 from moeguard_runtime.model import KVCache, RMSNorm, Segment, apply_rope, rope_angles
 from moeguard_runtime.moe import (
@@ -160,20 +161,6 @@ class DenseMLP(nn.Module):
         return swiglu_expert(x, self.gate_proj.weight, self.down_proj.weight, self.up_proj.weight)
 
 
-Router = Callable[[torch.Tensor, "SparseMoE"], tuple[torch.Tensor, torch.Tensor]]
-"""``(router_logits [T, E] float32, block) → (weights [T, k] float32, experts [T, k] int64)``."""
-
-
-def softmax_topk(logits: torch.Tensor, block: SparseMoE) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over the experts in float32, top-k, renormalized to sum 1 when
-    ``block.norm_topk_prob`` (HF ``Qwen2MoeTopKRouter``, ``Qwen3MoeTopKRouter``)."""
-    probs = F.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
-    weights, experts = torch.topk(probs, block.top_k, dim=-1)  # [T, k], [T, k]
-    if block.norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, experts
-
-
 class SparseMoE(nn.Module):
     """Routed SwiGLU experts (grouped dispatch, :mod:`moeguard_runtime.moe`), plus optional
     shared experts: ungated (DeepSeek-V3 ``shared_experts``) or scaled by
@@ -184,10 +171,9 @@ class SparseMoE(nn.Module):
     ``capacity_factor``); the routing statistics count routed token-slots only.
     """
 
-    def __init__(self, dim: int, intermediate_size: int, num_experts: int, top_k: int,
-                 router: Router, options: BuildOptions, *, norm_topk_prob: bool,
-                 shared_size: int = 0, shared_gate: bool = False,
-                 score_bias: bool = False) -> None:
+    def __init__(self, dim: int, intermediate_size: int, num_experts: int, router: Router,
+                 options: BuildOptions, *, shared_size: int = 0, shared_gate: bool = False,
+                 score_bias: bool = False, router_fp32: bool = False) -> None:
         super().__init__()
         self.gate = nn.Linear(dim, num_experts, bias=False)  # weight [E, D]
         self.w1 = nn.Parameter(torch.empty(num_experts, intermediate_size, dim))  # [E, I, D]
@@ -197,17 +183,18 @@ class SparseMoE(nn.Module):
         self.shared = DenseMLP(dim, shared_size) if shared_size else None
         self.shared_gate = nn.Linear(dim, 1, bias=False) if shared_gate else None
         self.router = router
-        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.num_experts, self.top_k = num_experts, router.top_k
         self.expert_chunk_tokens = options.expert_chunk_tokens
         self.capacity_factor = options.capacity_factor
-        self.n_group = self.topk_group = 1
-        self.routed_scaling_factor = 1.0
+        self.router_fp32 = router_fp32
+        """Keep ``gate.weight`` and the bias float32 whatever the model's dtype (HF DeepSeek-V3's
+        ``_keep_in_fp32_modules_strict``): a bfloat16 bias would reorder close experts."""
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingStats]:
         """``x`` [T, D] → ``([T, D], RoutingStats)``."""
         t0 = time.perf_counter()
         logits = F.linear(x.float(), self.gate.weight.float())  # [T, E] float32
-        weights, experts = self.router(logits, self)  # [T, k] each
+        weights, experts = self.router(logits, self.e_score_correction_bias)  # [T, k] each
         t1 = time.perf_counter()
         capacity = None
         if self.capacity_factor > 0:
@@ -275,6 +262,13 @@ class HFDecoder(nn.Module):
             device = self.lm_head.weight.device
         self.angles = rope_angles(self._args.max_seq_len, self.rope_dim,
                                   self._args.rope_base).to(device)
+
+    def cast(self, dtype: torch.dtype) -> None:
+        """Floating parameters to ``dtype``, but the routers marked ``router_fp32`` to float32."""
+        keep = {id(p) for m in self.modules() if isinstance(m, SparseMoE) and m.router_fp32
+                for p in (m.gate.weight, m.e_score_correction_bias) if p is not None}
+        for p in self.parameters():
+            p.data = p.data.to(torch.float32 if id(p) in keep else dtype)
 
     def set_expert_chunk_tokens(self, n: int) -> None:
         """Bound on token-slots one expert processes at once (applies to the next step)."""

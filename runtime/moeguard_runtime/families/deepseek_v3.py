@@ -42,6 +42,7 @@ from moeguard_runtime.families.common import (
     load_by_name,
     moe_tensor,
 )
+from moeguard_runtime.families.routers import GroupLimitedSigmoid
 from moeguard_runtime.hf_checkpoint import BuildOptions, HFConfig, TensorSource
 from moeguard_runtime.model import KVCache, RMSNorm, Segment, apply_rope
 
@@ -125,27 +126,6 @@ class MLAttention(nn.Module):
         return out
 
 
-def grouped_sigmoid_topk(logits: torch.Tensor, block: SparseMoE) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3 router (HF ``DeepseekV3TopkRouter``; V3 report §2.1.2, eqs. 13-16).
-
-    ``logits`` [T, E] float32 → ``(weights [T, k] float32, experts [T, k] int64)``.
-    """
-    assert block.e_score_correction_bias is not None
-    num_tokens, e, g = logits.shape[0], block.num_experts, block.n_group
-    scores = logits.sigmoid()  # [T, E]
-    choice = scores + block.e_score_correction_bias.float()  # [T, E]
-    group_scores = choice.view(num_tokens, g, e // g).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
-    group_idx = torch.topk(group_scores, k=block.topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)  # [T, G]
-    expert_mask = group_mask[:, :, None].expand(num_tokens, g, e // g).reshape(num_tokens, e)
-    choice = choice.masked_fill(~expert_mask.bool(), float("-inf"))
-    experts = torch.topk(choice, k=block.top_k, dim=-1, sorted=False)[1]  # [T, k]
-    weights = scores.gather(1, experts)  # [T, k]
-    if block.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * block.routed_scaling_factor, experts
-
-
 def build(cfg: HFConfig, source: TensorSource, options: BuildOptions) -> HFDecoder:
     """The DeepSeek-V3 decoder of ``cfg``, filled from ``source``.
 
@@ -169,16 +149,15 @@ def build(cfg: HFConfig, source: TensorSource, options: BuildOptions) -> HFDecod
     moe_size = cfg.get_int("moe_intermediate_size")
     shared = cfg.get_int("n_shared_experts", default=0) * moe_size
     interleaved = cfg.get_bool("rope_interleave", True)
+    router = GroupLimitedSigmoid(args.top_k, n_group, topk_group,
+                                 cfg.get_float("routed_scaling_factor", 1.0),
+                                 cfg.get_bool("norm_topk_prob", True))
 
     def mlp(layer: int) -> nn.Module:
         if layer < dense_layers:
             return DenseMLP(args.dim, cfg.get_int("intermediate_size"))
-        block = SparseMoE(args.dim, moe_size, num_experts, args.top_k, grouped_sigmoid_topk,
-                          options, norm_topk_prob=cfg.get_bool("norm_topk_prob", True),
-                          shared_size=shared, score_bias=True)
-        block.n_group, block.topk_group = n_group, topk_group
-        block.routed_scaling_factor = cfg.get_float("routed_scaling_factor", 1.0)
-        return block
+        return SparseMoE(args.dim, moe_size, num_experts, router, options, shared_size=shared,
+                         score_bias=True, router_fp32=True)
 
     with torch.device("meta"):
         layers = [DecoderLayer(args, MLAttention(cfg, args, i), mlp(i)) for i in range(args.n_layer)]

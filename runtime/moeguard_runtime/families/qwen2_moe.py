@@ -18,9 +18,9 @@ from moeguard_runtime.families.common import (
     SparseMoE,
     build_gqa_decoder,
     decoder_args,
-    softmax_topk,
     sparse_layers,
 )
+from moeguard_runtime.families.routers import SoftmaxTopK
 from moeguard_runtime.hf_checkpoint import BuildOptions, HFConfig, TensorSource
 
 
@@ -38,8 +38,8 @@ def build(cfg: HFConfig, source: TensorSource, options: BuildOptions) -> HFDecod
 
     def mlp(layer: int) -> nn.Module:
         if layer in sparse:
-            return SparseMoE(args.dim, moe_size, args.num_experts, args.top_k, softmax_topk,
-                             options, norm_topk_prob=norm, shared_size=shared_size,
+            return SparseMoE(args.dim, moe_size, args.num_experts, SoftmaxTopK(args.top_k, norm),
+                             options, shared_size=shared_size,
                              shared_gate=True)
         return DenseMLP(args.dim, dense_size)
 
