@@ -29,8 +29,16 @@ import torch
 
 from moeguard_runtime.config import load_settings
 from moeguard_runtime.engine import Engine
-from moeguard_runtime.hf_checkpoint import BuildOptions, LoadedCheckpoint, load_hf_checkpoint
+from moeguard_runtime.families.common import SparseMoE
+from moeguard_runtime.hf_checkpoint import (
+    BuildOptions,
+    LoadedCheckpoint,
+    load_hf_checkpoint,
+    read_checkpoint_info,
+)
 from moeguard_runtime.memory import MemoryReading
+from moeguard_runtime.model import Segment
+from moeguard_runtime.moe import MOEFeedForward
 from moeguard_runtime.service import Event, GenerationRequest, Worker
 from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
 from moeguard_runtime.tokenizer import EOS
@@ -123,6 +131,13 @@ class Reference:
     folder: Path
     hf: Any
     prompts: list[list[int]]
+    _greedy: dict[str, list[int]] | None = None
+
+    def greedy(self) -> dict[str, list[int]]:
+        """``generate``'s greedy tokens of each prompt (computed once per family)."""
+        if self._greedy is None:
+            self._greedy = {str(i): _hf_greedy(self.hf, p) for i, p in enumerate(self.prompts)}
+        return self._greedy
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -166,8 +181,6 @@ def test_logits_match_transformers(reference: Reference) -> None:
     for i, p in enumerate(reference.prompts):
         engine.add(str(i), p, 1)
     out_ids = [str(i) for i in range(len(reference.prompts))]
-    from moeguard_runtime.model import Segment
-
     tokens = torch.tensor([t for p in reference.prompts for t in p])
     positions = torch.tensor([i for p in reference.prompts for i in range(len(p))])
     segments = [Segment(engine.sequences[s].cache, 0, len(p))
@@ -213,19 +226,23 @@ class _Quiet:
 def test_greedy_tokens_match_transformers(reference: Reference, guardrails: bool) -> None:
     options = BuildOptions()
     if guardrails:
-        experts = reference.hf.config.num_experts_per_tok
-        num = getattr(reference.hf.config, "n_routed_experts", None) or \
-            getattr(reference.hf.config, "num_local_experts", None) or reference.hf.config.num_experts
-        options = BuildOptions(expert_chunk_tokens=2, capacity_factor=num / experts)
+        info = read_checkpoint_info(reference.folder)
+        options = BuildOptions(expert_chunk_tokens=2,
+                               capacity_factor=info.num_experts / reference.hf.config.num_experts_per_tok)
     loaded = load_hf_checkpoint(reference.folder, options=options)
-    ref = {str(i): _hf_greedy(reference.hf, p) for i, p in enumerate(reference.prompts)}
+    ref = reference.greedy()
     assert all(EOS not in t for t in ref.values()), "the byte tokenizer's EOS id: pick another seed"
     ours, worker = _serve(loaded, reference.prompts)
     compared = sum(len(t) for t in ours.values())
     print(f"\n{reference.folder.name} guardrails={guardrails}: {compared} tokens compared")
     assert ours == ref
     assert compared == NEW_TOKENS * len(reference.prompts)
-    overflow = worker.telemetry.registry.get_sample_value(
-        "moeguard_expert_overflow_tokens_total", {"moeis": "s", "namespace": "n", "pod": "p",
-                                                  "layer": "0"})
-    assert not overflow
+    # the routing statistics count every token-slot of every MoE layer; nothing dropped
+    samples = [s for m in worker.telemetry.registry.collect() for s in m.samples]
+    routed = sum(s.value for s in samples if s.name == "moeguard_expert_tokens_total")
+    overflow = sum(s.value for s in samples if s.name == "moeguard_expert_overflow_tokens_total")
+    model: Any = loaded.model
+    moe_layers = sum(isinstance(m, (SparseMoE, MOEFeedForward)) for m in model.modules())
+    tokens = sum(map(len, reference.prompts)) + (NEW_TOKENS - 1) * len(reference.prompts)
+    assert routed == tokens * reference.hf.config.num_experts_per_tok * moe_layers
+    assert overflow == 0
