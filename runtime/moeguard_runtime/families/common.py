@@ -22,9 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeguard_runtime.checkpoint import hf_to_interleaved
+from moeguard_runtime.families.rope import RopeScaling, rope_scaling
 from moeguard_runtime.families.routers import Router
 from moeguard_runtime.hf_checkpoint import BuildOptions, HFConfig, TensorSource
-from moeguard_runtime.model import KVCache, RMSNorm, Segment, apply_rope, rope_angles
+from moeguard_runtime.model import KVCache, RMSNorm, Segment, apply_rope
 from moeguard_runtime.moe import (
     RoutingStats,
     expert_capacity,
@@ -49,7 +50,7 @@ class DecoderArgs:
     head_dim: int
     vocab_size: int
     max_seq_len: int
-    rope_base: float
+    rope: RopeScaling
     norm_eps: float
     num_experts: int
     top_k: int
@@ -63,7 +64,7 @@ def decoder_args(cfg: HFConfig, num_experts: int, head_dim: int | None = None) -
         n_kv_head=cfg.get_int("num_key_value_heads", default=n_head),
         head_dim=head_dim or cfg.get_int("head_dim", default=dim // max(n_head, 1)),
         vocab_size=cfg.get_int("vocab_size"), max_seq_len=cfg.max_seq_len(),
-        rope_base=cfg.rope_theta(), norm_eps=cfg.get_float("rms_norm_eps", 1e-6),
+        rope=rope_scaling(cfg), norm_eps=cfg.get_float("rms_norm_eps", 1e-6),
         num_experts=num_experts, top_k=cfg.get_int("num_experts_per_tok"))
 
 
@@ -118,6 +119,7 @@ class GQAAttention(nn.Module):
         self.o_proj = nn.Linear(h * hd, args.dim, bias=False)
         self.q_norm = RMSNorm(hd, args.norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(hd, args.norm_eps) if qk_norm else None
+        self.rope_factor = args.rope.attention_factor
 
     def forward(self, x: torch.Tensor, angles: torch.Tensor,
                 segments: Sequence[Segment]) -> torch.Tensor:
@@ -129,6 +131,8 @@ class GQAAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, angles), apply_rope(k, angles)
+        if self.rope_factor != 1.0:  # YaRN's attention factor (HF scales cos and sin)
+            q, k = q * self.rope_factor, k * self.rope_factor
         outs = []
         offset = 0
         for seg in segments:
@@ -260,8 +264,7 @@ class HFDecoder(nn.Module):
         """Rotary angles, float32 on ``device`` (default: the weights' device)."""
         if device is None:
             device = self.lm_head.weight.device
-        self.angles = rope_angles(self._args.max_seq_len, self.rope_dim,
-                                  self._args.rope_base).to(device)
+        self.angles = self._args.rope.angles(self._args.max_seq_len, self.rope_dim).to(device)
 
     def cast(self, dtype: torch.dtype) -> None:
         """Floating parameters to ``dtype``, but the routers marked ``router_fp32`` to float32."""

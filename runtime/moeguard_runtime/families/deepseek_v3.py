@@ -18,7 +18,8 @@
 * The multi-token-prediction layers (``num_nextn_predict_layers``, stored as
   layers ``num_hidden_layers`` and up) are not used for decoding and are skipped.
 
-Only default RoPE is implemented: a YaRN ``rope_scaling`` is refused at load.
+RoPE: default or YaRN (:mod:`moeguard_runtime.families.rope`), the latter with
+DeepSeek's softmax-scale correction ``mscale(factor, mscale_all_dim)^2``.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ class MLAttention(nn.Module):
         self.nope, self.rope = cfg.get_int("qk_nope_head_dim"), cfg.get_int("qk_rope_head_dim")
         self.v_dim = cfg.get_int("v_head_dim")
         qk = self.nope + self.rope
-        self.scale = qk ** -0.5
+        self.scale = args.rope.softmax_scale(qk ** -0.5)
+        self.rope_factor = args.rope.attention_factor
         if self.q_lora_rank:
             r = cfg.get_int("q_lora_rank")
             self.q_a_proj = nn.Linear(d, r, bias=bias)
@@ -102,10 +104,11 @@ class MLAttention(nn.Module):
         else:
             q = self.q_proj(x)
         q = q.view(-1, h, nope + rope)  # [T, H, nope+rope]
-        q = torch.cat([q[..., :nope], apply_rope(q[..., nope:], angles)], dim=-1)
+        q_rot = apply_rope(q[..., nope:], angles) * self.rope_factor  # [T, H, rope]
+        q = torch.cat([q[..., :nope], q_rot], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, rope], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [T, r]
-        k_rot = apply_rope(k_rot[:, None, :], angles)[:, 0]  # [T, rope]
+        k_rot = apply_rope(k_rot[:, None, :], angles)[:, 0] * self.rope_factor  # [T, rope]
         outs = []
         offset = 0
         for seg in segments:

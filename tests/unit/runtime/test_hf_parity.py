@@ -106,6 +106,17 @@ FAMILIES = {
     "deepseek_v3-plain": Family("deepseek_v3", _deepseek(q_lora_rank=None, rope_interleave=False,
                                                          norm_topk_prob=False)),
 }
+YARN = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
+        "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1}
+LOGITS_ONLY = {
+    # YaRN as DeepSeek-V3 ships it (mscale, mscale_all_dim) and as Qwen3 documents it
+    "deepseek_v3-yarn": Family("deepseek_v3", _deepseek(
+        rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 0.8})),
+    "qwen3_moe-yarn": Family("qwen3_moe", lambda: transformers.Qwen3MoeForCausalLM(
+        transformers.Qwen3MoeConfig(**COMMON, head_dim=32, intermediate_size=96,
+                                    moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+                                    rope_parameters=YARN))),
+}
 
 
 def _redraw(model: Any, gen: torch.Generator) -> None:
@@ -140,19 +151,24 @@ class Reference:
         return self._greedy
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Reference:
-    family = FAMILIES[request.param]
-    torch.manual_seed(0)
-    hf = family.make()
-    hf.config._attn_implementation = "eager"
-    gen = torch.Generator().manual_seed(1)
-    _redraw(hf, gen)
-    hf.eval()
-    folder = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(folder)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
-    return Reference(folder, hf, prompts)
+_REFERENCES: dict[str, Reference] = {}
+
+
+def _reference(name: str, tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    """transformers' model ``name`` with redrawn weights, saved once per test session."""
+    if name not in _REFERENCES:
+        family = {**FAMILIES, **LOGITS_ONLY}[name]
+        torch.manual_seed(0)
+        hf = family.make()
+        hf.config._attn_implementation = "eager"
+        gen = torch.Generator().manual_seed(1)
+        _redraw(hf, gen)
+        hf.eval()
+        folder = tmp_path_factory.mktemp(name)
+        hf.save_pretrained(folder)
+        prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+        _REFERENCES[name] = Reference(folder, hf, prompts)
+    return _REFERENCES[name]
 
 
 def _hf_last_logits(hf: Any, prompt: list[int]) -> torch.Tensor:
@@ -173,7 +189,9 @@ def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours - ref).abs().max() / ref.abs().max())
 
 
-def test_logits_match_transformers(reference: Reference) -> None:
+@pytest.mark.parametrize("name", sorted({**FAMILIES, **LOGITS_ONLY}))
+def test_logits_match_transformers(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    reference = _reference(name, tmp_path_factory)
     loaded = load_hf_checkpoint(reference.folder)
     assert loaded.model_type == reference.hf.config.model_type
     assert loaded.max_seq_len == 256
@@ -223,7 +241,10 @@ class _Quiet:
 
 
 @pytest.mark.parametrize("guardrails", [False, True], ids=["plain", "chunked+capacity"])
-def test_greedy_tokens_match_transformers(reference: Reference, guardrails: bool) -> None:
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_greedy_tokens_match_transformers(name: str, guardrails: bool,
+                                          tmp_path_factory: pytest.TempPathFactory) -> None:
+    reference = _reference(name, tmp_path_factory)
     options = BuildOptions()
     if guardrails:
         info = read_checkpoint_info(reference.folder)
