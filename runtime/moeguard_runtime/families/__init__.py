@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from moeguard_runtime.hf_checkpoint import BuildOptions, HFConfig, TensorSource
 
-SUPPORTED = ("deepseek_v3", "mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED = ("deepseek_v3", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
 """``model_type`` values with an implementation (the module of the same name)."""
 
 Builder = Callable[["HFConfig", "TensorSource", "BuildOptions"], Any]

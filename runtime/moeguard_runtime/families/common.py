@@ -104,31 +104,58 @@ def causal_mask(n: int, s0: int, device: torch.device) -> torch.Tensor | None:
     return torch.ones(n, s0 + n, dtype=torch.bool, device=device).tril(diagonal=s0)
 
 
-class GQAAttention(nn.Module):
-    """Causal attention with rotary positions and grouped KV heads, HF ``Qwen2MoeAttention`` /
-    ``Qwen3MoeAttention``: optional q/k/v bias (Qwen2), optional per-head RMSNorm of q and k
-    before the rotation (Qwen3, ``q_norm``/``k_norm``). Softmax scale ``hd^-0.5``."""
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What differs between the families' GQA attention.
 
-    def __init__(self, args: DecoderArgs, layer: int, qkv_bias: bool, qk_norm: bool) -> None:
+    Attributes:
+        qkv_bias: biases on q/k/v (Qwen2-MoE ``qkv_bias``, OLMoE ``attention_bias``).
+        o_bias: a bias on the output projection (OLMoE ``attention_bias``).
+        qk_norm: RMSNorm of q and k before the rotation: ``"head"`` over each head
+            (Qwen3), ``"full"`` over the whole projection (OLMoE), ``"none"``.
+        clip_qkv: clamp q, k and v to ``[-clip, clip]`` after the norm (OLMoE ``clip_qkv``).
+    """
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: str = "none"
+    clip_qkv: float | None = None
+
+
+class GQAAttention(nn.Module):
+    """Causal attention with rotary positions and grouped KV heads, HF ``Qwen2MoeAttention``,
+    ``Qwen3MoeAttention``, ``OlmoeAttention`` (the differences in :class:`AttentionSpec`).
+    Softmax scale ``hd^-0.5``."""
+
+    def __init__(self, args: DecoderArgs, layer: int, spec: AttentionSpec) -> None:
         super().__init__()
         hd, h, kvh = args.head_dim, args.n_head, args.n_kv_head
         self.layer, self.n_head, self.n_kv_head, self.head_dim = layer, h, kvh, hd
-        self.q_proj = nn.Linear(args.dim, h * hd, bias=qkv_bias)
-        self.k_proj = nn.Linear(args.dim, kvh * hd, bias=qkv_bias)
-        self.v_proj = nn.Linear(args.dim, kvh * hd, bias=qkv_bias)
-        self.o_proj = nn.Linear(h * hd, args.dim, bias=False)
-        self.q_norm = RMSNorm(hd, args.norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(hd, args.norm_eps) if qk_norm else None
+        self.q_proj = nn.Linear(args.dim, h * hd, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(args.dim, kvh * hd, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(args.dim, kvh * hd, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(h * hd, args.dim, bias=spec.o_bias)
+        per_head = spec.qk_norm == "head"
+        self.q_norm = k_norm = None
+        if spec.qk_norm != "none":
+            self.q_norm = RMSNorm(hd if per_head else h * hd, args.norm_eps)
+            k_norm = RMSNorm(hd if per_head else kvh * hd, args.norm_eps)
+        self.k_norm = k_norm
+        self.norm_per_head = per_head
+        self.clip = spec.clip_qkv
         self.rope_factor = args.rope.attention_factor
 
     def forward(self, x: torch.Tensor, angles: torch.Tensor,
                 segments: Sequence[Segment]) -> torch.Tensor:
         """``x`` [T, D], ``angles`` [T, hd/2] → [T, D]; writes K/V into each segment's cache."""
         hd, h, kvh = self.head_dim, self.n_head, self.n_kv_head
-        q = self.q_proj(x).view(-1, h, hd)  # [T, H, hd]
-        k = self.k_proj(x).view(-1, kvh, hd)  # [T, KvH, hd]
-        v = self.v_proj(x).view(-1, kvh, hd)  # [T, KvH, hd]
-        if self.q_norm is not None and self.k_norm is not None:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, H*hd], [T, KvH*hd] x2
+        if self.q_norm is not None and self.k_norm is not None and not self.norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+        q, k, v = q.view(-1, h, hd), k.view(-1, kvh, hd), v.view(-1, kvh, hd)  # [T, heads, hd]
+        if self.q_norm is not None and self.k_norm is not None and self.norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, angles), apply_rope(k, angles)
         if self.rope_factor != 1.0:  # YaRN's attention factor (HF scales cos and sin)
@@ -353,21 +380,21 @@ def gqa_tensor(source: TensorSource, name: str, shape: tuple[int, ...],
     """q/k projection weights and biases and the q/k norms of :class:`GQAAttention`, permuted
     from HF's half-split rotary layout (:func:`to_interleaved`); None for any other ``name``."""
     prefix, _, leaf = name.rpartition(".self_attn.")
-    heads = {"q_proj": args.n_head, "k_proj": args.n_kv_head, "q_norm": 1, "k_norm": 1}
     module = leaf.split(".")[0]
-    if not prefix or module not in heads:
+    if not prefix or module not in ("q_proj", "k_proj", "q_norm", "k_norm"):
         return None
-    return to_interleaved(source.take(f"model.{name}", shape), heads[module])
+    heads = shape[0] // args.head_dim  # per-head norms: 1 head; OLMoE's full norms: all heads
+    return to_interleaved(source.take(f"model.{name}", shape), heads)
 
 
 def build_gqa_decoder(cfg: HFConfig, source: TensorSource, args: DecoderArgs,
-                      mlp: Callable[[int], nn.Module], *, qkv_bias: bool, qk_norm: bool,
+                      mlp: Callable[[int], nn.Module], spec: AttentionSpec,
                       shared_name: str = "shared_experts") -> HFDecoder:
     """A decoder of :class:`GQAAttention` layers whose MLP is ``mlp(layer)``, built on the
-    meta device and filled from ``source`` (Qwen2-MoE, Qwen3-MoE)."""
+    meta device and filled from ``source`` (Qwen2-MoE, Qwen3-MoE, OLMoE)."""
     check_activation(cfg)
     with torch.device("meta"):
-        layers = [DecoderLayer(args, GQAAttention(args, i, qkv_bias, qk_norm), mlp(i))
+        layers = [DecoderLayer(args, GQAAttention(args, i, spec), mlp(i))
                   for i in range(args.n_layer)]
         model = HFDecoder(args, layers, args.head_dim, lambda capacity, dtype, device: GQACache(
             args.n_layer, args.n_kv_head, args.head_dim, capacity, dtype, device))

@@ -13,6 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from moeguard_runtime.families.common import (
+    AttentionSpec,
     DenseMLP,
     HFDecoder,
     SparseMoE,
@@ -43,5 +44,6 @@ def build(cfg: HFConfig, source: TensorSource, options: BuildOptions) -> HFDecod
                              shared_gate=True)
         return DenseMLP(args.dim, dense_size)
 
-    return build_gqa_decoder(cfg, source, args, mlp, qkv_bias=cfg.get_bool("qkv_bias", True),
-                             qk_norm=False, shared_name="shared_expert")
+    return build_gqa_decoder(cfg, source, args, mlp,
+                             AttentionSpec(qkv_bias=cfg.get_bool("qkv_bias", True)),
+                             shared_name="shared_expert")

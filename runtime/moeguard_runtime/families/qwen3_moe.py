@@ -12,6 +12,7 @@ from __future__ import annotations
 from torch import nn
 
 from moeguard_runtime.families.common import (
+    AttentionSpec,
     DenseMLP,
     HFDecoder,
     SparseMoE,
@@ -42,4 +43,4 @@ def build(cfg: HFConfig, source: TensorSource, options: BuildOptions) -> HFDecod
                              options)
         return DenseMLP(args.dim, dense_size)
 
-    return build_gqa_decoder(cfg, source, args, mlp, qkv_bias=False, qk_norm=True)
+    return build_gqa_decoder(cfg, source, args, mlp, AttentionSpec(qk_norm="head"))

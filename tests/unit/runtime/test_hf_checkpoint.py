@@ -143,7 +143,7 @@ def test_file_errors(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("change", "message"), [
     ({"model_type": "llama"}, r"config\.json: model_type 'llama' is not supported; supported: "
-                              r"deepseek_v3, mixtral, qwen2_moe, qwen3_moe"),
+                              r"deepseek_v3, mixtral, olmoe, qwen2_moe, qwen3_moe"),
     ({"num_hidden_layers": None}, r"config\.json: num_hidden_layers is missing"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
      r"config\.json: rope_scaling rope_type 'yarn' is not supported"),

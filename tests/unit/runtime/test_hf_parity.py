@@ -83,6 +83,13 @@ def _qwen2() -> Any:
     return transformers.Qwen2MoeForCausalLM(cfg)
 
 
+def _olmoe() -> Any:
+    cfg = transformers.OlmoeConfig(**COMMON, intermediate_size=48, num_experts=8,
+                                   num_experts_per_tok=2, clip_qkv=1.5, attention_bias=True,
+                                   eos_token_id=2)
+    return transformers.OlmoeForCausalLM(cfg)
+
+
 def _deepseek(**kw: Any) -> Callable[[], Any]:
     def make() -> Any:
         base: dict[str, Any] = dict(
@@ -102,6 +109,7 @@ FAMILIES = {
     "qwen3_moe": Family("qwen3_moe", _qwen3),
     "qwen2_moe": Family("qwen2_moe", _qwen2),
     "deepseek_v3": Family("deepseek_v3", _deepseek()),
+    "olmoe": Family("olmoe", _olmoe),
     # no low-rank query, HF's half-split rotary layout, unnormalized top-k weights
     "deepseek_v3-plain": Family("deepseek_v3", _deepseek(q_lora_rank=None, rope_interleave=False,
                                                          norm_topk_prob=False)),
