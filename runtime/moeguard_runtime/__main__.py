@@ -18,12 +18,14 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from moeguard_runtime.checkpoint import CheckpointError
 from moeguard_runtime.config import (
     ConfigError,
     Settings,
     load_settings,
     model_args,
 )
+from moeguard_runtime.hf_checkpoint import is_hf_folder, read_checkpoint_info
 from moeguard_runtime.telemetry import (
     RateLimitedLog,
     Telemetry,
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     from moeguard_runtime.presets import ModelArgs
     from moeguard_runtime.server import WorkerSlot
     from moeguard_runtime.service import Worker
+    from moeguard_runtime.serving import ServingModel
 
 
 def main() -> int:
@@ -59,9 +62,18 @@ def main() -> int:
     except ConfigError as exc:
         log.event("config_error", force=True, error=str(exc))
         return 2
+    hf_info = None
+    if settings.checkpoint is not None and is_hf_folder(settings.checkpoint):
+        try:  # an HF folder: its config.json, not the preset, gives the model's shape
+            hf_info = read_checkpoint_info(settings.checkpoint)
+        except CheckpointError as exc:
+            log.event("config_error", force=True, error=str(exc))
+            return 2
+    num_experts = hf_info.num_experts if hf_info else args.num_experts
+    max_seq_len = hf_info.max_seq_len if hf_info else args.max_seq_len
     log = RateLimitedLog(settings.log_interval_s)
-    telemetry = Telemetry(worker_labels(), args.num_experts)
-    slot = WorkerSlot(telemetry, f"moeguard-{settings.preset}", args.max_seq_len)
+    telemetry = Telemetry(worker_labels(), num_experts)
+    slot = WorkerSlot(telemetry, f"moeguard-{settings.preset}", max_seq_len)
     failed = threading.Event()
     loader = threading.Thread(target=_load, args=(settings, args, slot, log, failed),
                               name="model-loader", daemon=True)
@@ -82,6 +94,7 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
     """Build (or load) the model, start the engine loop and the budget watch."""
     from moeguard_runtime import presets
     from moeguard_runtime.engine import Engine
+    from moeguard_runtime.hf_checkpoint import BuildOptions, load_hf_checkpoint
     from moeguard_runtime.model import build_model
     from moeguard_runtime.service import Worker
 
@@ -91,17 +104,30 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
             import torch
 
             torch.cuda.set_device(settings.torch_device)  # cuda:N: caches and streams there
-        model = build_model(args, seed=settings.seed, expert_chunk_tokens=settings.expert_chunk_tokens,
-                            capacity_factor=settings.capacity_factor, checkpoint=settings.checkpoint,
-                            dtype=settings.torch_dtype, device=settings.torch_device,
-                            matmul_backend=settings.matmul_backend, dispatch=settings.moe_dispatch)
+        model: ServingModel
+        if settings.checkpoint is not None and is_hf_folder(settings.checkpoint):
+            loaded = load_hf_checkpoint(settings.checkpoint, settings.torch_dtype,
+                                        settings.torch_device,
+                                        BuildOptions(settings.expert_chunk_tokens,
+                                                     settings.capacity_factor))
+            model, model_type = loaded.model, loaded.model_type
+            parameters = sum(p.numel() for p in model.parameters())
+        else:
+            model = build_model(args, seed=settings.seed,
+                                expert_chunk_tokens=settings.expert_chunk_tokens,
+                                capacity_factor=settings.capacity_factor,
+                                checkpoint=settings.checkpoint,
+                                dtype=settings.torch_dtype, device=settings.torch_device,
+                                matmul_backend=settings.matmul_backend,
+                                dispatch=settings.moe_dispatch)
+            model_type, parameters = "preset", presets.parameter_count(args)
     except Exception as exc:  # a bad checkpoint: say why and exit
         log.event("model_load_error", force=True, error=str(exc)[:1000])
         failed.set()
         return
     worker = Worker(settings, Engine(model), slot.telemetry, log)
     log.event("worker_start", force=True, preset=settings.preset, seed=settings.seed,
-              checkpoint=settings.checkpoint, parameters=presets.parameter_count(args),
+              checkpoint=settings.checkpoint, model_type=model_type, parameters=parameters,
               device=settings.device, dtype=settings.dtype,
               matmul_backend=settings.matmul_backend, moe_dispatch=settings.moe_dispatch,
               model_overrides=dict(settings.model_overrides) or None,

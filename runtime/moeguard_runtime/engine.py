@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moeguard_runtime.model import KVCache, Segment, Transformer
+from moeguard_runtime.model import KVCache, Segment
 from moeguard_runtime.moe import RoutingStats, read_back
+from moeguard_runtime.serving import ServingModel
 from moeguard_runtime.tokenizer import EOS
 
 
@@ -79,7 +80,7 @@ class StepOutput:
 class Engine:
     """Owns the model and the sequences' KV caches. Not thread-safe: one thread drives it."""
 
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: ServingModel) -> None:
         self.model = model
         self.args = model.args
         first = next(model.parameters())
@@ -104,7 +105,7 @@ class Engine:
             gen.seed()  # a fresh non-deterministic seed for this generator; the global one is untouched
         else:
             gen.manual_seed(seed)
-        cache = KVCache(self.args, len(prompt) + max_new_tokens, self.dtype, self.device)
+        cache = self.model.new_cache(len(prompt) + max_new_tokens, self.dtype, self.device)
         seq = SequenceState(seq_id, list(prompt), max_new_tokens, temperature, gen, cache)
         self.sequences[seq_id] = seq
         return seq
