@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -159,3 +160,15 @@ def test_config_errors_name_the_key(tmp_path: Path, change: dict[str, object], m
 def test_sliding_window_caps_the_context(tmp_path: Path) -> None:
     folder = write_folder(tmp_path, mixtral_tensors(), {**CONFIG, "sliding_window": 64})
     assert read_checkpoint_info(folder).max_seq_len == 64
+
+
+def test_runtime_never_imports_transformers() -> None:
+    """``transformers`` is the tests' reference only: no worker module imports it."""
+    import moeguard_runtime
+
+    root = Path(moeguard_runtime.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n.split(".")[0] == "transformers" for n in names), path

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 
 from moeguard_runtime.config import load_settings
 from moeguard_runtime.engine import Engine
@@ -42,8 +43,6 @@ from moeguard_runtime.moe import MOEFeedForward
 from moeguard_runtime.service import Event, GenerationRequest, Worker
 from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
 from moeguard_runtime.tokenizer import EOS
-
-transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.unit
 
