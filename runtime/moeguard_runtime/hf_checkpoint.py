@@ -319,7 +319,7 @@ def load_hf_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
     assert family is not None
     with TensorSource(folder) as source:
         model: ServingModel = family(config, source, options or BuildOptions())
-    from moeguard_runtime.families.common import HFDecoder
+    from moeguard_runtime.families.decoder import HFDecoder
 
     if isinstance(model, HFDecoder):
         model.cast(dtype)  # routers that HF keeps in float32 stay float32

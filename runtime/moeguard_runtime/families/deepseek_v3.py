@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeguard_runtime.checkpoint import hf_to_interleaved
-from moeguard_runtime.families.common import (
+from moeguard_runtime.families.decoder import (
     DecoderArgs,
     DecoderLayer,
     DenseMLP,
@@ -40,10 +40,9 @@ from moeguard_runtime.families.common import (
     causal_mask,
     check_activation,
     decoder_args,
-    load_by_name,
-    moe_tensor,
 )
 from moeguard_runtime.families.routers import GroupLimitedSigmoid
+from moeguard_runtime.families.weights import load_by_name, moe_tensor
 from moeguard_runtime.hf_checkpoint import BuildOptions, HFConfig, TensorSource
 from moeguard_runtime.model import KVCache, RMSNorm, Segment, apply_rope
 

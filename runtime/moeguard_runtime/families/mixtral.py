@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from moeguard_runtime.checkpoint import hf_to_interleaved
-from moeguard_runtime.families.common import check_activation
+from moeguard_runtime.families.decoder import check_activation
 from moeguard_runtime.hf_checkpoint import BuildOptions, HFConfig, TensorSource
 from moeguard_runtime.model import Transformer
 from moeguard_runtime.presets import ModelArgs, shape_problems

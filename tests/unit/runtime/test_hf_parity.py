@@ -30,7 +30,7 @@ import transformers
 
 from moeguard_runtime.config import load_settings
 from moeguard_runtime.engine import Engine
-from moeguard_runtime.families.common import SparseMoE
+from moeguard_runtime.families.decoder import SparseMoE
 from moeguard_runtime.hf_checkpoint import (
     BuildOptions,
     LoadedCheckpoint,
