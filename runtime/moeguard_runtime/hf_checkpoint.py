@@ -294,6 +294,11 @@ def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
     if families.get(model_type) is None:
         raise CheckpointError(f"{config.path}: model_type {model_type!r} is not supported; "
                               f"supported: {', '.join(families.SUPPORTED)}")
+    quant = config.data.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise config.error("quantization_config", f"({method!r}) is not supported: serve an "
+                                                  f"unquantized (bf16/fp32) checkpoint")
     return CheckpointInfo(str(model_type), config.max_seq_len(),
                           config.get_int("n_routed_experts", "num_local_experts", "num_experts"),
                           eos_token_ids(folder, config))

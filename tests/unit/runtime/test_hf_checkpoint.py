@@ -150,6 +150,8 @@ def test_file_errors(tmp_path: Path) -> None:
      r"config\.json: rope_scaling rope_type 'yarn' is not supported"),
     ({"head_dim": 16}, r"config\.json: head_dim 16 must be hidden_size / num_attention_heads"),
     ({"hidden_act": "gelu"}, r"config\.json: hidden_act 'gelu' is not supported"),
+    ({"quantization_config": {"quant_method": "fp8"}},
+     r"config\.json: quantization_config \('fp8'\) is not supported"),
 ])
 def test_config_errors_name_the_key(tmp_path: Path, change: dict[str, object], message: str) -> None:
     config = {k: v for k, v in {**CONFIG, **change}.items() if v is not None}
