@@ -98,22 +98,6 @@ class HFConfig:
             raise self.error(key, f"must be a list of integers, given {value!r}")
         return list(value)
 
-    def rope_theta(self, default: float = 10_000.0) -> float:
-        """The rotary base. Reads ``rope_parameters`` (transformers 5) or ``rope_theta`` plus
-        ``rope_scaling`` (older files); only unscaled (``default``) RoPE is implemented, so any
-        other ``rope_type`` (yarn, llama3, dynamic ...) is refused rather than served wrong."""
-        params = self.data.get("rope_parameters") or self.data.get("rope_scaling") or {}
-        if not isinstance(params, dict):
-            raise self.error("rope_parameters", f"must be an object, given {params!r}")
-        kind = params.get("rope_type", params.get("type", "default"))
-        if kind not in ("default", None):
-            key = "rope_parameters" if "rope_parameters" in self.data else "rope_scaling"
-            raise self.error(key, f"rope_type {kind!r} is not supported (only default RoPE)")
-        theta = params.get("rope_theta", self.data.get("rope_theta", default))
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-            raise self.error("rope_theta", f"must be a positive number, given {theta!r}")
-        return float(theta)
-
     def max_seq_len(self) -> int:
         """``max_position_embeddings``, capped at a sliding window when one applies: with the
         context no longer than the window, full causal attention is exact."""
