@@ -59,9 +59,18 @@ def main() -> int:
     except ConfigError as exc:
         log.event("config_error", force=True, error=str(exc))
         return 2
+    from moeguard_runtime.checkpoint_tokenizer import TokenizerError, load_tokenizer
+
+    try:  # before serving: a bad tokenizer or chat template stops the worker, naming the file
+        tok, chat_template = load_tokenizer(settings.checkpoint, args.vocab_size)
+    except TokenizerError as exc:
+        log.event("tokenizer_error", force=True, error=str(exc)[:1000])
+        return 2
     log = RateLimitedLog(settings.log_interval_s)
     telemetry = Telemetry(worker_labels(), args.num_experts)
-    slot = WorkerSlot(telemetry, f"moeguard-{settings.preset}", args.max_seq_len)
+    slot = WorkerSlot(telemetry, settings.served_model_name, args.max_seq_len, tokenizer=tok,
+                      model_aliases=(settings.preset, f"moeguard-{settings.preset}"),
+                      chat_template=chat_template)
     failed = threading.Event()
     loader = threading.Thread(target=_load, args=(settings, args, slot, log, failed),
                               name="model-loader", daemon=True)

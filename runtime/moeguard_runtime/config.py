@@ -49,6 +49,9 @@ ENV_OVERLOAD_MAX_CONTEXT_TOKENS = "MOEGUARD_OVERLOAD_MAX_CONTEXT_TOKENS"
 """Context cap while overload is on, when the budget document sets none (default: half the model's)."""
 ENV_MAX_BODY_BYTES = "MOEGUARD_MAX_BODY_BYTES"
 """Largest request body accepted (default 1 MiB); beyond it, HTTP 413."""
+ENV_SERVED_MODEL_NAME = "MOEGUARD_SERVED_MODEL_NAME"
+"""The model name GET /v1/models reports and requests must name (default: the preset's name,
+which stays accepted as an alias)."""
 ENV_FAULT_LEAK_ANON = "MOEGUARD_FAULT_LEAK_ANON_BYTES_PER_SECOND"
 """Test-only fault: leak anonymous mmaps (outside the Python heap) at this rate."""
 ENV_FAULT_LEAK_PYTHON = "MOEGUARD_FAULT_LEAK_PYTHON_BYTES_PER_SECOND"
@@ -102,6 +105,8 @@ class Settings:
     """Resolved torch device (``cpu``, ``cuda`` or ``cuda:N``)."""
     dtype: str = "float32"
     """Resolved dtype name (``float32``, ``bfloat16`` or ``float16``)."""
+    served_model_name: str = ""
+    """``ENV_SERVED_MODEL_NAME``, or the preset's name when unset."""
 
     @property
     def torch_device(self) -> torch.device:
@@ -266,10 +271,11 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     capacity = _float(env, ENV_CAPACITY_FACTOR, 0.0)
     if capacity < 0:
         raise ConfigError(f"{ENV_CAPACITY_FACTOR}={capacity} must be >= 0 (0: dropless)")
+    preset = env.get(contract.ENV_MODEL_PRESET, "tiny") or "tiny"
     return Settings(
         host=env.get(ENV_HOST, "0.0.0.0"),
         port=port,
-        preset=env.get(contract.ENV_MODEL_PRESET, "tiny") or "tiny",
+        preset=preset,
         seed=req(ENV_SEED, 0, minimum=0),
         torch_threads=req(ENV_TORCH_THREADS, 1),
         expert_chunk_tokens=req(ENV_EXPERT_CHUNK_TOKENS, DEFAULT_EXPERT_CHUNK_TOKENS),
@@ -294,4 +300,5 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         fault_step_delay_s=_float(env, ENV_FAULT_STEP_DELAY, 0.0),
         device=device,
         dtype=dtype,
+        served_model_name=(env.get(ENV_SERVED_MODEL_NAME) or "").strip() or preset,
     )

@@ -44,12 +44,12 @@ def assert_openai_error(r: httpx.Response, status: int, *needles: str) -> dict[s
 
 
 def test_completion_with_usage_counts_and_determinism(worker: WorkerProcess) -> None:
-    body = {"model": "m", "prompt": "Hello, world", "max_tokens": 7, "temperature": 0}
+    body = {"model": "tiny", "prompt": "Hello, world", "max_tokens": 7, "temperature": 0}
     r = post(worker, body)
     assert r.status_code == 200, r.text
     data = r.json()
     assert data["object"] == "text_completion" and data["id"].startswith("cmpl-")
-    assert data["model"] == "m" and isinstance(data["created"], int)
+    assert data["model"] == "tiny" and isinstance(data["created"], int)
     choice = data["choices"][0]
     usage = data["usage"]
     assert usage["prompt_tokens"] == len(b"Hello, world") + 1  # + BOS
