@@ -5,9 +5,9 @@ the way ``transformers``' ``PreTrainedTokenizerFast`` reads them.
 * Special and added tokens come from ``tokenizer.json`` (``added_tokens``).
 * ``bos_token``/``eos_token``/``unk_token``/``pad_token`` from
   ``tokenizer_config.json`` (a string or ``{"content": ...}``).
-* ``add_bos_token``/``add_eos_token``, when the config sets them, decide BOS/EOS
-  on a completion prompt (as ``LlamaTokenizerFast`` rebuilds its post-processor);
-  otherwise ``tokenizer.json``'s post-processor does.
+* BOS/EOS on a completion prompt: ``tokenizer.json``'s post-processor decides;
+  without one, ``add_bos_token``/``add_eos_token`` of the config do (transformers
+  5 builds a post-processor from them only then).
 * ``chat_template``: a string, or a list of ``{"name", "template"}`` (the one
   named ``default``); or a ``chat_template.jinja`` file next to it.
 * End of sequence: the ``eos_token`` and ``generation_config.json``'s
@@ -85,8 +85,8 @@ class CheckpointTokenizer:
                                      f"of {self.path}")
             ids[name] = token_id
         self.bos_id, self.eos_id = ids.get("bos_token"), ids.get("eos_token")
-        self._add_bos = config.get("add_bos_token")
-        self._add_eos = config.get("add_eos_token")
+        self._flags = (None if self._tok.post_processor is not None else
+                       (bool(config.get("add_bos_token")), bool(config.get("add_eos_token"))))
         eos = {self.eos_id} if self.eos_id is not None else set()
         generation = _read_json(root / "generation_config.json").get("eos_token_id")
         for value in generation if isinstance(generation, list) else [generation]:
@@ -133,12 +133,13 @@ class CheckpointTokenizer:
         return dict(self._special)
 
     def encode(self, text: str) -> list[int]:
-        if self._add_bos is None and self._add_eos is None:
+        if self._flags is None:
             return list(self._tok.encode(text, add_special_tokens=True).ids)
         ids = list(self._tok.encode(text, add_special_tokens=False).ids)
-        if self._add_bos and self.bos_id is not None:
+        add_bos, add_eos = self._flags
+        if add_bos and self.bos_id is not None:
             ids.insert(0, self.bos_id)
-        if self._add_eos and self.eos_id is not None:
+        if add_eos and self.eos_id is not None:
             ids.append(self.eos_id)
         return ids
 
