@@ -66,7 +66,7 @@ def test_completion_with_usage_counts_and_determinism(worker: WorkerProcess) -> 
 
 def test_models_and_health(worker: WorkerProcess) -> None:
     models = httpx.get(f"{worker.base_url}/v1/models").json()
-    assert models["data"][0]["id"] == "moeguard-tiny" and models["data"][0]["max_model_len"] == 1024
+    assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 1024
     assert httpx.get(f"{worker.base_url}/healthz").status_code == 200
     assert httpx.get(f"{worker.base_url}/readyz").status_code == 200
 
