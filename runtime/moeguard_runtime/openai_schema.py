@@ -113,13 +113,23 @@ class CompletionRequest(_Sampling):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_form(cls, value: Any) -> Any:
-        def ids(v: Any) -> bool:
-            return isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool)
-                                               for i in v)
-        if (isinstance(value, str) or ids(value)
-                or (isinstance(value, list) and (all(isinstance(v, str) for v in value)
-                                                 or all(ids(v) for v in value)))):
+        """One of the four forms; token ids as JSON Schema integers (``5.0`` is one)."""
+        def ids(v: Any) -> list[int] | None:
+            if not isinstance(v, list) or not all(
+                    (isinstance(i, int) and not isinstance(i, bool))
+                    or (isinstance(i, float) and i.is_integer()) for i in v):
+                return None
+            return [int(i) for i in v]
+
+        if isinstance(value, str):
             return value
+        if (as_ids := ids(value)) is not None:
+            return as_ids
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return value
+        lists = [ids(v) for v in value] if isinstance(value, list) else [None]
+        if all(v is not None for v in lists):
+            return lists
         raise ValueError("Input should be a string, a list of strings, a list of token ids "
                          "or a list of token-id lists")
 
