@@ -16,14 +16,17 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from moeguard_runtime.checkpoint import CheckpointError
 from moeguard_runtime.config import (
     ConfigError,
     Settings,
     load_settings,
     model_args,
 )
+from moeguard_runtime.hf_checkpoint import HFConfig, is_hf_folder, read_checkpoint_info
 from moeguard_runtime.telemetry import (
     RateLimitedLog,
     Telemetry,
@@ -35,6 +38,7 @@ if TYPE_CHECKING:
     from moeguard_runtime.presets import ModelArgs
     from moeguard_runtime.server import WorkerSlot
     from moeguard_runtime.service import Worker
+    from moeguard_runtime.serving import ServingModel
 
 
 def main() -> int:
@@ -59,17 +63,29 @@ def main() -> int:
     except ConfigError as exc:
         log.event("config_error", force=True, error=str(exc))
         return 2
+    hf_info = None
+    if settings.checkpoint is not None and is_hf_folder(settings.checkpoint):
+        try:  # an HF folder: its config.json, not the preset, gives the model's shape
+            hf_info = read_checkpoint_info(settings.checkpoint)
+            vocab_size = HFConfig.read(Path(settings.checkpoint)).get_int("vocab_size")
+        except CheckpointError as exc:
+            log.event("config_error", force=True, error=str(exc))
+            return 2
+    num_experts = hf_info.num_experts if hf_info else args.num_experts
+    max_seq_len = hf_info.max_seq_len if hf_info else args.max_seq_len
     from moeguard_runtime.checkpoint_tokenizer import TokenizerError, load_tokenizer
 
     try:  # before serving: a bad tokenizer or chat template stops the worker, naming the file
-        tok, chat_template = load_tokenizer(settings.checkpoint, args.vocab_size)
+        tok, chat_template = load_tokenizer(settings.checkpoint,
+                                            vocab_size if hf_info else args.vocab_size)
     except TokenizerError as exc:
         log.event("tokenizer_error", force=True, error=str(exc)[:1000])
         return 2
     log = RateLimitedLog(settings.log_interval_s)
-    telemetry = Telemetry(worker_labels(), args.num_experts)
-    slot = WorkerSlot(telemetry, settings.served_model_name, args.max_seq_len, tokenizer=tok,
+    telemetry = Telemetry(worker_labels(), num_experts)
+    slot = WorkerSlot(telemetry, settings.served_model_name, max_seq_len, tokenizer=tok,
                       model_aliases=(settings.preset, f"moeguard-{settings.preset}"),
+                      model_type=hf_info.model_type if hf_info else "mixtral",
                       chat_template=chat_template)
     failed = threading.Event()
     loader = threading.Thread(target=_load, args=(settings, args, slot, log, failed),
@@ -91,6 +107,7 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
     """Build (or load) the model, start the engine loop and the budget watch."""
     from moeguard_runtime import presets
     from moeguard_runtime.engine import Engine
+    from moeguard_runtime.hf_checkpoint import BuildOptions, load_hf_checkpoint
     from moeguard_runtime.model import build_model
     from moeguard_runtime.service import Worker
 
@@ -100,16 +117,28 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
             import torch
 
             torch.cuda.set_device(settings.torch_device)  # cuda:N: caches and streams there
-        model = build_model(args, seed=settings.seed, expert_chunk_tokens=settings.expert_chunk_tokens,
-                            capacity_factor=settings.capacity_factor, checkpoint=settings.checkpoint,
-                            dtype=settings.torch_dtype, device=settings.torch_device)
+        model: ServingModel
+        if settings.checkpoint is not None and is_hf_folder(settings.checkpoint):
+            loaded = load_hf_checkpoint(settings.checkpoint, settings.torch_dtype,
+                                        settings.torch_device,
+                                        BuildOptions(settings.expert_chunk_tokens,
+                                                     settings.capacity_factor))
+            model, model_type = loaded.model, loaded.model_type
+            parameters = sum(p.numel() for p in model.parameters())
+        else:
+            model = build_model(args, seed=settings.seed,
+                                expert_chunk_tokens=settings.expert_chunk_tokens,
+                                capacity_factor=settings.capacity_factor,
+                                checkpoint=settings.checkpoint,
+                                dtype=settings.torch_dtype, device=settings.torch_device)
+            model_type, parameters = "preset", presets.parameter_count(args)
     except Exception as exc:  # a bad checkpoint: say why and exit
         log.event("model_load_error", force=True, error=str(exc)[:1000])
         failed.set()
         return
     worker = Worker(settings, Engine(model), slot.telemetry, log)
     log.event("worker_start", force=True, preset=settings.preset, seed=settings.seed,
-              checkpoint=settings.checkpoint, parameters=presets.parameter_count(args),
+              checkpoint=settings.checkpoint, model_type=model_type, parameters=parameters,
               device=settings.device, dtype=settings.dtype,
               model_overrides=dict(settings.model_overrides) or None,
               load_seconds=round(time.monotonic() - t0, 3), torch_threads=settings.torch_threads,

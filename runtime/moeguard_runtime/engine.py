@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moeguard_runtime.model import KVCache, Segment, Transformer
+from moeguard_runtime.model import KVCache, Segment
 from moeguard_runtime.moe import RoutingStats
+from moeguard_runtime.serving import ServingModel
 from moeguard_runtime.tokenizer import EOS
 
 
@@ -75,7 +76,7 @@ class StepOutput:
 class Engine:
     """Owns the model and the sequences' KV caches. Not thread-safe: one thread drives it."""
 
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: ServingModel) -> None:
         self.model = model
         self.args = model.args
         first = next(model.parameters())
@@ -97,7 +98,7 @@ class Engine:
             raise ValueError(f"prompt + max_new_tokens must be <= {self.args.max_seq_len}")
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed if seed is not None else int(torch.seed()))
-        cache = KVCache(self.args, len(prompt) + max_new_tokens, self.dtype, self.device)
+        cache = self.model.new_cache(len(prompt) + max_new_tokens, self.dtype, self.device)
         seq = SequenceState(seq_id, list(prompt), max_new_tokens, temperature, gen, cache)
         self.sequences[seq_id] = seq
         return seq

@@ -169,6 +169,12 @@ class Transformer(nn.Module):
         angles = rope_angles(self.args.max_seq_len, self.args.head_dim, self.args.rope_base)
         self.angles = angles.to(device)
 
+    def new_cache(self, capacity: int, dtype: torch.dtype = torch.float32,
+                  device: torch.device | str = "cpu") -> KVCache:
+        """One sequence's K/V cache of ``capacity`` positions (the engine's hook, see
+        :class:`moeguard_runtime.serving.ServingModel`)."""
+        return KVCache(self.args, capacity, dtype, device)
+
     def set_expert_chunk_tokens(self, n: int) -> None:
         """Bound on token-slots one expert processes at once (applies to the next step)."""
         for layer in self.layers:

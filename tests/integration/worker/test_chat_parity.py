@@ -15,6 +15,7 @@ batching), streaming and not.
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -66,10 +67,9 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
 @pytest.fixture(scope="module")
 def served(folder: tuple[Path, int], tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[WorkerProcess]:
-    path, vocab = folder
+    path, _ = folder  # an HF folder: config.json gives the shape (no preset, no overrides)
     w = start_worker_process(tmp_path_factory.mktemp("parity"), {
         "MOEGUARD_CHECKPOINT_PATH": str(path), "MOEGUARD_SERVED_MODEL_NAME": SERVED,
-        "MOEGUARD_MODEL_OVERRIDES": json.dumps({"vocab_size": vocab}),
         "MOEGUARD_DTYPE": "float32", "MOEGUARD_DEVICE": "cpu"})
     yield w
     w.stop()
@@ -97,7 +97,7 @@ def test_chat_completions_equal_transformers_generate(folder: tuple[Path, int],
                                                       served: WorkerProcess) -> None:
     expected = reference(folder[0])
     model = httpx.get(f"{served.base_url}/v1/models").json()["data"][0]
-    assert (model["id"], model["max_model_len"]) == (SERVED, 1024)
+    assert (model["id"], model["max_model_len"], model["model_type"]) == (SERVED, 1024, "mixtral")
     answers: dict[int, dict[str, Any]] = {}
 
     def ask(i: int) -> None:
@@ -131,16 +131,18 @@ def test_chat_completions_equal_transformers_generate(folder: tuple[Path, int],
 def test_bad_tokenizer_folders_stop_the_worker_naming_the_file(
         tmp_path: Path, folder: tuple[Path, int]) -> None:
     path, vocab = folder
-    env = {"MOEGUARD_CHECKPOINT_PATH": str(path),
-           "MOEGUARD_MODEL_OVERRIDES": json.dumps({"vocab_size": vocab // 2})}
+    narrow = tmp_path / "narrow"  # config.json's vocab_size below the tokenizer's ids
+    shutil.copytree(path, narrow)
+    config = json.loads((narrow / "config.json").read_text())
+    (narrow / "config.json").write_text(json.dumps({**config, "vocab_size": vocab // 2}))
     with pytest.raises(RuntimeError, match=r"exited with 2") as info:
-        start_worker_process(tmp_path, env)
+        start_worker_process(tmp_path, {"MOEGUARD_CHECKPOINT_PATH": str(narrow)})
     assert "event=tokenizer_error" in str(info.value)
-    assert f"{path}/tokenizer.json: the vocabulary has ids up to {vocab - 1}" in str(info.value)
+    assert (f"{narrow}/tokenizer.json: the vocabulary has ids up to {vocab - 1}, the model's "
+            f"embedding has {vocab // 2} rows") in str(info.value)
     bad = tmp_path / "bad-template"
+    shutil.copytree(path, bad)
     write_bpe_tokenizer(bad, chat_template="{{ raise_exception('no chat here') }}")
-    env = {"MOEGUARD_CHECKPOINT_PATH": str(bad),
-           "MOEGUARD_MODEL_OVERRIDES": json.dumps({"vocab_size": vocab})}
     with pytest.raises(RuntimeError, match=r"exited with 2") as info:
-        start_worker_process(tmp_path, env)
+        start_worker_process(tmp_path, {"MOEGUARD_CHECKPOINT_PATH": str(bad)})
     assert f"{bad}/tokenizer_config.json: chat_template: no chat here" in str(info.value)

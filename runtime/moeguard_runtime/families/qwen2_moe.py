@@ -1,0 +1,47 @@
+"""``model_type: qwen2_moe`` (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B), after HF ``modeling_qwen2_moe.py``.
+
+Differs from Mixtral by: q/k/v biases (``qkv_bias``); softmax top-k routing
+renormalized only when ``norm_topk_prob``; fine-grained experts of width
+``moe_intermediate_size``; a shared expert of width
+``shared_expert_intermediate_size`` added to every token's output, scaled by
+``sigmoid(shared_expert_gate x)``; dense layers (``mlp_only_layers``,
+``decoder_sparse_step``) of width ``intermediate_size``.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from moeguard_runtime.families.common import (
+    DenseMLP,
+    HFDecoder,
+    SparseMoE,
+    build_gqa_decoder,
+    decoder_args,
+    sparse_layers,
+)
+from moeguard_runtime.families.routers import SoftmaxTopK
+from moeguard_runtime.hf_checkpoint import BuildOptions, HFConfig, TensorSource
+
+
+def build(cfg: HFConfig, source: TensorSource, options: BuildOptions) -> HFDecoder:
+    """The Qwen2-MoE decoder of ``cfg``, filled from ``source``.
+
+    Raises:
+        CheckpointError: a missing or bad ``config.json`` key, or any tensor problem.
+    """
+    args = decoder_args(cfg, cfg.get_int("num_experts", "num_local_experts"))
+    sparse = sparse_layers(cfg, args.n_layer)
+    moe_size, dense_size = cfg.get_int("moe_intermediate_size"), cfg.get_int("intermediate_size")
+    shared_size = cfg.get_int("shared_expert_intermediate_size")
+    norm = cfg.get_bool("norm_topk_prob", False)
+
+    def mlp(layer: int) -> nn.Module:
+        if layer in sparse:
+            return SparseMoE(args.dim, moe_size, args.num_experts, SoftmaxTopK(args.top_k, norm),
+                             options, shared_size=shared_size,
+                             shared_gate=True)
+        return DenseMLP(args.dim, dense_size)
+
+    return build_gqa_decoder(cfg, source, args, mlp, qkv_bias=cfg.get_bool("qkv_bias", True),
+                             qk_norm=False, shared_name="shared_expert")

@@ -1,0 +1,45 @@
+"""``model_type: qwen3_moe`` (Qwen3-30B-A3B, Qwen3-235B-A22B), after HF ``modeling_qwen3_moe.py``.
+
+Differs from Mixtral by: an explicit ``head_dim``; a per-head RMSNorm of q and k
+(``q_norm``, ``k_norm``) before the rotation; softmax top-k routing renormalized
+only when ``norm_topk_prob``; fine-grained experts of width
+``moe_intermediate_size``; dense SwiGLU layers (width ``intermediate_size``) where
+``mlp_only_layers``/``decoder_sparse_step`` say so. No shared expert.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from moeguard_runtime.families.common import (
+    DenseMLP,
+    HFDecoder,
+    SparseMoE,
+    build_gqa_decoder,
+    decoder_args,
+    sparse_layers,
+)
+from moeguard_runtime.families.routers import SoftmaxTopK
+from moeguard_runtime.hf_checkpoint import BuildOptions, HFConfig, TensorSource
+
+
+def build(cfg: HFConfig, source: TensorSource, options: BuildOptions) -> HFDecoder:
+    """The Qwen3-MoE decoder of ``cfg``, filled from ``source``.
+
+    Raises:
+        CheckpointError: a missing or bad ``config.json`` key, or any tensor problem.
+    """
+    args = decoder_args(cfg, cfg.get_int("num_experts", "num_local_experts"))
+    if cfg.get_bool("attention_bias", False):
+        raise cfg.error("attention_bias", "true is not supported for qwen3_moe")
+    sparse = sparse_layers(cfg, args.n_layer)
+    moe_size, dense_size = cfg.get_int("moe_intermediate_size"), cfg.get_int("intermediate_size")
+    norm = cfg.get_bool("norm_topk_prob", False)
+
+    def mlp(layer: int) -> nn.Module:
+        if layer in sparse:
+            return SparseMoE(args.dim, moe_size, args.num_experts, SoftmaxTopK(args.top_k, norm),
+                             options)
+        return DenseMLP(args.dim, dense_size)
+
+    return build_gqa_decoder(cfg, source, args, mlp, qkv_bias=False, qk_norm=True)

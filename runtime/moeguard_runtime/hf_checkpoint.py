@@ -1,0 +1,332 @@
+"""Load a Hugging Face checkpoint folder: ``config.json`` plus safetensors shards.
+
+The folder holds ``config.json`` (its ``model_type`` picks the implementation in
+:mod:`moeguard_runtime.families`), optionally ``generation_config.json`` (EOS
+ids), and the weights: one ``*.safetensors`` file, or shards listed by
+``model.safetensors.index.json`` (HF ``PreTrainedModel.save_pretrained``
+layout). Every problem is a :class:`~moeguard_runtime.checkpoint.CheckpointError`
+raised while loading, before the worker serves anything, whose message names the
+file and, where there is one, the tensor or config key: an unknown
+``model_type`` (the message lists the supported ones), a missing or unreadable
+shard (a truncated file fails safetensors' header check), a missing tensor, a
+shape that disagrees with ``config.json``, or a tensor no module uses.
+
+Tensors are opened with ``safetensors.safe_open`` (memory-mapped; a tensor is
+read when it is taken). ``transformers`` is never imported.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from moeguard_runtime.checkpoint import CheckpointError
+from moeguard_runtime.moe import DEFAULT_EXPERT_CHUNK_TOKENS
+from moeguard_runtime.serving import ServingModel
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def is_hf_folder(path: str | Path) -> bool:
+    """True when ``path`` is a directory holding ``config.json``."""
+    p = Path(path)
+    return p.is_dir() and (p / CONFIG_FILE).is_file()
+
+
+class HFConfig:
+    """``config.json`` read strictly: a missing or mistyped key is a CheckpointError naming it."""
+
+    def __init__(self, data: dict[str, Any], path: Path) -> None:
+        self.data = data
+        self.path = path
+
+    @classmethod
+    def read(cls, folder: Path) -> HFConfig:
+        path = folder / CONFIG_FILE
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{path}: cannot read ({exc})") from None
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{path}: must hold a JSON object")
+        return cls(data, path)
+
+    def error(self, key: str, why: str) -> CheckpointError:
+        return CheckpointError(f"{self.path}: {key} {why}")
+
+    def get_int(self, *keys: str, default: int | None = None) -> int:
+        """The first of ``keys`` present (aliases, e.g. ``num_experts``/``num_local_experts``)."""
+        for key in keys:
+            value = self.data.get(key)
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise self.error(key, f"must be a non-negative integer, given {value!r}")
+                return value
+        if default is None:
+            raise self.error(" or ".join(keys), "is missing")
+        return default
+
+    def get_float(self, key: str, default: float) -> float:
+        value = self.data.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.error(key, f"must be a number, given {value!r}")
+        return float(value)
+
+    def get_bool(self, key: str, default: bool) -> bool:
+        value = self.data.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self.error(key, f"must be true or false, given {value!r}")
+        return value
+
+    def int_list(self, key: str) -> list[int]:
+        value = self.data.get(key) or []
+        if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
+            raise self.error(key, f"must be a list of integers, given {value!r}")
+        return list(value)
+
+    def rope_theta(self, default: float = 10_000.0) -> float:
+        """The rotary base. Reads ``rope_parameters`` (transformers 5) or ``rope_theta`` plus
+        ``rope_scaling`` (older files); only unscaled (``default``) RoPE is implemented, so any
+        other ``rope_type`` (yarn, llama3, dynamic ...) is refused rather than served wrong."""
+        params = self.data.get("rope_parameters") or self.data.get("rope_scaling") or {}
+        if not isinstance(params, dict):
+            raise self.error("rope_parameters", f"must be an object, given {params!r}")
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind not in ("default", None):
+            key = "rope_parameters" if "rope_parameters" in self.data else "rope_scaling"
+            raise self.error(key, f"rope_type {kind!r} is not supported (only default RoPE)")
+        theta = params.get("rope_theta", self.data.get("rope_theta", default))
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+            raise self.error("rope_theta", f"must be a positive number, given {theta!r}")
+        return float(theta)
+
+    def max_seq_len(self) -> int:
+        """``max_position_embeddings``, capped at a sliding window when one applies: with the
+        context no longer than the window, full causal attention is exact."""
+        n = self.get_int("max_position_embeddings")
+        window = self.data.get("sliding_window")
+        uses_window = self.data.get("use_sliding_window", True)
+        if isinstance(window, int) and not isinstance(window, bool) and window > 0 and uses_window:
+            n = min(n, window)
+        return n
+
+
+class TensorSource:
+    """The checkpoint's tensors by name, each taken at most once.
+
+    Use as a context manager (the shards stay open, memory-mapped, inside it).
+    :meth:`take` checks the shape before reading; :meth:`check_all_used` names a
+    tensor no module took.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._stack = ExitStack()
+        self._where: dict[str, Path] = {}
+        self._handles: dict[Path, Any] = {}
+        self._used: set[str] = set()
+
+    def __enter__(self) -> TensorSource:
+        try:
+            self._open()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._stack.close()
+
+    def _open(self) -> None:
+        index = self.folder / INDEX_FILE
+        listed: dict[str, str] = {}
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                listed = {str(k): str(v) for k, v in weight_map.items()}
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise CheckpointError(f"{index}: cannot read its weight_map ({exc!r})") from None
+            files = sorted({self.folder / f for f in listed.values()})
+            for f in files:
+                if not f.is_file():
+                    first = next(k for k, v in listed.items() if self.folder / v == f)
+                    raise CheckpointError(f"{index}: shard {f.name} is missing "
+                                          f"(it holds {first!r} among others)")
+        else:
+            files = sorted(self.folder.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{self.folder}: no *.safetensors file and no {INDEX_FILE}")
+        for f in files:
+            try:
+                handle = self._stack.enter_context(safe_open(str(f), framework="pt"))
+                names = list(handle.keys())
+            except Exception as exc:  # SafetensorError on a truncated or corrupt file, OSError
+                raise CheckpointError(f"{f}: not a readable safetensors file ({exc})") from None
+            self._handles[f] = handle
+            for name in names:
+                if name in self._where:
+                    raise CheckpointError(f"{f}: tensor {name!r} is also in {self._where[name].name}")
+                self._where[name] = f
+        for name, shard in listed.items():
+            if self._where.get(name) != self.folder / shard:
+                raise CheckpointError(f"{self.folder / shard}: tensor {name!r} is listed in "
+                                      f"{INDEX_FILE} but not in that shard")
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def take(self, name: str, shape: Sequence[int]) -> torch.Tensor:
+        """The tensor ``name`` (read now, in its stored dtype), which must have ``shape``.
+
+        Raises:
+            CheckpointError: the tensor is missing, or its shape differs (the message
+                names the file, the tensor and both shapes).
+        """
+        f = self._where.get(name)
+        if f is None:
+            raise CheckpointError(f"{self.folder}: tensor {name!r} is missing (no shard holds it)")
+        handle = self._handles[f]
+        stored = tuple(handle.get_slice(name).get_shape())
+        if stored != tuple(shape):
+            raise CheckpointError(f"{f}: tensor {name!r} has shape {stored}, "
+                                  f"{CONFIG_FILE} implies {tuple(shape)}")
+        self._used.add(name)
+        tensor: torch.Tensor = handle.get_tensor(name)
+        return tensor
+
+    def check_all_used(self, ignore: Sequence[str] = ()) -> None:
+        """Raises CheckpointError naming a tensor no module took (names starting with one of
+        ``ignore`` are skipped)."""
+        extra = sorted(n for n in self._where
+                       if n not in self._used and not n.startswith(tuple(ignore)))
+        if extra:
+            more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+            raise CheckpointError(f"{self._where[extra[0]]}: unexpected tensor {extra[0]!r}{more}; "
+                                  f"no module of this model_type uses it")
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """How a family builds its model: the MoE guardrails (:mod:`moeguard_runtime.moe`)."""
+
+    expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS
+    capacity_factor: float = 0.0
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """A model built from an HF folder, ready for :class:`~moeguard_runtime.engine.Engine`.
+
+    Attributes:
+        model: the decoder (``forward(tokens, positions, segments)``, ``new_cache``).
+        config: ``config.json`` as read.
+        model_type: ``config.json``'s ``model_type``.
+        eos_token_ids: from ``generation_config.json``'s ``eos_token_id``, else
+            ``config.json``'s (empty when neither sets one).
+        max_seq_len: context length in tokens (``max_position_embeddings``).
+        path: the folder.
+    """
+
+    model: ServingModel
+    config: dict[str, Any]
+    model_type: str
+    eos_token_ids: tuple[int, ...]
+    max_seq_len: int
+    path: Path
+
+
+def eos_token_ids(folder: Path, config: HFConfig) -> tuple[int, ...]:
+    """EOS ids: ``generation_config.json`` first (what ``generate`` stops on), then ``config.json``."""
+    value: Any = None
+    gen = folder / GENERATION_CONFIG_FILE
+    if gen.is_file():
+        try:
+            value = json.loads(gen.read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise CheckpointError(f"{gen}: cannot read ({exc!r})") from None
+    if value is None:
+        value = config.data.get("eos_token_id")
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise CheckpointError(f"{folder}: eos_token_id must be an integer or a list of them, "
+                              f"given {value!r}")
+    return tuple(values)
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What the worker needs before the weights are read: from ``config.json`` and
+    ``generation_config.json`` only (:func:`read_checkpoint_info`)."""
+
+    model_type: str
+    max_seq_len: int
+    num_experts: int
+    eos_token_ids: tuple[int, ...]
+
+
+def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
+    """Read and check the folder's configuration without touching the weights.
+
+    Raises:
+        CheckpointError: unreadable ``config.json``, an unsupported ``model_type`` (the
+            message lists the supported ones), or a missing key.
+    """
+    from moeguard_runtime import families
+
+    folder = Path(path)
+    config = HFConfig.read(folder)
+    model_type = config.data.get("model_type")
+    if families.get(model_type) is None:
+        raise CheckpointError(f"{config.path}: model_type {model_type!r} is not supported; "
+                              f"supported: {', '.join(families.SUPPORTED)}")
+    return CheckpointInfo(str(model_type), config.max_seq_len(),
+                          config.get_int("n_routed_experts", "num_local_experts", "num_experts"),
+                          eos_token_ids(folder, config))
+
+
+def load_hf_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
+                       device: torch.device | str = "cpu",
+                       options: BuildOptions | None = None) -> LoadedCheckpoint:
+    """Build the model of the HF folder ``path`` (its family from ``model_type``).
+
+    The model is built on the meta device, the checkpoint's tensors are assigned
+    (no second copy), then it is cast to ``dtype`` and moved to ``device``.
+
+    Raises:
+        CheckpointError: see the module docstring.
+    """
+    from moeguard_runtime import families
+
+    folder = Path(path)
+    info = read_checkpoint_info(folder)
+    config = HFConfig.read(folder)
+    family = families.get(info.model_type)
+    assert family is not None
+    with TensorSource(folder) as source:
+        model: ServingModel = family(config, source, options or BuildOptions())
+    from moeguard_runtime.families.common import HFDecoder
+
+    if isinstance(model, HFDecoder):
+        model.cast(dtype)  # routers that HF keeps in float32 stay float32
+    else:
+        model.to(dtype=dtype)
+    model.to(device)
+    model.setup_rope(device)
+    model.eval()
+    return LoadedCheckpoint(model, dict(config.data), info.model_type, info.eos_token_ids,
+                            info.max_seq_len, folder)

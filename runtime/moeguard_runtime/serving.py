@@ -1,0 +1,54 @@
+"""What the engine needs from a model (:class:`ServingModel`), whatever its family.
+
+The embedded model (:class:`moeguard_runtime.model.Transformer`) and every HF
+family (:mod:`moeguard_runtime.families`) implement it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from moeguard_runtime.model import KVCache, Segment
+from moeguard_runtime.moe import RoutingStats
+
+
+class ServingArgs(Protocol):
+    """The shape fields the worker reads (``presets.ModelArgs`` has them)."""
+
+    @property
+    def max_seq_len(self) -> int: ...
+
+    @property
+    def num_experts(self) -> int: ...
+
+
+class ServingModel(Protocol):
+    """A decoder the engine can drive.
+
+    ``model(tokens, positions, segments)``: ``tokens``, ``positions`` [T] int64
+    (packed, in segment order) → ``([S, V] float32 logits of each segment's last
+    token, routing statistics of each MoE layer)``. ``new_cache(capacity, dtype,
+    device)`` allocates one sequence's cache of ``capacity`` token positions (the
+    family decides what it holds: K/V, or MLA's compressed latent).
+    """
+
+    @property
+    def args(self) -> ServingArgs: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+    def new_cache(self, capacity: int, dtype: torch.dtype,
+                  device: torch.device | str) -> KVCache: ...
+
+    def setup_rope(self, device: torch.device | str | None = None) -> None: ...
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor,
+                 segments: Sequence[Segment]) -> tuple[torch.Tensor, list[RoutingStats]]: ...
+
+    def to(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def eval(self) -> Any: ...
