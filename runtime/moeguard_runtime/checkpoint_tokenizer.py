@@ -11,7 +11,8 @@ the way ``transformers``' ``PreTrainedTokenizerFast`` reads them.
 * ``chat_template``: a string, or a list of ``{"name", "template"}`` (the one
   named ``default``); or a ``chat_template.jinja`` file next to it.
 * End of sequence: the ``eos_token`` and ``generation_config.json``'s
-  ``eos_token_id`` (an int or a list), as ``generate`` stops on both.
+  ``eos_token_id`` (an int or a list; else ``config.json``'s), as ``generate``
+  stops on both.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ class CheckpointTokenizer:
                        (bool(config.get("add_bos_token")), bool(config.get("add_eos_token"))))
         eos = {self.eos_id} if self.eos_id is not None else set()
         generation = _read_json(root / "generation_config.json").get("eos_token_id")
+        if generation is None:  # generate's default: the model config's
+            generation = _read_json(root / "config.json").get("eos_token_id")
         for value in generation if isinstance(generation, list) else [generation]:
             if isinstance(value, int) and not isinstance(value, bool):
                 eos.add(value)

@@ -536,7 +536,7 @@ async def _stream(worker: Worker, job: _Job, req_id: str, queue: asyncio.Queue[E
                 {"content": text} if text or finish is None else {})
             choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
         elif text is not None:
-            choices = [{"index": 0, "text": text, "finish_reason": finish}]
+            choices = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
         body: dict[str, Any] = {"id": req_id, "created": created, "model": job.model,
                                 "object": "chat.completion.chunk" if job.chat else "text_completion",
                                 "choices": choices}
