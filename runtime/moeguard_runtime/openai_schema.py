@@ -55,11 +55,16 @@ class _Sampling(BaseModel):
         default=None, description=f"Up to {MAX_STOP_STRINGS} strings; generation ends before "
                                   "the first one, which is not returned (finish_reason stop).")
     n: int = Field(default=1, ge=1, le=1, description="Only 1 is supported.")
+    top_p: float = Field(default=1.0, ge=1.0, le=1.0,
+                         description="Only 1 (no nucleus sampling); clients send it as a default.")
+    frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0, description="Only 0 (no penalty).")
+    presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0, description="Only 0 (no penalty).")
     user: str | None = Field(default=None, max_length=256, strict=True)
     priority: Literal["interactive", "batch"] | None = Field(
         default=None, description="Queue class while overload mode is on (default interactive).")
 
-    @field_validator("temperature", "seed", "n", mode="before", check_fields=False)
+    @field_validator("temperature", "seed", "n", "top_p", "frequency_penalty", "presence_penalty",
+                     mode="before", check_fields=False)
     @classmethod
     def _numbers_only(cls, value: Any) -> Any:
         if isinstance(value, (str, bool)):
@@ -173,7 +178,7 @@ def refused_fields(body: CompletionRequest | ChatCompletionRequest) -> None:
                                  "unsupported_field")
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise InvalidRequest("give 'max_completion_tokens' or its older name 'max_tokens', "
-                                 "not both", "max_completion_tokens")
+                                 "not both", "max_completion_tokens", "conflicting_fields")
     if body.stream_options is not None and not body.stream:
         raise InvalidRequest("invalid field 'stream_options': only allowed when 'stream' is "
                              "true; given: stream false", "stream_options",

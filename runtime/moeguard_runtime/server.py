@@ -182,6 +182,7 @@ def _openapi(model: type[BaseModel], slot: WorkerSlot) -> dict[str, Any]:
         props["prompt"] = prompt_schema(slot.tokenizer.vocab_size)
     if "messages" in props:
         props["messages"] = MESSAGES_SCHEMA
+        schema["not"] = {"required": ["max_tokens", "max_completion_tokens"]}  # one of the two
     return {
         "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
         "responses": {

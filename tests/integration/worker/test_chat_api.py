@@ -37,7 +37,8 @@ def test_models_reports_name_context_and_type(worker: WorkerProcess) -> None:
     model = httpx.get(f"{worker.base_url}/v1/models").json()["data"][0]
     assert (model["id"], model["max_model_len"], model["model_type"]) == ("tiny", 1024, "mixtral")
     for name in ("tiny", "moeguard-tiny", None):  # the preset and the former name are aliases
-        r = chat(worker, {"model": name, "messages": HELLO, "max_tokens": 2})
+        r = chat(worker, {"model": name, "messages": HELLO, "max_tokens": 2, "top_p": 1,
+                          "frequency_penalty": 0, "presence_penalty": 0})  # neutral: accepted
         assert r.status_code == 200 and r.json()["model"] == "tiny", r.text
     err = assert_openai_error(chat(worker, {"model": "gpt-4o", "messages": HELLO}), 404,
                               "The model `gpt-4o` does not exist", "'tiny'")
@@ -160,6 +161,9 @@ def test_bad_completion_forms_name_the_field(worker: WorkerProcess, body: dict[s
      ["not both"], "max_completion_tokens"),
     ({"messages": HELLO, "logprobs": True}, ["log probabilities are not supported"], "logprobs"),
     ({"messages": HELLO, "n": 3}, ["limit: le 1"], "n"),
+    ({"messages": HELLO, "top_p": 0.9}, ["invalid field 'top_p'", "limit: ge 1.0"], "top_p"),
+    ({"messages": HELLO, "presence_penalty": 0.5}, ["limit: le 0.0"], "presence_penalty"),
+    ({"messages": HELLO, "tools": []}, ["unknown field 'tools'"], "tools"),
     ({"messages": HELLO, "max_completion_tokens": 0}, ["limit: ge 1"], "max_completion_tokens"),
 ])
 def test_bad_chat_input_is_a_400_naming_field_and_limit(
