@@ -4,11 +4,12 @@ cut across stream chunks."""
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.unit.runtime.bpe_folder import write_bpe_tokenizer
+from tests.unit.runtime.bpe_folder import training_text, write_bpe_tokenizer
 
 from moeguard_runtime.checkpoint_tokenizer import CheckpointTokenizer
 from moeguard_runtime.detokenize import StopMatcher
@@ -96,3 +97,48 @@ def test_stop_matcher_equals_cutting_the_whole_text(text: str, stop: str, cuts: 
     assert stopped == (stop in text)
     assert "".join(out) == (text[:text.find(stop)] if stop in text else text)
     assert all(stop not in p for p in out)
+
+
+def llama_style(folder: Path) -> CheckpointTokenizer:
+    """A SentencePiece-style BPE as Llama/Mistral/Mixtral ship it in tokenizer.json:
+    Metaspace ("▁" for spaces, one prepended), byte fallback (<0xNN> pieces for
+    characters outside the vocabulary), and the decoder that strips the first space."""
+    import json
+
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, trainers
+
+    def llama_pipeline(model: models.Model) -> Tokenizer:
+        tok = Tokenizer(model)
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                               normalizers.Replace(Regex(" "), "▁")])
+        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+        return tok
+
+    trained = llama_pipeline(models.BPE(unk_token="<unk>"))
+    trained.train_from_iterator(training_text(), trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
+    # the <0xNN> byte pieces are ordinary vocabulary entries (not special tokens), as in Llama's
+    model = json.loads(trained.to_str())["model"]
+    vocab = dict(model["vocab"])
+    for i in range(256):
+        vocab.setdefault(f"<0x{i:02X}>", len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    tok = llama_pipeline(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
+    return CheckpointTokenizer(folder)
+
+
+def test_sentencepiece_style_first_token_keeps_its_space_and_bytes_fuse(tmp_path: Path) -> None:
+    tok = llama_style(tmp_path)
+    prompt = tok.encode_chat("The worker says")
+    ids = tok.encode_chat(" hello to the 🦀 and ß")  # byte-fallback pieces for 🦀
+    assert any(tok.decode([i]) == "\ufffd" for i in ids), "needs a character in byte pieces"
+    pieces = stream(tok, ids, prompt=prompt)
+    whole = tok.decode(prompt + ids)
+    assert "".join(pieces) == whole[len(tok.decode(prompt)):]
+    assert pieces[0].startswith(" ")  # decoded alone, the first token would lose its space
+    assert all("\ufffd" not in p for p in pieces)
