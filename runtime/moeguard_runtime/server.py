@@ -270,8 +270,8 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def parse(request: Request, model: type[BaseModel],
-                    required: str) -> BaseModel | JSONResponse:
+    async def parse(request: Request, model: type[CompletionRequest | ChatCompletionRequest],
+                    required: str) -> CompletionRequest | ChatCompletionRequest | JSONResponse:
         """The validated body, or the 4xx answer."""
         raw = await read_body(request)
         if raw is None:
@@ -294,7 +294,7 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
                            required)
         try:
             body = model.model_validate(payload)
-            refused_fields(body)  # type: ignore[arg-type]
+            refused_fields(body)
         except ValidationError as exc:
             message, param = describe_validation_error(exc)
             return invalid(message, param)
