@@ -16,6 +16,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moeguard_runtime.checkpoint import CheckpointError
@@ -25,7 +26,7 @@ from moeguard_runtime.config import (
     load_settings,
     model_args,
 )
-from moeguard_runtime.hf_checkpoint import is_hf_folder, read_checkpoint_info
+from moeguard_runtime.hf_checkpoint import HFConfig, is_hf_folder, read_checkpoint_info
 from moeguard_runtime.telemetry import (
     RateLimitedLog,
     Telemetry,
@@ -66,14 +67,26 @@ def main() -> int:
     if settings.checkpoint is not None and is_hf_folder(settings.checkpoint):
         try:  # an HF folder: its config.json, not the preset, gives the model's shape
             hf_info = read_checkpoint_info(settings.checkpoint)
+            vocab_size = HFConfig.read(Path(settings.checkpoint)).get_int("vocab_size")
         except CheckpointError as exc:
             log.event("config_error", force=True, error=str(exc))
             return 2
     num_experts = hf_info.num_experts if hf_info else args.num_experts
     max_seq_len = hf_info.max_seq_len if hf_info else args.max_seq_len
+    from moeguard_runtime.checkpoint_tokenizer import TokenizerError, load_tokenizer
+
+    try:  # before serving: a bad tokenizer or chat template stops the worker, naming the file
+        tok, chat_template = load_tokenizer(settings.checkpoint,
+                                            vocab_size if hf_info else args.vocab_size)
+    except TokenizerError as exc:
+        log.event("tokenizer_error", force=True, error=str(exc)[:1000])
+        return 2
     log = RateLimitedLog(settings.log_interval_s)
     telemetry = Telemetry(worker_labels(), num_experts)
-    slot = WorkerSlot(telemetry, f"moeguard-{settings.preset}", max_seq_len)
+    slot = WorkerSlot(telemetry, settings.served_model_name, max_seq_len, tokenizer=tok,
+                      model_aliases=(settings.preset, f"moeguard-{settings.preset}"),
+                      model_type=hf_info.model_type if hf_info else "mixtral",
+                      chat_template=chat_template)
     failed = threading.Event()
     loader = threading.Thread(target=_load, args=(settings, args, slot, log, failed),
                               name="model-loader", daemon=True)

@@ -60,6 +60,9 @@ ENV_OVERLOAD_MAX_CONTEXT_TOKENS = "MOEGUARD_OVERLOAD_MAX_CONTEXT_TOKENS"
 """Context cap while overload is on, when the budget document sets none (default: half the model's)."""
 ENV_MAX_BODY_BYTES = "MOEGUARD_MAX_BODY_BYTES"
 """Largest request body accepted (default 1 MiB); beyond it, HTTP 413."""
+ENV_SERVED_MODEL_NAME = "MOEGUARD_SERVED_MODEL_NAME"
+"""The model name GET /v1/models reports and requests must name (default: the preset's name,
+which stays accepted as an alias)."""
 
 OVERLOAD_MODES = contract.OVERLOAD_MODES
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -108,6 +111,8 @@ class Settings:
     """Resolved torch device (``cpu``, ``cuda`` or ``cuda:N``)."""
     dtype: str = "float32"
     """Resolved dtype name (``float32``, ``bfloat16`` or ``float16``)."""
+    served_model_name: str = ""
+    """``ENV_SERVED_MODEL_NAME``, or the preset's name when unset."""
 
     @property
     def torch_device(self) -> torch.device:
@@ -283,10 +288,11 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     dispatch = (env.get(ENV_MOE_DISPATCH) or "auto").strip()
     if dispatch not in MOE_DISPATCHES:
         raise ConfigError(f"{ENV_MOE_DISPATCH}={dispatch!r} must be one of {', '.join(MOE_DISPATCHES)}")
+    preset = env.get(contract.ENV_MODEL_PRESET, "tiny") or "tiny"
     return Settings(
         host=env.get(ENV_HOST, "0.0.0.0"),
         port=port,
-        preset=env.get(contract.ENV_MODEL_PRESET, "tiny") or "tiny",
+        preset=preset,
         seed=req(ENV_SEED, 0, minimum=0),
         torch_threads=req(ENV_TORCH_THREADS, 1),
         expert_chunk_tokens=req(ENV_EXPERT_CHUNK_TOKENS, DEFAULT_EXPERT_CHUNK_TOKENS),
@@ -311,4 +317,5 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         faults=faults,
         device=device,
         dtype=dtype,
+        served_model_name=(env.get(ENV_SERVED_MODEL_NAME) or "").strip() or preset,
     )

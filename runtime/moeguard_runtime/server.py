@@ -1,24 +1,36 @@
-"""HTTP API: OpenAI-style completions, models, health, readiness, metrics, OpenAPI.
+"""HTTP API: OpenAI-style completions and chat completions, models, health, readiness,
+metrics, OpenAPI.
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``:
 
 * 400 ``invalid_request_error``: malformed JSON, a body that is not UTF-8 or
   not an object, an unknown field, a wrong type or a value out of range (the
   message names the field, the limit and the given value), an empty prompt,
-  or a prompt too long for the context, whose message follows TGI ("inputs
-  tokens + max_new_tokens must be <= N. Given: X inputs tokens and Y
-  max_new_tokens"; TGI answers 422, OpenAI 400);
+  a prompt form not served (several prompts), a field of OpenAI's that the worker
+  does not implement (``n`` or ``best_of`` above 1, ``logprobs``), a bad chat
+  message (unknown role, content of the wrong type, images), a chat template
+  that raises on the conversation, or a prompt too long for the context, whose
+  message follows TGI ("inputs tokens + max_new_tokens must be <= N. Given: X
+  inputs tokens and Y max_new_tokens"; TGI answers 422, OpenAI 400);
+* 404 ``model_not_found``: ``model`` names neither the served model
+  (``GET /v1/models``) nor one of its aliases (the preset's name);
 * 413: a body over ``MOEGUARD_MAX_BODY_BYTES`` (read no further than the limit);
 * 429 with ``Retry-After``: over ``max_concurrent_requests`` or a queue bound
   (TGI: "Model is overloaded"); the message names the cap;
 * 503 with ``Retry-After``: above the hard memory limit, queue timeout, a
   context over the overload threshold, out of memory, or the model still loading.
 
-Fields: those of OpenAI ``POST /v1/completions`` that the worker honours, plus
+Fields: those of OpenAI ``POST /v1/completions`` and ``POST /v1/chat/completions``
+that the worker honours (:mod:`moeguard_runtime.openai_schema`), plus
 ``priority`` (``interactive``, the default, or ``batch``; also the header
-``X-Priority``), which orders the queue while overload mode is on. Other
-OpenAI fields (``stop``, ``logprobs``, ``echo``, ``top_p`` …) are refused as
-unknown rather than silently ignored.
+``X-Priority``), which orders the queue while overload mode is on. Both endpoints
+share one path (:func:`_serve`): the same admission, budgets and refusals.
+
+Output text is detokenized incrementally (:mod:`moeguard_runtime.detokenize`):
+a character split across tokens is never emitted half. Generation ends with
+``finish_reason`` ``stop`` on an end-of-sequence id of the tokenizer or on a
+``stop`` string (not returned, even across stream chunks), ``length`` at
+``max_tokens``.
 
 Streaming answers its HTTP status only once the request is admitted to a
 batch: a refusal or a queue timeout before that is the same JSON error (503 or
@@ -38,76 +50,71 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moeguard_runtime import tokenizer
+from moeguard_runtime.chat_template import ChatTemplate, ChatTemplateError
+from moeguard_runtime.detokenize import StopMatcher
+from moeguard_runtime.openai_schema import (
+    MAX_STOP_STRINGS,
+    MESSAGES_SCHEMA,
+    ChatCompletionRequest,
+    CompletionRequest,
+    InvalidRequest,
+    chat_messages,
+    prompt_ids,
+    prompt_schema,
+    refused_fields,
+)
 from moeguard_runtime.scheduler import Rejected
 from moeguard_runtime.service import Event, GenerationRequest, Worker
 from moeguard_runtime.telemetry import Telemetry
+from moeguard_runtime.tokenizer import ByteTokenizer, Tokenizer
 
 DISCONNECT_POLL_S = 0.25
-MAX_TOKENS_LIMIT = 1_048_576
-
-
-class StreamOptions(BaseModel):
-    """OpenAI ``stream_options``: ``include_usage`` adds a last chunk with ``usage``
-    (and ``"choices": []``) before ``[DONE]``. Other keys are refused."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    include_usage: bool = Field(default=False, strict=True)
-
-
-class CompletionRequest(BaseModel):
-    """The body of ``POST /v1/completions``.
-
-    Types are strict, as JSON Schema states them: ``"5"`` and ``true`` are not
-    integers, while ``5.0`` is (JSON Schema's integers include numbers with a
-    zero fraction); ``"1"`` is not a number.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str | None = Field(default=None, max_length=256, strict=True)
-    prompt: str = Field(min_length=1, strict=True,
-                        description="Text to complete; at least one character.")
-    max_tokens: int = Field(default=16, ge=1, le=MAX_TOKENS_LIMIT,
-                            description="Tokens to generate; prompt tokens + max_tokens must fit "
-                                        "the model's context (GET /v1/models max_model_len).")
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="0 is greedy.")
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    stream: bool = Field(default=False, strict=True)
-    stream_options: StreamOptions | None = Field(
-        default=None, description="OpenAI's stream options; only with stream: true.")
-    n: int = Field(default=1, ge=1, le=1, description="Only 1 is supported.")
-    user: str | None = Field(default=None, max_length=256, strict=True)
-    priority: Literal["interactive", "batch"] | None = Field(
-        default=None, description="Queue class while overload mode is on (default interactive).")
-
-    @field_validator("max_tokens", "temperature", "seed", "n", mode="before")
-    @classmethod
-    def _numbers_only(cls, value: Any) -> Any:
-        if isinstance(value, (str, bool)):
-            raise ValueError(f"Input should be a JSON number, not {type(value).__name__}")
-        return value
 
 
 @dataclass
 class WorkerSlot:
-    """What the app serves: ``worker`` stays None while the model loads."""
+    """What the app serves: ``worker`` stays None while the model loads.
+
+    ``model_name`` is the served name (``GET /v1/models``); requests may also
+    name one of ``model_aliases``. ``chat_template`` None: compiled from the
+    tokenizer's own (checked at start-up by the caller for a checkpoint).
+    """
 
     telemetry: Telemetry
     model_name: str
     max_len: int
     worker: Worker | None = None
+    tokenizer: Tokenizer = field(default_factory=ByteTokenizer)
+    model_aliases: tuple[str, ...] = ()
+    model_type: str = "mixtral"
+    chat_template: ChatTemplate | None = None
+
+
+@dataclass(frozen=True)
+class _Job:
+    """A validated request, endpoint-neutral: what :func:`_serve` runs."""
+
+    chat: bool
+    prompt: list[int]
+    max_tokens: int
+    temperature: float
+    seed: int | None
+    priority: str
+    stream: bool
+    include_usage: bool
+    stops: list[str]
+    model: str
+    echo: str = ""
 
 
 def error_response(status: int, message: str, type_: str, code: str | None = None,
@@ -133,6 +140,8 @@ _ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error"
     "type": "object", "required": ["message", "type", "param", "code"],
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                    "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+
+
 def _inline_refs(schema: dict[str, Any]) -> dict[str, Any]:
     """Pydantic's schema with its ``$defs`` inlined: the request body schema sits
     inside the OpenAPI document, where ``#/$defs/...`` would not resolve."""
@@ -152,22 +161,47 @@ def _inline_refs(schema: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-_COMPLETIONS_OPENAPI: dict[str, Any] = {
-    "requestBody": {"required": True, "content": {"application/json": {
-        "schema": _inline_refs(CompletionRequest.model_json_schema())}}},
-    "responses": {
-        "200": {"description": "The completion (JSON), or server-sent events when stream is true.",
-                "content": {"application/json": {"schema": {"type": "object"}},
-                            "text/event-stream": {"schema": {}}}},
-        **{str(code): {"description": why, "content": {"application/json": {
-            "schema": _ERROR_SCHEMA}}} for code, why in (
-            (400, "invalid request"), (413, "body too large"), (429, "overloaded"),
-            (500, "inference failed"), (503, "unavailable"))}},
-}
+def _openapi(model: type[BaseModel], slot: WorkerSlot) -> dict[str, Any]:
+    """The operation's OpenAPI extras, with the bounds known only at start-up (the
+    context, the vocabulary, the model names) written into the body schema."""
+    schema = _inline_refs(model.model_json_schema())
+    props = schema["properties"]
+    for name in ("max_tokens", "max_completion_tokens"):
+        if name in props:
+            bound = next(b for b in props[name].get("anyOf", [props[name]]) if "maximum" in b)
+            bound["maximum"] = slot.max_len - 1
+    names = sorted({slot.model_name, *slot.model_aliases})
+    props["model"] = {"anyOf": [{"enum": names}, {"type": "null"}], "default": None,
+                      "description": props["model"].get("description", "")}
+    props["stop"]["anyOf"] = [{"type": "string"}, {"type": "array", "maxItems": MAX_STOP_STRINGS,
+                                                   "items": {"type": "string"}}, {"type": "null"}]
+    props["logprobs"] = {"type": "null", "default": None, "description": "Not supported."}
+    if "top_logprobs" in props:
+        props["top_logprobs"] = {"type": "null", "default": None, "description": "Not supported."}
+    if "prompt" in props:
+        props["prompt"] = prompt_schema(slot.tokenizer.vocab_size)
+    if "messages" in props:
+        props["messages"] = MESSAGES_SCHEMA
+        schema["not"] = {"required": ["max_tokens", "max_completion_tokens"]}  # one of the two
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+        "responses": {
+            "200": {"description": "The completion (JSON), or server-sent events when stream is true.",
+                    "content": {"application/json": {"schema": {"type": "object"}},
+                                "text/event-stream": {"schema": {}}}},
+            **{str(code): {"description": why, "content": {"application/json": {
+                "schema": _ERROR_SCHEMA}}} for code, why in (
+                (400, "invalid request"), (404, "model not found"), (413, "body too large"),
+                (429, "overloaded"), (500, "inference failed"), (503, "unavailable"))}},
+    }
 
 
 def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
-    """The FastAPI application serving ``slot.worker`` (once it is set)."""
+    """The FastAPI application serving ``slot.worker`` (once it is set).
+
+    Raises:
+        ChatTemplateError: the tokenizer's chat template does not compile.
+    """
     app = FastAPI(title="moeguard worker", version="1", docs_url=None, redoc_url=None)
 
     @app.exception_handler(StarletteHTTPException)
@@ -177,11 +211,13 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
         message = f"{request.method} {request.url.path}: {exc.detail}"
         return error_response(exc.status_code, message, kind, code=str(exc.detail).lower().replace(" ", "_"),
                               headers=dict(exc.headers or {}))
-    openapi = json.loads(json.dumps(_COMPLETIONS_OPENAPI))  # the context is known only now
-    body_schema = openapi["requestBody"]["content"]["application/json"]["schema"]
-    body_schema["properties"]["max_tokens"]["maximum"] = slot.max_len - 1
     tel = slot.telemetry
     max_len = slot.max_len
+    tok = slot.tokenizer
+    template = slot.chat_template
+    if template is None and tok.chat_template is not None:
+        template = ChatTemplate(tok.chat_template, tok.special_tokens)
+    model_names = {slot.model_name, *slot.model_aliases}
 
     def count(status: str, code: int) -> None:
         tel.requests.labels(**tel.l(status=status, code=str(code))).inc()
@@ -215,8 +251,11 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": slot.model_name, "object": "model", "created": 0,
-                                            "owned_by": "moeguard", "max_model_len": max_len}]}
+        """The served model: its name, context length (tokens) and ``model_type``."""
+        return {"object": "list", "data": [{
+            "id": slot.model_name, "object": "model", "created": 0, "owned_by": "moeguard",
+            "max_model_len": max_len, "model_type": slot.model_type,
+            "aliases": sorted(model_names - {slot.model_name})}]}
 
     async def read_body(request: Request) -> bytes | None:
         """The body, or None once it exceeds ``max_body_bytes`` (read no further)."""
@@ -231,8 +270,9 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    @app.post("/v1/completions", openapi_extra=openapi)
-    async def completions(request: Request) -> Response:
+    async def parse(request: Request, model: type[CompletionRequest | ChatCompletionRequest],
+                    required: str) -> CompletionRequest | ChatCompletionRequest | JSONResponse:
+        """The validated body, or the 4xx answer."""
         raw = await read_body(request)
         if raw is None:
             return invalid(f"request body is larger than {max_body_bytes} bytes "
@@ -249,34 +289,104 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
             return invalid("request body is not valid JSON for this API: nested too deeply")
         if not isinstance(payload, dict):
             return invalid(f"request body must be a JSON object, given a {type(payload).__name__}")
-        if "prompt" not in payload:
-            return invalid("you must provide a prompt: the field 'prompt' is missing", "prompt")
-        if payload["prompt"] == "":
-            return invalid("invalid field 'prompt': the prompt must not be empty; given: \"\"",
-                           "prompt")
+        if required not in payload:
+            return invalid(f"you must provide {required}: the field {required!r} is missing",
+                           required)
         try:
-            body = CompletionRequest.model_validate(payload)
+            body = model.model_validate(payload)
+            refused_fields(body)
         except ValidationError as exc:
             message, param = describe_validation_error(exc)
             return invalid(message, param)
-        if body.stream_options is not None and not body.stream:
-            return invalid("invalid field 'stream_options': only allowed when 'stream' is true; "
-                           "given: stream false", "stream_options", "stream_options_without_stream")
-        prompt = tokenizer.encode(body.prompt)
-        if len(prompt) + body.max_tokens > max_len:
-            return invalid(f"inputs tokens + max_new_tokens must be <= {max_len}. Given: "
-                           f"{len(prompt)} inputs tokens and {body.max_tokens} max_new_tokens",
-                           "prompt", "context_length_exceeded")
+        except InvalidRequest as exc:
+            return invalid(exc.message, exc.param, exc.code)
+        return body
+
+    def priority_of(body: CompletionRequest | ChatCompletionRequest,
+                    request: Request) -> str | JSONResponse:
         priority = body.priority or request.headers.get("x-priority", "interactive").lower()
         if priority not in ("interactive", "batch"):
             return invalid(f"invalid header 'X-Priority': must be interactive or batch; "
                            f"given: {priority!r}", "priority")
+        return priority
+
+    async def run(job: _Job, request: Request) -> Response:
         worker = slot.worker
         if worker is None:
             count("rejected", 503)
             return error_response(503, "the model is loading", "service_unavailable_error",
                                   "loading", headers={"Retry-After": "5"})
-        return await _serve(worker, body, prompt, priority, request, count)
+        return await _serve(worker, job, tok, request, count)
+
+    def model_not_found(name: str | None) -> JSONResponse | None:
+        if name is None or name in model_names:
+            return None
+        count("invalid", 404)
+        tel.rejections.labels(**tel.l(reason="invalid_request")).inc()
+        return error_response(404, f"The model `{name}` does not exist; this worker serves "
+                                   f"{slot.model_name!r} (GET /v1/models)",
+                              "invalid_request_error", "model_not_found", "model")
+
+    @app.post("/v1/completions", openapi_extra=_openapi(CompletionRequest, slot))
+    async def completions(request: Request) -> Response:
+        body = await parse(request, CompletionRequest, "prompt")
+        if isinstance(body, JSONResponse):
+            return body
+        assert isinstance(body, CompletionRequest)
+        if (missing := model_not_found(body.model)) is not None:
+            return missing
+        try:
+            given = prompt_ids(body.prompt, tok.vocab_size)
+        except InvalidRequest as exc:
+            return invalid(exc.message, exc.param, exc.code)
+        prompt = tok.encode(given) if isinstance(given, str) else given
+        if len(prompt) + body.max_tokens > max_len:
+            return invalid(f"inputs tokens + max_new_tokens must be <= {max_len}. Given: "
+                           f"{len(prompt)} inputs tokens and {body.max_tokens} max_new_tokens",
+                           "prompt", "context_length_exceeded")
+        priority = priority_of(body, request)
+        if isinstance(priority, JSONResponse):
+            return priority
+        echo = (given if isinstance(given, str) else tok.decode(given)) if body.echo else ""
+        return await run(_Job(False, prompt, body.max_tokens, body.temperature, body.seed, priority,
+                              body.stream, body.include_usage, body.stops, slot.model_name, echo),
+                         request)
+
+    @app.post("/v1/chat/completions", openapi_extra=_openapi(ChatCompletionRequest, slot))
+    async def chat_completions(request: Request) -> Response:
+        body = await parse(request, ChatCompletionRequest, "messages")
+        if isinstance(body, JSONResponse):
+            return body
+        assert isinstance(body, ChatCompletionRequest)
+        if (missing := model_not_found(body.model)) is not None:
+            return missing
+        if template is None:
+            return invalid("this model's tokenizer has no chat template "
+                           "(tokenizer_config.json chat_template); use /v1/completions",
+                           "messages", "no_chat_template")
+        try:
+            rendered = template.render(chat_messages(body.messages))
+        except InvalidRequest as exc:
+            return invalid(exc.message, exc.param, exc.code)
+        except ChatTemplateError as exc:
+            return invalid(f"the model's chat template refused the conversation: {exc}",
+                           "messages", "chat_template_error")
+        prompt = tok.encode_chat(rendered)
+        asked = body.max_completion_tokens or body.max_tokens
+        max_tokens = asked or max_len - len(prompt)
+        if max_tokens < 1 or len(prompt) + max_tokens > max_len:
+            field_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+            limit = (f"; with {field_name} {asked} it must be <= {max_len - asked} tokens"
+                     if asked else f"; it must be <= {max_len - 1} tokens")
+            return invalid(f"invalid field 'messages': the conversation is {len(prompt)} tokens "
+                           f"once rendered with the chat template, the context is {max_len} "
+                           f"tokens{limit}", "messages", "context_length_exceeded")
+        priority = priority_of(body, request)
+        if isinstance(priority, JSONResponse):
+            return priority
+        return await run(_Job(True, prompt, max_tokens, body.temperature, body.seed, priority,
+                              body.stream, body.include_usage, body.stops, slot.model_name),
+                         request)
 
     return app
 
@@ -289,17 +399,46 @@ def _event_error(event: Event) -> JSONResponse:
                           headers={"Retry-After": "1"} if event.status == 503 else None)
 
 
-async def _serve(worker: Worker, body: CompletionRequest, prompt: list[int], priority: str,
-                 request: Request, count: Callable[[str, int], None]) -> Response:
+class _Output:
+    """Generated ids to output text: incremental detokenization, end of sequence
+    and stop strings. :meth:`token` returns ``(text, finish_reason or None)``."""
+
+    def __init__(self, tok: Tokenizer, prompt: Sequence[int], stops: Sequence[str]) -> None:
+        self._detok = tok.stream_decoder(prompt)
+        self._stop = StopMatcher(stops)
+        self._eos = tok.eos_ids
+        self.tokens = 0
+
+    def token(self, token: int) -> tuple[str, str | None]:
+        if token in self._eos:  # the engine stops on the byte tokenizer's EOS itself
+            return self.end(), "stop"
+        self.tokens += 1
+        text, stopped = self._stop.push(self._detok.push(token))
+        return text, "stop" if stopped else None
+
+    def end(self) -> str:
+        """The held-back text once generation ended."""
+        text, stopped = self._stop.push(self._detok.flush())
+        return text if stopped else text + self._stop.flush()
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def _serve(worker: Worker, job: _Job, tok: Tokenizer, request: Request,
+                 count: Callable[[str, int], None]) -> Response:
     tel = worker.telemetry
-    req_id = f"cmpl-{uuid.uuid4().hex[:24]}"
+    req_id = f"{'chatcmpl' if job.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Event] = asyncio.Queue()
 
     def sink(event: Event) -> None:
         loop.call_soon_threadsafe(queue.put_nowait, event)
 
-    gen = GenerationRequest(req_id, prompt, body.max_tokens, body.temperature, body.seed, priority)
+    gen = GenerationRequest(req_id, job.prompt, job.max_tokens, job.temperature, job.seed,
+                            job.priority)
     try:
         worker.submit(gen, sink)
     except Rejected as rej:
@@ -309,7 +448,6 @@ async def _serve(worker: Worker, body: CompletionRequest, prompt: list[int], pri
                               else "service_unavailable_error", rej.reason,
                               headers={"Retry-After": str(rej.retry_after_s)})
     created = int(time.time())
-    model = body.model or f"moeguard-{worker.settings.preset}"
     next_poll = loop.time() + DISCONNECT_POLL_S
 
     async def next_event() -> Event | None:
@@ -328,7 +466,8 @@ async def _serve(worker: Worker, body: CompletionRequest, prompt: list[int], pri
             if event is not None:
                 return event
 
-    if body.stream:
+    output = _Output(tok, job.prompt, job.stops)
+    if job.stream:
         # No 200 before admission: a request refused or timed out in the queue gets the
         # same HTTP error (503/429, Retry-After, reason) as without streaming.
         first = await next_event()
@@ -337,12 +476,11 @@ async def _serve(worker: Worker, body: CompletionRequest, prompt: list[int], pri
         if first.kind == "error":
             count("error", first.status)
             return _event_error(first)
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(
-            _stream(worker, req_id, queue, created, model, len(prompt), count,
-                    first if first.kind != "admitted" else None, include_usage),
+            _stream(worker, job, req_id, queue, created, output, count,
+                    first if first.kind != "admitted" else None),
             media_type="text/event-stream")
-    tokens: list[int] = []
+    texts = [job.echo]
     while True:
         event = await next_event()
         if event is None:
@@ -350,54 +488,88 @@ async def _serve(worker: Worker, body: CompletionRequest, prompt: list[int], pri
         if event.kind == "admitted":
             continue
         if event.kind == "token":
-            tokens.append(event.token)
-            continue
+            text, finish = output.token(event.token)
+            texts.append(text)
+            if finish is None:
+                continue
+            worker.cancel(req_id)  # ended here (EOS of the tokenizer, a stop string)
+            break
         if event.kind == "error":
             count("error", event.status)
             return _event_error(event)
-        count("ok", 200)
-        return JSONResponse({
-            "id": req_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": tokenizer.decode(tokens), "logprobs": None,
-                         "finish_reason": event.finish_reason}],
-            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(tokens),
-                      "total_tokens": len(prompt) + len(tokens)},
-        })
+        texts.append(output.end())
+        finish = event.finish_reason
+        break
+    count("ok", 200)
+    text = "".join(texts)
+    choice: dict[str, Any] = (
+        {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+         "finish_reason": finish} if job.chat else
+        {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+    return JSONResponse({
+        "id": req_id, "object": "chat.completion" if job.chat else "text_completion",
+        "created": created, "model": job.model, "choices": [choice],
+        "usage": _usage(len(job.prompt), output.tokens)})
 
 
-async def _stream(worker: Worker, req_id: str, queue: asyncio.Queue[Event], created: int,
-                  model: str, prompt_tokens: int, count: Any, first: Event | None = None,
-                  include_usage: bool = False) -> AsyncIterator[str]:
-    """Server-sent events as OpenAI streams completions, ending with ``data: [DONE]``.
+async def _stream(worker: Worker, job: _Job, req_id: str, queue: asyncio.Queue[Event],
+                  created: int, output: _Output, count: Any,
+                  first: Event | None = None) -> AsyncIterator[str]:
+    """Server-sent events as OpenAI streams completions and chat completions, ending
+    with ``data: [DONE]``.
 
     Started once the request is admitted (``first``: an event already taken off
     the queue, if any). An error after admission (out of memory in a batch)
-    can only be an ``error`` event in the stream. Without ``include_usage`` the
-    finishing chunk carries ``usage``; with it (OpenAI ``stream_options``), every
-    chunk has ``"usage": null`` and a last chunk with ``"choices": []`` and the
-    usage precedes ``[DONE]``.
+    can only be an ``error`` event in the stream. Chat chunks carry ``delta``
+    (the first ``{"role": "assistant", "content": ""}``). Without
+    ``include_usage`` the finishing chunk carries ``usage``; with it (OpenAI
+    ``stream_options``), every chunk has ``"usage": null`` and a last chunk with
+    ``"choices": []`` and the usage precedes ``[DONE]``.
     """
-    decoder = tokenizer.StreamDecoder()
     done = False
-    n = 0
+    include_usage = job.include_usage
 
-    def chunk(text: str | None, finish: str | None, usage: dict[str, int] | None = None) -> str:
-        choices = [] if text is None else [{"index": 0, "text": text, "finish_reason": finish}]
-        body: dict[str, Any] = {"id": req_id, "object": "text_completion", "created": created,
-                                "model": model, "choices": choices}
+    def chunk(text: str | None, finish: str | None, usage: dict[str, int] | None = None,
+              role: bool = False) -> str:
+        choices: list[dict[str, Any]] = []
+        if text is not None and job.chat:
+            delta: dict[str, str] = {"role": "assistant", "content": text} if role else (
+                {"content": text} if text or finish is None else {})
+            choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        elif text is not None:
+            choices = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+        body: dict[str, Any] = {"id": req_id, "created": created, "model": job.model,
+                                "object": "chat.completion.chunk" if job.chat else "text_completion",
+                                "choices": choices}
         if usage is not None or include_usage:
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
 
+    def finish(text: str, reason: str) -> list[str]:
+        count("ok", 200)
+        usage = _usage(len(job.prompt), output.tokens)
+        if include_usage:
+            return [chunk(text, reason), chunk(None, None, usage)]
+        return [chunk(text, reason, usage)]
+
     try:
+        if job.chat:
+            yield chunk("", None, role=True)
+        elif job.echo:
+            yield chunk(job.echo, None)
         while True:
             event = first if first is not None else await queue.get()
             first = None
             if event.kind == "admitted":
                 continue
             if event.kind == "token":
-                n += 1
-                text = decoder.push(event.token)
+                text, reason = output.token(event.token)
+                if reason is not None:
+                    done = True
+                    worker.cancel(req_id)  # ended here (EOS of the tokenizer, a stop string)
+                    for line in finish(text, reason):
+                        yield line
+                    break
                 if text:
                     yield chunk(text, None)
                 continue
@@ -408,16 +580,10 @@ async def _stream(worker: Worker, req_id: str, queue: asyncio.Queue[Event], crea
                        "code": event.reason}
                 yield f"data: {json.dumps({'error': err})}\n\n"
             else:
-                count("ok", 200)
-                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n,
-                         "total_tokens": prompt_tokens + n}
-                if include_usage:
-                    yield chunk(decoder.flush(), event.finish_reason)
-                    yield chunk(None, None, usage)
-                else:
-                    yield chunk(decoder.flush(), event.finish_reason, usage)
-            yield "data: [DONE]\n\n"
-            return
+                for line in finish(output.end(), event.finish_reason):
+                    yield line
+            break
+        yield "data: [DONE]\n\n"
     finally:
         if not done:
             worker.cancel(req_id)

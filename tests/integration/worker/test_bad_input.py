@@ -19,7 +19,8 @@ def rss(w: WorkerProcess) -> float:
 
 @pytest.mark.parametrize(("body", "status", "needles", "param"), [
     ('{"prompt": "x", ', 400, ["request body is not valid JSON: Expecting"], None),
-    ({"prompt": 5}, 400, ["invalid field 'prompt': Input should be a valid string", "given: 5"],
+    ({"prompt": 5}, 400, ["invalid field 'prompt': Value error, Input should be a string, a list "
+                          "of strings, a list of token ids or a list of token-id lists", "given: 5"],
      "prompt"),
     ({"prompt": "x", "max_tokens": "5"}, 400,
      ["invalid field 'max_tokens': Value error, Input should be a JSON number, not str",

@@ -65,4 +65,6 @@ def test_openapi_document_describes_the_completion_body(served: WorkerProcess,
     assert body["required"] == ["prompt"] and body["additionalProperties"] is False
     assert body["properties"]["max_tokens"]["minimum"] == 1
     assert {"200", "400", "413", "429", "503"} <= set(op["responses"])
-    assert {"/healthz", "/readyz", "/metrics", "/v1/models"} <= set(doc["paths"])
+    assert {"/healthz", "/readyz", "/metrics", "/v1/models", "/v1/chat/completions"} <= set(doc["paths"])
+    chat = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]
+    assert chat["schema"]["properties"]["model"]["anyOf"][0]["enum"] == ["moeguard-tiny", "tiny"]

@@ -44,12 +44,12 @@ def assert_openai_error(r: httpx.Response, status: int, *needles: str) -> dict[s
 
 
 def test_completion_with_usage_counts_and_determinism(worker: WorkerProcess) -> None:
-    body = {"model": "m", "prompt": "Hello, world", "max_tokens": 7, "temperature": 0}
+    body = {"model": "tiny", "prompt": "Hello, world", "max_tokens": 7, "temperature": 0}
     r = post(worker, body)
     assert r.status_code == 200, r.text
     data = r.json()
     assert data["object"] == "text_completion" and data["id"].startswith("cmpl-")
-    assert data["model"] == "m" and isinstance(data["created"], int)
+    assert data["model"] == "tiny" and isinstance(data["created"], int)
     choice = data["choices"][0]
     usage = data["usage"]
     assert usage["prompt_tokens"] == len(b"Hello, world") + 1  # + BOS
@@ -66,7 +66,7 @@ def test_completion_with_usage_counts_and_determinism(worker: WorkerProcess) -> 
 
 def test_models_and_health(worker: WorkerProcess) -> None:
     models = httpx.get(f"{worker.base_url}/v1/models").json()
-    assert models["data"][0]["id"] == "moeguard-tiny" and models["data"][0]["max_model_len"] == 1024
+    assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 1024
     assert httpx.get(f"{worker.base_url}/healthz").status_code == 200
     assert httpx.get(f"{worker.base_url}/readyz").status_code == 200
 

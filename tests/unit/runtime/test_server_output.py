@@ -1,0 +1,52 @@
+"""Generated ids to response text: end of sequence, stop strings, held-back bytes;
+and the chat endpoint while the model loads."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from moeguard_runtime import tokenizer
+from moeguard_runtime.server import WorkerSlot, _Output, create_app
+from moeguard_runtime.telemetry import Telemetry
+
+pytestmark = pytest.mark.unit
+
+
+def run(ids: list[int], stops: list[str]) -> tuple[str, str | None]:
+    out = _Output(tokenizer.ByteTokenizer(), [tokenizer.BOS], stops)
+    texts = []
+    for i in ids:
+        text, finish = out.token(i)
+        texts.append(text)
+        if finish is not None:
+            return "".join(texts), finish
+    return "".join(texts) + out.end(), None
+
+
+def test_eos_ends_with_stop_and_flushes_held_text() -> None:
+    euro = list("€".encode())
+    assert run([*b"ab", *euro[:2], tokenizer.EOS, *b"zz"], []) == ("ab\ufffd", "stop")
+    assert run([*b"ab", *euro], []) == ("ab€", None)
+
+
+def test_stop_string_is_cut_and_a_partial_match_released_at_the_end() -> None:
+    assert run(list(b"hello world"), ["lo w"]) == ("hel", "stop")
+    assert run(list(b"hello wo"), ["world"]) == ("hello wo", None)  # held "wo" released
+    assert run(list("café!".encode()), ["é"]) == ("caf", "stop")
+
+
+def test_chat_while_loading_validates_then_answers_503() -> None:
+    slot = WorkerSlot(Telemetry({"moeis": "s", "namespace": "n", "pod": "p"}, 8), "tiny", 1024,
+                      model_aliases=("moeguard-tiny",))
+    client = TestClient(create_app(slot))
+    hello = [{"role": "user", "content": "hi"}]
+    r = client.post("/v1/chat/completions", json={"messages": hello})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "loading"
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.role"
+    r = client.post("/v1/chat/completions", json={"model": "other", "messages": hello})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    model = client.get("/v1/models").json()["data"][0]
+    assert model == {"id": "tiny", "object": "model", "created": 0, "owned_by": "moeguard",
+                     "max_model_len": 1024, "model_type": "mixtral", "aliases": ["moeguard-tiny"]}
