@@ -125,6 +125,7 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
                                                      settings.capacity_factor))
             model, model_type = loaded.model, loaded.model_type
             parameters = sum(p.numel() for p in model.parameters())
+            eos_ids = frozenset(loaded.eos_token_ids) | slot.tokenizer.eos_ids
         else:
             model = build_model(args, seed=settings.seed,
                                 expert_chunk_tokens=settings.expert_chunk_tokens,
@@ -134,11 +135,13 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
                                 matmul_backend=settings.matmul_backend,
                                 dispatch=settings.moe_dispatch)
             model_type, parameters = "preset", presets.parameter_count(args)
+            eos_ids = slot.tokenizer.eos_ids
     except Exception as exc:  # a bad checkpoint: say why and exit
         log.event("model_load_error", force=True, error=str(exc)[:1000])
         failed.set()
         return
-    worker = Worker(settings, Engine(model), slot.telemetry, log)
+    # generation ends on the checkpoint's generation_config EOS ids and the tokenizer's (as transformers' generate)
+    worker = Worker(settings, Engine(model, eos_ids=eos_ids), slot.telemetry, log)
     log.event("worker_start", force=True, preset=settings.preset, seed=settings.seed,
               checkpoint=settings.checkpoint, model_type=model_type, parameters=parameters,
               device=settings.device, dtype=settings.dtype,

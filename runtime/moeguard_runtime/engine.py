@@ -80,8 +80,11 @@ class StepOutput:
 class Engine:
     """Owns the model and the sequences' KV caches. Not thread-safe: one thread drives it."""
 
-    def __init__(self, model: ServingModel) -> None:
+    def __init__(self, model: ServingModel, eos_ids: frozenset[int] | None = None) -> None:
+        """``eos_ids``: token ids that end a sequence (``finish_reason`` "stop"): the serving
+        tokenizer's end-of-sequence ids; default the byte tokenizer's EOS (the presets')."""
         self.model = model
+        self.eos_ids = frozenset((EOS,)) if eos_ids is None else frozenset(eos_ids)
         self.args = model.args
         first = next(model.parameters())
         self.dtype = first.dtype
@@ -163,7 +166,7 @@ class Engine:
         for (seq, _), tok in zip(sampling, ids, strict=True):
             seq.generated.append(tok)
             new_tokens[seq.seq_id] = tok
-            if tok == EOS:
+            if tok in self.eos_ids:
                 seq.finish_reason = "stop"
             elif len(seq.generated) >= seq.max_new_tokens:
                 seq.finish_reason = "length"

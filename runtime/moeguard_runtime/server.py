@@ -410,7 +410,7 @@ class _Output:
         self.tokens = 0
 
     def token(self, token: int) -> tuple[str, str | None]:
-        if token in self._eos:  # the engine stops on the byte tokenizer's EOS itself
+        if token in self._eos:  # the engine stops on the same ids (Engine.eos_ids) and drops the token
             return self.end(), "stop"
         self.tokens += 1
         text, stopped = self._stop.push(self._detok.push(token))

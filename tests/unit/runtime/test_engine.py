@@ -102,3 +102,17 @@ def test_tiny_temperature_is_greedy_not_nan() -> None:
     assert sample(logits, 1.1446065092161173e-234, gen) == 1
     assert sample(logits, 1e-300, gen) == 1
     assert sample(logits, 1.0, gen) in (0, 1, 2)
+
+
+def test_a_sequence_ends_on_the_serving_tokenizers_eos_ids_not_the_byte_eos() -> None:
+    """A checkpoint tokenizer's EOS is its own id; the byte tokenizer's 257 is an ordinary token there."""
+    model = build_model(presets.get_preset("tiny"), seed=0)
+    greedy = Engine(model)
+    assert greedy.eos_ids == {tokenizer.EOS}
+    greedy.add("a", [1, 2, 3], max_new_tokens=6)
+    first = greedy.step([("a", 3)], []).new_tokens["a"]
+    assert first != tokenizer.EOS
+    ends_on_first = Engine(model, eos_ids=frozenset({first}))
+    ends_on_first.add("b", [1, 2, 3], max_new_tokens=6)
+    out = ends_on_first.step([("b", 3)], [])
+    assert (out.new_tokens["b"], out.finished) == (first, {"b": "stop"})

@@ -3,8 +3,8 @@ and the chat endpoint while the model loads."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
-from fastapi.testclient import TestClient
 
 from moeguard_runtime import tokenizer
 from moeguard_runtime.server import WorkerSlot, _Output, create_app
@@ -36,17 +36,19 @@ def test_stop_string_is_cut_and_a_partial_match_released_at_the_end() -> None:
     assert run(list("café!".encode()), ["é"]) == ("caf", "stop")
 
 
-def test_chat_while_loading_validates_then_answers_503() -> None:
+async def test_chat_while_loading_validates_then_answers_503() -> None:
     slot = WorkerSlot(Telemetry({"moeis": "s", "namespace": "n", "pod": "p"}, 8), "tiny", 1024,
                       model_aliases=("moeguard-tiny",))
-    client = TestClient(create_app(slot))
     hello = [{"role": "user", "content": "hi"}]
-    r = client.post("/v1/chat/completions", json={"messages": hello})
-    assert r.status_code == 503 and r.json()["error"]["code"] == "loading"
-    r = client.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.role"
-    r = client.post("/v1/chat/completions", json={"model": "other", "messages": hello})
-    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-    model = client.get("/v1/models").json()["data"][0]
+    # the app in-process through httpx's ASGI transport: no server thread
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(slot)),
+                                 base_url="http://worker") as client:
+        r = await client.post("/v1/chat/completions", json={"messages": hello})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "loading"
+        r = await client.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.role"
+        r = await client.post("/v1/chat/completions", json={"model": "other", "messages": hello})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        model = (await client.get("/v1/models")).json()["data"][0]
     assert model == {"id": "tiny", "object": "model", "created": 0, "owned_by": "moeguard",
                      "max_model_len": 1024, "model_type": "mixtral", "aliases": ["moeguard-tiny"]}
