@@ -87,18 +87,39 @@ def for_spec(spec: MoEInferenceServiceSpec, status: MoEInferenceServiceStatus, d
     """The document a reconcile of ``spec`` writes, given the prior ``status`` and the ConfigMap's ``data``.
 
     The budgets in effect stay unless the spec's initial budgets changed (or none are in effect
-    yet); a forced ``overload.mode`` applies at once. Either change takes the next generation.
+    yet); a forced ``overload.mode`` applies at once; a new overload context cap
+    (``overload.maxContextTokens``, or the model's context it defaults from) too. Each change takes
+    the next generation (the workers ignore a generation they have applied).
     """
     initial = initial_budgets(spec.batching)
     generation = generation_in_effect(status, data)
     overload = overload_in_effect(status) if spec.overload.mode == "Auto" else spec.overload.mode
     budgets, reason = status.budgets, "in effect"
+    current = _parsed(data)
     if budgets is None or status.initial_budgets != initial:
         reason = "initial budgets from spec" if budgets is None else "spec.batching changed"
         budgets, generation = initial, generation + 1
     elif overload != status.overload_mode:
         reason, generation = f"overload.mode {spec.overload.mode}", generation + 1
+    elif current is not None and current.overload_max_context_tokens != overload_context_cap(spec):
+        reason, generation = (f"overload context cap {current.overload_max_context_tokens} -> "
+                              f"{overload_context_cap(spec)}"), generation + 1
     return for_budgets(spec, budgets, overload, generation, reason, now)
+
+
+def _key(document: BudgetDocument) -> tuple[object, ...]:
+    """What a worker applies from a document: equal keys, nothing to write."""
+    return (document.generation, document.budgets, document.overload_mode, document.overload_max_context_tokens)
+
+
+def _parsed(data: dict[str, str] | None) -> BudgetDocument | None:
+    """The valid document in ``data``, or None (no ConfigMap, or an invalid one)."""
+    if data is None:
+        return None
+    try:
+        return parse_budget_configmap_data(data)
+    except BudgetDocumentError:
+        return None
 
 
 def for_decision(spec: MoEInferenceServiceSpec, status: MoEInferenceServiceStatus, data: dict[str, str] | None,
@@ -124,18 +145,14 @@ def in_effect(spec: MoEInferenceServiceSpec, status: MoEInferenceServiceStatus, 
 def to_apply(data: dict[str, str] | None, document: BudgetDocument) -> BudgetDocument | None:
     """What to write to the ConfigMap whose current ``data`` is given (None: it does not exist).
 
-    None when ``data`` already holds this generation, budgets and overload mode. Otherwise
-    ``document``, with the generation after the one found when that is not older (a ConfigMap
-    edited by hand at this generation or beyond: the workers ignore a generation they have seen).
+    None when ``data`` already holds this generation, budgets, overload mode and context cap.
+    Otherwise ``document``, with the generation after the one found when that is not older (a
+    ConfigMap edited by hand at this generation or beyond: the workers ignore a generation they
+    have seen).
     """
-    if data is not None:
-        try:
-            current = parse_budget_configmap_data(data)
-            if (current.generation, current.budgets, current.overload_mode) == (
-                    document.generation, document.budgets, document.overload_mode):
-                return None
-        except BudgetDocumentError:
-            pass  # replaced by a valid document
+    current = _parsed(data)
+    if current is not None and _key(current) == _key(document):
+        return None
     found = generation_in(data)
     if data is not None and document.generation <= found:
         return document.model_copy(update={"generation": found + 1})

@@ -92,6 +92,27 @@ def test_a_forced_overload_mode_takes_the_next_generation() -> None:
     assert (doc.generation, doc.budgets, doc.overload_mode, doc.reason) == (7, HAND, "On", "overload.mode On")
 
 
+def test_a_new_overload_context_cap_takes_the_next_generation_and_reaches_the_configmap() -> None:
+    """A review found that changing only spec.overload.maxContextTokens never reached the workers."""
+    status = _status(budgets=HAND.model_dump(by_alias=True), initialBudgets=INITIAL.model_dump(by_alias=True),
+                     budgetGeneration=2, overloadMode="On")
+    forced = {"mode": "On", "maxContextTokens": 400}
+    spec = SPEC.model_copy(update={"overload": SPEC.overload.model_validate(forced)})
+    data = BudgetDocument(generation=2, budgets=HAND, overload_mode="On", overload_max_context_tokens=300,
+                          ).to_configmap_data()
+    doc = bd.for_spec(spec, status, data, NOW)
+    assert (doc.generation, doc.budgets, doc.overload_max_context_tokens) == (3, HAND, 400)
+    assert doc.reason == "overload context cap 300 -> 400"
+    assert bd.to_apply(data, doc) == doc
+    # the same cap already there: nothing to write, no new generation
+    same = BudgetDocument(generation=2, budgets=HAND, overload_mode="On", overload_max_context_tokens=400)
+    again = bd.for_spec(spec, status, same.to_configmap_data(), NOW)
+    assert again.generation == 2 and bd.to_apply(same.to_configmap_data(), again) is None
+    # a hand edit of the cap at the same generation is superseded
+    edited = same.model_copy(update={"overload_max_context_tokens": 999}).to_configmap_data()
+    assert bd.to_apply(edited, again) == again.model_copy(update={"generation": 3})
+
+
 def test_overload_context_cap() -> None:
     assert bd.overload_context_cap(SPEC) == 512
     capped = MoEInferenceServiceSpec.model_validate({"overload": {"maxContextTokens": 300}})
