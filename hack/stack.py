@@ -116,7 +116,26 @@ def script(name: str, *args: str, run_dir: Path = RUN_DIR) -> None:
 def apply_crds(run_dir: Path = RUN_DIR) -> None:
     """Server-side apply ``crds/`` and wait until the CRD is Established."""
     kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=moeguard-install", "-f", str(ROOT / "crds"), run_dir=run_dir)
-    kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{CRD_NAME}", run_dir=run_dir)
+    wait_established(CRD_NAME, run_dir=run_dir)
+
+
+def wait_established(crd: str, timeout: float = 60, run_dir: Path = RUN_DIR) -> None:
+    """Poll until CustomResourceDefinition ``crd`` is Established (served).
+
+    ``kubectl wait --for=condition=Established`` fails at once, instead of waiting, while a new
+    CRD has no ``status.conditions`` yet (".status.conditions accessor error: <nil>"), which
+    happened right after the cluster came up.
+
+    Raises:
+        TimeoutError: not Established within ``timeout`` seconds.
+    """
+    jsonpath = '{.status.conditions[?(@.type=="Established")].status}'
+
+    def established() -> bool:
+        res = kubectl("get", f"crd/{crd}", "-o", f"jsonpath={jsonpath}", check=False, run_dir=run_dir)
+        return res.returncode == 0 and res.stdout.strip() == "True"
+
+    wait_for(established, timeout, f"CRD {crd} Established")
 
 
 def start_operator(log_path: Path, run_dir: Path = RUN_DIR, extra_env: dict[str, str] | None = None,

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import pytest
+from hack import stack
 from hack.stack import ROOT
 from tests.integration.conftest import Cluster
 
@@ -17,7 +18,7 @@ from moeguard_operator.models import MoEInferenceServiceSpec
 @pytest.fixture(scope="module")
 def crd(cluster: Cluster) -> None:
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/moeinferenceservices.moeguard.dev", "--timeout=60s")
+    stack.wait_established("moeinferenceservices.moeguard.dev", run_dir=cluster.run_dir)
 
 
 def _apply(cluster: Cluster, namespace: str, name: str, spec: dict[str, Any]) -> tuple[bool, str]:

@@ -225,7 +225,7 @@ def test_podmonitor_only_when_prometheus_operator_is_installed(cluster: Cluster,
     if not installed:
         assert cluster.kubectl("-n", namespace, "get", "podmonitors", check=False).returncode != 0
         cluster.kubectl("apply", "-f", "-", input=json.dumps(PODMONITOR_CRD))
-        cluster.kubectl("wait", "--for=condition=Established", "crd/podmonitors.monitoring.coreos.com")
+        stack.wait_established("podmonitors.monitoring.coreos.com", run_dir=cluster.run_dir)
     try:
         cluster.kubectl("-n", namespace, "apply", "-f", "-", input=moeis("mon", replicas=0))
         pm = wait(lambda: (r := cluster.kubectl("-n", namespace, "get", "podmonitor", "mon-worker", "-o", "json",

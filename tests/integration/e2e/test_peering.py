@@ -23,7 +23,7 @@ def _peering(cluster: Cluster, namespace: str) -> None:
          "--set", "operator.peering.enabled=true", "--show-only", "templates/crds/kopf-peerings.yaml"],
         env=stack.tools_env(cluster.run_dir), check=True, capture_output=True, text=True).stdout
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=rendered)
-    cluster.kubectl("wait", "--for=condition=Established", "crd/kopfpeerings.kopf.dev")
+    stack.wait_established("kopfpeerings.kopf.dev", run_dir=cluster.run_dir)
     cluster.kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(
         {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": PEERING}}))
 
