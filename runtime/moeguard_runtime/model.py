@@ -98,6 +98,22 @@ def apply_rope(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     return out.flatten(-2).type_as(x)
 
 
+def attend_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               scale: float | None = None) -> torch.Tensor:
+    """Grouped-query attention of one sequence segment against its cached keys and values.
+
+    ``q`` [H, n, hd], ``k``/``v`` [KvH, s, hd] (the cache, read in place), ``mask`` [n, s] bool
+    (True: may attend) or None → [H, n, hd]. Query head ``j`` reads KV head ``j // (H // KvH)``
+    (HF's ``repeat_kv``) through ``scaled_dot_product_attention(enable_gqa=True)`` (torch ≥ 2.5),
+    so K/V are never repeated per layer per step. The tensors get a batch dimension of 1: CUDA's
+    fused kernels (flash, memory-efficient) take 4-D inputs only and fall back to the math kernel,
+    which copies K/V for GQA, on 3-D ones.
+    """
+    o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
+                                       enable_gqa=q.shape[0] != k.shape[0])  # [1, H, n, hd]
+    return o[0]
+
+
 class Attention(nn.Module):
     """Causal self-attention with rotary positions and grouped KV heads (GQA, Ainslie
     et al. 2023): query head ``j`` attends with KV head ``j // (n_head // n_kv_head)``,
@@ -131,9 +147,7 @@ class Attention(nn.Module):
             mask = None
             if n > 1:  # query i (position s0+i) sees keys 0..s0+i
                 mask = torch.ones(n, s1, dtype=torch.bool, device=x.device).tril(diagonal=s0)
-            # GQA without a copy: query head j reads KV head j // (H // KvH) (torch >= 2.5)
-            o = F.scaled_dot_product_attention(qs, cache_k[:, :s1], cache_v[:, :s1],
-                                               attn_mask=mask, enable_gqa=h != kvh)  # [H, n, hd]
+            o = attend_gqa(qs, cache_k[:, :s1], cache_v[:, :s1], mask)  # [H, n, hd]
             outs.append(o.transpose(0, 1).reshape(n, h * hd))
             offset += n
         out: torch.Tensor = self.wo(torch.cat(outs, dim=0))  # [T, D]
