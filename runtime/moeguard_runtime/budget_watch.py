@@ -29,6 +29,23 @@ NO_GENERATION = -1
 """Generation in force before any document: the env budgets."""
 
 
+def event_resource_version(obj: Any) -> str | None:
+    """The resourceVersion of a watch event's object.
+
+    The kubernetes client deserializes ADDED/MODIFIED/DELETED objects into typed models
+    (``obj.metadata.resource_version``) but leaves a BOOKMARK's object a plain dict
+    (``{"metadata": {"resourceVersion": …}}``); reading it as a model raised AttributeError once
+    a minute and restarted the watch.
+    """
+    if isinstance(obj, dict):
+        meta = obj.get("metadata")
+        value = meta.get("resourceVersion") if isinstance(meta, dict) else None
+        return str(value) if value else None
+    meta = getattr(obj, "metadata", None)
+    value = getattr(meta, "resource_version", None)
+    return str(value) if value else None
+
+
 @dataclass(frozen=True)
 class BudgetDecision:
     action: Literal["apply", "ignore", "reject"]
@@ -157,7 +174,7 @@ class BudgetWatcher:
                     if event["type"] == "ERROR":
                         resource_version = None  # 410 Gone and friends: read again
                         break
-                    resource_version = obj.metadata.resource_version
+                    resource_version = event_resource_version(obj) or resource_version
                     if event["type"] in ("ADDED", "MODIFIED"):
                         self._on_data(obj.data)
                     elif event["type"] == "DELETED":

@@ -106,3 +106,15 @@ def test_a_number_written_as_a_string_is_refused() -> None:
                                          "maxConcurrentBatches": 1}}
     with pytest.raises(BudgetDocumentError, match=r"budgets\.maxPrefillTokens: Input should be a valid integer"):
         parse_budget_configmap_data({"budget.json": _json.dumps(doc)})
+
+
+def test_resource_version_of_typed_objects_and_of_bookmarks() -> None:
+    """A BOOKMARK's object stays a dict in the kubernetes client; it must not break the watch."""
+    from kubernetes.client import V1ConfigMap, V1ObjectMeta
+
+    from moeguard_runtime.budget_watch import event_resource_version
+
+    assert event_resource_version(V1ConfigMap(metadata=V1ObjectMeta(resource_version="42"))) == "42"
+    assert event_resource_version({"kind": "ConfigMap", "metadata": {"resourceVersion": "43"}}) == "43"
+    assert event_resource_version({"metadata": {}}) is None
+    assert event_resource_version({}) is None
