@@ -179,8 +179,7 @@ def why(summary: dict[str, dict[str, Any]], stats: dict[str, list[dict[str, Any]
             " `stream: true` the worker sends the 200 headers when it queues the request, so its queue timeout"
             " can only end the stream with an error event. The fix belongs in the worker (send the headers at"
             " admission, so a queue timeout is still a 503 with Retry-After); non-streaming requests get the"
-            " 503. The loadgen's `stream_options` field was dropped on the way out because the worker refused"
-            " it (HTTP 400).")
+            " 503.")
     if full["other_fail"]:
         out.append(f"- **moeguard's \"no answer\"** ({full['other_fail']:.0f} per repetition): requests still"
                    " open when the run's deadline came, with no OOM kill involved.")

@@ -56,7 +56,7 @@ import torch
 
 from bench.hf_reference import hf_expert_loop
 from moeguard_runtime import moe
-from moeguard_runtime.moe import grouped_expert_forward, route
+from moeguard_runtime.moe import MatmulBackend, grouped_expert_forward, route
 
 D, I, E, K = 1024, 2816, 8, 2  # noqa: E741 - the field's names for the MoE sizes
 PREFILL_TOKENS, DECODE_TOKENS = 4096, 16
@@ -71,20 +71,16 @@ def weights(device: str, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tenso
 
 
 def ours(x: torch.Tensor, gate: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-         w3: torch.Tensor) -> torch.Tensor:
+         w3: torch.Tensor, backend: MatmulBackend = "onednn") -> torch.Tensor:
     w, e = route(x @ gate.T, K)
-    return grouped_expert_forward(x, w, e, w1, w2, w3)[0]
+    return grouped_expert_forward(x, w, e, w1, w2, w3, backend=backend)[0]
 
 
 def ours_f_linear(x: torch.Tensor, gate: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                   w3: torch.Tensor) -> torch.Tensor:
     """moeguard's dispatch with ``F.linear`` (MKL on CPU) instead of oneDNN for the
     expert matmuls: splits the gain between the dispatch and the matmul kernel."""
-    moe.USE_ONEDNN = False
-    try:
-        return ours(x, gate, w1, w2, w3)
-    finally:
-        moe.USE_ONEDNN = True
+    return ours(x, gate, w1, w2, w3, backend="torch")
 
 
 def hf(x: torch.Tensor, gate: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,

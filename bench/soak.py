@@ -1,7 +1,7 @@
 """C6 at full length: steady traffic against a real worker, and its RSS slope.
 
 ``python -m bench.soak --minutes 10`` (``make bench-soak``) starts a worker
-(``tiny`` preset) with the integration tests' launcher, sends unique ~450-token
+(``tiny`` preset, :func:`bench.worker_process.start_worker_process`), sends unique ~450-token
 prompts with ``max_tokens=1`` from 4 concurrent clients, samples the worker's
 ``/metrics`` every 2 s, and writes ``bench/results/soak.md`` and ``soak.json``:
 the least-squares slope in MB/min of RSS, anonymous RSS and the Python heap's
@@ -21,16 +21,30 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from tests.integration.worker.conftest import start_worker_process
 
 from bench.loadgen.text import prompt_of_length
+from bench.metrics_text import samples as metric_samples
+from bench.worker_process import start_worker_process
+from moeguard_runtime import contract
 from moeguard_runtime.leak import slope
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SERIES = {"rss": "moeguard_process_resident_memory_bytes{",
-          "rss_anonymous": "moeguard_process_resident_anonymous_memory_bytes{",
-          "python_blocks": "moeguard_python_allocated_blocks{",
-          "mappings": "moeguard_process_memory_mappings{"}
+SERIES = {"rss": contract.METRIC_PROCESS_RSS_BYTES,
+          "rss_anonymous": contract.METRIC_PROCESS_RSS_ANONYMOUS_BYTES,
+          "python_blocks": contract.METRIC_PYTHON_ALLOCATED_BLOCKS,
+          "mappings": contract.METRIC_PROCESS_MEMORY_MAPPINGS}
+
+
+def sample_row(text: str, t: float) -> dict[str, float]:
+    """One soak sample from the worker's ``/metrics``: the SERIES and the native leak verdict."""
+    keys = {name: key for key, name in SERIES.items()}
+    row = {"t": t}
+    for name, labels, value in metric_samples(text):
+        if name in keys:
+            row[keys[name]] = value
+        elif name == contract.METRIC_MEMORY_LEAK_SUSPECTED and labels.get("kind") == "native":
+            row["leak_native"] = value
+    return row
 
 
 async def run(url: str, seconds: float, clients: int) -> tuple[int, list[dict[str, float]]]:
@@ -48,15 +62,7 @@ async def run(url: str, seconds: float, clients: int) -> tuple[int, list[dict[st
 
         async def sample() -> None:
             while time.monotonic() < stop:
-                text = (await client.get("/metrics")).text
-                row = {"t": time.monotonic() - t0}
-                for line in text.splitlines():
-                    for key, prefix in SERIES.items():
-                        if line.startswith(prefix):
-                            row[key] = float(line.split()[-1])
-                    if line.startswith('moeguard_memory_leak_suspected{') and 'kind="native"' in line:
-                        row["leak_native"] = float(line.split()[-1])
-                samples.append(row)
+                samples.append(sample_row((await client.get("/metrics")).text, time.monotonic() - t0))
                 await asyncio.sleep(2.0)
 
         await asyncio.gather(sample(), *(load() for _ in range(clients)))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+from bench import worker_process
+from bench.metrics_text import samples_named
 
 from moeguard_operator.conditions import get_condition
 
@@ -40,30 +40,52 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def bin_dir(component: str) -> Path:
+    """The cache folder of a pinned component (``kubernetes``, ``helm``, ``etcd``, ``kwok``), as
+    ``bin_dir`` in hack/lib.sh."""
+    version = _versions()[f"{component.upper()}_VERSION"]
+    cache = Path(os.environ.get("MOEGUARD_CACHE", Path.home() / ".cache" / "moeguard")) / "bin"
+    return cache / f"{component}-{version}"
+
+
 def tools_env(run_dir: Path = RUN_DIR) -> dict[str, str]:
     """Environment with the pinned binaries first on PATH and the cluster's kubeconfig."""
-    v = _versions()
-    cache = Path(os.environ.get("MOEGUARD_CACHE", Path.home() / ".cache" / "moeguard")) / "bin"
-    bins = [cache / f"kubernetes-{v['KUBERNETES_VERSION']}", cache / f"helm-{v['HELM_VERSION']}"]
     env = dict(os.environ)
-    env["PATH"] = os.pathsep.join([*map(str, bins), env.get("PATH", "")])
+    env["PATH"] = os.pathsep.join([str(bin_dir("kubernetes")), str(bin_dir("helm")), env.get("PATH", "")])
     env["KUBECONFIG"] = str(run_dir / "kubeconfig")
     env["MOEGUARD_RUN_DIR"] = str(run_dir)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "operator"), str(ROOT / "runtime"), str(ROOT)])
     return env
 
 
-def kubectl(*args: str, check: bool = True, stdin: str | None = None, run_dir: Path = RUN_DIR) -> subprocess.CompletedProcess[str]:
-    """Run the pinned kubectl against the local cluster; returns the completed process.
+class ToolError(RuntimeError):
+    """A pinned tool (kubectl, helm) failed; the message names the command, its exit status and
+    the end of its stderr."""
+
+
+def run_tool(tool: str, *args: str, check: bool = True, stdin: str | None = None, timeout: float = 120,
+             run_dir: Path = RUN_DIR) -> subprocess.CompletedProcess[str]:
+    """Run the pinned ``tool`` against the local cluster of ``run_dir``; returns the completed process.
 
     Raises:
-        RuntimeError: with kubectl's stderr, when ``check`` and kubectl fails.
+        ToolError: when ``check`` and the tool fails.
     """
-    proc = subprocess.run(["kubectl", *args], env=tools_env(run_dir), input=stdin, text=True,
-                          capture_output=True, timeout=120)
+    proc = subprocess.run([tool, *args], env=tools_env(run_dir), input=stdin, text=True,
+                          capture_output=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise RuntimeError(f"kubectl {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
+        raise ToolError(f"{tool} {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()[-3000:]}")
     return proc
+
+
+def kubectl(*args: str, check: bool = True, stdin: str | None = None, timeout: float = 120,
+            run_dir: Path = RUN_DIR) -> subprocess.CompletedProcess[str]:
+    """The pinned kubectl against the local cluster (:func:`run_tool`)."""
+    return run_tool("kubectl", *args, check=check, stdin=stdin, timeout=timeout, run_dir=run_dir)
+
+
+def kubectl_json(*args: str, run_dir: Path = RUN_DIR) -> Any:
+    """``kubectl ARGS -o json``, parsed."""
+    return json.loads(kubectl(*args, "-o", "json", run_dir=run_dir).stdout)
 
 
 def wait_for(probe: Callable[[], T | None], timeout: float, what: str, interval: float = 0.5) -> T:
@@ -100,25 +122,18 @@ def apply_crds(run_dir: Path = RUN_DIR) -> None:
 def start_operator(log_path: Path, run_dir: Path = RUN_DIR, extra_env: dict[str, str] | None = None,
                    args: tuple[str, ...] = ("-A", "--standalone")) -> subprocess.Popen[bytes]:
     """Start ``python -m moeguard_operator`` against the local cluster, logging to ``log_path``."""
-    env = tools_env(run_dir) | {"MOEGUARD_TIMER_INTERVAL_SECONDS": "2"} | (extra_env or {})
+    env = tools_env(run_dir) | (extra_env or {})
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = log_path.open("ab")
     return subprocess.Popen(
-        [sys.executable, "-m", "moeguard_operator", *args, "--prometheus-url", PROMETHEUS_URL],
+        [sys.executable, "-m", "moeguard_operator", "--timer-interval-seconds", "2", *args, "--prometheus-url", PROMETHEUS_URL],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
 
 
 def stop_process(proc: subprocess.Popen[bytes], timeout: float = 15) -> None:
     """SIGTERM, then SIGKILL after ``timeout`` seconds."""
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
+    worker_process.stop_process(proc, timeout)
 
 
 def pod_workers(action: str, run_dir: Path = RUN_DIR) -> None:
@@ -129,7 +144,7 @@ def pod_workers(action: str, run_dir: Path = RUN_DIR) -> None:
 
 def get_moeis(namespace: str, name: str, run_dir: Path = RUN_DIR) -> dict[str, Any]:
     """The MoEInferenceService as JSON."""
-    return json.loads(kubectl("get", "moeis", name, "-n", namespace, "-o", "json", run_dir=run_dir).stdout)  # type: ignore[no-any-return]
+    return dict(kubectl_json("get", "moeis", name, "-n", namespace, run_dir=run_dir))
 
 
 def condition(obj: dict[str, Any], type_: str) -> dict[str, Any] | None:
@@ -157,13 +172,7 @@ def healthy(url: str) -> bool:
 
 def scrape(url: str, name: str) -> list[tuple[dict[str, str], float]]:
     """Samples of metric family ``name`` (exact sample name) on a worker's ``/metrics``."""
-    text = httpx.get(f"{url}/metrics", timeout=5).text
-    out = []
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name:
-                out.append((dict(sample.labels), float(sample.value)))
-    return out
+    return samples_named(httpx.get(f"{url}/metrics", timeout=5).text, name)
 
 
 def scrape_one(url: str, name: str) -> float | None:
@@ -175,11 +184,21 @@ def scrape_one(url: str, name: str) -> float | None:
     return samples[0][1] if samples else None
 
 
-def prom_query(query: str) -> float | None:
+def prom_results(query: str, url: str = PROMETHEUS_URL) -> list[dict[str, Any]]:
+    """The result vector of a Prometheus instant query.
+
+    Raises:
+        httpx.HTTPError: Prometheus is unreachable or refused the query.
+    """
+    r = httpx.get(f"{url}/api/v1/query", params={"query": query}, timeout=5)
+    r.raise_for_status()
+    return list(r.json()["data"]["result"])
+
+
+def prom_query(query: str, url: str = PROMETHEUS_URL) -> float | None:
     """One number from a Prometheus instant query, or None (no series, or unreachable)."""
     try:
-        body = httpx.get(f"{PROMETHEUS_URL}/api/v1/query", params={"query": query}, timeout=5).json()
-        result = body["data"]["result"]
+        result = prom_results(query, url)
         return float(result[0]["value"][1]) if result else None
     except (httpx.HTTPError, KeyError, IndexError, ValueError):
         return None
@@ -187,7 +206,6 @@ def prom_query(query: str) -> float | None:
 
 def events(namespace: str, name: str, run_dir: Path = RUN_DIR) -> list[dict[str, Any]]:
     """Events whose involved object is ``name`` in ``namespace``, oldest first."""
-    out = kubectl("get", "events", "-n", namespace, "--field-selector", f"involvedObject.name={name}",
-                  "-o", "json", run_dir=run_dir).stdout
-    items: list[dict[str, Any]] = json.loads(out)["items"]
+    items: list[dict[str, Any]] = kubectl_json("get", "events", "-n", namespace, "--field-selector",
+                                               f"involvedObject.name={name}", run_dir=run_dir)["items"]
     return sorted(items, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")

@@ -2,8 +2,8 @@
 
     moeguard operator run -A --standalone --prometheus-url http://127.0.0.1:19090
     moeguard worker serve --preset tiny --port 8000
-    moeguard demo [--keep]
-    moeguard bench replay --url http://127.0.0.1:8000 --limit 200     (any bench.loadgen arguments)
+    moeguard demo [--keep]                                            (from a source checkout)
+    moeguard bench replay --url http://127.0.0.1:8000 --limit 200     (from a source checkout; any bench.loadgen arguments)
     moeguard plan --preset tiny --memory 8Gi [--skew 4] [--dtype bfloat16]
 """
 
@@ -58,25 +58,30 @@ def worker_serve(
     raise typer.Exit(main())
 
 
+def _from_checkout(what: str, needs: Path, cmd: list[str]) -> None:
+    """Run ``cmd`` (a tool that lives in the source checkout, not in the installed package) with
+    the checkout on PYTHONPATH; exit with its status, or 2 when ``needs`` is not there."""
+    if not needs.exists():
+        console.print(f"[red]moeguard {what} needs a source checkout ({needs.relative_to(ROOT)} is not "
+                      "installed)[/red]")
+        raise typer.Exit(2)
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    raise typer.Exit(subprocess.call(cmd, env={**os.environ, "PYTHONPATH": path}))
+
+
 @app.command("demo", context_settings=PASS_THROUGH)
 def demo(ctx: typer.Context) -> None:
     """The end-to-end demo (hack/demo.py, from a source checkout): control plane, operator, workers,
     traffic, the closed loop. Arguments go to hack/demo.py (e.g. --keep)."""
     script = ROOT / "hack" / "demo.py"
-    if not script.exists():
-        console.print("[red]moeguard demo needs a source checkout (hack/demo.py is not installed)[/red]")
-        raise typer.Exit(2)
-    raise typer.Exit(subprocess.call([sys.executable, str(script), *ctx.args]))
+    _from_checkout("demo", script, [sys.executable, str(script), *ctx.args])
 
 
 @app.command("bench", context_settings=PASS_THROUGH)
 def bench(ctx: typer.Context) -> None:
-    """The load generator: `moeguard bench replay|burst --url URL ...` (bench.loadgen; shows a progress
-    bar unless --no-progress)."""
-    sys.path.insert(0, str(ROOT))
-    from bench.loadgen.__main__ import main
-
-    raise typer.Exit(main(list(ctx.args)))
+    """The load generator, from a source checkout: `moeguard bench replay|burst --url URL ...` runs
+    `python -m bench.loadgen` (shows a progress bar unless --no-progress)."""
+    _from_checkout("bench", ROOT / "bench" / "loadgen", [sys.executable, "-m", "bench.loadgen", *ctx.args])
 
 
 def parse_memory(text: str) -> int:

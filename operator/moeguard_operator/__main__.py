@@ -3,7 +3,8 @@
 Flags mirror ``kopf run``: ``--namespace`` (repeatable) or ``--all-namespaces``,
 ``--standalone`` (no peering) or ``--peering NAME`` with ``--priority N`` (active/standby
 replicas: the highest live priority works), ``--liveness URL``, ``--metrics-port``, and
-``--prometheus-url`` (the default for resources whose spec names none).
+``--prometheus-url`` (the default for resources whose spec names none). Every option of
+moeguard's own reaches the handlers in one :class:`~moeguard_operator.config.OperatorConfig`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import secrets
 import kopf
 import prometheus_client
 
-from moeguard_operator import handlers  # noqa: F401  (registers the handlers)
+from moeguard_operator import handlers
+from moeguard_operator.config import OperatorConfig
 from moeguard_operator.constants import PROMETHEUS_URL_ENV
 
 
@@ -28,7 +30,12 @@ class _QuietTimerSuccess(logging.Filter):
                     and record.getMessage().endswith(" succeeded."))
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, OperatorConfig]:
+    """The command line, and the :class:`OperatorConfig` it sets.
+
+    Raises:
+        SystemExit: the command line is invalid (argparse prints why), or ``--help``.
+    """
     parser = argparse.ArgumentParser(prog="moeguard-operator", description=__doc__.splitlines()[0])
     scope = parser.add_mutually_exclusive_group()
     scope.add_argument("-n", "--namespace", action="append", default=[], help="namespace to watch (repeatable)")
@@ -44,10 +51,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--liveness", default=None, help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve the operator's Prometheus metrics on this port (0.0.0.0)")
+    parser.add_argument("--peering-lifetime-seconds", type=int, default=OperatorConfig.peering_lifetime_seconds,
+                        help="seconds after which a standby replica takes over from a silent active one "
+                             "(default: %(default)s)")
+    parser.add_argument("--timer-interval-seconds", type=float, default=OperatorConfig.timer_interval_seconds,
+                        help="seconds between two timer ticks per resource (default: %(default)s); "
+                             "for tests, which shorten it")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(argv)
-    if args.prometheus_url:
-        os.environ[PROMETHEUS_URL_ENV] = args.prometheus_url
+    try:
+        config = OperatorConfig(prometheus_url=args.prometheus_url or None,
+                                timer_interval_seconds=args.timer_interval_seconds,
+                                peering_lifetime_seconds=args.peering_lifetime_seconds)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args, config
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, config = parse_args(argv)
+    registry = kopf.OperatorRegistry()
+    handlers.register(config, registry)
     if args.metrics_port is not None:
         prometheus_client.start_http_server(args.metrics_port, addr="0.0.0.0")
     kopf.configure(verbose=args.log_level == "DEBUG", quiet=args.log_level in ("WARNING", "ERROR"))
@@ -60,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         # Deployment get the same flags, so each draws its own.
         priority = secrets.randbelow(2**31 - 1) + 1
     kopf.run(
+        registry=registry,
         clusterwide=args.all_namespaces or not args.namespace,
         namespaces=args.namespace,
         standalone=args.standalone or None,

@@ -76,12 +76,21 @@ def worker_name(owner: Owner) -> str:
     return f"{owner.name}-worker"
 
 
+def ucx_mode(spec: MoEInferenceServiceSpec) -> str:
+    """``spec.ucx.mode``, or where unset its default: ``rcache`` on AMD GPUs (ROCm: the mmap hooks' ``none``
+    breaks NIXL there; vLLM PR #32570, NIXL PR #1210), else ``none``."""
+    if spec.ucx.mode is not None:
+        return spec.ucx.mode
+    return "rcache" if spec.resources.amd_gpu else "none"
+
+
 def ucx_env(spec: MoEInferenceServiceSpec) -> dict[str, str]:
-    """UCX variables for ``spec.ucx.mode`` (see :class:`~moeguard_operator.models.UcxSpec`), then extraEnv."""
+    """UCX variables for :func:`ucx_mode` (see :class:`~moeguard_operator.models.UcxSpec`), then extraEnv."""
     env: dict[str, str] = {}
-    if spec.ucx.mode == "none":
+    mode = ucx_mode(spec)
+    if mode == "none":
         env[k.UCX_MEM_MMAP_HOOK_MODE] = k.UCX_SAFE_MMAP_HOOK_MODE
-    if spec.ucx.mode in ("none", "rcache"):
+    if mode in ("none", "rcache"):
         env[k.UCX_RCACHE_MAX_UNRELEASED] = str(spec.ucx.rcache_max_unreleased)
     env.update(spec.ucx.extra_env)
     return env
@@ -123,7 +132,7 @@ def worker_env(owner: Owner, spec: MoEInferenceServiceSpec) -> list[dict[str, An
         {"name": k.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
     ]
     env += [{"name": name, "value": value} for name, value in plain.items()]
-    env += [{"name": e.name, "value": e.value} for e in spec.template.extra_env]
+    env += [dict(e) for e in spec.template.extra_env]
     return env
 
 
@@ -138,8 +147,8 @@ def build_deployment(owner: Owner, spec: MoEInferenceServiceSpec) -> Manifest:
     if res.gpus:
         limits[res.gpu_resource_name] = str(res.gpus)
     probe = {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10, "failureThreshold": 3}
-    mounts = [{"name": "tmp", "mountPath": "/tmp"}]
-    mounts += [m.model_dump(by_alias=True, exclude_none=True) for m in spec.template.volume_mounts]
+    mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
+    mounts += [{"readOnly": True, **m} for m in spec.template.volume_mounts]  # read-only unless asked
     container = {
         "name": "worker",
         "image": spec.image,
@@ -179,7 +188,7 @@ def build_deployment(owner: Owner, spec: MoEInferenceServiceSpec) -> Manifest:
     if node_selector:
         pod_spec["nodeSelector"] = node_selector
     if spec.template.tolerations:
-        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.template.tolerations]
+        pod_spec["tolerations"] = [dict(t) for t in spec.template.tolerations]
     if spec.template.affinity:
         pod_spec["affinity"] = spec.template.affinity
     if spec.template.priority_class_name:

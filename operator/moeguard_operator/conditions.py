@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
+
+from moeguard_operator.models import Condition
 
 if TYPE_CHECKING:
     from moeguard_operator.policy import Observation
@@ -13,49 +16,42 @@ Status = Literal["True", "False", "Unknown"]
 
 
 def set_condition(
-    conditions: list[dict[str, Any]] | None,
+    conditions: Sequence[Condition],
     type_: str,
     status: Status,
     reason: str,
     message: str,
     now: datetime,
     generation: int | None,
-) -> list[dict[str, Any]]:
-    """Return ``conditions`` with condition ``type_`` set.
+) -> list[Condition]:
+    """Return ``conditions`` with condition ``type_`` set (appended when it is new).
 
     ``lastTransitionTime`` changes only when ``status`` changes, as the API
-    conventions require. The input list is not modified; order is kept.
+    conventions require. The input is not modified; order is kept.
     """
-    out: list[dict[str, Any]] = []
+    out: list[Condition] = []
     found = False
-    for cond in conditions or []:
-        if cond.get("type") != type_:
-            out.append(dict(cond))
+    for cond in conditions:
+        if cond.type != type_:
+            out.append(cond)
             continue
         found = True
-        changed = cond.get("status") != status
-        out.append({
-            "type": type_,
-            "status": status,
-            "reason": reason,
-            "message": message,
-            "lastTransitionTime": now.isoformat() if changed else cond.get("lastTransitionTime", now.isoformat()),
-            "observedGeneration": generation,
-        })
+        since = now if cond.status != status else cond.last_transition_time
+        out.append(Condition(type=type_, status=status, reason=reason, message=message,
+                             last_transition_time=since, observed_generation=generation))
     if not found:
-        out.append({
-            "type": type_,
-            "status": status,
-            "reason": reason,
-            "message": message,
-            "lastTransitionTime": now.isoformat(),
-            "observedGeneration": generation,
-        })
+        out.append(Condition(type=type_, status=status, reason=reason, message=message,
+                             last_transition_time=now, observed_generation=generation))
     return out
 
 
+def find_condition(conditions: Sequence[Condition], type_: str) -> Condition | None:
+    """The condition of type ``type_`` in a typed status, or None."""
+    return next((cond for cond in conditions if cond.type == type_), None)
+
+
 def get_condition(conditions: list[dict[str, Any]] | None, type_: str) -> dict[str, Any] | None:
-    """The condition of type ``type_``, or None."""
+    """The condition of type ``type_`` in an object as the API returns it (JSON form), or None."""
     for cond in conditions or []:
         if cond.get("type") == type_:
             return cond
@@ -72,7 +68,7 @@ class Verdict:
     event: tuple[str, str] | None = None
 
 
-def metrics_verdict(obs: Observation, prior: dict[str, Any] | None, prior_silent: list[str], now: datetime,
+def metrics_verdict(obs: Observation, prior: Condition | None, prior_silent: Sequence[str], now: datetime,
                     grace_seconds: float) -> Verdict:
     """The MetricsAvailable condition after one look.
 
@@ -82,19 +78,19 @@ def metrics_verdict(obs: Observation, prior: dict[str, Any] | None, prior_silent
     * some pods silent: ``SilentPods`` naming them, a Warning Event when the set changes;
     * all visible: ``AllPodsReporting``, and a Normal Event when sight comes back.
     """
-    was = None if prior is None else prior.get("status")
+    was = None if prior is None else prior.status
     if not obs.available:
         message = f"{obs.error}; budgets held, nothing loosens"
-        waiting = prior is not None and prior.get("reason") == "WaitingForMetrics"
-        since = prior.get("lastTransitionTime") if waiting and prior is not None else None
-        young = since is not None and (now - datetime.fromisoformat(since)).total_seconds() < grace_seconds
+        waiting = prior is not None and prior.reason == "WaitingForMetrics"
+        young = (waiting and prior is not None
+                 and (now - prior.last_transition_time).total_seconds() < grace_seconds)
         if prior is None or young:
             return Verdict("False", "WaitingForMetrics", message)
-        started = prior.get("reason") != "MetricsUnavailable"
+        started = prior.reason != "MetricsUnavailable"
         return Verdict("False", "MetricsUnavailable", message, ("Warning", "MetricsUnavailable") if started else None)
     if obs.silent_pods:
         message = f"pods report no metrics: {', '.join(obs.silent_pods)}; nothing loosens"
-        changed = list(obs.silent_pods) != prior_silent
+        changed = list(obs.silent_pods) != list(prior_silent)
         return Verdict("False", "SilentPods", message, ("Warning", "SilentPods") if changed else None)
     message = f"{len(obs.reporting_pods)} pods reporting"
     if was == "False":

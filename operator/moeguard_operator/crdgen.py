@@ -9,7 +9,9 @@ turned into a Kubernetes *structural* schema (apiextensions.k8s.io/v1):
 * draft-2020 numeric ``exclusiveMinimum: N`` becomes OpenAPI v3's ``minimum: N, exclusiveMinimum: true``;
 * an optional object field without a default gets its fully defaulted value as ``default``, so
   the API server fills every default and GitOps tools see no drift;
-* ``x-kubernetes-validations`` (CEL) written on the models are kept where they stand.
+* ``x-kubernetes-validations`` (CEL) written on the models are kept where they stand;
+* a field marked with ``core_schemas.MARKER`` gets the API server's own core/v1 schema
+  (:mod:`moeguard_operator.core_schemas`), as kubebuilder embeds ``k8s.io/api`` types.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from typing import Any
 
 import yaml
 
-from moeguard_operator.models import MoEInferenceServiceSpec, MoEInferenceServiceStatus
+from moeguard_operator import core_schemas
+from moeguard_operator.models import NAME_RULES, MoEInferenceServiceSpec, MoEInferenceServiceStatus
 from moeguard_runtime.contract import API_GROUP, API_VERSION, KIND, PLURAL
 
 CRD_PATH = Path(__file__).resolve().parents[2] / "crds" / f"{PLURAL}.{API_GROUP}.yaml"
@@ -51,6 +54,8 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
         target = defs[node["$ref"].rsplit("/", 1)[-1]]
         merged = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
         return _structural(merged, defs)
+    if core_schemas.MARKER in node:
+        return _core_type(node)
     node = dict(node)
     any_of = node.pop("anyOf", None)
     if any_of is not None:
@@ -101,6 +106,21 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
         out.setdefault("type", "object")
     if out.get("default") is None:
         out.pop("default", None)
+    return out
+
+
+def _core_type(node: dict[str, Any]) -> dict[str, Any]:
+    """The API server's own schema of the core/v1 type a model field asks for (``core_schemas.MARKER``),
+    with the field's CEL rules and description; taken as it is (no defaults are added inside it)."""
+    out = core_schemas.schema(node[core_schemas.MARKER])
+    for name, length in node.get(core_schemas.MAX_LENGTHS, {}).items():
+        out["properties"][name]["maxLength"] = length
+    if "description" in node:
+        out["description"] = " ".join(str(node["description"]).replace("``", "`").split())
+    if "x-kubernetes-validations" in node:
+        out["x-kubernetes-validations"] = node["x-kubernetes-validations"]
+    if any(s.get("type") == "null" for s in node.get("anyOf", [])):
+        out["nullable"] = True
     return out
 
 
@@ -164,6 +184,8 @@ def build_crd() -> dict[str, Any]:
                     "schema": {
                         "openAPIV3Schema": {
                             "type": "object",
+                            "x-kubernetes-validations": [
+                                {"rule": rule, "message": message} for rule, message in NAME_RULES],
                             "description": "A Mixture-of-Experts inference service whose workers run under "
                             "memory-safe token budgets.",
                             "properties": {

@@ -8,6 +8,7 @@ operator owns the fields it sets; the spec of a MoEInferenceService is never wri
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 from typing import Any
@@ -40,13 +41,19 @@ def _dynamic() -> DynamicClient:
 def apply(manifest: dict[str, Any]) -> dict[str, Any]:
     """Server-side apply ``manifest``; returns the object as the API server stored it.
 
+    The body is sent as UTF-8 JSON text (JSON is YAML, which the apply content type asks for)
+    with every character as itself: the client's own ``json.dumps`` escapes characters outside
+    the Basic Multilingual Plane as UTF-16 surrogate pairs (``\\ud83d\\ude00``), which the API
+    server's YAML decoder refuses ("invalid Unicode character escape code"), so an emoji in a
+    user's annotation would never deploy.
+
     Raises:
         kubernetes.client.exceptions.ApiException: the API server refused it.
     """
     meta = manifest["metadata"]
     resource = _dynamic().resources.get(api_version=manifest["apiVersion"], kind=manifest["kind"])
     result = resource.server_side_apply(
-        body=manifest,
+        body=json.dumps(manifest, ensure_ascii=False),
         name=meta["name"],
         namespace=meta.get("namespace"),
         field_manager=FIELD_MANAGER,
@@ -98,3 +105,11 @@ def crd_exists(name: str) -> bool:
             return False
         raise
     return True
+
+
+def api_message(exc: ApiException) -> str:
+    """The API server's message in a refusal (its Status ``message``), at most 800 characters."""
+    try:
+        return str(json.loads(str(exc.body)).get("message", exc.body))[:800]
+    except (TypeError, ValueError, AttributeError):
+        return str(exc.body or exc.reason)[:800]

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge
+from pydantic.alias_generators import to_camel
+
+from moeguard_operator.models import BUDGET_FIELDS
+from moeguard_operator.policy import Decision, Observation
+from moeguard_runtime.contract import Budgets
 
 LABELS = ("namespace", "moeis")
 
@@ -21,3 +26,19 @@ OOM_KILLS = Counter("moeguard_operator_oom_kills_total", "OOMKilled worker conta
 BUDGET_AT_FLOOR = Gauge(
     "moeguard_operator_budget_at_floor", "1 while a budget sits at its floor (the loop can tighten no further).",
     [*LABELS, "budget"])
+
+
+def record_look(namespace: str, name: str, obs: Observation, decision: Decision, floors: Budgets) -> None:
+    """The operator's metrics after one look at Prometheus and its decision (``floors``: the spec's)."""
+    budgets = decision.state.budgets
+    PROMETHEUS_QUERIES.labels(namespace, name, "ok" if obs.fully_visible else "blind").inc()
+    METRICS_AVAILABLE.labels(namespace, name).set(1 if obs.fully_visible else 0)
+    if obs.new_oom_kills:
+        OOM_KILLS.labels(namespace, name).inc(obs.new_oom_kills)
+    if decision.changed:
+        BUDGET_CHANGES.labels(namespace, name, decision.direction).inc()
+    PREFILL_BUDGET.labels(namespace, name).set(budgets.max_prefill_tokens)
+    for field in BUDGET_FIELDS:
+        at_floor = getattr(budgets, field) <= getattr(floors, field)
+        BUDGET_AT_FLOOR.labels(namespace, name, to_camel(field)).set(1 if at_floor else 0)
+    OVERLOAD.labels(namespace, name).set(1 if decision.state.overload == "On" else 0)

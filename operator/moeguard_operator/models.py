@@ -20,6 +20,7 @@ from kubernetes.utils.quantity import parse_quantity
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from moeguard_operator import core_schemas
 from moeguard_runtime import contract
 from moeguard_runtime.contract import Budgets
 
@@ -89,6 +90,13 @@ class ModelSpec(_Model):
     """Shape overrides on top of the preset."""
 
 
+CORE_RESOURCE_NAMES = ("cpu", "memory", "ephemeral-storage", "storage", "pods")
+"""Core resource names: a GPU count under one of them would overwrite the container's own limit."""
+CORE_RESOURCE_PREFIXES = ("hugepages-", "requests.", "limits.")
+AMD_GPU_PREFIX = "amd.com/"
+"""AMD's device plugin resources (``amd.com/gpu``): ROCm, where ``UCX_MEM_MMAP_HOOK_MODE=none`` breaks NIXL."""
+
+
 class ResourcesSpec(_Model):
     """Accelerators, CPU and memory of each worker pod."""
 
@@ -100,6 +108,10 @@ class ResourcesSpec(_Model):
         ("quantity(self.cpu).isGreaterThan(quantity('0'))", "resources.cpu must be above 0", ".cpu"),
         ("self.gpuSoftFraction < self.gpuHardFraction",
          "resources.gpuSoftFraction must be less than resources.gpuHardFraction", ".gpuSoftFraction"),
+        ("!(self.gpuResourceName in " + repr(list(CORE_RESOURCE_NAMES)) + ") && "
+         + " && ".join(f"!self.gpuResourceName.startsWith('{p}')" for p in CORE_RESOURCE_PREFIXES),
+         "resources.gpuResourceName must be an extended resource (e.g. nvidia.com/gpu), not a core one "
+         "(cpu, memory, ephemeral-storage, hugepages-*)", ".gpuResourceName"),
     ))
 
     gpus: int = Field(default=1, ge=0, le=16)
@@ -137,7 +149,16 @@ class ResourcesSpec(_Model):
             )
         if self.gpu_soft_fraction >= self.gpu_hard_fraction:
             raise ValueError("resources.gpuSoftFraction must be less than resources.gpuHardFraction")
+        name = self.gpu_resource_name
+        if name in CORE_RESOURCE_NAMES or name.startswith(CORE_RESOURCE_PREFIXES):
+            raise ValueError(f"resources.gpuResourceName must be an extended resource (e.g. nvidia.com/gpu), "
+                             f"not the core resource {name!r}")
         return self
+
+    @property
+    def amd_gpu(self) -> bool:
+        """Whether the GPUs are AMD's (ROCm): ``gpuResourceName`` under ``amd.com/``."""
+        return self.gpu_resource_name.startswith(AMD_GPU_PREFIX)
 
     @property
     def soft_limit_bytes(self) -> int:
@@ -297,10 +318,12 @@ class UcxSpec(_Model):
     """UCX settings of the worker. UCX's memory-invalidation queue is unbounded by default and grows host
     RSS outside the Python heap (vLLM/NIXL reports); both fixes are on by default."""
 
-    mode: Literal["none", "rcache", "passthrough"] = "none"
+    mode: Literal["none", "rcache", "passthrough"] | None = None
     """``none``: ``UCX_MEM_MMAP_HOOK_MODE=none`` and ``UCX_RCACHE_MAX_UNRELEASED``; ``rcache``: only the
     bounded ``UCX_RCACHE_MAX_UNRELEASED`` (vLLM's later choice); ``passthrough``: UCX's own defaults (for UCX
-    versions with the root cause fixed)."""
+    versions with the root cause fixed). Unset: ``rcache`` when ``resources.gpuResourceName`` is an AMD GPU
+    (``amd.com/…``), where ``UCX_MEM_MMAP_HOOK_MODE=none`` breaks NIXL's ROCm path (vLLM PR #32570, NIXL PR
+    #1210), else ``none``."""
     rcache_max_unreleased: int = Field(default=contract.UCX_SAFE_RCACHE_MAX_UNRELEASED, ge=1, le=1_000_000_000)
     """``UCX_RCACHE_MAX_UNRELEASED``: regions held in the rcache invalidation queue."""
     extra_env: dict[str, str] = Field(default_factory=dict, max_length=64, json_schema_extra=_cel(
@@ -322,86 +345,139 @@ class UcxSpec(_Model):
         return env
 
 
-class Toleration(_Model):
-    """A pod toleration (core/v1 Toleration)."""
-
-    key: str | None = Field(default=None, max_length=316)
-    """Taint key; empty with operator Exists matches every key."""
-    operator: Literal["Exists", "Equal"] = "Equal"
-    """Exists or Equal."""
-    value: str | None = Field(default=None, max_length=63)
-    """Taint value, for operator Equal."""
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    """Taint effect; unset matches all."""
-    toleration_seconds: int | None = Field(default=None, ge=0)
-    """For NoExecute: seconds the pod stays bound after the taint appears."""
-
-
-class EnvVar(_Model):
-    """A plain environment variable."""
-
-    name: str = Field(min_length=1, max_length=256, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
-    """Variable name; ``MOEGUARD_*`` and ``UCX_*`` are reserved."""
-    value: str = Field(default="", max_length=32_768)
-    """Value."""
+QUALIFIED_NAME = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+"""A label or annotation key (Kubernetes' qualified name: an optional DNS-subdomain prefix and a name)."""
+LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+"""A label value (at most 63 characters, checked separately)."""
+ALLOWED_VOLUME_SOURCES = ("persistentVolumeClaim", "configMap", "emptyDir", "image", "csi", "secret")
+"""Volume types a model server needs. ``secret`` passes the schema, but the operator serves it only where
+its ``--allow-secret-volumes`` setting allows it (a spec cannot grant itself Secrets); hostPath, nfs,
+iscsi, … are refused at apply time: they would give whoever may create a MoEInferenceService host
+or storage access that they may not have on pods."""
+RESERVED_VOLUMES = ("tmp",)
+"""Volumes the operator adds to every worker pod."""
+RESERVED_MOUNT_PATHS = ("/tmp",)
+"""Paths where the operator mounts its own volumes."""
 
 
-class VolumeMount(_Model):
-    """Where a volume from ``template.volumes`` is mounted in the worker container."""
+def _core(name: str, *rules: tuple[str, str, str], message_expressions: dict[str, str] | None = None,
+          max_lengths: dict[str, int] | None = None) -> dict[str, Any]:
+    """JSON Schema asking crdgen for the API server's core/v1 ``name`` schema, plus CEL ``rules``
+    (``messageExpression`` per rule index where given) and ``maxLength`` bounds on top-level string
+    properties (the API server's own limits; they also keep the rules' estimated CEL cost in budget)."""
+    extra: dict[str, Any] = {core_schemas.MARKER: name}
+    if max_lengths:
+        extra[core_schemas.MAX_LENGTHS] = max_lengths
+    if rules:
+        extra.update(_cel(*rules))
+        for index, expression in (message_expressions or {}).items():
+            extra["x-kubernetes-validations"][int(index)]["messageExpression"] = expression
+    return extra
 
-    name: str = Field(min_length=1, max_length=63)
-    """Volume name."""
-    mount_path: str = Field(min_length=1, max_length=4096, pattern=r"^/")
-    """Absolute path in the container."""
-    read_only: bool = True
-    """Mount read-only."""
-    sub_path: str | None = Field(default=None, max_length=4096)
-    """Sub-path of the volume."""
+
+_TOLERATION_RULES = (
+    ("!has(self.operator) || self.operator != 'Exists' || !has(self.value) || self.value == ''",
+     "a toleration with operator Exists must not have a value", ".value"),
+    ("!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+     "tolerationSeconds is only for effect NoExecute", ".tolerationSeconds"),
+    ("(has(self.key) && self.key != '') || (has(self.operator) && self.operator == 'Exists')",
+     "a toleration without a key must have operator Exists", ".operator"),
+    (f"!has(self.key) || self.key == '' || self.key.matches('{QUALIFIED_NAME}')",
+     "a toleration key must be a qualified name (an optional DNS prefix/ and a name)", ".key"),
+)
+_VOLUME_RULES = (
+    (" || ".join(f"has(self.{k})" for k in ALLOWED_VOLUME_SOURCES),
+     f"template.volumes: only {', '.join(ALLOWED_VOLUME_SOURCES)} volumes are allowed", ""),
+    (" && ".join(f"self.name != '{v}'" for v in RESERVED_VOLUMES),
+     f"template.volumes: the names {', '.join(RESERVED_VOLUMES)} are the operator's", ".name"),
+    ("self.name.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?$') && size(self.name) <= 63",
+     "template.volumes: a volume name must be a DNS label (lower case, digits, '-', at most 63)", ".name"),
+)
+_MOUNT_RULES = (
+    (" && ".join(f"self.mountPath != '{p}' && !self.mountPath.startsWith('{p}/')" for p in RESERVED_MOUNT_PATHS),
+     f"template.volumeMounts: {', '.join(RESERVED_MOUNT_PATHS)} is where the operator mounts its own volumes",
+     ".mountPath"),
+    ("self.mountPath.startsWith('/') && !self.mountPath.contains(':')",
+     "template.volumeMounts: mountPath must be an absolute path without ':'", ".mountPath"),
+)
+_ENV_RULES = (
+    ("self.name.matches('^[A-Za-z_][A-Za-z0-9_]*$')",
+     "template.extraEnv: a variable name is letters, digits and '_', not starting with a digit", ".name"),
+    ("!self.name.startsWith('MOEGUARD_') && !self.name.startsWith('UCX_')",
+     "template.extraEnv must not set MOEGUARD_* or UCX_* (use spec fields and ucx.extraEnv)", ".name"),
+    ("!has(self.value) || !has(self.valueFrom)", "template.extraEnv: set value or valueFrom, not both", ""),
+)
 
 
 class PodTemplateSpec(_Model):
-    """Extras for the worker pods."""
+    """Extras for the worker pods. Tolerations, affinity, volumes, volume mounts and env are validated at
+    apply time by the API server's own core/v1 schemas (embedded in the CRD), plus the rules a schema
+    cannot state; every name is checked against the children the operator creates."""
 
-    node_selector: dict[str, str] = Field(default_factory=dict, max_length=64)
+    model_config = ConfigDict(json_schema_extra=_cel(
+        ("!has(self.volumeMounts) || self.volumeMounts.all(m, m.name in " + repr(list(RESERVED_VOLUMES)) +
+         " || (has(self.volumes) && self.volumes.exists(v, v.name == m.name)))",
+         "template.volumeMounts must name a volume of template.volumes", ".volumeMounts"),
+    ))
+
+    node_selector: dict[str, Annotated[str, Field(max_length=63)]] = Field(default_factory=dict, max_length=64, json_schema_extra=_cel(
+        (f"self.all(k, k.matches('{QUALIFIED_NAME}') && size(k) <= 316)",
+         "template.nodeSelector keys must be label keys (an optional DNS prefix/ and a name)", ""),
+        (f"self.all(k, self[k].matches('{LABEL_VALUE}') && size(self[k]) <= 63)",
+         "template.nodeSelector values must be label values (at most 63 of letters, digits, '-', '_', '.')", "")))
     """Node labels the workers must run on."""
-    tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
-    """Tolerations of the worker pods."""
-    affinity: dict[str, Any] | None = None
-    """core/v1 Affinity of the worker pods, as Kubernetes writes it."""
+    tolerations: list[dict[str, Any]] = Field(default_factory=list, max_length=64, json_schema_extra={
+        "items": _core("Toleration", *_TOLERATION_RULES, max_lengths={"key": 316, "value": 63})})
+    """Tolerations of the worker pods (core/v1 Toleration)."""
+    affinity: dict[str, Any] | None = Field(default=None, json_schema_extra=_core("Affinity"))
+    """core/v1 Affinity of the worker pods."""
     priority_class_name: str | None = Field(default=None, max_length=253)
     """PriorityClass of the worker pods."""
-    extra_env: list[EnvVar] = Field(default_factory=list, max_length=128, json_schema_extra={
-        **_cel(("self.all(e, !e.name.startsWith('MOEGUARD_') && !e.name.startsWith('UCX_'))",
-                "template.extraEnv must not set MOEGUARD_* or UCX_* (use spec fields and ucx.extraEnv)", "")),
+    extra_env: list[dict[str, Any]] = Field(default_factory=list, max_length=128, json_schema_extra={
+        "items": _core("EnvVar", *_ENV_RULES, max_lengths={"name": 256, "value": 32_768}),
         "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
-    """More environment variables for the worker container."""
-    volumes: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
-    """core/v1 Volumes added to the worker pods, as Kubernetes writes them."""
-    volume_mounts: list[VolumeMount] = Field(default_factory=list, max_length=64, json_schema_extra={
+    """More environment variables for the worker container (core/v1 EnvVar; a ``valueFrom.secretKeyRef``
+    is served only where the operator allows Secrets)."""
+    volumes: list[dict[str, Any]] = Field(default_factory=list, max_length=64, json_schema_extra={
+        "items": _core("Volume", *_VOLUME_RULES, message_expressions={
+            "0": "'template.volumes: volume ' + self.name + ' is of a type that is not allowed; allowed: "
+                 + ", ".join(ALLOWED_VOLUME_SOURCES) + "'"}, max_lengths={"name": 63}),
+        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
+    """core/v1 Volumes added to the worker pods: persistentVolumeClaim, configMap, emptyDir, image or csi
+    (secret only where the operator allows it)."""
+    volume_mounts: list[dict[str, Any]] = Field(default_factory=list, max_length=64, json_schema_extra={
+        "items": _core("VolumeMount", *_MOUNT_RULES, max_lengths={"name": 63, "mountPath": 4096}),
         "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["mountPath"]})
-    """Mounts of those volumes in the worker container."""
-    annotations: dict[str, str] = Field(default_factory=dict, max_length=64)
+    """Mounts of those volumes in the worker container (core/v1 VolumeMount; read-only unless
+    ``readOnly: false``)."""
+    annotations: dict[str, str] = Field(default_factory=dict, max_length=64, json_schema_extra=_cel(
+        (f"self.all(k, k.matches('{QUALIFIED_NAME}') && size(k) <= 316)",
+         "template.annotations keys must be qualified names (an optional DNS prefix/ and a name)", "")))
     """Annotations of the worker pods."""
 
-    @field_validator("extra_env")
-    @classmethod
-    def _not_reserved(cls, env: list[EnvVar]) -> list[EnvVar]:
-        bad = sorted(e.name for e in env if e.name.startswith(("MOEGUARD_", "UCX_")))
+    @model_validator(mode="after")
+    def _names(self) -> PodTemplateSpec:
+        env = [str(e.get("name", "")) for e in self.extra_env]
+        bad = sorted(n for n in env if n.startswith(("MOEGUARD_", "UCX_")))
         if bad:
             raise ValueError(f"template.extraEnv must not set MOEGUARD_* or UCX_* (got {', '.join(bad)})")
-        names = [e.name for e in env]
-        dups = sorted({n for n in names if names.count(n) > 1})
+        dups = sorted({n for n in env if env.count(n) > 1})
         if dups:
             raise ValueError(f"template.extraEnv names must be unique (repeated: {', '.join(dups)})")
-        return env
-
-    @model_validator(mode="after")
-    def _mounts_have_volumes(self) -> PodTemplateSpec:
-        volumes = {str(v.get("name")) for v in self.volumes} | {"tmp"}
-        missing = sorted(m.name for m in self.volume_mounts if m.name not in volumes)
+        volumes = {str(v.get("name")) for v in self.volumes} | set(RESERVED_VOLUMES)
+        missing = sorted(str(m.get("name")) for m in self.volume_mounts if m.get("name") not in volumes)
         if missing:
             raise ValueError(f"template.volumeMounts name no volume in template.volumes: {', '.join(missing)}")
         return self
+
+
+NAME_RULES = (
+    ("self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$') && size(self.metadata.name) <= 63",
+     "metadata.name must be a DNS-1035 label (lower case letters, digits and '-', starting with a letter, at "
+     "most 63): it names the worker Service and is the value of the children's app.kubernetes.io/instance label"),
+)
+"""CEL rules on the whole object: the name must fit every child's name and label rules (a name such as
+``9-moe`` or ``x08.moe`` is a valid custom-resource name but not a valid Service name)."""
 
 
 class MoEInferenceServiceSpec(_Model):
@@ -493,7 +569,7 @@ class Observed(_Model):
     """Running worker pods with no metrics in Prometheus."""
 
 
-class LoopState(_Model):
+class ControlStatus(_Model):
     """Bookkeeping of the control loop, kept in status so an operator restart resumes it."""
 
     last_change_time: datetime | None = None
@@ -538,5 +614,5 @@ class MoEInferenceServiceStatus(_Model):
     """The last budget change."""
     observed: Observed | None = None
     """The control loop's last observation."""
-    control: LoopState | None = None
+    control: ControlStatus | None = None
     """The control loop's bookkeeping."""

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from prometheus_api_client import PrometheusConnect
 from urllib3.util.retry import Retry
 
+from moeguard_operator.models import MoEInferenceServiceSpec
+from moeguard_operator.podstate import PodFacts
 from moeguard_operator.policy import Observation
 from moeguard_runtime.contract import (
     LABEL_NAMESPACE,
@@ -151,3 +153,18 @@ def observe(
         new_oom_kills=new_oom_kills,
         error="; ".join(missing) or None,
     )
+
+
+def observe_service(default_url: str | None, namespace: str, name: str, spec: MoEInferenceServiceSpec,
+                    facts: PodFacts, new_oom_kills: int, now: datetime) -> Observation:
+    """One look for a service: at ``spec.control.prometheusUrl``, else ``default_url`` (the operator's);
+    with neither, a blind observation that says so. Kubernetes facts (pods, OOM kills) are passed in."""
+    url = spec.control.prometheus_url or default_url
+    if not url:
+        return Observation(time=now, expected_pods=facts.running, new_oom_kills=new_oom_kills,
+                           error="no Prometheus URL configured (spec.control.prometheusUrl or --prometheus-url)")
+    control = spec.control
+    return observe(url, namespace, name, hard_limit_bytes=spec.resources.hard_limit_bytes,
+                   window_seconds=control.window_seconds, leak_window_seconds=control.leak_window_seconds,
+                   expected_pods=facts.running, new_oom_kills=new_oom_kills, now=now,
+                   slope_pods=facts.running_since(now - timedelta(seconds=control.leak_window_seconds)))

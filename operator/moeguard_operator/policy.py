@@ -86,7 +86,7 @@ class Observation:
 
 
 @dataclass(frozen=True)
-class LoopState:
+class PolicyState:
     """The loop's memory between looks (persisted in ``status.control`` and ``status.budgets``)."""
 
     budgets: Budgets
@@ -112,7 +112,7 @@ class Decision:
         restart: roll the workers now (leak action Restart).
     """
 
-    state: LoopState
+    state: PolicyState
     direction: Literal["down", "up", "hold"]
     reasons: tuple[str, ...]
     pressure: tuple[str, ...] = ()
@@ -187,7 +187,7 @@ def _camel(name: str) -> str:
     return head + "".join(p.title() for p in rest)
 
 
-def decide(observation: Observation, state: LoopState, spec: MoEInferenceServiceSpec, now: datetime) -> Decision:
+def decide(observation: Observation, state: PolicyState, spec: MoEInferenceServiceSpec, now: datetime) -> Decision:
     """Decide the next loop state from one observation (see the module docstring)."""
     control, batching, overload_spec = spec.control, spec.batching, spec.overload
     obs = observation

@@ -109,7 +109,9 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
             loaded = load_hf_checkpoint(settings.checkpoint, settings.torch_dtype,
                                         settings.torch_device,
                                         BuildOptions(settings.expert_chunk_tokens,
-                                                     settings.capacity_factor))
+                                                     settings.capacity_factor,
+                                                     settings.matmul_backend,
+                                                     settings.moe_dispatch))
             model, model_type = loaded.model, loaded.model_type
             parameters = sum(p.numel() for p in model.parameters())
         else:
@@ -117,7 +119,9 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
                                 expert_chunk_tokens=settings.expert_chunk_tokens,
                                 capacity_factor=settings.capacity_factor,
                                 checkpoint=settings.checkpoint,
-                                dtype=settings.torch_dtype, device=settings.torch_device)
+                                dtype=settings.torch_dtype, device=settings.torch_device,
+                                matmul_backend=settings.matmul_backend,
+                                dispatch=settings.moe_dispatch)
             model_type, parameters = "preset", presets.parameter_count(args)
     except Exception as exc:  # a bad checkpoint: say why and exit
         log.event("model_load_error", force=True, error=str(exc)[:1000])
@@ -127,6 +131,7 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
     log.event("worker_start", force=True, preset=settings.preset, seed=settings.seed,
               checkpoint=settings.checkpoint, model_type=model_type, parameters=parameters,
               device=settings.device, dtype=settings.dtype,
+              matmul_backend=settings.matmul_backend, moe_dispatch=settings.moe_dispatch,
               model_overrides=dict(settings.model_overrides) or None,
               load_seconds=round(time.monotonic() - t0, 3), torch_threads=settings.torch_threads,
               omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),

@@ -107,9 +107,10 @@ class BudgetWatcher:
         self._log = log
         self._api = api
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="budget-watch", daemon=True)
+        self._thread = threading.Thread(target=self.run, name="budget-watch", daemon=True)
 
     def start(self) -> None:
+        """Run :meth:`run` on a daemon thread."""
         self._thread.start()
 
     def stop(self) -> None:
@@ -122,7 +123,9 @@ class BudgetWatcher:
             self._api = client.CoreV1Api()
         return self._api
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """GET, then watch, reconnecting with back-off; returns once :meth:`stop` was
+        called (checked after each event and each back-off)."""
         from kubernetes import watch
         from kubernetes.client.exceptions import ApiException
 

@@ -28,6 +28,7 @@ is an error that names the tensor.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -126,17 +127,19 @@ def from_hf_names(tensors: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
     return out
 
 
-def load_state_dict(path: str, args: ModelArgs) -> dict[str, torch.Tensor]:
+def load_state_dict(path: str, args: ModelArgs,
+                    expected: Mapping[str, torch.Size]) -> dict[str, torch.Tensor]:
     """The state dict of the checkpoint at ``path`` for a model of shape ``args``.
+
+    Args:
+        expected: every tensor name the model holds, with its shape (the caller's
+            ``model.state_dict()`` on the meta device; this module does not import
+            the model).
 
     Raises:
         CheckpointError: unreadable file, unknown or missing tensor, wrong shape.
     """
-    from moeguard_runtime.model import Transformer
-
     state = from_hf_names(read_tensors(path), args)
-    with torch.device("meta"):
-        expected = {k: v.shape for k, v in Transformer(args).state_dict().items()}
     missing = sorted(set(expected) - set(state))
     unknown = sorted(set(state) - set(expected))
     if missing or unknown:

@@ -25,14 +25,21 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from moeguard_runtime import contract
 from moeguard_runtime.contract import Budgets
-from moeguard_runtime.moe import DEFAULT_EXPERT_CHUNK_TOKENS
+from moeguard_runtime.faults import Faults, load_faults
+from moeguard_runtime.moe import (
+    DEFAULT_EXPERT_CHUNK_TOKENS,
+    MATMUL_BACKENDS,
+    MOE_DISPATCHES,
+    MatmulBackend,
+    MoeDispatch,
+)
 from moeguard_runtime.presets import ModelArgs
 from moeguard_runtime.scheduler import QueueLimits
 
@@ -42,6 +49,10 @@ ENV_HOST = "MOEGUARD_HOST"
 ENV_EXPERT_CHUNK_TOKENS = "MOEGUARD_EXPERT_CHUNK_TOKENS"
 ENV_CAPACITY_FACTOR = "MOEGUARD_CAPACITY_FACTOR"
 """0 or unset: dropless (default); > 0: DeepSpeed capacity, overflow slots dropped and counted."""
+ENV_MATMUL_BACKEND = "MOEGUARD_MATMUL_BACKEND"
+"""Kernel of the expert matmuls: ``onednn`` (default; oneDNN for CPU float32) or ``torch``."""
+ENV_MOE_DISPATCH = "MOEGUARD_MOE_DISPATCH"
+"""How the MoE layers group their slots: ``auto`` (default), ``host`` or ``device`` (``moe.MoeDispatch``)."""
 ENV_MAX_QUEUE_TOKENS = "MOEGUARD_MAX_QUEUE_TOKENS"
 ENV_SOFT_SHRINK_FACTOR = "MOEGUARD_SOFT_LIMIT_SHRINK_FACTOR"
 ENV_LOG_INTERVAL_S = "MOEGUARD_LOG_INTERVAL_SECONDS"
@@ -49,12 +60,6 @@ ENV_OVERLOAD_MAX_CONTEXT_TOKENS = "MOEGUARD_OVERLOAD_MAX_CONTEXT_TOKENS"
 """Context cap while overload is on, when the budget document sets none (default: half the model's)."""
 ENV_MAX_BODY_BYTES = "MOEGUARD_MAX_BODY_BYTES"
 """Largest request body accepted (default 1 MiB); beyond it, HTTP 413."""
-ENV_FAULT_LEAK_ANON = "MOEGUARD_FAULT_LEAK_ANON_BYTES_PER_SECOND"
-"""Test-only fault: leak anonymous mmaps (outside the Python heap) at this rate."""
-ENV_FAULT_LEAK_PYTHON = "MOEGUARD_FAULT_LEAK_PYTHON_BYTES_PER_SECOND"
-"""Test-only fault: leak small Python objects (the Python heap) at this rate."""
-ENV_FAULT_STEP_DELAY = "MOEGUARD_FAULT_STEP_DELAY_SECONDS"
-"""Test-only fault: sleep this long in every engine step (a slow model, for timeout tests)."""
 
 OVERLOAD_MODES = contract.OVERLOAD_MODES
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -92,12 +97,13 @@ class Settings:
     gpu_soft_fraction: float = contract.DEFAULT_GPU_SOFT_FRACTION
     gpu_hard_fraction: float = contract.DEFAULT_GPU_HARD_FRACTION
     capacity_factor: float = 0.0
+    matmul_backend: MatmulBackend = "onednn"
+    moe_dispatch: MoeDispatch = "auto"
     checkpoint: str | None = None
     model_overrides: tuple[tuple[str, int | float], ...] = ()
     max_body_bytes: int = 1 << 20
-    fault_leak_anon_bps: int = 0
-    fault_leak_python_bps: int = 0
-    fault_step_delay_s: float = 0.0
+    faults: Faults = field(default_factory=Faults)
+    """Test-only fault injectors (:mod:`moeguard_runtime.faults`; off unless ``MOEGUARD_TEST_FAULTS=1``)."""
     device: str = "cpu"
     """Resolved torch device (``cpu``, ``cuda`` or ``cuda:N``)."""
     dtype: str = "float32"
@@ -266,6 +272,17 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     capacity = _float(env, ENV_CAPACITY_FACTOR, 0.0)
     if capacity < 0:
         raise ConfigError(f"{ENV_CAPACITY_FACTOR}={capacity} must be >= 0 (0: dropless)")
+    try:
+        faults = load_faults(env)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    backend = (env.get(ENV_MATMUL_BACKEND) or "onednn").strip()
+    if backend not in MATMUL_BACKENDS:
+        raise ConfigError(f"{ENV_MATMUL_BACKEND}={backend!r} must be one of "
+                          f"{', '.join(MATMUL_BACKENDS)}")
+    dispatch = (env.get(ENV_MOE_DISPATCH) or "auto").strip()
+    if dispatch not in MOE_DISPATCHES:
+        raise ConfigError(f"{ENV_MOE_DISPATCH}={dispatch!r} must be one of {', '.join(MOE_DISPATCHES)}")
     return Settings(
         host=env.get(ENV_HOST, "0.0.0.0"),
         port=port,
@@ -286,12 +303,12 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         gpu_soft_fraction=gpu_soft,
         gpu_hard_fraction=gpu_hard,
         capacity_factor=capacity,
+        matmul_backend="torch" if backend == "torch" else "onednn",
+        moe_dispatch="host" if dispatch == "host" else "device" if dispatch == "device" else "auto",
         checkpoint=env.get(contract.ENV_CHECKPOINT_PATH) or None,
         model_overrides=_overrides(env),
         max_body_bytes=req(ENV_MAX_BODY_BYTES, 1 << 20),
-        fault_leak_anon_bps=req(ENV_FAULT_LEAK_ANON, 0, minimum=0),
-        fault_leak_python_bps=req(ENV_FAULT_LEAK_PYTHON, 0, minimum=0),
-        fault_step_delay_s=_float(env, ENV_FAULT_STEP_DELAY, 0.0),
+        faults=faults,
         device=device,
         dtype=dtype,
     )

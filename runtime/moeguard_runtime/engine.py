@@ -14,7 +14,11 @@ a seed reproduces on the same device type; CPU and CUDA draw different streams.
 
 Device: the KV caches, the token and position tensors and the generators are
 created on the weights' device (``MOEGUARD_DEVICE``); only the sampled token ids
-come back to the host.
+come back to the host, with the routing counts, in one transfer per step
+(:func:`moe.read_back`). With the device dispatch (CUDA bfloat16,
+:mod:`moeguard_runtime.moe_device`) that is the step's only host
+synchronisation; the host dispatch (:func:`moe.dispatch_experts`, the CPU's)
+adds one per MoE layer, its ``[E]`` counts. Timings add none.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moeguard_runtime.model import KVCache, Segment
-from moeguard_runtime.moe import RoutingStats
+from moeguard_runtime.moe import RoutingStats, read_back
 from moeguard_runtime.serving import ServingModel
 from moeguard_runtime.tokenizer import EOS
 
@@ -97,7 +101,10 @@ class Engine:
         if len(prompt) + max_new_tokens > self.args.max_seq_len:
             raise ValueError(f"prompt + max_new_tokens must be <= {self.args.max_seq_len}")
         gen = torch.Generator(device=self.device)
-        gen.manual_seed(seed if seed is not None else int(torch.seed()))
+        if seed is None:
+            gen.seed()  # a fresh non-deterministic seed for this generator; the global one is untouched
+        else:
+            gen.manual_seed(seed)
         cache = self.model.new_cache(len(prompt) + max_new_tokens, self.dtype, self.device)
         seq = SequenceState(seq_id, list(prompt), max_new_tokens, temperature, gen, cache)
         self.sequences[seq_id] = seq
@@ -143,13 +150,17 @@ class Engine:
         with torch.inference_mode():
             logits, routing = self.model(torch.tensor(tokens, device=self.device),
                                          torch.tensor(positions, device=self.device), segments)
-        new_tokens: dict[str, int] = {}
-        finished: dict[str, str] = {}
+        sampling: list[tuple[SequenceState, torch.Tensor]] = []
         for i, (seq, segment) in enumerate(zip(order, segments, strict=True)):
             seq.num_computed += segment.length
-            if not seq.prefilled:
-                continue  # a middle prefill chunk: nothing to sample yet
-            tok = sample(logits[i], seq.temperature, seq.generator)
+            if seq.prefilled:  # else a middle prefill chunk: nothing to sample yet
+                sampling.append((seq, sample_on_device(logits[i], seq.temperature, seq.generator)))
+        # The step's one host transfer: every sampled token id, with the routing counts
+        # that are still on the device (the device dispatch's).
+        stats, ids = read_back(list(routing), torch.stack([t for _, t in sampling]) if sampling else None)
+        new_tokens: dict[str, int] = {}
+        finished: dict[str, str] = {}
+        for (seq, _), tok in zip(sampling, ids, strict=True):
             seq.generated.append(tok)
             new_tokens[seq.seq_id] = tok
             if tok == EOS:
@@ -159,19 +170,29 @@ class Engine:
             if seq.finish_reason is not None:
                 finished[seq.seq_id] = seq.finish_reason
         n_prefill = sum(n for _, n in prefill)
-        return StepOutput(new_tokens, finished, routing, n_prefill, len(decode))
+        return StepOutput(new_tokens, finished, stats, n_prefill, len(decode))
 
 
 MIN_TEMPERATURE = 1e-5
 """Below this, sampling is greedy: ``logits / 1e-234`` overflows to inf and softmax to NaN."""
 
 
-def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
-    """One token from ``[V]`` logits: argmax if ``temperature < MIN_TEMPERATURE``, else
-    sampled from ``softmax(logits / temperature)`` (computed in float64)."""
+def sample_on_device(logits: torch.Tensor, temperature: float,
+                     generator: torch.Generator) -> torch.Tensor:
+    """One token id from ``[V]`` logits, as a 0-d int64 tensor on the logits' device
+    (no host synchronisation): argmax if ``temperature < MIN_TEMPERATURE``, else
+    drawn from ``softmax(logits / temperature)`` (computed in float64) with
+    ``generator``; argmax again when those probabilities are not finite."""
+    greedy = torch.argmax(logits)
     if temperature < MIN_TEMPERATURE:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.double() / temperature, dim=-1)
-    if not bool(torch.isfinite(probs).all()):
-        return int(torch.argmax(logits))
-    return int(torch.multinomial(probs, 1, generator=generator))
+        return greedy
+    probs = torch.softmax(logits.double() / temperature, dim=-1)  # [V]
+    finite = torch.isfinite(probs).all()
+    safe = torch.where(finite, probs, torch.ones_like(probs))  # multinomial refuses NaN/inf
+    drawn = torch.multinomial(safe, 1, generator=generator)[0]
+    return torch.where(finite, drawn, greedy)
+
+
+def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
+    """:func:`sample_on_device`, read back as an int (one host transfer)."""
+    return int(sample_on_device(logits, temperature, generator))

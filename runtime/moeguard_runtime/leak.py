@@ -1,4 +1,4 @@
-"""The leak signal: which part of the process memory grows, and test-only faults.
+"""The leak signal: which part of the process memory grows.
 
 :class:`GrowthTracker` keeps a sliding window of :class:`ProcessMemory` samples
 and fits a least-squares slope to each part. :func:`classify` then names the
@@ -11,16 +11,12 @@ growth:
 * ``python_heap``: the Python heap's block count grows along with RSS.
 * ``none``: anonymous RSS grows slower than ``threshold_bytes_per_s``.
 
-The faults (:class:`FaultLeaker`) exist so the signal can be tested end to end:
-``MOEGUARD_FAULT_LEAK_ANON_BYTES_PER_SECOND`` maps and touches anonymous
-memory (outside every Python and malloc counter), and
-``MOEGUARD_FAULT_LEAK_PYTHON_BYTES_PER_SECOND`` keeps small Python objects.
+The test-only faults that exercise it end to end live in
+:mod:`moeguard_runtime.faults`.
 """
 
 from __future__ import annotations
 
-import mmap
-import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -92,45 +88,3 @@ def classify(g: Growth, threshold_bytes_per_s: float = DEFAULT_THRESHOLD_BYTES_P
     if g.python_allocated_blocks * BYTES_PER_BLOCK_NATIVE < g.rss_anonymous_bytes:
         return "native"
     return "python_heap"
-
-
-class FaultLeaker:
-    """Test-only: leak memory at a set rate from a daemon thread, every 0.1 s.
-
-    ``anon_bps``: anonymous private mappings, each touched page by page so it
-    is resident; they are kept, never unmapped. ``python_bps``: 100-byte
-    ``bytes`` objects kept in a list (about 133 bytes of heap each).
-    """
-
-    TICK_S = 0.1
-
-    def __init__(self, anon_bps: int, python_bps: int) -> None:
-        self.anon_bps, self.python_bps = anon_bps, python_bps
-        self._maps: list[mmap.mmap] = []
-        self._objects: list[bytes] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="fault-leaker", daemon=True)
-
-    @property
-    def enabled(self) -> bool:
-        return self.anon_bps > 0 or self.python_bps > 0
-
-    def start(self) -> None:
-        if self.enabled:
-            self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        anon_chunk = int(self.anon_bps * self.TICK_S)
-        py_count = int(self.python_bps * self.TICK_S / 133)
-        while not self._stop.wait(self.TICK_S):
-            if anon_chunk > 0:
-                size = -(-anon_chunk // mmap.PAGESIZE) * mmap.PAGESIZE
-                region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-                for off in range(0, size, mmap.PAGESIZE):
-                    region[off] = 1
-                self._maps.append(region)
-            for i in range(py_count):
-                self._objects.append(i.to_bytes(8, "little") * 12 + b"leak")

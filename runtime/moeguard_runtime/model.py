@@ -22,7 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeguard_runtime.moe import DEFAULT_EXPERT_CHUNK_TOKENS, MOEFeedForward, RoutingStats
+from moeguard_runtime.checkpoint import load_state_dict
+from moeguard_runtime.moe import (
+    DEFAULT_EXPERT_CHUNK_TOKENS,
+    MatmulBackend,
+    MoeDispatch,
+    MOEFeedForward,
+    RoutingStats,
+)
+from moeguard_runtime.moe_device import PendingRouting
 from moeguard_runtime.presets import ModelArgs
 
 
@@ -91,7 +99,10 @@ def apply_rope(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Causal self-attention with rotary positions and grouped KV heads (GQA)."""
+    """Causal self-attention with rotary positions and grouped KV heads (GQA, Ainslie
+    et al. 2023): query head ``j`` attends with KV head ``j // (n_head // n_kv_head)``,
+    as HF's ``repeat_kv``; ``scaled_dot_product_attention(enable_gqa=True)`` reads the
+    cached K/V in place instead of repeating them per layer per step."""
 
     def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
@@ -116,13 +127,13 @@ class Attention(nn.Module):
             cache_k, cache_v = seg.cache.k[self.layer], seg.cache.v[self.layer]  # [KvH, cap, hd]
             cache_k[:, s0:s1] = k[offset:offset + n].transpose(0, 1)
             cache_v[:, s0:s1] = v[offset:offset + n].transpose(0, 1)
-            keys = cache_k[:, :s1].repeat_interleave(h // kvh, dim=0)  # [H, s1, hd]
-            vals = cache_v[:, :s1].repeat_interleave(h // kvh, dim=0)  # [H, s1, hd]
             qs = q[offset:offset + n].transpose(0, 1)  # [H, n, hd]
             mask = None
             if n > 1:  # query i (position s0+i) sees keys 0..s0+i
                 mask = torch.ones(n, s1, dtype=torch.bool, device=x.device).tril(diagonal=s0)
-            o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask)  # [H, n, hd]
+            # GQA without a copy: query head j reads KV head j // (H // KvH) (torch >= 2.5)
+            o = F.scaled_dot_product_attention(qs, cache_k[:, :s1], cache_v[:, :s1],
+                                               attn_mask=mask, enable_gqa=h != kvh)  # [H, n, hd]
             outs.append(o.transpose(0, 1).reshape(n, h * hd))
             offset += n
         out: torch.Tensor = self.wo(torch.cat(outs, dim=0))  # [T, D]
@@ -131,31 +142,37 @@ class Attention(nn.Module):
 
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer: int, expert_chunk_tokens: int,
-                 capacity_factor: float = 0.0) -> None:
+                 capacity_factor: float = 0.0, matmul_backend: MatmulBackend = "onednn",
+                 dispatch: MoeDispatch = "auto") -> None:
         super().__init__()
         self.attention = Attention(args, layer)
         self.feed_forward = MOEFeedForward(args.dim, args.intermediate_size, args.num_experts,
-                                           args.top_k, expert_chunk_tokens, capacity_factor)
+                                           args.top_k, expert_chunk_tokens, capacity_factor,
+                                           matmul_backend, dispatch)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
     def forward(self, x: torch.Tensor, angles: torch.Tensor,
-                segments: Sequence[Segment]) -> tuple[torch.Tensor, RoutingStats]:
+                segments: Sequence[Segment]) -> tuple[torch.Tensor, RoutingStats | PendingRouting]:
         h = x + self.attention(self.attention_norm(x), angles, segments)  # [T, D]
         ff, stats = self.feed_forward(self.ffn_norm(h))
         return h + ff, stats
 
 
 class Transformer(nn.Module):
-    """The decoder. :meth:`forward` returns logits of each segment's last token."""
+    """The decoder. :meth:`forward` returns logits of each segment's last token.
+    ``matmul_backend``: kernel of the expert matmuls (:data:`moe.MatmulBackend`);
+    ``dispatch``: how the MoE layers group their slots (:data:`moe.MoeDispatch`)."""
 
     def __init__(self, args: ModelArgs,
                  expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS,
-                 capacity_factor: float = 0.0) -> None:
+                 capacity_factor: float = 0.0, matmul_backend: MatmulBackend = "onednn",
+                 dispatch: MoeDispatch = "auto") -> None:
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args, i, expert_chunk_tokens, capacity_factor)
+        self.layers = nn.ModuleList(TransformerBlock(args, i, expert_chunk_tokens, capacity_factor,
+                                                     matmul_backend, dispatch)
                                     for i in range(args.n_layer))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -182,10 +199,12 @@ class Transformer(nn.Module):
             layer.feed_forward.expert_chunk_tokens = n
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
-                segments: Sequence[Segment]) -> tuple[torch.Tensor, list[RoutingStats]]:
+                segments: Sequence[Segment]
+                ) -> tuple[torch.Tensor, list[RoutingStats | PendingRouting]]:
         """``tokens``, ``positions``: [T] int64, packed in segment order.
 
-        Returns ``([S, V] float32 logits of each segment's last token, per-layer stats)``.
+        Returns ``([S, V] float32 logits of each segment's last token, per-layer routing)``;
+        :func:`moe.read_back` turns pending routing into :class:`moe.RoutingStats`.
         """
         x = self.tok_embeddings(tokens)  # [T, D]
         angles = self.angles[positions]  # [T, hd/2]
@@ -218,19 +237,24 @@ def init_weights(model: Transformer, seed: int) -> None:
 def build_model(args: ModelArgs, seed: int = 0, dtype: torch.dtype = torch.float32,
                 expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS,
                 capacity_factor: float = 0.0, checkpoint: str | None = None,
-                device: torch.device | str = "cpu") -> Transformer:
+                device: torch.device | str = "cpu",
+                matmul_backend: MatmulBackend = "onednn",
+                dispatch: MoeDispatch = "auto") -> Transformer:
     """Build on the meta device (no allocation), then either load ``checkpoint``
     (a local safetensors file or folder, :mod:`moeguard_runtime.checkpoint`;
     tensors are assigned, not copied into fresh storage) or materialise and fill
     with seeded weights (drawn on the CPU, so a seed gives the same weights on
     every device), then cast to ``dtype`` and move to ``device``. The rotary
-    angles stay float32 on ``device``."""
-    with torch.device("meta"):
-        model = Transformer(args, expert_chunk_tokens, capacity_factor)
-    if checkpoint is not None:
-        from moeguard_runtime.checkpoint import load_state_dict
+    angles stay float32 on ``device``. ``matmul_backend``, ``dispatch``: see :data:`moe.MatmulBackend`, :data:`moe.MoeDispatch`.
 
-        model.load_state_dict(load_state_dict(checkpoint, args), assign=True, strict=True)
+    Raises:
+        checkpoint.CheckpointError: an unreadable checkpoint, or one of another shape.
+    """
+    with torch.device("meta"):
+        model = Transformer(args, expert_chunk_tokens, capacity_factor, matmul_backend, dispatch)
+    if checkpoint is not None:
+        expected = {k: v.shape for k, v in model.state_dict().items()}
+        model.load_state_dict(load_state_dict(checkpoint, args, expected), assign=True, strict=True)
     else:
         model = model.to_empty(device="cpu")
         init_weights(model, seed)

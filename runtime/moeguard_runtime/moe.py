@@ -29,13 +29,24 @@ orientation, so Mixtral checkpoints load without transposes):
 
 from __future__ import annotations
 
+import itertools
 import math
-import time
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from moeguard_runtime.moe_device import (
+    PendingRouting,
+    capacity_keep,
+    device_dispatch,
+    grouped_mm_available,
+)
+from moeguard_runtime.timing import Mark, mark, seconds_between
 
 DEFAULT_EXPERT_CHUNK_TOKENS = 2048
 DEFAULT_MIN_CAPACITY = 4
@@ -51,10 +62,11 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
 
 @dataclass(frozen=True)
 class RoutingStats:
-    """Routing of one batch through one MoE layer.
+    """Routing of one batch through one MoE layer (plain Python numbers: built from
+    the one host transfer of the counts that the dispatch makes anyway).
 
     Attributes:
-        tokens_per_expert: ``[E]`` int64, token-slots routed to each expert.
+        tokens_per_expert: ``E`` ints, token-slots routed to each expert.
         routed_slots: ``T * k``, the sum of ``tokens_per_expert``.
         top_expert_tokens: the largest entry of ``tokens_per_expert``.
         median_expert_tokens: the median entry (mean of the two middle entries
@@ -67,34 +79,45 @@ class RoutingStats:
             measure): 1.0 is perfect balance, ``1/E`` is everything on one
             expert; an empty batch gives 1.0.
         overflow_tokens: token-slots dropped over capacity (0 when dropless).
-        routing_seconds, expert_seconds: wall time of the router and of the
-            expert matmuls in this layer (``time.perf_counter``).
+        marks: :func:`timing.mark` before the router, after it, and after the
+            experts; read them (:attr:`routing_seconds`, :attr:`expert_seconds`)
+            after the step has synchronised.
     """
 
-    tokens_per_expert: torch.Tensor
+    tokens_per_expert: tuple[int, ...]
     routed_slots: int
     top_expert_tokens: int
     median_expert_tokens: float
     expert_skew_ratio: float
     balancedness: float
     overflow_tokens: int = 0
-    routing_seconds: float = 0.0
-    expert_seconds: float = 0.0
+    marks: tuple[Mark, Mark, Mark] = (0.0, 0.0, 0.0)
+
+    @property
+    def routing_seconds(self) -> float:
+        """Wall time of the router in this layer, seconds."""
+        return seconds_between(self.marks[0], self.marks[1])
+
+    @property
+    def expert_seconds(self) -> float:
+        """Wall time of the expert matmuls in this layer, seconds."""
+        return seconds_between(self.marks[1], self.marks[2])
 
 
-def routing_stats(tokens_per_expert: torch.Tensor, overflow_tokens: int = 0,
-                  routing_seconds: float = 0.0, expert_seconds: float = 0.0) -> RoutingStats:
-    """Statistics of a ``[E]`` tensor of token-slot counts (see :class:`RoutingStats`)."""
-    counts = tokens_per_expert.detach().to(torch.int64).cpu()
-    as_float = counts.to(torch.float64)
-    total = int(counts.sum())
-    top = int(counts.max()) if counts.numel() else 0
-    median = float(torch.quantile(as_float, 0.5)) if counts.numel() else 0.0
-    mean = float(as_float.mean()) if counts.numel() else 0.0
+def routing_stats(tokens_per_expert: Sequence[int] | torch.Tensor, overflow_tokens: int = 0,
+                  marks: tuple[Mark, Mark, Mark] = (0.0, 0.0, 0.0)) -> RoutingStats:
+    """Statistics of ``E`` token-slot counts (see :class:`RoutingStats`); a tensor is
+    read with one ``tolist()``, a sequence of ints costs no device access."""
+    counts = [int(c) for c in (tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor)
+                               else tokens_per_expert)]
+    total = sum(counts)
+    top = max(counts, default=0)
+    median = float(statistics.median(counts)) if counts else 0.0
+    mean = total / len(counts) if counts else 0.0
     skew = top / max(median, 1.0)
     balancedness = mean / top if top > 0 else 1.0
-    return RoutingStats(counts, total, top, median, skew, balancedness, overflow_tokens,
-                        routing_seconds, expert_seconds)
+    return RoutingStats(tuple(counts), total, top, median, skew, balancedness, overflow_tokens,
+                        marks)
 
 
 def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,13 +143,24 @@ SMALL_BATCH_SLOTS = 256
 
 _ONEDNN_LINEAR = (bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
                   and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-USE_ONEDNN = True
-"""CPU float32 expert matmuls go to oneDNN (``torch.ops.mkldnn._linear_pointwise``
+MatmulBackend = Literal["onednn", "torch"]
+"""Kernel of the expert matmuls, a parameter of :class:`MOEFeedForward` (and of the model).
+
+``onednn`` (default): CPU float32 expert matmuls go to oneDNN (``torch.ops.mkldnn._linear_pointwise``
 on the dense weight, no packed copy) instead of ``F.linear`` (MKL sgemm): on the
 2-core AMD EPYC of the benchmarks oneDNN ran the [1024, 1024] x [1024, 2816]
 expert matmul at about 130 GFLOP/s against MKL's 60, and 4-row decode matmuls
 at about 30 GB/s of weight reads against 19. Same float32 arithmetic (the
-results differ only in summation order)."""
+results differ only in summation order); other devices and dtypes use ``F.linear``.
+``torch``: ``F.linear`` everywhere (the benchmarks compare the two)."""
+MATMUL_BACKENDS: tuple[MatmulBackend, ...] = ("onednn", "torch")
+
+MoeDispatch = Literal["auto", "host", "device"]
+"""How :class:`MOEFeedForward` groups the slots: ``host`` (:func:`dispatch_experts`, the
+counts read on the host once per layer; any device, oneDNN on the CPU), ``device``
+(:func:`moe_device.device_dispatch`, no host read; needs ``F.grouped_mm``), or ``auto``
+(default): ``device`` where :func:`moe_device.grouped_mm_available`, else ``host``."""
+MOE_DISPATCHES: tuple[MoeDispatch, ...] = ("auto", "host", "device")
 
 
 ONEDNN_CHUNK_TOKENS = 256
@@ -137,8 +171,8 @@ had the lowest peak (74 MB against 146 MB in chunks of 2048, whose temporaries
 alone are 31 MB) and ran as fast as or faster than any larger chunk."""
 
 
-def _onednn(x: torch.Tensor) -> bool:
-    return USE_ONEDNN and _ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype == torch.float32
+def _onednn(x: torch.Tensor, backend: MatmulBackend) -> bool:
+    return backend == "onednn" and _ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype == torch.float32
 
 
 def padded_rows(n: int) -> int:
@@ -154,11 +188,13 @@ def padded_rows(n: int) -> int:
     return -(-n // 32) * 32
 
 
-def expert_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` (``x`` [n, in], ``w`` [out, in]): oneDNN for CPU float32 (rows padded to
-    :func:`padded_rows`, the padding sliced off), else ``F.linear``."""
+def expert_linear(x: torch.Tensor, w: torch.Tensor,
+                  backend: MatmulBackend = "onednn") -> torch.Tensor:
+    """``x @ w.T`` (``x`` [n, in], ``w`` [out, in]) → [n, out]: with ``backend`` ``onednn``,
+    oneDNN for CPU float32 (rows padded to :func:`padded_rows`, the padding sliced off),
+    else ``F.linear``."""
     n = x.shape[0]
-    if _onednn(x) and n > 0:
+    if _onednn(x, backend) and n > 0:
         m = padded_rows(n)
         if m != n:
             x = F.pad(x, (0, 0, 0, m - n))
@@ -168,15 +204,15 @@ def expert_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_expert(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                  w3: torch.Tensor) -> torch.Tensor:
+                  w3: torch.Tensor, backend: MatmulBackend = "onednn") -> torch.Tensor:
     """One expert: ``w2(silu(w1 x) * w3 x)``. ``x`` [n, D], ``w1``/``w3`` [I, D],
     ``w2`` [D, I] → [n, D]. Inference only (in-place activation). Each weight is
     read once for all ``n`` rows, also at decode (a per-row ``torch.mv`` would
     read it ``n`` times)."""
-    h = expert_linear(x, w1)  # [n, I]
+    h = expert_linear(x, w1, backend)  # [n, I]
     F.silu(h, inplace=True)
-    h.mul_(expert_linear(x, w3))  # in place: one [n, I] buffer fewer at the peak
-    return expert_linear(h, w2)  # [n, D]
+    h.mul_(expert_linear(x, w3, backend))  # in place: one [n, I] buffer fewer at the peak
+    return expert_linear(h, w2, backend)  # [n, D]
 
 
 def grouped_expert_forward(
@@ -188,7 +224,25 @@ def grouped_expert_forward(
     w3: torch.Tensor,
     expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS,
     capacity: int | None = None,
+    backend: MatmulBackend = "onednn",
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """:func:`dispatch_experts` with the counts as a ``[E]`` int64 CPU tensor."""
+    out, counts, overflow = dispatch_experts(x, weights, experts, w1, w2, w3,
+                                             expert_chunk_tokens, capacity, backend)
+    return out, torch.tensor(counts, dtype=torch.int64), overflow
+
+
+def dispatch_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS,
+    capacity: int | None = None,
+    backend: MatmulBackend = "onednn",
+) -> tuple[torch.Tensor, list[int], int]:
     """Run the experts on their token-slots, grouped by expert.
 
     Args:
@@ -198,11 +252,16 @@ def grouped_expert_forward(
         w1, w3: ``[E, I, D]``; w2: ``[E, D, I]``.
         expert_chunk_tokens: most token-slots one expert processes at once.
         capacity: most token-slots per expert (None: dropless).
+        backend: kernel of the expert matmuls (:data:`MatmulBackend`).
 
     Returns:
         ``(out, tokens_per_expert, overflow)``: ``[T, D]`` in ``x.dtype`` (the
-        weighted sum over each token's kept experts), ``[E]`` int64 token-slot
-        counts routed (before capacity), and the number of slots dropped.
+        weighted sum over each token's kept experts), ``E`` ints, the token-slot
+        counts routed (before capacity; the layer's one host transfer), and the
+        number of slots dropped.
+
+    Raises:
+        ValueError: ``expert_chunk_tokens < 1``.
     """
     if expert_chunk_tokens < 1:
         raise ValueError("expert_chunk_tokens must be >= 1")
@@ -210,36 +269,41 @@ def grouped_expert_forward(
     num_experts = w1.shape[0]
     flat_experts = experts.reshape(-1)  # [T*k] token-major
     counts = torch.bincount(flat_experts, minlength=num_experts)  # [E]
+    # The one host transfer of this layer: the slices' bounds are data-dependent
+    # shapes; capacity, overflow and the routing statistics reuse these ints.
+    host_counts: list[int] = counts.tolist()
     # Stable sort: within an expert the tokens stay in ascending order, which keeps
     # index_add_ on its fast path (unsorted indices make it ~100x slower on CPU).
     order = torch.argsort(flat_experts, stable=True)  # [T*k]
     slot_weight = weights.reshape(-1)[order]  # [T*k] float32
-    kept_counts = counts
+    kept = host_counts
     overflow = 0
-    if capacity is not None and int(counts.max()) > capacity:
-        keep = _capacity_keep(experts, counts, capacity)[order]  # [T*k] bool, sorted order
-        kept_counts = counts.clamp(max=capacity)
-        overflow = int((counts - kept_counts).sum())
-        order, slot_weight = order[keep], slot_weight[keep]
+    if capacity is not None and max(host_counts, default=0) > capacity:
+        keep = capacity_keep(experts, counts, capacity)[order]  # [T*k] bool, sorted order
+        kept = [min(c, capacity) for c in host_counts]
+        overflow = sum(host_counts) - sum(kept)
+        # the kept slots in their order; no boolean indexing (its size is read on the host)
+        kept_idx = torch.argsort((~keep).to(torch.uint8), stable=True)[:sum(kept)]
+        order, slot_weight = order[kept_idx], slot_weight[kept_idx]
         slot_token = order // k
         denom = torch.zeros(num_tokens, dtype=slot_weight.dtype,
                             device=slot_weight.device).index_add_(0, slot_token, slot_weight)
         slot_weight = slot_weight / denom[slot_token]  # renormalize what each token keeps
     slot_token = order // k  # [S] token of each sorted slot
     out = torch.zeros_like(x)  # [T, D]
-    bounds = [0, *torch.cumsum(kept_counts, 0).tolist()]
+    bounds = [0, *itertools.accumulate(kept)]
     # Small batches (decode): every expert writes its rows into one [S, D] buffer and
     # a single index_add_ combines them; eight small index_add_ calls cost more than
     # the buffer. Large batches add each chunk at once, so no [S, D] buffer exists.
-    if _onednn(x):
+    if _onednn(x, backend):
         expert_chunk_tokens = min(expert_chunk_tokens, ONEDNN_CHUNK_TOKENS)
-    slots = int(bounds[-1])
+    slots = bounds[-1]
     gathered = x.new_empty(slots, x.shape[1]) if slots <= SMALL_BATCH_SLOTS else None
     for e in range(num_experts):
         for c0 in range(bounds[e], bounds[e + 1], expert_chunk_tokens):
             c1 = min(c0 + expert_chunk_tokens, bounds[e + 1])
             tok = slot_token[c0:c1]  # [n], ascending
-            y = swiglu_expert(x.index_select(0, tok), w1[e], w2[e], w3[e])  # [n, D]
+            y = swiglu_expert(x.index_select(0, tok), w1[e], w2[e], w3[e], backend)  # [n, D]
             if gathered is not None:
                 torch.mul(y, slot_weight[c0:c1, None].to(y.dtype), out=gathered[c0:c1])
             else:
@@ -248,33 +312,21 @@ def grouped_expert_forward(
             del y, tok
     if gathered is not None:
         out.index_add_(0, slot_token, gathered)
-    return out, counts, overflow
-
-
-def _capacity_keep(experts: torch.Tensor, counts: torch.Tensor, capacity: int) -> torch.Tensor:
-    """``[T*k]`` bool (token-major slots): kept under ``capacity`` with DeepSpeed's
-    priority, all first choices before second choices, each rank in token order."""
-    num_tokens, k = experts.shape
-    rank_major = experts.T.reshape(-1)  # [k*T], index r*T + t
-    order = torch.argsort(rank_major, stable=True)
-    starts = torch.cumsum(counts, 0) - counts  # [E]
-    device = experts.device
-    pos = (torch.arange(order.numel(), device=device)
-           - torch.repeat_interleave(starts, counts))  # position within its expert
-    keep_rm = torch.zeros(order.numel(), dtype=torch.bool, device=device)
-    keep_rm[order] = pos < capacity
-    return keep_rm.view(k, num_tokens).T.reshape(-1)  # back to token-major t*k + r
+    return out, host_counts, overflow
 
 
 class MOEFeedForward(nn.Module):
     """Router plus stacked SwiGLU experts (gpt-fast ``MOEFeedForward``).
 
     ``capacity_factor`` 0 (default) is dropless; above 0, DeepSpeed capacity.
+    ``matmul_backend``: kernel of the expert matmuls (:data:`MatmulBackend`);
+    ``dispatch``: see :data:`MoeDispatch`.
     """
 
     def __init__(self, dim: int, intermediate_size: int, num_experts: int, top_k: int,
                  expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS,
-                 capacity_factor: float = 0.0) -> None:
+                 capacity_factor: float = 0.0, matmul_backend: MatmulBackend = "onednn",
+                 dispatch: MoeDispatch = "auto") -> None:
         super().__init__()
         self.gate = nn.Linear(dim, num_experts, bias=False)  # weight [E, D]
         self.w1 = nn.Parameter(torch.empty(num_experts, intermediate_size, dim))  # [E, I, D]
@@ -284,17 +336,52 @@ class MOEFeedForward(nn.Module):
         self.num_experts = num_experts
         self.expert_chunk_tokens = expert_chunk_tokens
         self.capacity_factor = capacity_factor
+        self.matmul_backend: MatmulBackend = matmul_backend
+        self.dispatch: MoeDispatch = dispatch
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingStats]:
-        """``x`` [T, D] → ``([T, D], RoutingStats)``."""
-        t0 = time.perf_counter()
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingStats | PendingRouting]:
+        """``x`` [T, D] → ``([T, D], routing)``: :class:`RoutingStats` from the host
+        dispatch, :class:`moe_device.PendingRouting` from the device one (read it with
+        :func:`read_back`, together with the step's other results)."""
+        t0 = mark(x.device)
         weights, experts = route(self.gate(x), self.top_k)  # [T, k] each
-        t1 = time.perf_counter()
+        t1 = mark(x.device)
         capacity = None
         if self.capacity_factor > 0:
             capacity = expert_capacity(x.shape[0], self.top_k, self.num_experts,
                                        self.capacity_factor)
-        out, counts, overflow = grouped_expert_forward(
-            x, weights, experts, self.w1, self.w2, self.w3, self.expert_chunk_tokens, capacity)
-        t2 = time.perf_counter()
-        return out, routing_stats(counts, overflow, t1 - t0, t2 - t1)
+        if self.dispatch == "device" or (self.dispatch == "auto" and grouped_mm_available(x)):
+            out, pending, dropped = device_dispatch(x, weights, experts, self.w1, self.w2, self.w3,
+                                                    self.expert_chunk_tokens, capacity)
+            return out, PendingRouting(pending, dropped, (t0, t1, mark(x.device)))
+        out, counts, overflow = dispatch_experts(
+            x, weights, experts, self.w1, self.w2, self.w3, self.expert_chunk_tokens, capacity,
+            self.matmul_backend)
+        t2 = mark(x.device)
+        return out, routing_stats(counts, overflow, (t0, t1, t2))
+
+
+def read_back(records: list[RoutingStats | PendingRouting],
+              extra: torch.Tensor | None) -> tuple[list[RoutingStats], list[int]]:
+    """Every pending layer's counts and overflow, and ``extra`` (``[n]`` integers, the
+    sampled token ids), read in one host transfer.
+
+    Returns:
+        ``(stats per layer, extra as ints)``.
+    """
+    pending = [r for r in records if isinstance(r, PendingRouting)]
+    parts = [p.counts.reshape(-1) for p in pending] + [p.overflow.reshape(1) for p in pending]
+    if extra is not None:
+        parts.append(extra.reshape(-1))
+    if not parts:
+        return [r for r in records if isinstance(r, RoutingStats)], []
+    host: list[int] = torch.cat([p.to(torch.int64) for p in parts]).tolist()  # the one transfer
+    at = 0
+    counts: list[list[int]] = []
+    for p in pending:
+        counts.append(host[at:at + p.counts.numel()])
+        at += p.counts.numel()
+    overflow, at = host[at:at + len(pending)], at + len(pending)
+    resolved = iter(routing_stats(c, o, p.marks) for c, o, p in zip(counts, overflow, pending, strict=True))
+    stats = [r if isinstance(r, RoutingStats) else next(resolved) for r in records]
+    return stats, host[at:]

@@ -24,7 +24,6 @@ metric is then absent rather than 0):
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 from dataclasses import dataclass
 from functools import cache
@@ -96,9 +95,10 @@ class _MallInfo2(ctypes.Structure):
 
 @cache
 def _mallinfo2() -> Any:
-    name = ctypes.util.find_library("c")
+    # dlopen(NULL): the symbols already loaded, libc among them. (ctypes.util.find_library
+    # would run ``ldconfig -p`` in a child process.)
     try:
-        fn = ctypes.CDLL(name).mallinfo2
+        fn = ctypes.CDLL(None).mallinfo2
     except (OSError, AttributeError, TypeError):
         return None
     fn.restype = _MallInfo2

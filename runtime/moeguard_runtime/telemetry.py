@@ -195,7 +195,7 @@ class Telemetry:
             self.batch_tokens.labels(**self.l(phase="decode")).observe(decode_tokens)
         self.step_seconds.labels(**self.labels).observe(seconds)
         for layer, stats in enumerate(routing):
-            for expert, n in enumerate(stats.tokens_per_expert.tolist()):
+            for expert, n in enumerate(stats.tokens_per_expert):
                 if n:
                     self.expert_tokens.labels(**self.l(layer=str(layer), expert=str(expert))).inc(n)
             if stats.overflow_tokens:

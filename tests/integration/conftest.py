@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,21 +23,17 @@ from typing import Any
 
 import httpx
 import pytest
+from hack import stack
 
-ROOT = Path(__file__).resolve().parents[2]
-HACK = ROOT / "hack"
-RUN_DIR = Path(os.environ.get("MOEGUARD_RUN_DIR", "/tmp/moeguard-run"))
 # hack/cluster-up.sh adds MOEGUARD_PORT_OFFSET to every port (a second cluster beside the first)
-from hack.stack import PROMETHEUS_URL  # noqa: E402
+from hack.stack import PROMETHEUS_URL, ROOT, RUN_DIR
+
+HACK = ROOT / "hack"
 
 
 def pinned_kubectl() -> Path:
     """The kubectl that hack/build-binaries.sh built for the pinned Kubernetes version."""
-    out = subprocess.run(
-        ["bash", "-c", 'source "$0/versions.env" && source "$0/lib.sh" && bin_dir kubernetes', str(HACK)],
-        check=True, capture_output=True, text=True,
-    ).stdout.strip()
-    return Path(out) / "kubectl"
+    return stack.bin_dir("kubernetes") / "kubectl"
 
 
 @dataclass
@@ -51,20 +46,16 @@ class Cluster:
 
     def kubectl(self, *args: str, check: bool = True, input: str | None = None,
                 timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        """Run the pinned kubectl against this cluster; raises with its stderr when ``check``."""
-        cmd = [str(self.kubectl_bin), f"--kubeconfig={self.kubeconfig}", *args]
-        res = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout)
-        if check and res.returncode != 0:
-            raise AssertionError(f"{' '.join(cmd[2:])} failed ({res.returncode}): {res.stderr.strip()}")
-        return res
+        """Run the pinned kubectl against this cluster (hack.stack.kubectl); raises
+        hack.stack.ToolError with its stderr when ``check``."""
+        return stack.kubectl(*args, check=check, stdin=input, timeout=timeout, run_dir=self.run_dir)
 
     def kubectl_json(self, *args: str) -> Any:
-        return json.loads(self.kubectl(*args, "-o", "json").stdout)
+        return stack.kubectl_json(*args, run_dir=self.run_dir)
 
     def prometheus_query(self, query: str) -> list[dict[str, Any]]:
-        r = httpx.get(f"{self.prometheus_url}/api/v1/query", params={"query": query}, timeout=5)
-        r.raise_for_status()
-        return list(r.json()["data"]["result"])
+        """The result vector of an instant query (hack.stack.prom_results); raises when unreachable."""
+        return stack.prom_results(query, self.prometheus_url)
 
 
 def _healthy(c: Cluster) -> bool:
@@ -125,12 +116,8 @@ class PodWorkers:
 
     def wait_for(self, key: str, timeout: float = 30) -> dict[str, Any]:
         """Wait until pod ``namespace/name`` has a worker; returns its port, pid, url, moeis."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if key in (s := self.state()):
-                return s[key]
-            time.sleep(0.2)
-        raise AssertionError(f"no worker for {key} after {timeout}s; see {self.run_dir}/logs/")
+        return stack.wait_for(lambda: self.state().get(key), timeout,
+                              f"a worker for {key} (see {self.run_dir}/logs/)", interval=0.2)
 
 
 @pytest.fixture(scope="session")
@@ -147,10 +134,8 @@ def namespace(cluster: Cluster) -> Iterator[str]:
     """A fresh namespace whose default ServiceAccount exists; deleted afterwards."""
     name = f"mg-test-{uuid.uuid4().hex[:8]}"
     cluster.kubectl("create", "namespace", name)
-    deadline = time.monotonic() + 30
-    while cluster.kubectl("-n", name, "get", "serviceaccount", "default", check=False).returncode != 0:
-        assert time.monotonic() < deadline, f"ServiceAccount {name}/default never appeared"
-        time.sleep(0.2)
+    stack.wait_for(lambda: cluster.kubectl("-n", name, "get", "serviceaccount", "default", check=False).returncode == 0,
+                   30, f"ServiceAccount {name}/default", interval=0.2)
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from hack.stack import ROOT, tools_env
+from hack.stack import ROOT, run_tool
 
 CHART = ROOT / "charts" / "moeguard"
 KUBE_VERSION = "1.34.4"
@@ -17,12 +17,9 @@ Run = Callable[..., subprocess.CompletedProcess[str]]
 
 
 def _runner(tool: str, run_dir: Path) -> Run:
+    """``tool`` through hack.stack.run_tool (raises hack.stack.ToolError with its stderr when ``check``)."""
     def run(*args: str, check: bool = True, input: str | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-        res = subprocess.run([tool, *args], env=tools_env(run_dir), input=input, capture_output=True, text=True,
-                             timeout=timeout)
-        if check and res.returncode != 0:
-            raise AssertionError(f"{tool} {' '.join(args)} failed ({res.returncode}):\n{res.stderr[-3000:]}")
-        return res
+        return run_tool(tool, *args, check=check, stdin=input, timeout=timeout, run_dir=run_dir)
     return run
 
 

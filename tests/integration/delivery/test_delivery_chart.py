@@ -317,3 +317,58 @@ def test_crd_install_paths_agree(template: Any) -> None:
     committed = yaml.safe_load((ROOT / "crds" / f"{CRD_NAME}.yaml").read_text())
     chart = _by_kind(_docs(template()), "CustomResourceDefinition")[0]
     assert committed["spec"] == chart["spec"]
+
+
+RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
+
+
+@pytest.mark.parametrize("mode", ["all-namespaces", "watched-namespaces"])
+def test_rbac_scope_with_and_without_watch_namespaces(cluster: Any, template: Any, mode: str) -> None:
+    """The chart's RBAC, applied to the API server and asked with ``kubectl auth can-i`` as the
+    operator's ServiceAccount: with ``operator.watchNamespaces`` the operator may write only in those
+    namespaces (issue: cluster-wide roles let it create Roles in kube-system); without, everywhere."""
+    release = f"rb{uuid.uuid4().hex[:6]}"
+    ns, watched, other = f"{release}-system", f"{release}-apps", f"{release}-other"
+    sets = ["rbac.create=true", "operator.peering.enabled=true"]
+    if mode == "watched-namespaces":
+        sets.append(f"operator.watchNamespaces={{{watched}}}")
+    docs = [d for d in _docs(template(*sets, release=release, namespace=ns)) if d["kind"] in RBAC_KINDS]
+    # can-i resolves resource names through discovery: the CRD must be served
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
+    for name in (ns, watched, other):
+        cluster.kubectl("create", "namespace", name)
+    try:
+        for doc in docs:  # helm template leaves namespaced objects of the release namespace without one
+            if doc["kind"] in ("ServiceAccount", "Role", "RoleBinding"):
+                doc["metadata"].setdefault("namespace", ns)
+        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+        sa = next(d for d in docs if d["kind"] == "ServiceAccount")["metadata"]["name"]
+        who = f"--as=system:serviceaccount:{ns}:{sa}"
+
+        def can(*args: str) -> bool:
+            res = cluster.kubectl("auth", "can-i", *args, who, check=False)
+            return res.stdout.strip() == "yes"
+
+        wide = mode == "all-namespaces"
+        # where it works: always allowed
+        assert can("create", "deployments.apps", "-n", watched)
+        assert can("create", "roles.rbac.authorization.k8s.io", "-n", watched)
+        assert can("list", "pods", "-n", watched)
+        assert can("patch", "moeinferenceservices.moeguard.dev", "--subresource=status", "-n", watched)
+        assert can("create", "events", "-n", watched)
+        assert can("list", "customresourcedefinitions.apiextensions.k8s.io")
+        # elsewhere: only when it watches all namespaces
+        assert can("create", "deployments.apps", "-n", "kube-system") is wide
+        assert can("create", "rolebindings.rbac.authorization.k8s.io", "-n", "kube-system") is wide
+        assert can("list", "pods", "-n", other) is wide
+        assert can("list", "pods", "--all-namespaces") is wide
+        assert can("create", "events", "-n", other) is wide
+        # never: what no mode grants
+        assert not can("delete", "moeinferenceservices.moeguard.dev", "-n", watched)
+        assert not can("get", "secrets", "-n", watched)
+        assert not can("update", "moeinferenceservices.moeguard.dev", "-n", watched)
+    finally:
+        cluster.kubectl("delete", "-f", "-", "--ignore-not-found", "--wait=false",
+                        input=yaml.safe_dump_all(docs), check=False)
+        for name in (ns, watched, other):
+            cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)

@@ -2,21 +2,35 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from hack import stack
 from tests.integration.conftest import Cluster
-from tests.integration.e2e.helpers import OPERATOR_METRICS_PORT
+from tests.integration.e2e.helpers import OPERATOR_LIVENESS_PORT, OPERATOR_METRICS_PORT, wait
+
+STARTUP_DEADLINE_SECONDS = 120
+"""Generous: the wait ends as soon as the operator answers."""
 
 
 @pytest.fixture(scope="module")
 def operator(cluster: Cluster) -> Iterator[None]:
     stack.apply_crds(run_dir=cluster.run_dir)
-    proc = stack.start_operator(cluster.run_dir / "logs" / "operator-e2e.log", run_dir=cluster.run_dir,
-                                args=("-A", "--standalone", "--metrics-port", str(OPERATOR_METRICS_PORT)))
-    time.sleep(1)
-    assert proc.poll() is None, f"operator exited: see {cluster.run_dir}/logs/operator-e2e.log"
-    yield
-    stack.stop_process(proc)
+    log = cluster.run_dir / "logs" / "operator-e2e.log"
+    liveness = f"http://127.0.0.1:{OPERATOR_LIVENESS_PORT}/healthz"
+    proc = stack.start_operator(log, run_dir=cluster.run_dir, args=(
+        "-A", "--standalone", "--metrics-port", str(OPERATOR_METRICS_PORT), "--liveness", liveness))
+
+    def started() -> bool:
+        assert proc.poll() is None, f"operator exited: see {log}"
+        try:  # kopf serves its liveness endpoint once the startup handlers have run
+            return httpx.get(liveness, timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait(started, STARTUP_DEADLINE_SECONDS, "the operator's liveness endpoint")
+        yield
+    finally:
+        stack.stop_process(proc)

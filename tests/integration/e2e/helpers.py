@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from hack import stack
 from tests.integration.conftest import Cluster
 
-OPERATOR_METRICS_PORT = 18081
+PORT_OFFSET = int(os.environ.get("MOEGUARD_PORT_OFFSET", "0"))
+"""hack/cluster-up.sh shifts every port by it (a second cluster beside the first); so do the operator's."""
+OPERATOR_METRICS_PORT = 18081 + PORT_OFFSET
+OPERATOR_LIVENESS_PORT = 18082 + PORT_OFFSET
 
 
 def moeis(name: str, **spec: Any) -> str:

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
@@ -23,6 +23,9 @@ from hack import stack
 from tests.integration.conftest import Cluster, PodWorkers
 from tests.integration.e2e.helpers import get, moeis, wait, wait_cr
 
+DEADLINE = 120
+"""Seconds any one wait may take on a loaded machine; each ends as soon as the state is there (timing
+targets live in the benchmarks)."""
 SPEC: dict[str, Any] = {
     "model": {"preset": "tiny"},
     "replicas": 1,
@@ -92,9 +95,11 @@ def test_c7_prometheus_goes_away_budgets_hold_then_control_resumes(
     assert c["status"] == "False" and c["reason"] == "MetricsUnavailable"
     assert "failed: ConnectionError" in c["message"] and "budgets held, nothing loosens" in c["message"]
     assert blind["status"]["observed"].get("skewRatio") is None  # missing is absent, never 0
-    # Longer than the stabilization window: with sight, budgets would climb; blind, they hold.
-    time.sleep(12)
-    still = get(cluster, ns, name)
+    # Blind for longer than the stabilization window (6 s): with sight, budgets would climb; blind, they hold.
+    # Wait for a look made that long after the first blind one (status.observed.time), not for a fixed time.
+    blind_since = datetime.fromisoformat(blind["status"]["observed"]["time"])
+    still = wait_cr(cluster, ns, name, lambda o: datetime.fromisoformat(o["status"]["observed"]["time"])
+                    >= blind_since + timedelta(seconds=12), DEADLINE, "a blind look past the stabilization window")
     assert still["status"]["budgets"] == held
     assert cond(still, "MetricsAvailable")["status"] == "False"
     assert ("Warning", "MetricsUnavailable") in [(t, r) for t, r, _ in reasons(cluster, ns, name)]
@@ -103,7 +108,7 @@ def test_c7_prometheus_goes_away_budgets_hold_then_control_resumes(
     subprocess.run([str(stack.ROOT / "hack" / "cluster-up.sh")], env={**os.environ, "MOEGUARD_RUN_DIR": str(cluster.run_dir)},
                    check=True, capture_output=True, timeout=300)
     # Normal traffic brings skew down; once Prometheus sees it, normal control resumes and budgets climb.
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + DEADLINE
     while time.monotonic() < deadline:
         complete(url, prompt_of_length(300, offset=5000))
         obj = get(cluster, ns, name)
@@ -154,12 +159,11 @@ def test_oom_kill_tightens_at_once_scale_and_rollout(
         "imageID": "", "started": True, "state": {"running": {"startedAt": now}},
         "lastState": {"terminated": {"reason": "OOMKilled", "exitCode": 137, "startedAt": now, "finishedAt": now}},
     }]}}
-    t0 = time.monotonic()
     cluster.kubectl("-n", ns, "patch", "pod", pod["metadata"]["name"], "--subresource=status", "--type=merge",
                     "-p", json.dumps(status))
-    # queryIntervalSeconds is an hour: only the OOM kill can make this move, and it must not wait.
-    obj = wait_cr(cluster, ns, name, lambda o: o["status"].get("observed", {}).get("oomKills") == 1, 30, "OOM kill seen")
-    assert time.monotonic() - t0 < 15
+    # queryIntervalSeconds is an hour: only the OOM kill can make this move, and it must not wait for it.
+    obj = wait_cr(cluster, ns, name, lambda o: o["status"].get("observed", {}).get("oomKills") == 1, DEADLINE,
+                  "OOM kill seen")
     b = obj["status"]["budgets"]
     assert (b["maxPrefillTokens"], b["maxDecodeTokens"], b["maxBatchRequests"]) == (1024, 32, 8)
     assert "1 OOM kill(s)" in obj["status"]["lastAdjustment"]["reason"]
@@ -173,11 +177,11 @@ def test_oom_kill_tightens_at_once_scale_and_rollout(
         samples = stack.scrape(url, "moeguard_overload_active")
         return any(lbl.get("source") == "operator" and v == 1.0 for lbl, v in samples)
 
-    wait(worker_overloaded, 10, "the worker to enter overload mode")
+    wait(worker_overloaded, DEADLINE, "the worker to enter overload mode")
     # 32 from the operator, halved again by the worker's overload mode (scheduler.OverloadPolicy.decode_factor),
     # one batch at a time; the gauges follow at the worker's next step
     wait(lambda: stack.scrape_one(url, "moeguard_budget_max_decode_tokens") == 16
-         and stack.scrape_one(url, "moeguard_budget_max_concurrent_batches") == 1, 10, "the overload budgets")
+         and stack.scrape_one(url, "moeguard_budget_max_concurrent_batches") == 1, DEADLINE, "the overload budgets")
     # A budget change travels through the ConfigMap: the workers do not roll.
     assert cluster.kubectl_json("-n", ns, "get", "deployment", f"{name}-worker")["metadata"]["generation"] == dep_gen
 
@@ -244,14 +248,14 @@ def test_hand_edits_never_pin_or_lose_the_budget(
     doc["budgets"]["maxPrefillTokens"] = 700
     cluster.kubectl("-n", ns, "patch", "configmap", cm_name, "--type=merge", "-p",
                     json.dumps({"data": {"budget.json": json.dumps(doc)}}))
-    wait(lambda: stack.scrape_one(url, "moeguard_budget_generation") == 50, 10, "the worker to take the hand edit")
+    wait(lambda: stack.scrape_one(url, "moeguard_budget_generation") == 50, DEADLINE, "the worker to take the hand edit")
     # The operator's next document must still win: its generation is above the hand-edited one.
     for i in range(3):
         complete(url, repetitive_prompt(512, 0), max_tokens=1 + i % 2)
     obj = wait_cr(cluster, ns, name, lambda o: o["status"]["budgets"]["maxPrefillTokens"] < 2048, 60, "tightened")
     assert obj["status"]["budgetGeneration"] == 51
     wait(lambda: stack.scrape_one(url, "moeguard_budget_generation") == 51
-         and stack.scrape_one(url, "moeguard_budget_max_prefill_tokens") == 1024, 10, "the worker to apply generation 51")
+         and stack.scrape_one(url, "moeguard_budget_max_prefill_tokens") == 1024, DEADLINE, "the worker to apply generation 51")
 
     # Children deleted by hand come back, with the budgets in effect.
     cluster.kubectl("-n", ns, "delete", "configmap", cm_name)
@@ -261,7 +265,7 @@ def test_hand_edits_never_pin_or_lose_the_budget(
         dep = cluster.kubectl("-n", ns, "get", "deployment", f"{name}-worker", check=False)
         return cm.returncode == 0 and dep.returncode == 0 and \
             json.loads(json.loads(cm.stdout)["data"]["budget.json"])["budgets"]["maxPrefillTokens"] == 1024
-    wait(back, 30, "the ConfigMap and the Deployment to come back")
+    wait(back, DEADLINE, "the ConfigMap and the Deployment to come back")
     assert ("Warning", "ChildRecreated") in [(t, r) for t, r, _ in reasons(cluster, ns, name)]
 
 

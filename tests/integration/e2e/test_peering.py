@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 from hack import stack
@@ -13,6 +12,8 @@ from tests.integration.conftest import Cluster
 from tests.integration.e2e.helpers import moeis, wait
 
 PEERING = "moeguard-peering-test"
+DEADLINE_SECONDS = 120
+"""Generous: each wait ends as soon as the state is there."""
 
 
 def _peering(cluster: Cluster, namespace: str) -> None:
@@ -27,6 +28,15 @@ def _peering(cluster: Cluster, namespace: str) -> None:
         {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": PEERING}}))
 
 
+def _standing_by(cluster: Cluster, namespace: str, log: Path) -> bool:
+    """Both replicas are in the peering object, and the low one has not resumed since: kopf starts
+    every replica paused and resumes it only while no live peer has a higher priority."""
+    status = cluster.kubectl_json("-n", namespace, "get", "kopfpeering", PEERING).get("status") or {}
+    priorities = sorted(peer.get("priority") for peer in status.values())
+    text = log.read_text() if log.exists() else ""
+    return priorities == [10, 20] and text.rfind("Resuming operations") <= text.rfind("Pausing operations")
+
+
 def _reconciled(log: Path, key: str) -> int:
     return log.read_text().count(f"reconciled {key} ") if log.exists() else 0
 
@@ -35,21 +45,21 @@ def test_active_standby_failover(cluster: Cluster, namespace: str) -> None:
     stack.apply_crds(run_dir=cluster.run_dir)
     _peering(cluster, namespace)
     logs = [cluster.run_dir / "logs" / f"operator-peer-{i}-{namespace}.log" for i in (0, 1)]
-    env = {"MOEGUARD_PEERING_LIFETIME_SECONDS": "6"}
-    low = stack.start_operator(logs[0], cluster.run_dir, env, ("-n", namespace, "--peering", PEERING, "--priority", "10"))
-    high = stack.start_operator(logs[1], cluster.run_dir, env, ("-n", namespace, "--peering", PEERING, "--priority", "20"))
+    peer = ("-n", namespace, "--peering", PEERING, "--peering-lifetime-seconds", "6", "--priority")
+    low = stack.start_operator(logs[0], cluster.run_dir, args=(*peer, "10"))
+    high = stack.start_operator(logs[1], cluster.run_dir, args=(*peer, "20"))
     try:
-        time.sleep(4)
+        # Wait for the state (both peers registered, the low one paused), not for a fixed time.
+        wait(lambda: _standing_by(cluster, namespace, logs[0]), DEADLINE_SECONDS, "the priority-10 replica to stand by")
         cluster.kubectl("-n", namespace, "apply", "-f", "-", input=moeis("peer", replicas=0))
         key = f"{namespace}/peer"
-        wait(lambda: _reconciled(logs[1], key) >= 1, 60, "the priority-20 replica to reconcile")
-        time.sleep(3)
+        wait(lambda: _reconciled(logs[1], key) >= 1, DEADLINE_SECONDS, "the priority-20 replica to reconcile")
         assert _reconciled(logs[0], key) == 0, "the standby replica must not act"
 
         high.send_signal(signal.SIGKILL)  # no goodbye: the standby waits for the lease to lapse
         high.wait(10)
         cluster.kubectl("-n", namespace, "patch", "moeis", "peer", "--type=merge", "-p", '{"spec":{"replicas":1}}')
-        wait(lambda: _reconciled(logs[0], key) >= 1, 60, "the standby to take over")
+        wait(lambda: _reconciled(logs[0], key) >= 1, DEADLINE_SECONDS, "the standby to take over")
         dep = cluster.kubectl_json("-n", namespace, "get", "deployment", "peer-worker")
         assert dep["spec"]["replicas"] == 1
     finally:

@@ -24,8 +24,8 @@ def signal(w: WorkerProcess) -> dict[str, float]:
 
 def test_native_and_python_heap_leaks_are_told_apart(
         start_worker: Callable[..., WorkerProcess]) -> None:
-    native = start_worker(MOEGUARD_FAULT_LEAK_ANON_BYTES_PER_SECOND=str(RATE))
-    heap = start_worker(MOEGUARD_FAULT_LEAK_PYTHON_BYTES_PER_SECOND=str(RATE))
+    native = start_worker(MOEGUARD_TEST_FAULTS="1", MOEGUARD_FAULT_LEAK_ANON_BYTES_PER_SECOND=str(RATE))
+    heap = start_worker(MOEGUARD_TEST_FAULTS="1", MOEGUARD_FAULT_LEAK_PYTHON_BYTES_PER_SECOND=str(RATE))
     clean = start_worker()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

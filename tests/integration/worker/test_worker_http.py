@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
+from hack.stack import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from tests.integration.worker.conftest import WorkerProcess, start_worker_process
 
@@ -179,11 +179,8 @@ def test_over_concurrency_cap_is_429_with_retry_after(
     first: list[httpx.Response] = []
     t = threading.Thread(target=lambda: first.append(post(w, long_body)))
     t.start()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # wait until the first one is in flight
-        if any(v for _, v in metrics(w).get("moeguard_time_to_first_token_seconds_count", [])):
-            break
-        time.sleep(0.02)
+    wait_for(lambda: any(v for _, v in metrics(w).get("moeguard_time_to_first_token_seconds_count", [])),
+             60, "the first request in flight", 0.02)
     r = post(w, {"prompt": "b", "max_tokens": 1})
     t.join(60)
     err = assert_openai_error(r, 429, "max_concurrent_requests is 1")
@@ -211,12 +208,8 @@ def test_client_disconnect_cancels_request(start_worker: Callable[..., WorkerPro
     w = start_worker()
     with pytest.raises(httpx.ReadTimeout):
         post(w, {"prompt": "a", "max_tokens": 1000, "temperature": 0}, timeout=0.3)
-    deadline = time.monotonic() + 5
-    cancelled: list[float] = []
-    while time.monotonic() < deadline and not cancelled:
-        cancelled = [v for lab, v in metrics(w).get("moeguard_requests_total", [])
-                     if lab["status"] == "cancelled"]
-        time.sleep(0.1)
+    cancelled = wait_for(lambda: [v for lab, v in metrics(w).get("moeguard_requests_total", [])
+                                  if lab["status"] == "cancelled"], 60, "a cancelled request", 0.1)
     assert cancelled == [1]
     # the worker is still serving
     assert post(w, {"prompt": "b", "max_tokens": 2}).status_code == 200

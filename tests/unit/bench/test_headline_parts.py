@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from bench.headline import parse_metrics
 from bench.headline_report import bucket_quantiles
+from bench.headline_sampler import parse_metrics
 from bench.traffic import TrafficConfig, build, describe, ramp_arrivals, skew_mix
 
 pytestmark = pytest.mark.unit
@@ -55,6 +55,13 @@ def test_parse_metrics() -> None:
     assert m["batch_tokens_buckets"]["prefill"] == {"64.0": 2.0, "+Inf": 5.0}
 
 
+def test_plan_overhead_rounds_up_and_keeps_the_floor() -> None:
+    from bench.headline_policies import PLAN_OVERHEAD, MiB, plan_overhead
+
+    assert plan_overhead(800 * MiB, 379 * MiB) == PLAN_OVERHEAD  # 421 MiB measured, 450 MiB floor
+    assert plan_overhead(900 * MiB + 1, 379 * MiB) == 528 * MiB  # 521 MiB + 1 byte, up to 8 MiB
+
+
 def test_bucket_quantiles() -> None:
     buckets = {"16": 1.0, "64": 5.0, "256": 9.0, "+Inf": 10.0}
     assert bucket_quantiles(buckets, (0.1, 0.5, 0.9, 0.99)) == [16.0, 64.0, 256.0, float("inf")]
@@ -75,7 +82,7 @@ def test_time_to_answer_counts_every_answer() -> None:
 
 
 def test_moeguard_env_bounds_queue_and_concurrency() -> None:
-    from bench.headline import STEP_PREFILL_TOKENS, moeguard_env
+    from bench.headline_policies import STEP_PREFILL_TOKENS, moeguard_env
 
     env = moeguard_env({"max_prefill_tokens": 4096, "max_decode_tokens": 6, "max_batch_requests": 6})
     assert int(env["MOEGUARD_MAX_PREFILL_TOKENS"]) == STEP_PREFILL_TOKENS  # below the memory ceiling

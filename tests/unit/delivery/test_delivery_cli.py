@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
@@ -131,21 +134,41 @@ def test_cli_worker_serve_sets_the_environment(monkeypatch: pytest.MonkeyPatch) 
     assert env == {"preset": "tiny", "port": "18123"}
 
 
-def test_cli_bench_passes_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
-    import bench.loadgen.__main__ as lg
-    seen: list[list[str]] = []
-    monkeypatch.setattr(lg, "main", lambda argv: seen.append(argv) or 0)
+def test_cli_bench_runs_the_loadgen_from_the_checkout(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[list[str], dict[str, str]]] = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd, env: calls.append((cmd, env)) or 0)
     res = runner.invoke(cli.app, ["bench", "burst", "--url", "http://127.0.0.1:1", "-n", "2"])
     assert res.exit_code == 0, res.output
-    assert seen == [["burst", "--url", "http://127.0.0.1:1", "-n", "2"]]
+    cmd, env = calls[0]
+    assert cmd[1:] == ["-m", "bench.loadgen", "burst", "--url", "http://127.0.0.1:1", "-n", "2"]
+    assert str(cli.ROOT) in env["PYTHONPATH"].split(os.pathsep)
 
 
 def test_cli_demo_runs_the_script(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[list[str]] = []
-    monkeypatch.setattr(cli.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd, env: calls.append(cmd) or 0)
     res = runner.invoke(cli.app, ["demo", "--keep"])
     assert res.exit_code == 0, res.output
     assert calls[0][1].endswith("hack/demo.py") and calls[0][2:] == ["--keep"]
+
+
+def test_cli_checkout_commands_refuse_without_a_checkout(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(cli, "ROOT", tmp_path)
+    for command in ("bench", "demo"):
+        res = runner.invoke(cli.app, [command, "--help"])
+        assert res.exit_code == 2 and "needs a source checkout" in res.output, res.output
+
+
+def test_installed_cli_imports_nothing_from_the_checkout() -> None:
+    """The installed `moeguard` command holds only the product packages: no bench, hack or tests."""
+    import ast
+
+    for path in Path(cli.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                assert name.split(".")[0] not in {"bench", "hack", "tests"}, f"{path.name} imports {name}"
 
 
 def test_cli_help_lists_every_command() -> None:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from moeguard_operator.builders import (
     Owner,
@@ -8,6 +9,7 @@ from moeguard_operator.builders import (
     build_children,
     build_deployment,
     build_role,
+    ucx_env,
 )
 from moeguard_operator.models import MoEInferenceServiceSpec
 from moeguard_runtime.contract import BudgetDocument, Budgets, parse_budget_configmap_data
@@ -109,3 +111,20 @@ def test_budget_configmap_round_trips_through_the_contract() -> None:
     cm = build_budget_configmap(OWNER, BudgetDocument(generation=7, budgets=budgets, reason="test"))
     parsed = parse_budget_configmap_data(cm["data"])
     assert parsed.generation == 7 and parsed.budgets == budgets and parsed.reason == "test"
+
+
+def test_ucx_mode_defaults_to_rcache_only_on_amd_gpus() -> None:
+    """ROCm: UCX_MEM_MMAP_HOOK_MODE=none breaks NIXL there (vLLM PR #32570, NIXL PR #1210)."""
+    nvidia = MoEInferenceServiceSpec.model_validate({})
+    amd = MoEInferenceServiceSpec.model_validate({"resources": {"gpuResourceName": "amd.com/gpu"}})
+    forced = MoEInferenceServiceSpec.model_validate({"resources": {"gpuResourceName": "amd.com/gpu"},
+                                                     "ucx": {"mode": "none"}})
+    assert ucx_env(nvidia) == {"UCX_MEM_MMAP_HOOK_MODE": "none", "UCX_RCACHE_MAX_UNRELEASED": "1024"}
+    assert ucx_env(amd) == {"UCX_RCACHE_MAX_UNRELEASED": "1024"}
+    assert ucx_env(forced) == {"UCX_MEM_MMAP_HOOK_MODE": "none", "UCX_RCACHE_MAX_UNRELEASED": "1024"}
+
+
+def test_gpu_resource_name_cannot_be_a_core_resource() -> None:
+    for name in ("memory", "cpu", "ephemeral-storage", "hugepages-1Gi"):
+        with pytest.raises(ValidationError, match="must be an extended resource"):
+            MoEInferenceServiceSpec.model_validate({"resources": {"gpuResourceName": name}})

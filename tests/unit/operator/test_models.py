@@ -14,7 +14,7 @@ def test_defaults_are_complete() -> None:
     assert spec.resources.soft_limit_bytes == 6 * 2**30
     assert spec.resources.hard_limit_bytes == 8 * 2**30
     assert spec.batching.floors.max_prefill_tokens == 256
-    assert spec.ucx.mode == "none" and spec.ucx.rcache_max_unreleased == 1024
+    assert spec.ucx.mode is None and spec.ucx.rcache_max_unreleased == 1024
     assert spec.overload.mode == "Auto" and spec.control.leak_action == "Warn"
 
 

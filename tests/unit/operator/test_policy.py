@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from moeguard_operator.models import BUDGET_FIELDS, MoEInferenceServiceSpec
 from moeguard_operator.policy import (
-    LoopState,
     Observation,
+    PolicyState,
     ceilings,
     decide,
     decrease,
@@ -43,7 +43,7 @@ def ago(seconds: float) -> datetime:
 
 
 def test_high_skew_halves_the_prefill_budgets_only() -> None:
-    d = decide(obs(skew_ratio=9.5), LoopState(START), SPEC, NOW)
+    d = decide(obs(skew_ratio=9.5), PolicyState(START), SPEC, NOW)
     assert d.direction == "down" and d.pressure == ("ExpertSkew",)
     assert d.state.budgets.max_prefill_tokens == 2048
     assert d.state.budgets.max_long_requests_per_batch == 2
@@ -54,7 +54,7 @@ def test_high_skew_halves_the_prefill_budgets_only() -> None:
 
 
 def test_memory_pressure_drops_every_budget_to_floors_at_most() -> None:
-    d = decide(obs(memory_ratio=0.85), LoopState(START), SPEC, NOW)
+    d = decide(obs(memory_ratio=0.85), PolicyState(START), SPEC, NOW)
     b = d.state.budgets
     assert (b.max_prefill_tokens, b.max_decode_tokens, b.max_batch_requests, b.max_concurrent_batches,
             b.max_queue_requests, b.queue_timeout_seconds) == (2048, 128, 16, 1, 32, 15.0)
@@ -63,13 +63,13 @@ def test_memory_pressure_drops_every_budget_to_floors_at_most() -> None:
 
 def test_halving_stops_at_the_floors() -> None:
     low = floors(SPEC.batching)
-    d = decide(obs(memory_ratio=0.9), LoopState(low), SPEC, NOW)
+    d = decide(obs(memory_ratio=0.9), PolicyState(low), SPEC, NOW)
     assert d.direction == "hold" and d.state.budgets == low
     assert "budgets already at their floors" in d.reason
 
 
 def test_cooldown_blocks_a_second_move_but_not_an_oom_kill() -> None:
-    state = LoopState(START, last_change=ago(10))
+    state = PolicyState(START, last_change=ago(10))
     held = decide(obs(skew_ratio=9.0), state, SPEC, NOW)
     assert held.direction == "hold" and "in cooldown" in held.reason
     oom = decide(obs(new_oom_kills=1), state, SPEC, NOW)
@@ -86,7 +86,7 @@ def test_cooldown_blocks_a_second_move_but_not_an_oom_kill() -> None:
 ])
 def test_never_loosens_while_blind(blind: dict[str, Any]) -> None:
     tight = decrease(START, 0.5, floors(SPEC.batching), BUDGET_FIELDS)
-    state = LoopState(tight, overload="On", last_change=ago(3600), last_pressure=ago(3600), last_overload_trigger=ago(3600))
+    state = PolicyState(tight, overload="On", last_change=ago(3600), last_pressure=ago(3600), last_overload_trigger=ago(3600))
     d = decide(obs(**blind), state, SPEC, NOW)
     assert d.direction == "hold" and d.state.budgets == tight
     assert d.state.overload == "On"
@@ -96,46 +96,46 @@ def test_never_loosens_while_blind(blind: dict[str, Any]) -> None:
 def test_silent_pod_is_named() -> None:
     o = obs(reporting_pods=("w-0",))
     assert o.silent_pods == ("w-1",) and o.available and not o.fully_visible
-    assert "silent pods w-1" in decide(o, LoopState(START), SPEC, NOW).reason
+    assert "silent pods w-1" in decide(o, PolicyState(START), SPEC, NOW).reason
 
 
 def test_recovery_waits_for_the_stabilization_window_then_climbs_additively() -> None:
     tight = START.model_copy(update={"max_prefill_tokens": 1024})
-    early = decide(obs(), LoopState(tight, last_change=ago(60), last_pressure=ago(60)), SPEC, NOW)
+    early = decide(obs(), PolicyState(tight, last_change=ago(60), last_pressure=ago(60)), SPEC, NOW)
     assert early.direction == "hold" and "waiting for the stabilization window" in early.reason
-    late = decide(obs(), LoopState(tight, last_change=ago(121), last_pressure=ago(121)), SPEC, NOW)
+    late = decide(obs(), PolicyState(tight, last_change=ago(121), last_pressure=ago(121)), SPEC, NOW)
     assert late.direction == "up"
     assert late.state.budgets.max_prefill_tokens == 1024 + 819  # + 0.1 x ceiling 8192, rounded
     assert late.state.budgets.max_decode_tokens == 256  # already at its ceiling (= initial)
 
 
 def test_overload_auto_on_and_off_with_hysteresis() -> None:
-    on = decide(obs(memory_ratio=0.97), LoopState(START), SPEC, NOW)
+    on = decide(obs(memory_ratio=0.97), PolicyState(START), SPEC, NOW)
     assert on.state.overload == "On" and "rssHardFraction 95%" in on.reason
-    stays = decide(obs(), LoopState(START, overload="On", last_overload_trigger=ago(30)), SPEC, NOW)
+    stays = decide(obs(), PolicyState(START, overload="On", last_overload_trigger=ago(30)), SPEC, NOW)
     assert stays.state.overload == "On" and not stays.overload_changed
-    off = decide(obs(), LoopState(START, overload="On", last_overload_trigger=ago(121)), SPEC, NOW)
+    off = decide(obs(), PolicyState(START, overload="On", last_overload_trigger=ago(121)), SPEC, NOW)
     assert off.state.overload == "Off" and "no overload trigger for 120s" in off.reason
-    latency = decide(obs(p99_latency_seconds=75.0), LoopState(START), SPEC, NOW)
+    latency = decide(obs(p99_latency_seconds=75.0), PolicyState(START), SPEC, NOW)
     assert latency.state.overload == "On" and "p99 latency 75.0s > 60s" in latency.reason
 
 
 def test_overload_forced_by_spec() -> None:
     forced = SPEC.model_copy(update={"overload": SPEC.overload.model_copy(update={"mode": "On"})})
-    assert decide(obs(), LoopState(START), forced, NOW).state.overload == "On"
+    assert decide(obs(), PolicyState(START), forced, NOW).state.overload == "On"
 
 
 def test_leak_warn_and_restart() -> None:
     slope = 3 * 2**20  # 3 MiB/s = 180 MiB/min
-    warn = decide(obs(rss_slope_bytes_per_second=slope), LoopState(START), SPEC, NOW)
+    warn = decide(obs(rss_slope_bytes_per_second=slope), PolicyState(START), SPEC, NOW)
     assert warn.leak_suspected is True and not warn.restart
     assert "RSS grows 180 MiB/min > 60 MiB/min" in warn.reason
     restart_spec = SPEC.model_copy(update={"control": SPEC.control.model_copy(update={"leak_action": "Restart"})})
-    first = decide(obs(rss_slope_bytes_per_second=slope), LoopState(START), restart_spec, NOW)
+    first = decide(obs(rss_slope_bytes_per_second=slope), PolicyState(START), restart_spec, NOW)
     assert first.restart and first.state.last_restart == NOW
     again = decide(obs(rss_slope_bytes_per_second=slope), first.state, restart_spec, NOW + timedelta(seconds=60))
     assert not again.restart  # at most once per leak window
-    assert decide(obs(rss_slope_bytes_per_second=None), LoopState(START), SPEC, NOW).leak_suspected is None
+    assert decide(obs(rss_slope_bytes_per_second=None), PolicyState(START), SPEC, NOW).leak_suspected is None
 
 
 def test_decrease_and_increase_arithmetic() -> None:
@@ -169,7 +169,7 @@ def test_budgets_stay_within_floors_and_ceilings_and_blind_never_loosens(
     budgets = Budgets.model_validate(values)
     o = Observation(NOW, skew_ratio=skew, memory_ratio=memory, expected_pods=PODS, reporting_pods=reporting,
                     new_oom_kills=ooms, error=error)
-    d = decide(o, LoopState(budgets, last_change=last_change, last_pressure=last_pressure), SPEC, NOW)
+    d = decide(o, PolicyState(budgets, last_change=last_change, last_pressure=last_pressure), SPEC, NOW)
     lower, upper = floors(SPEC.batching), ceilings(SPEC.batching)
     for name in BUDGET_FIELDS:
         new, old = getattr(d.state.budgets, name), getattr(budgets, name)
@@ -186,11 +186,11 @@ def test_budgets_stay_within_floors_and_ceilings_and_blind_never_loosens(
 def test_blind_time_restarts_the_stabilization_window() -> None:
     tight = START.model_copy(update={"max_prefill_tokens": 1024})
     # calm for an hour, but blind a moment ago: sight has just come back
-    state = LoopState(tight, last_change=ago(3600), last_pressure=ago(3600), last_blind=ago(5))
+    state = PolicyState(tight, last_change=ago(3600), last_pressure=ago(3600), last_blind=ago(5))
     d = decide(obs(), state, SPEC, NOW)
     assert d.direction == "hold" and "waiting for the stabilization window" in d.reason
     assert d.state.last_blind == ago(5)  # seeing now: the blind mark stays where it was
-    later = decide(obs(), LoopState(tight, last_change=ago(3600), last_pressure=ago(3600), last_blind=ago(121)), SPEC, NOW)
+    later = decide(obs(), PolicyState(tight, last_change=ago(3600), last_pressure=ago(3600), last_blind=ago(121)), SPEC, NOW)
     assert later.direction == "up"
     blind = decide(obs(error="down", memory_ratio=None), state, SPEC, NOW)
     assert blind.state.last_blind == NOW
@@ -200,5 +200,5 @@ def test_no_skew_samples_yet_is_visible_but_does_not_loosen() -> None:
     o = obs(skew_ratio=None)
     assert o.available and not o.fully_visible
     tight = START.model_copy(update={"max_prefill_tokens": 1024})
-    d = decide(o, LoopState(tight, last_change=ago(3600), last_pressure=ago(3600)), SPEC, NOW)
+    d = decide(o, PolicyState(tight, last_change=ago(3600), last_pressure=ago(3600)), SPEC, NOW)
     assert d.direction == "hold" and "no expert-skew samples yet" in d.reason

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from moeguard_operator.handlers import SpecError, parse_spec
 from moeguard_operator.models import MoEInferenceServiceSpec
+from moeguard_operator.spec_checks import SpecError, parse_spec
 from moeguard_runtime.presets import get_preset, shape_problems
 
 pytestmark = pytest.mark.unit

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import json
-import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -76,14 +75,12 @@ class FakeApi:
 def test_watcher_gets_then_watches_one_object(monkeypatch: pytest.MonkeyPatch) -> None:
     api = FakeApi()
     received: list[dict[str, str] | None] = []
-    done = threading.Event()
 
     class FakeWatch:
         def stream(self, func: Any, namespace: str, **kw: Any) -> Any:
             api.calls.append({"namespace": namespace, **kw})
             obj = SimpleNamespace(data=data(2), metadata=SimpleNamespace(resource_version="11"))
             yield {"type": "MODIFIED", "object": obj}
-            done.set()
             watcher.stop()
             yield {"type": "MODIFIED", "object": obj}
 
@@ -92,8 +89,7 @@ def test_watcher_gets_then_watches_one_object(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr("kubernetes.watch.Watch", FakeWatch)
     watcher = BudgetWatcher("svc-budget", "ns1", received.append, lambda *a, **k: None, api=api)
-    watcher.start()
-    assert done.wait(5)
+    watcher.run()  # on this thread: returns once the fake watch has stopped it
     assert [json.loads(d["budget.json"])["generation"] for d in received if d][:2] == [1, 2]
     call = api.calls[0]
     assert call["namespace"] == "ns1"

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from moeguard_runtime import contract
 from moeguard_runtime.config import ConfigError, load_settings, model_args
-from moeguard_runtime.leak import FaultLeaker, Growth, GrowthTracker, classify, slope
+from moeguard_runtime.faults import FaultLeaker, Faults, load_faults
+from moeguard_runtime.leak import Growth, GrowthTracker, classify, slope
 from moeguard_runtime.memory import MemoryState, decide_device
 from moeguard_runtime.procmem import ProcessMemory, read_process_memory
 
@@ -51,9 +50,8 @@ def test_slope_and_tracker_window() -> None:
 def test_fault_leaker_grows_anonymous_memory_not_python_blocks() -> None:
     before = read_process_memory()
     leaker = FaultLeaker(anon_bps=40 << 20, python_bps=0)
-    leaker.start()
-    time.sleep(0.55)
-    leaker.stop()
+    for _ in range(5):  # five ticks of 0.1 s, called here: no thread, no sleep
+        leaker.tick()
     after = read_process_memory()
     assert before.rss_anonymous is not None and after.rss_anonymous is not None
     assert after.rss_anonymous - before.rss_anonymous > 8 << 20
@@ -83,8 +81,22 @@ def test_settings_read_every_contract_variable() -> None:
      "MOEGUARD_SOFT_LIMIT_BYTES=200 must be <= MOEGUARD_HARD_LIMIT_BYTES=100"),
     ({contract.ENV_MAX_QUEUE_REQUESTS: "ten"}, "MOEGUARD_MAX_QUEUE_REQUESTS='ten' is not an integer"),
     ({contract.ENV_MODEL_OVERRIDES: '{"depth": 3}'}, "unknown field 'depth'"),
+    ({"MOEGUARD_FAULT_STEP_DELAY_SECONDS": "0.1"},
+     "MOEGUARD_FAULT_STEP_DELAY_SECONDS set without MOEGUARD_TEST_FAULTS=1"),
+    ({"MOEGUARD_TEST_FAULTS": "1", "MOEGUARD_FAULT_LEAK_ANON_BYTES_PER_SECOND": "-1"},
+     "MOEGUARD_FAULT_LEAK_ANON_BYTES_PER_SECOND=-1 must be >= 0"),
+    ({"MOEGUARD_MATMUL_BACKEND": "cublas"}, "MOEGUARD_MATMUL_BACKEND='cublas' must be one of"),
+    ({"MOEGUARD_MOE_DISPATCH": "gpu"}, "MOEGUARD_MOE_DISPATCH='gpu' must be one of auto, host, device"),
 ])
 def test_bad_environment_names_the_variable(env: dict[str, str], needle: str) -> None:
     with pytest.raises(ConfigError) as exc:
         load_settings(env)
     assert needle in str(exc.value)
+
+
+def test_faults_are_read_only_behind_the_test_switch() -> None:
+    assert load_settings({}).faults == Faults() and not Faults().leaks
+    on = load_settings({"MOEGUARD_TEST_FAULTS": "1", "MOEGUARD_FAULT_STEP_DELAY_SECONDS": "0.02",
+                        "MOEGUARD_FAULT_LEAK_PYTHON_BYTES_PER_SECOND": "1000"})
+    assert on.faults == Faults(leak_anon_bps=0, leak_python_bps=1000, step_delay_s=0.02)
+    assert load_faults({"MOEGUARD_TEST_FAULTS": "1"}) == Faults()

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from bench.hf_reference import hf_expert_loop
 
-from moeguard_runtime import moe
+from moeguard_runtime import moe, presets
 from moeguard_runtime.moe import (
     MOEFeedForward,
     grouped_expert_forward,
@@ -51,7 +51,7 @@ def test_module_matches_hf_loop_with_skewed_input() -> None:
     with torch.no_grad():
         out, stats = ff(x)
     torch.testing.assert_close(out, hf_expert_loop(x, gate, w1, w2, w3, 2), rtol=1e-5, atol=1e-5)
-    assert sorted(stats.tokens_per_expert.tolist()) == [0] * 6 + [40, 40]
+    assert sorted(stats.tokens_per_expert) == [0] * 6 + [40, 40]
     assert stats.expert_skew_ratio == 40.0  # median 0 floored at 1
     assert stats.balancedness == pytest.approx(10 / 40)
 
@@ -151,24 +151,26 @@ def test_memory_returns_to_baseline_after_a_batch() -> None:
     assert abs(after - before) < 256 << 10, (before, after)
 
 
-@pytest.mark.parametrize("onednn", [True, False])
+@pytest.mark.parametrize("backend", moe.MATMUL_BACKENDS)
 @pytest.mark.parametrize("tokens", [1, 3, 16, 200])
 def test_small_and_large_batches_match_the_reference_with_either_matmul(
-        tokens: int, onednn: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        tokens: int, backend: moe.MatmulBackend, monkeypatch: pytest.MonkeyPatch) -> None:
     """Up to SMALL_BATCH_SLOTS token-slots (decode) the experts' rows are combined in
     one index_add_, above it chunk by chunk; oneDNN or F.linear for the matmuls:
     the same results as HF's loop either way."""
-    monkeypatch.setattr(moe, "USE_ONEDNN", onednn)
     assert 2 * 3 <= moe.SMALL_BATCH_SLOTS < 2 * 200
     gate, w1, w2, w3 = _weights()
     x = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(5))
     weights, experts = route(x @ gate.T, 2)
-    out, _, _ = grouped_expert_forward(x, weights, experts, w1, w2, w3, expert_chunk_tokens=7)
+    out, _, _ = grouped_expert_forward(x, weights, experts, w1, w2, w3, expert_chunk_tokens=7,
+                                       backend=backend)
     torch.testing.assert_close(out, hf_expert_loop(x, gate, w1, w2, w3, 2), rtol=1e-5, atol=1e-5)
-    capped, counts, overflow = grouped_expert_forward(x, weights, experts, w1, w2, w3, capacity=2)
+    capped, counts, overflow = grouped_expert_forward(x, weights, experts, w1, w2, w3, capacity=2,
+                                                      backend=backend)
     assert overflow == int((counts - counts.clamp(max=2)).sum())
     monkeypatch.setattr(moe, "SMALL_BATCH_SLOTS", 0)  # force the chunk-by-chunk combine
-    chunked, _, _ = grouped_expert_forward(x, weights, experts, w1, w2, w3, capacity=2)
+    chunked, _, _ = grouped_expert_forward(x, weights, experts, w1, w2, w3, capacity=2,
+                                           backend=backend)
     torch.testing.assert_close(capped, chunked, rtol=1e-6, atol=1e-6)
 
 
@@ -189,6 +191,19 @@ def test_expert_linear_uses_onednn_on_cpu_float32_only(monkeypatch: pytest.Monke
     bf = moe.expert_linear(x.bfloat16(), w.bfloat16())
     assert bf.dtype == torch.bfloat16 and len(calls) <= 1  # bf16: F.linear
     assert moe.expert_linear(x[:0], w).shape == (0, 24)
+    assert moe.expert_linear(x, w, "torch").shape == (5, 24) and len(calls) <= 1  # F.linear
+
+
+def test_the_matmul_backend_is_a_model_parameter() -> None:
+    """No module-level switch: the backend travels from the model's construction to
+    every MoE layer."""
+    from moeguard_runtime.model import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(presets.get_preset("tiny"), matmul_backend="torch")
+    layers = [m for m in model.modules() if isinstance(m, MOEFeedForward)]
+    assert layers and all(m.matmul_backend == "torch" for m in layers)
+    assert not hasattr(moe, "USE_ONEDNN")
 
 
 def test_row_buckets_bound_the_shapes_onednn_sees() -> None:

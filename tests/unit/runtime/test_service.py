@@ -38,7 +38,7 @@ def setup() -> tuple[Worker, list[int], Lines]:
     lines = Lines()
     worker = Worker(settings, Engine(build_model(presets.get_preset("tiny"), seed=1)),
                     Telemetry(LABELS, 8), RateLimitedLog(0.0, logger=lines), clock=lambda: 0.0,
-                    memory_reader=lambda: MemoryReading(usage[0], "rss"))
+                    memory_reader=lambda: MemoryReading(usage[0], "rss"), idle_wait_s=0.0)
     worker.check_memory(force=True)
     return worker, usage, lines
 
@@ -177,11 +177,11 @@ def test_env_overload_off_disables_the_self_trigger() -> None:
     settings = load_settings({"MOEGUARD_SOFT_LIMIT_BYTES": "1000", "MOEGUARD_OVERLOAD_MODE": "Off"})
     worker = Worker(settings, Engine(build_model(presets.get_preset("tiny"), seed=1)),
                     Telemetry(LABELS, 8), RateLimitedLog(0.0, logger=Lines()), clock=lambda: 0.0,
-                    memory_reader=lambda: MemoryReading(5000, "rss"))
+                    memory_reader=lambda: MemoryReading(5000, "rss"), idle_wait_s=0.0)
     worker.check_memory(force=True)
     assert not worker.scheduler.overload
     on = load_settings({"MOEGUARD_OVERLOAD_MODE": "On"})
-    w2 = Worker(on, worker.engine, Telemetry(LABELS, 8), RateLimitedLog(0.0, logger=Lines()))
+    w2 = Worker(on, worker.engine, Telemetry(LABELS, 8), RateLimitedLog(0.0, logger=Lines()), idle_wait_s=0.0)
     assert w2.scheduler.overload and w2.overload_sources["env"]
 
 
@@ -243,7 +243,7 @@ def test_admitted_comes_before_tokens_and_never_after_a_queue_timeout() -> None:
                               "MOEGUARD_QUEUE_TIMEOUT_SECONDS": "2"})
     worker = Worker(settings, Engine(build_model(presets.get_preset("tiny"), seed=1)),
                     Telemetry(LABELS, 8), RateLimitedLog(0.0, logger=Lines()),
-                    clock=lambda: now[0], memory_reader=lambda: MemoryReading(1, "rss"))
+                    clock=lambda: now[0], memory_reader=lambda: MemoryReading(1, "rss"), idle_wait_s=0.0)
     first: list[Event] = []
     second: list[Event] = []
     worker.submit(GenerationRequest("a", tokenizer.encode("hello"), 50, 0.0), first.append)
@@ -256,3 +256,12 @@ def test_admitted_comes_before_tokens_and_never_after_a_queue_timeout() -> None:
     assert [e.kind for e in second] == ["error"]
     assert second[0].status == 503 and second[0].reason == "queue_timeout"
     assert [e.kind for e in first].count("admitted") == 1
+
+
+def test_the_self_trigger_holds_until_calm() -> None:
+    from moeguard_runtime.overload_trigger import worker_wants_overload
+
+    assert worker_wants_overload(active=False, pressure=True, calm=False)
+    assert worker_wants_overload(active=True, pressure=False, calm=False)  # held
+    assert not worker_wants_overload(active=True, pressure=False, calm=True)
+    assert not worker_wants_overload(active=False, pressure=False, calm=False)

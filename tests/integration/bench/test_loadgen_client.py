@@ -18,12 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from bench.loadgen.client import PROMPT_STRIDE, burst, check_loopback_url, check_urls, replay
+from bench.loadgen.client import PROMPT_STRIDE, burst, replay
 from bench.loadgen.stats import summarize
 from bench.loadgen.text import prompt_of_length
 from bench.loadgen.trace import ScheduledRequest, TraceRecord, scale
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration
+"""A loopback server, real sockets and sleeps: not a unit test (the URL guard's are in
+tests/unit/bench/test_loadgen_urls.py)."""
 
 DELAY_S = 0.05
 
@@ -119,35 +121,6 @@ async def workers() -> AsyncIterator[list[FakeWorker]]:
     for server in servers:
         server.close()
     await asyncio.gather(*(s.wait_closed() for s in servers), return_exceptions=True)
-
-
-# --- URL guard -------------------------------------------------------------------
-@pytest.mark.parametrize("url", [
-    "http://10.0.0.1:8000", "http://example.com", "https://example.com/v1",
-    "http://127.0.0.1@example.com:8000", "http://[::2]:8000", "http://0.0.0.0:8000",
-    "ftp://127.0.0.1", "http://localhost.example.com", "http://128.0.0.1",
-    "http://[::ffff:127.0.0.1]:8000", "not a url",
-])
-def test_url_guard_refuses_non_loopback(url: str) -> None:
-    with pytest.raises(ValueError):
-        check_loopback_url(url)
-
-
-@pytest.mark.parametrize("url", [
-    "http://127.0.0.1:8000", "http://127.1.2.3:9", "http://localhost:8000/",
-    "http://LOCALHOST", "http://[::1]:8000", "https://127.0.0.1",
-])
-def test_url_guard_accepts_loopback(url: str) -> None:
-    assert check_loopback_url(url) == url.rstrip("/")
-
-
-async def test_replay_and_burst_refuse_before_sending() -> None:
-    with pytest.raises(ValueError, match="loopback"):
-        await replay("http://10.0.0.1:8000", [ScheduledRequest(0, 0.0, 5, 5, 5, 5)])
-    with pytest.raises(ValueError, match="loopback"):
-        await burst(["http://127.0.0.1:1", "http://example.com"], ["hi"])
-    with pytest.raises(ValueError):
-        check_urls([])
 
 
 # --- replay against a real loopback server ----------------------------------------

@@ -1,0 +1,46 @@
+"""The operator's own configuration, set once from the command line and read from kopf's ``memo``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+MEMO_KEY = "config"
+"""Key of the :class:`OperatorConfig` in kopf's operator-wide memo (each resource's memo copies it)."""
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    """How this operator process runs.
+
+    Attributes:
+        prometheus_url: Prometheus base URL for resources whose ``spec.control.prometheusUrl`` is
+            unset; None: no default (those resources report MetricsAvailable=False).
+        timer_interval_seconds: seconds between two ticks of each resource's timer (readiness,
+            OOM kills; Prometheus is asked only every ``control.queryIntervalSeconds``).
+        peering_lifetime_seconds: seconds after which a standby replica takes over from an
+            active one that stopped renewing its peering lease (kopf's default: 60).
+    """
+
+    prometheus_url: str | None = None
+    timer_interval_seconds: float = 5.0
+    peering_lifetime_seconds: int = 60
+
+    def __post_init__(self) -> None:
+        if self.timer_interval_seconds <= 0:
+            raise ValueError(f"timer_interval_seconds must be above 0 (got {self.timer_interval_seconds})")
+        if self.peering_lifetime_seconds <= 0:
+            raise ValueError(f"peering_lifetime_seconds must be above 0 (got {self.peering_lifetime_seconds})")
+
+
+def from_memo(memo: Mapping[str, Any]) -> OperatorConfig:
+    """The configuration stored in kopf's ``memo`` at startup.
+
+    Raises:
+        LookupError: no configuration was stored (the handlers were not registered with :func:`handlers.register`).
+    """
+    config = memo.get(MEMO_KEY)
+    if not isinstance(config, OperatorConfig):
+        raise LookupError("no OperatorConfig in kopf's memo: register the handlers with handlers.register()")
+    return config

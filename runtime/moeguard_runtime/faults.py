@@ -1,0 +1,131 @@
+"""Test-only fault injectors: a leak outside the Python heap, a leak in it, a slow step.
+
+They exist so that the leak signal (:mod:`moeguard_runtime.leak`) and the queue
+timeouts can be tested end to end against a real worker process. Nothing here
+runs in production: the fault variables are read only when
+``MOEGUARD_TEST_FAULTS=1`` is set, and a fault variable set without it stops the
+worker at start (a :class:`ValueError` naming both variables, turned into a
+``config_error`` by :func:`config.load_settings`), so a fault can never be
+switched on by a stray environment variable alone.
+
+* ``MOEGUARD_FAULT_LEAK_ANON_BYTES_PER_SECOND``: map and touch anonymous memory
+  at this rate (outside every Python and malloc counter: the shape of UCX's
+  registration-cache leak).
+* ``MOEGUARD_FAULT_LEAK_PYTHON_BYTES_PER_SECOND``: keep small Python objects at
+  this rate (about 133 bytes of heap each).
+* ``MOEGUARD_FAULT_STEP_DELAY_SECONDS``: sleep this long before every engine
+  step (a slow model, for timeout tests).
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+ENV_TEST_FAULTS = "MOEGUARD_TEST_FAULTS"
+"""``1`` enables the fault variables below (test-only)."""
+ENV_FAULT_LEAK_ANON = "MOEGUARD_FAULT_LEAK_ANON_BYTES_PER_SECOND"
+ENV_FAULT_LEAK_PYTHON = "MOEGUARD_FAULT_LEAK_PYTHON_BYTES_PER_SECOND"
+ENV_FAULT_STEP_DELAY = "MOEGUARD_FAULT_STEP_DELAY_SECONDS"
+FAULT_VARIABLES = (ENV_FAULT_LEAK_ANON, ENV_FAULT_LEAK_PYTHON, ENV_FAULT_STEP_DELAY)
+
+
+@dataclass(frozen=True)
+class Faults:
+    """The faults switched on (all off by default). Rates in bytes per second, delay in seconds."""
+
+    leak_anon_bps: int = 0
+    leak_python_bps: int = 0
+    step_delay_s: float = 0.0
+
+    @property
+    def leaks(self) -> bool:
+        return self.leak_anon_bps > 0 or self.leak_python_bps > 0
+
+
+def load_faults(env: Mapping[str, str]) -> Faults:
+    """The faults asked for in ``env``.
+
+    Raises:
+        ValueError: a fault variable set without ``MOEGUARD_TEST_FAULTS=1``, or a
+            value that is not a number >= 0; the message names the variable.
+    """
+    given = [name for name in FAULT_VARIABLES if env.get(name, "").strip()]
+    if env.get(ENV_TEST_FAULTS, "").strip() != "1":
+        if given:
+            raise ValueError(f"{', '.join(given)} set without {ENV_TEST_FAULTS}=1: the fault "
+                             f"injectors are test-only")
+        return Faults()
+
+    def number(name: str) -> float:
+        raw = env.get(name, "").strip() or "0"
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"{name}={raw!r} is not a number") from None
+        if value < 0:
+            raise ValueError(f"{name}={raw} must be >= 0")
+        return value
+
+    return Faults(int(number(ENV_FAULT_LEAK_ANON)), int(number(ENV_FAULT_LEAK_PYTHON)),
+                  number(ENV_FAULT_STEP_DELAY))
+
+
+def delay_step(faults: Faults, sleep: Callable[[float], None] = time.sleep) -> None:
+    """The slow-step fault: sleep ``faults.step_delay_s`` (nothing when 0)."""
+    if faults.step_delay_s > 0:
+        sleep(faults.step_delay_s)
+
+
+class FaultLeaker:
+    """Leak memory at a set rate: :meth:`tick` once per :data:`TICK_S`, from a daemon
+    thread after :meth:`start`.
+
+    ``anon_bps``: anonymous private mappings, each touched page by page so it
+    is resident; they are kept, never unmapped. ``python_bps``: 100-byte
+    ``bytes`` objects kept in a list (about 133 bytes of heap each).
+    """
+
+    TICK_S = 0.1
+
+    def __init__(self, anon_bps: int, python_bps: int) -> None:
+        self.anon_bps, self.python_bps = anon_bps, python_bps
+        self._maps: list[mmap.mmap] = []
+        self._objects: list[bytes] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fault-leaker", daemon=True)
+
+    @classmethod
+    def from_faults(cls, faults: Faults) -> FaultLeaker:
+        return cls(faults.leak_anon_bps, faults.leak_python_bps)
+
+    @property
+    def enabled(self) -> bool:
+        return self.anon_bps > 0 or self.python_bps > 0
+
+    def start(self) -> None:
+        if self.enabled:
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def tick(self) -> None:
+        """Leak one tick's worth: ``anon_bps * TICK_S`` bytes of mappings (whole
+        pages) and ``python_bps * TICK_S / 133`` objects."""
+        anon_chunk = int(self.anon_bps * self.TICK_S)
+        if anon_chunk > 0:
+            size = -(-anon_chunk // mmap.PAGESIZE) * mmap.PAGESIZE
+            region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            for off in range(0, size, mmap.PAGESIZE):
+                region[off] = 1
+            self._maps.append(region)
+        for i in range(int(self.python_bps * self.TICK_S / 133)):
+            self._objects.append(i.to_bytes(8, "little") * 12 + b"leak")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.TICK_S):
+            self.tick()

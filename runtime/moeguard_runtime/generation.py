@@ -1,0 +1,39 @@
+"""What a generation request is, and what its sink receives (the worker's I/O types)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One request: ``prompt`` token ids, at most ``max_new_tokens`` more; ``temperature``
+    0 is greedy; ``seed`` None draws a fresh one (see :meth:`engine.Engine.add`)."""
+
+    req_id: str
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    seed: int | None = None
+    priority: str = "interactive"
+
+
+@dataclass(frozen=True)
+class Event:
+    """What a request's sink receives: ``admitted`` once, when the request leaves the
+    queue for a batch (its KV cache allocated, just before its first step), then
+    tokens, then one ``finish`` or ``error``. A request refused or timed out in
+    the queue, or whose KV cache cannot be allocated, receives only ``error``, so
+    a streaming response can still answer with an HTTP error status."""
+
+    kind: Literal["admitted", "token", "finish", "error"]
+    token: int = -1
+    finish_reason: str = ""
+    status: int = 200
+    reason: str = ""
+    message: str = ""
+
+
+Sink = Callable[[Event], None]

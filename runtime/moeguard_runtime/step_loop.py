@@ -1,0 +1,190 @@
+"""The step loop: plan a step with the scheduler, run it on the engine, deliver.
+
+HTTP handlers :meth:`StepLoop.submit` and :meth:`StepLoop.cancel` (cheap, under
+the lock); the engine thread calls :meth:`StepLoop.iteration`, which plans under
+the lock and runs the step outside it, so the event loop stays responsive while
+torch works. Results go back through each request's ``sink`` (the server passes
+one that hops onto the event loop).
+
+**Out of memory** in a step (``torch.cuda.OutOfMemoryError``, or a host
+``MemoryError``, including a KV cache that cannot be allocated) fails that
+step's requests with HTTP 503 ``out_of_memory``, is logged as
+``event=inference_oom kind=cuda|host`` and counted; the loop goes on.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moeguard_runtime.contract import Budgets
+from moeguard_runtime.engine import Engine
+from moeguard_runtime.faults import Faults, delay_step
+from moeguard_runtime.generation import Event, GenerationRequest, Sink
+from moeguard_runtime.scheduler import Scheduler, StepPlan
+from moeguard_runtime.step_telemetry import log_batch_start, record_step
+from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
+from moeguard_runtime.timing import clock
+
+IDLE_WAIT_S = 0.25
+"""Longest wait for work when idle (the memory guard's interval: it runs between waits)."""
+
+
+@dataclass
+class _Active:
+    request: GenerationRequest
+    sink: Sink
+    arrival: float
+    first_token_at: float | None = None
+
+
+class StepLoop:
+    """The requests in flight and the loop over steps. ``clock``: monotonic seconds;
+    ``idle_wait_s`` 0 never blocks (tests that drive the loop by hand)."""
+
+    def __init__(self, scheduler: Scheduler, engine: Engine, telemetry: Telemetry,
+                 log: RateLimitedLog, clock: Callable[[], float], faults: Faults,
+                 on_budgets_applied: Callable[[Budgets], None],
+                 memory_snapshot: Callable[[str], None], idle_wait_s: float = IDLE_WAIT_S) -> None:
+        self.scheduler, self.engine = scheduler, engine
+        self.telemetry, self.log = telemetry, log
+        self.cond = threading.Condition()
+        """Guards the scheduler and the requests in flight."""
+        self._clock = clock
+        self._faults = faults
+        self._on_budgets_applied = on_budgets_applied
+        self._memory_snapshot = memory_snapshot
+        self._idle_wait_s = idle_wait_s
+        self._active: dict[str, _Active] = {}
+        self._to_release: list[str] = []
+
+    def submit(self, request: GenerationRequest, sink: Sink) -> None:
+        """Queue ``request``; raises :class:`scheduler.Rejected` (caps, queue bounds)."""
+        with self.cond:
+            self.scheduler.submit(request.req_id, len(request.prompt), request.max_new_tokens,
+                                  request.priority)
+            self._active[request.req_id] = _Active(request, sink, self._clock())
+            self.update_queue_gauges()
+            self.cond.notify()
+
+    def cancel(self, req_id: str) -> None:
+        """Drop a request (client gone); its sink receives nothing more."""
+        with self.cond:
+            if self._active.pop(req_id, None) is not None:
+                self.scheduler.finish(req_id)
+                self._to_release.append(req_id)
+                self.update_queue_gauges()
+
+    def update_queue_gauges(self) -> None:
+        """Call with the lock held."""
+        self.telemetry.set_queue(self.scheduler.queue_requests, self.scheduler.queue_tokens,
+                                 self.scheduler.running_requests)
+
+    def iteration(self) -> None:
+        """Release finished caches, expire queued requests, run at most one step;
+        waits up to ``idle_wait_s`` (default :data:`IDLE_WAIT_S`) for work when there is none."""
+        with self.cond:
+            release, self._to_release = self._to_release, []
+            result = self.scheduler.schedule()
+            expired = [(r, self._active.pop(r, None)) for r in result.expired]
+            self.update_queue_gauges()
+            if result.plan is None and not expired and not release:
+                self.cond.wait(timeout=self._idle_wait_s)
+        for req_id in release:
+            self.engine.release(req_id)
+        timeout = self.scheduler.next_budgets.queue_timeout_seconds
+        for _, active in expired:
+            if active is not None:
+                self.telemetry.rejections.labels(**self.telemetry.l(reason="queue_timeout")).inc()
+                active.sink(Event("error", status=503, reason="queue_timeout",
+                                  message=f"request waited in the queue longer than "
+                                          f"queue_timeout_seconds {timeout} s"))
+        if result.budgets_applied is not None:
+            self._on_budgets_applied(result.budgets_applied)
+        if result.plan is not None:
+            self.run_step(result.plan)
+
+    def run_step(self, plan: StepPlan) -> None:
+        """Admit ``plan``'s new requests (KV caches), run the step, deliver its tokens."""
+        tel = self.telemetry
+        now = self._clock()
+        with self.cond:
+            admitted = [(r, self._active.get(r)) for r in plan.admitted]
+        step_ids = [r for r, _, _ in plan.prefill] + list(plan.decode)
+        t0 = clock(self.engine.device)
+        try:
+            for req_id, active in admitted:
+                if active is not None and req_id not in self.engine.sequences:
+                    r = active.request
+                    tel.stage("queue", now - active.arrival)
+                    self.engine.add(req_id, r.prompt, r.max_new_tokens, r.temperature, r.seed)
+            for req_id, active in admitted:
+                if active is not None and req_id in self.engine.sequences:
+                    active.sink(Event("admitted"))
+            prefill = [(r, n) for r, _, n in plan.prefill if r in self.engine.sequences]
+            decode = [r for r in plan.decode if r in self.engine.sequences]
+            log_batch_start(self.log, plan, self.engine, prefill, decode)
+            self._memory_snapshot("post_pack_pre_forward")
+            delay_step(self._faults)
+            out = self.engine.step(prefill, decode)
+        except (torch.cuda.OutOfMemoryError, MemoryError) as exc:
+            kind = "cuda" if isinstance(exc, torch.cuda.OutOfMemoryError) else "host"
+            tel.oom.labels(**tel.l(kind=kind)).inc()
+            self.log.event("inference_oom", force=True, kind=kind, step=plan.step,
+                           requests=len(step_ids), prefill_tokens=plan.prefill_tokens,
+                           error=repr(exc)[:300])
+            if kind == "cuda":
+                torch.cuda.empty_cache()
+            self.fail(step_ids, 503, "out_of_memory",
+                      f"the batch ran out of memory ({kind}); the request was not completed, "
+                      f"retry later")
+            return
+        except Exception as exc:
+            self.log.event("inference_batch_error", force=True, error=repr(exc)[:500])
+            self.fail(step_ids, 500, "engine_error", f"inference failed: {exc!r}"[:500])
+            return
+        t1 = clock(self.engine.device)
+        record_step(tel, self.log, plan, out, t1 - t0)
+        self.deliver(out.new_tokens, out.finished)
+        tel.stage("postprocess", clock(self.engine.device) - t1)
+
+    def deliver(self, new_tokens: dict[str, int], finished_reasons: dict[str, str]) -> None:
+        """Send each request its new token, then ``finish`` to those finished."""
+        now = self._clock()
+        finished: list[tuple[str, _Active | None]] = []
+        with self.cond:
+            for req_id in finished_reasons:
+                self.scheduler.finish(req_id)
+                finished.append((req_id, self._active.pop(req_id, None)))
+                self._to_release.append(req_id)
+            sinks = {r: self._active.get(r) for r in new_tokens}
+            sinks.update({r: a for r, a in finished})
+            self.update_queue_gauges()
+        for req_id, token in new_tokens.items():
+            active = sinks.get(req_id)
+            if active is None:
+                continue
+            if active.first_token_at is None:
+                active.first_token_at = now
+                self.telemetry.ttft.labels(**self.telemetry.labels).observe(now - active.arrival)
+            if req_id not in finished_reasons or finished_reasons[req_id] == "length":
+                active.sink(Event("token", token=token))
+        for req_id, active in finished:
+            if active is not None:
+                self.telemetry.e2e.labels(**self.telemetry.labels).observe(now - active.arrival)
+                active.sink(Event("finish", finish_reason=finished_reasons[req_id]))
+
+    def fail(self, req_ids: list[str], status: int, reason: str, message: str) -> None:
+        """End ``req_ids`` with an ``error`` event."""
+        with self.cond:
+            failed = [(r, self._active.pop(r, None)) for r in req_ids]
+            for r in req_ids:
+                self.scheduler.finish(r)
+                self._to_release.append(r)
+            self.update_queue_gauges()
+        for _, active in failed:
+            if active is not None:
+                active.sink(Event("error", status=status, reason=reason, message=message))

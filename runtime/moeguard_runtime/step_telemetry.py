@@ -1,0 +1,56 @@
+"""What one engine step reports: the batch-start and routing log events, the step's
+metrics and stage durations, and the memory snapshot. Called by the step loop;
+every function here only formats and records (no clock, no device access)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from moeguard_runtime.engine import Engine, StepOutput
+from moeguard_runtime.procmem import DeviceMemory, ProcessMemory
+from moeguard_runtime.scheduler import StepPlan
+from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
+
+
+def log_batch_start(log: RateLimitedLog, plan: StepPlan, engine: Engine,
+                    prefill: Sequence[tuple[str, int]], decode: Sequence[str]) -> None:
+    """``event=inference_batch_start`` (rate-limited)."""
+    if not log.allowed("inference_batch_start"):
+        return
+    lengths = [len(engine.sequences[r].prompt) for r in (*dict(prefill), *decode)]
+    log.event("inference_batch_start", step=plan.step, batch=plan.batch,
+              requests=len(prefill) + len(decode), input_tokens=plan.prefill_tokens,
+              longest_request=max(lengths, default=0), active_decode_sequences=len(decode),
+              concurrent_batches=plan.active_batches)
+
+
+def record_step(tel: Telemetry, log: RateLimitedLog, plan: StepPlan, out: StepOutput,
+                seconds: float) -> None:
+    """The step's metrics, its stage durations (``prefill`` or ``decode`` is the step
+    less the MoE layers' routing and expert time, seconds), and
+    ``event=moe_routing_stats`` (rate-limited). Reads the routing marks: call after
+    the step has synchronised the device (:meth:`Engine.step` returns after it)."""
+    routing_s = sum(r.routing_seconds for r in out.routing)
+    expert_s = sum(r.expert_seconds for r in out.routing)
+    tel.observe_step(out.prefill_tokens, out.decode_tokens, out.routing, seconds)
+    tel.stage("prefill" if out.prefill_tokens else "decode", max(0.0, seconds - routing_s - expert_s))
+    tel.stage("routing", routing_s)
+    tel.stage("expert", expert_s)
+    if out.routing and log.allowed("moe_routing_stats"):
+        log.event("moe_routing_stats", step=plan.step, layers=len(out.routing),
+                  top_expert_tokens=",".join(str(r.top_expert_tokens) for r in out.routing),
+                  median_expert_tokens=",".join(f"{r.median_expert_tokens:g}" for r in out.routing),
+                  skew_ratio=",".join(f"{r.expert_skew_ratio:.2f}" for r in out.routing),
+                  overflow_tokens=",".join(str(r.overflow_tokens) for r in out.routing))
+
+
+def log_memory_snapshot(log: RateLimitedLog, stage: str, m: ProcessMemory, d: DeviceMemory | None,
+                        kv_cache_bytes: int) -> None:
+    """``event=memory_snapshot`` of ``m`` (process) and ``d`` (device, or None); bytes."""
+    log.event("memory_snapshot", stage=stage, rss_bytes=m.rss,
+              rss_anonymous_bytes=m.rss_anonymous, rss_file_bytes=m.rss_file,
+              python_allocated_blocks=m.python_allocated_blocks,
+              malloc_in_use_bytes=m.malloc_in_use, mappings=m.mappings,
+              gpu_allocated_bytes=d.allocated if d else None,
+              gpu_reserved_bytes=d.reserved if d else None,
+              pinned_bytes=d.pinned if d else None, kv_cache_bytes=kv_cache_bytes)

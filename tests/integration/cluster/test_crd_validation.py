@@ -1,0 +1,117 @@
+"""Hostile and edge specs against the real API server: a spec it accepts must deploy, so what the
+worker pods' Deployment would refuse is refused at ``kubectl apply`` (core/v1 schemas + CEL)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hack.stack import ROOT
+from tests.integration.conftest import Cluster
+
+from moeguard_operator.builders import Owner, build_children
+from moeguard_operator.models import MoEInferenceServiceSpec
+
+
+@pytest.fixture(scope="module")
+def crd(cluster: Cluster) -> None:
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/moeinferenceservices.moeguard.dev", "--timeout=60s")
+
+
+def _apply(cluster: Cluster, namespace: str, name: str, spec: dict[str, Any]) -> tuple[bool, str]:
+    obj = {"apiVersion": "moeguard.dev/v1alpha1", "kind": "MoEInferenceService",
+           "metadata": {"name": name, "namespace": namespace}, "spec": {"resources": {"gpus": 0}, **spec}}
+    res = cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=json.dumps(obj), check=False)
+    return res.returncode == 0, res.stderr
+
+
+PVC = {"name": "models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}
+
+REFUSED = [
+    ("affinity-not-an-object", {"template": {"affinity": {"nodeAffinity": "everywhere"}}},
+     "spec.template.affinity.nodeAffinity: Invalid value: \"string\""),
+    ("toleration-exists-with-value", {"template": {"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}},
+     "a toleration with operator Exists must not have a value"),
+    ("toleration-seconds-without-noexecute",
+     {"template": {"tolerations": [{"key": "k", "value": "v", "effect": "NoSchedule", "tolerationSeconds": 5}]}},
+     "tolerationSeconds is only for effect NoExecute"),
+    ("toleration-bad-key", {"template": {"tolerations": [{"key": "bad key!", "operator": "Exists"}]}},
+     "a toleration key must be a qualified name"),
+    ("node-selector-bad-key", {"template": {"nodeSelector": {"bad key!": "x"}}},
+     "template.nodeSelector keys must be label keys"),
+    ("node-selector-bad-value", {"template": {"nodeSelector": {"gpu": "a b"}}},
+     "template.nodeSelector values must be label values"),
+    ("volume-named-like-the-operators", {"template": {"volumes": [{"name": "tmp", "emptyDir": {}}]}},
+     "the names tmp are the operator's"),
+    ("mount-at-the-operators-path", {"template": {"volumes": [PVC], "volumeMounts": [{"name": "models", "mountPath": "/tmp/x"}]}},
+     "/tmp is where the operator mounts its own volumes"),
+    ("mount-of-an-undefined-volume", {"template": {"volumeMounts": [{"name": "nope", "mountPath": "/m"}]}},
+     "template.volumeMounts must name a volume of template.volumes"),
+    ("host-path-volume", {"template": {"volumes": [{"name": "host", "hostPath": {"path": "/"}}]}},
+     "template.volumes: volume host is of a type that is not allowed"),
+    ("nfs-volume", {"template": {"volumes": [{"name": "n", "nfs": {"server": "s", "path": "/"}}]}},
+     "volume n is of a type that is not allowed"),
+    ("gpu-resource-memory", {"resources": {"gpus": 1, "gpuResourceName": "memory"}},
+     "resources.gpuResourceName must be an extended resource"),
+    ("gpu-resource-hugepages", {"resources": {"gpus": 1, "gpuResourceName": "hugepages-2Mi"}},
+     "resources.gpuResourceName must be an extended resource"),
+    ("env-value-and-value-from",
+     {"template": {"extraEnv": [{"name": "A", "value": "x", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]}},
+     "set value or valueFrom, not both"),
+    ("env-reserved", {"template": {"extraEnv": [{"name": "MOEGUARD_SEED", "value": "1"}]}},
+     "must not set MOEGUARD_* or UCX_*"),
+    ("annotation-bad-key", {"template": {"annotations": {"a b": "x"}}},
+     "template.annotations keys must be qualified names"),
+]
+
+
+@pytest.mark.parametrize(("case", "spec", "needle"), REFUSED, ids=[c[0] for c in REFUSED])
+def test_refused_at_apply_naming_the_field(cluster: Cluster, namespace: str, crd: None, case: str,
+                                           spec: dict[str, Any], needle: str) -> None:
+    ok, err = _apply(cluster, namespace, case, spec)
+    assert not ok, f"{case} was accepted"
+    assert needle in err, err
+
+
+@pytest.mark.parametrize("name", ["9-moe", "x08.moe", "Upper", "a" * 64])
+def test_names_that_cannot_name_a_service_are_refused(cluster: Cluster, namespace: str, crd: None,
+                                                      name: str) -> None:
+    ok, err = _apply(cluster, namespace, name, {})
+    assert not ok and "metadata.name must be a DNS-1035 label" in err, err
+
+
+ACCEPTED: dict[str, Any] = {
+    "template": {
+        "nodeSelector": {"node.kubernetes.io/instance-type": "gpu-1", "pool": "a_b.c-d"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+                        {"key": "maintenance", "value": "x", "effect": "NoExecute", "tolerationSeconds": 30},
+                        {"operator": "Exists"}],
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100", "h200"]}]}]}}},
+        "volumes": [PVC, {"name": "cfg", "configMap": {"name": "c"}}, {"name": "scratch", "emptyDir": {"sizeLimit": "1Gi"}},
+                    {"name": "weights", "image": {"reference": "registry.example/weights:1", "pullPolicy": "IfNotPresent"}},
+                    {"name": "token", "secret": {"secretName": "hf"}}],
+        "volumeMounts": [{"name": "models", "mountPath": "/models"}, {"name": "weights", "mountPath": "/weights"},
+                         {"name": "scratch", "mountPath": "/scratch", "readOnly": False}],
+        "extraEnv": [{"name": "HF_HOME", "value": "/scratch"},
+                     {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
+        "annotations": {"example.com/team": "ml 😀"},
+    },
+}
+
+
+def test_a_full_valid_template_is_accepted_and_its_deployment_too(cluster: Cluster, namespace: str,
+                                                                   crd: None) -> None:
+    ok, err = _apply(cluster, namespace, "full", ACCEPTED)
+    assert ok, err
+    spec = MoEInferenceServiceSpec.model_validate({"resources": {"gpus": 0}, **ACCEPTED})
+    deployment = next(m for m in build_children(Owner("full", namespace, "uid-1"), spec) if m["kind"] == "Deployment")
+    res = cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=json.dumps(deployment, ensure_ascii=False),
+                          check=False)
+    assert res.returncode == 0, res.stderr
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    mounts = {m["mountPath"]: m.get("readOnly", False) for m in container["volumeMounts"]}
+    # the user's mounts are read-only unless they say otherwise; the operator's /tmp is writable
+    assert mounts == {"/tmp": False, "/models": True, "/weights": True, "/scratch": False}

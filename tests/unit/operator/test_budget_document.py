@@ -1,0 +1,127 @@
+"""The budget document the operator writes: which budgets, which generation, and when to write it."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from moeguard_operator import budget_document as bd
+from moeguard_operator.models import MoEInferenceServiceSpec, MoEInferenceServiceStatus
+from moeguard_runtime.contract import BudgetDocument, Budgets
+
+pytestmark = pytest.mark.unit
+
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
+MINE = Budgets(max_prefill_tokens=2048, max_decode_tokens=64, max_batch_requests=16, max_concurrent_batches=2)
+HAND = MINE.model_copy(update={"max_prefill_tokens": 700})
+SPEC = MoEInferenceServiceSpec.model_validate({"batching": {"maxPrefillTokens": 2048, "maxDecodeTokens": 64,
+                                                            "maxBatchRequests": 16, "maxConcurrentBatches": 2}})
+INITIAL = Budgets(max_prefill_tokens=2048, max_decode_tokens=64, max_batch_requests=16, max_concurrent_batches=2)
+
+
+def _status(**fields: Any) -> MoEInferenceServiceStatus:
+    return MoEInferenceServiceStatus.model_validate(fields)
+
+
+def test_same_document_is_not_written_again() -> None:
+    doc = BudgetDocument(generation=3, budgets=MINE)
+    assert bd.to_apply(doc.to_configmap_data(), doc) is None
+
+
+def test_a_changed_document_is_written_as_is() -> None:
+    old = BudgetDocument(generation=3, budgets=HAND).to_configmap_data()
+    new = BudgetDocument(generation=4, budgets=MINE)
+    assert bd.to_apply(old, new) == new
+
+
+def test_a_hand_edit_at_the_same_generation_is_superseded() -> None:
+    hand = BudgetDocument(generation=50, budgets=HAND).to_configmap_data()
+    written = bd.to_apply(hand, BudgetDocument(generation=50, budgets=MINE))
+    assert written is not None and (written.generation, written.budgets) == (51, MINE)
+
+
+def test_missing_or_unreadable_configmap() -> None:
+    assert bd.generation_in(None) == 0
+    assert bd.generation_in({"budget.json": '{"generation": 7, "budgets": "junk"}'}) == 7
+    assert bd.generation_in({"budget.json": "not json"}) == 0
+    assert bd.generation_in({"budget.json": "[1, 2]"}) == 0
+    doc = BudgetDocument(generation=1, budgets=MINE)
+    assert bd.to_apply(None, doc) == doc
+    # An unreadable document with a higher generation is replaced by a valid, newer one.
+    written = bd.to_apply({"budget.json": '{"generation": 7, "budgets": "junk"}'}, doc)
+    assert written is not None and written.generation == 8
+
+
+def test_generation_in_effect_is_the_higher_of_status_and_configmap() -> None:
+    data = BudgetDocument(generation=9, budgets=MINE).to_configmap_data()
+    assert bd.generation_in_effect(_status(budgetGeneration=4), data) == 9
+    assert bd.generation_in_effect(_status(budgetGeneration=12), data) == 12
+    assert bd.generation_in_effect(_status(), None) == 0
+
+
+def test_first_reconcile_writes_the_spec_budgets_at_generation_1() -> None:
+    doc = bd.for_spec(SPEC, _status(), None, NOW)
+    assert (doc.generation, doc.budgets, doc.overload_mode, doc.reason) == (1, INITIAL, "Off", "initial budgets from spec")
+    assert doc.overload_max_context_tokens == 512  # half of tiny's 1024-token context
+    assert doc.updated_at == NOW
+
+
+def test_reconcile_keeps_the_budgets_in_effect() -> None:
+    status = _status(budgets=HAND.model_dump(by_alias=True), initialBudgets=INITIAL.model_dump(by_alias=True),
+                     budgetGeneration=6, overloadMode="On")
+    doc = bd.for_spec(SPEC, status, None, NOW)
+    assert (doc.generation, doc.budgets, doc.overload_mode, doc.reason) == (6, HAND, "On", "in effect")
+
+
+def test_a_spec_batching_change_resets_the_budgets_with_the_next_generation() -> None:
+    status = _status(budgets=HAND.model_dump(by_alias=True),
+                     initialBudgets=INITIAL.model_copy(update={"max_decode_tokens": 32}).model_dump(by_alias=True),
+                     budgetGeneration=6)
+    data = BudgetDocument(generation=8, budgets=HAND).to_configmap_data()
+    doc = bd.for_spec(SPEC, status, data, NOW)
+    assert (doc.generation, doc.budgets, doc.reason) == (9, INITIAL, "spec.batching changed")
+
+
+def test_a_forced_overload_mode_takes_the_next_generation() -> None:
+    forced = SPEC.model_copy(update={"overload": SPEC.overload.model_copy(update={"mode": "On"})})
+    status = _status(budgets=HAND.model_dump(by_alias=True), initialBudgets=INITIAL.model_dump(by_alias=True),
+                     budgetGeneration=6, overloadMode="Off")
+    doc = bd.for_spec(forced, status, None, NOW)
+    assert (doc.generation, doc.budgets, doc.overload_mode, doc.reason) == (7, HAND, "On", "overload.mode On")
+
+
+def test_overload_context_cap() -> None:
+    assert bd.overload_context_cap(SPEC) == 512
+    capped = MoEInferenceServiceSpec.model_validate({"overload": {"maxContextTokens": 300}})
+    assert bd.overload_context_cap(capped) == 300
+    longer = MoEInferenceServiceSpec.model_validate({"model": {"overrides": {"maxSeqLen": 4096}}})
+    assert bd.overload_context_cap(longer) == 2048
+
+
+def test_reason_is_cut_to_1024_characters() -> None:
+    doc = bd.for_budgets(SPEC, MINE, "Off", 2, "x" * 5000, NOW)
+    assert len(doc.reason) == 1024
+
+
+def test_a_decision_that_moves_nothing_writes_nothing() -> None:
+    from moeguard_operator.policy import Decision, PolicyState
+
+    status = _status(budgets=MINE.model_dump(by_alias=True), budgetGeneration=6)
+    hold = Decision(state=PolicyState(MINE), direction="hold", reasons=())
+    assert bd.for_decision(SPEC, status, None, hold, NOW) is None
+    down = Decision(state=PolicyState(HAND), direction="down", reasons=("expert skew", "2048 -> 700"))
+    data = BudgetDocument(generation=9, budgets=MINE).to_configmap_data()
+    doc = bd.for_decision(SPEC, status, data, down, NOW)
+    assert doc is not None and (doc.generation, doc.budgets, doc.reason) == (10, HAND, "expert skew; 2048 -> 700")
+    overload = Decision(state=PolicyState(MINE, overload="On"), direction="hold", reasons=("x",), overload_changed=True)
+    doc = bd.for_decision(SPEC, status, None, overload, NOW)
+    assert doc is not None and (doc.generation, doc.overload_mode) == (7, "On")
+
+
+def test_the_document_in_effect_rewrites_a_deleted_configmap_at_the_same_generation() -> None:
+    status = _status(budgets=HAND.model_dump(by_alias=True), budgetGeneration=6, overloadMode="On")
+    doc = bd.in_effect(SPEC, status, "recreated", NOW)
+    assert doc is not None and (doc.generation, doc.budgets, doc.overload_mode) == (6, HAND, "On")
+    assert bd.in_effect(SPEC, _status(), "recreated", NOW) is None

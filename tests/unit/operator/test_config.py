@@ -1,0 +1,43 @@
+"""The operator's configuration: one OperatorConfig from the command line, read from kopf's memo."""
+
+from __future__ import annotations
+
+import pytest
+
+from moeguard_operator.__main__ import parse_args
+from moeguard_operator.config import MEMO_KEY, OperatorConfig, from_memo
+
+pytestmark = pytest.mark.unit
+
+
+def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MOEGUARD_PROMETHEUS_URL", raising=False)
+    args, config = parse_args(["-A", "--standalone"])
+    assert config == OperatorConfig(prometheus_url=None, timer_interval_seconds=5.0, peering_lifetime_seconds=60)
+    assert args.all_namespaces and args.standalone
+
+
+def test_flags_set_the_config() -> None:
+    _, config = parse_args(["--prometheus-url", "http://prom:9090", "--timer-interval-seconds", "2",
+                            "--peering-lifetime-seconds", "6"])
+    assert config == OperatorConfig(prometheus_url="http://prom:9090", timer_interval_seconds=2.0,
+                                    peering_lifetime_seconds=6)
+
+
+def test_the_prometheus_url_flag_defaults_to_its_documented_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOEGUARD_PROMETHEUS_URL", "http://from-env:9090")
+    assert parse_args([])[1].prometheus_url == "http://from-env:9090"
+
+
+@pytest.mark.parametrize("argv", [["--timer-interval-seconds", "0"], ["--peering-lifetime-seconds", "-1"]])
+def test_invalid_values_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert "must be above 0" in capsys.readouterr().err
+
+
+def test_from_memo() -> None:
+    config = OperatorConfig(timer_interval_seconds=1.0)
+    assert from_memo({MEMO_KEY: config}) is config
+    with pytest.raises(LookupError, match="register the handlers"):
+        from_memo({})

@@ -1,0 +1,34 @@
+"""Unit tests of the worker start no process, no thread and never sleep: each is
+refused here, so a test that needs one fails and is re-marked ``integration``."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _pure(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.node.get_closest_marker("unit") is None:
+        return
+
+    def refuse(what: str) -> Any:
+        def fail(*a: Any, **k: Any) -> Any:
+            raise AssertionError(f"a unit test must not {what}: mark it integration or make it pure")
+        return fail
+
+    monkeypatch.setattr(time, "sleep", refuse("sleep"))
+    monkeypatch.setattr(threading.Thread, "start", refuse("start a thread"))
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse("start a process"))
+    real_wait = threading.Condition.wait
+
+    def wait(self: threading.Condition, timeout: float | None = None) -> bool:
+        if timeout is None or timeout > 0:
+            raise AssertionError("a unit test must not block on a condition")
+        return real_wait(self, timeout)
+
+    monkeypatch.setattr(threading.Condition, "wait", wait)
