@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 
 from moeguard_runtime.checkpoint import CheckpointError
-from moeguard_runtime.moe import DEFAULT_EXPERT_CHUNK_TOKENS
+from moeguard_runtime.moe import DEFAULT_EXPERT_CHUNK_TOKENS, MatmulBackend, MoeDispatch
 from moeguard_runtime.serving import ServingModel
 
 CONFIG_FILE = "config.json"
@@ -206,10 +206,13 @@ class TensorSource:
 
 @dataclass(frozen=True)
 class BuildOptions:
-    """How a family builds its model: the MoE guardrails (:mod:`moeguard_runtime.moe`)."""
+    """How a family builds its model: the MoE guardrails and kernels (:mod:`moeguard_runtime.moe`,
+    as for the embedded model)."""
 
     expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS
     capacity_factor: float = 0.0
+    matmul_backend: MatmulBackend = "onednn"
+    dispatch: MoeDispatch = "auto"
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ Shapes: ``T`` packed tokens, ``D`` hidden size, ``H``/``KvH`` query/KV heads,
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -25,12 +24,16 @@ from moeguard_runtime.families.routers import Router
 from moeguard_runtime.hf_checkpoint import BuildOptions, HFConfig
 from moeguard_runtime.model import KVCache, RMSNorm, Segment
 from moeguard_runtime.moe import (
+    MatmulBackend,
+    MoeDispatch,
     RoutingStats,
+    dispatch_experts,
     expert_capacity,
-    grouped_expert_forward,
     routing_stats,
     swiglu_expert,
 )
+from moeguard_runtime.moe_device import PendingRouting, device_dispatch, grouped_mm_available
+from moeguard_runtime.timing import mark
 
 
 @dataclass(frozen=True)
@@ -96,15 +99,18 @@ def causal_mask(n: int, s0: int, device: torch.device) -> torch.Tensor | None:
 class DenseMLP(nn.Module):
     """SwiGLU MLP ``down(silu(gate x) * up x)`` (HF ``Qwen2MoeMLP``, ``DeepseekV3MLP``)."""
 
-    def __init__(self, dim: int, intermediate_size: int) -> None:
+    def __init__(self, dim: int, intermediate_size: int,
+                 matmul_backend: MatmulBackend = "onednn") -> None:
         super().__init__()
+        self.matmul_backend: MatmulBackend = matmul_backend
         self.gate_proj = nn.Linear(dim, intermediate_size, bias=False)
         self.up_proj = nn.Linear(dim, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [T, D] → [T, D]."""
-        return swiglu_expert(x, self.gate_proj.weight, self.down_proj.weight, self.up_proj.weight)
+        return swiglu_expert(x, self.gate_proj.weight, self.down_proj.weight, self.up_proj.weight,
+                             self.matmul_backend)
 
 
 class SparseMoE(nn.Module):
@@ -126,34 +132,45 @@ class SparseMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, intermediate_size))  # [E, D, I]
         self.w3 = nn.Parameter(torch.empty(num_experts, intermediate_size, dim))  # [E, I, D]
         self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts)) if score_bias else None
-        self.shared = DenseMLP(dim, shared_size) if shared_size else None
+        self.shared = DenseMLP(dim, shared_size, options.matmul_backend) if shared_size else None
         self.shared_gate = nn.Linear(dim, 1, bias=False) if shared_gate else None
         self.router = router
         self.num_experts, self.top_k = num_experts, router.top_k
         self.expert_chunk_tokens = options.expert_chunk_tokens
         self.capacity_factor = options.capacity_factor
+        self.matmul_backend: MatmulBackend = options.matmul_backend
+        self.dispatch: MoeDispatch = options.dispatch
         self.router_fp32 = router_fp32
         """Keep ``gate.weight`` and the bias float32 whatever the model's dtype (HF DeepSeek-V3's
         ``_keep_in_fp32_modules_strict``): a bfloat16 bias would reorder close experts."""
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingStats]:
-        """``x`` [T, D] → ``([T, D], RoutingStats)``."""
-        t0 = time.perf_counter()
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingStats | PendingRouting]:
+        """``x`` [T, D] → ``([T, D], routing)``, the dispatch chosen as
+        :class:`moeguard_runtime.moe.MOEFeedForward` chooses it (host, or the device's
+        ``F.grouped_mm`` on CUDA bfloat16, whose routing is read back with the step's tokens)."""
+        t0 = mark(x.device)
         logits = F.linear(x.float(), self.gate.weight.float())  # [T, E] float32
         weights, experts = self.router(logits, self.e_score_correction_bias)  # [T, k] each
-        t1 = time.perf_counter()
+        t1 = mark(x.device)
         capacity = None
         if self.capacity_factor > 0:
             capacity = expert_capacity(x.shape[0], self.top_k, self.num_experts, self.capacity_factor)
-        out, counts, overflow = grouped_expert_forward(
-            x, weights, experts, self.w1, self.w2, self.w3, self.expert_chunk_tokens, capacity)
-        t2 = time.perf_counter()
+        routing: RoutingStats | PendingRouting
+        if self.dispatch == "device" or (self.dispatch == "auto" and grouped_mm_available(x)):
+            out, pending, dropped = device_dispatch(x, weights, experts, self.w1, self.w2, self.w3,
+                                                    self.expert_chunk_tokens, capacity)
+            routing = PendingRouting(pending, dropped, (t0, t1, mark(x.device)))
+        else:
+            out, counts, overflow = dispatch_experts(x, weights, experts, self.w1, self.w2, self.w3,
+                                                     self.expert_chunk_tokens, capacity,
+                                                     self.matmul_backend)
+            routing = routing_stats(counts, overflow, (t0, t1, mark(x.device)))
         if self.shared is not None:
             shared = self.shared(x)  # [T, D]
             if self.shared_gate is not None:
                 shared = torch.sigmoid(self.shared_gate(x)) * shared  # [T, 1] * [T, D]
             out = out + shared
-        return out, routing_stats(counts, overflow, (t0, t1, t2))
+        return out, routing
 
 
 class DecoderLayer(nn.Module):
@@ -167,7 +184,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
 
     def forward(self, x: torch.Tensor, angles: torch.Tensor,
-                segments: Sequence[Segment]) -> tuple[torch.Tensor, RoutingStats | None]:
+                segments: Sequence[Segment]
+                ) -> tuple[torch.Tensor, RoutingStats | PendingRouting | None]:
         h = x + self.self_attn(self.input_layernorm(x), angles, segments)  # [T, D]
         y = self.mlp(self.post_attention_layernorm(h))
         if isinstance(y, tuple):
@@ -222,7 +240,8 @@ class HFDecoder(nn.Module):
                 m.expert_chunk_tokens = n
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
-                segments: Sequence[Segment]) -> tuple[torch.Tensor, list[RoutingStats]]:
+                segments: Sequence[Segment]
+                ) -> tuple[torch.Tensor, list[RoutingStats | PendingRouting]]:
         x = self.embed_tokens(tokens)  # [T, D]
         angles = self.angles[positions]  # [T, rope_dim/2]
         stats = []

@@ -196,3 +196,32 @@ def test_family_config_errors(tmp_path: Path, change: dict[str, object], message
     folder = write_folder(tmp_path, {"model.norm.weight": torch.ones(32)}, {**DEEPSEEK, **change})
     with pytest.raises(CheckpointError, match=message):
         load_hf_checkpoint(folder)
+
+
+def test_worker_start_up_fails_naming_the_file(tmp_path: Path) -> None:
+    """``__main__._load`` with a truncated HF folder: a model_load_error naming the file, the
+    failure flag set (the process exits 3), no worker started."""
+    import threading
+
+    from moeguard_runtime.__main__ import _load
+    from moeguard_runtime.config import load_settings, model_args
+    from moeguard_runtime.server import WorkerSlot
+    from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
+
+    folder = write_folder(tmp_path, mixtral_tensors())
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[:100])
+    settings = load_settings({"MOEGUARD_CHECKPOINT_PATH": str(folder)})
+    lines: list[tuple[str, dict[str, object]]] = []
+
+    class Logger:
+        def info(self, event: str, **kw: object) -> None:
+            lines.append((event, kw))
+
+    slot = WorkerSlot(Telemetry({"moeis": "s", "namespace": "n", "pod": "p"}, 4), "m", 128)
+    failed = threading.Event()
+    _load(settings, model_args(settings), slot, RateLimitedLog(0.0, logger=Logger()), failed)
+    assert failed.is_set() and slot.worker is None
+    event, fields = lines[-1]
+    assert event == "model_load_error"
+    assert "model.safetensors: not a readable safetensors file" in str(fields["error"])

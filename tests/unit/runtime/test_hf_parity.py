@@ -45,6 +45,7 @@ from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
 from moeguard_runtime.tokenizer import EOS
 
 pytestmark = pytest.mark.unit
+transformers.utils.logging.disable_progress_bar()  # its tqdm would start a monitor thread
 
 VOCAB = 32_000
 NEW_TOKENS = 32
