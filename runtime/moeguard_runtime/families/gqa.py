@@ -10,7 +10,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moeguard_runtime.families.decoder import (
@@ -22,7 +21,7 @@ from moeguard_runtime.families.decoder import (
 )
 from moeguard_runtime.families.weights import load_by_name, moe_tensor, to_interleaved
 from moeguard_runtime.hf_checkpoint import HFConfig, TensorSource
-from moeguard_runtime.model import KVCache, RMSNorm, Segment, apply_rope
+from moeguard_runtime.model import KVCache, RMSNorm, Segment, apply_rope, attend_gqa
 
 
 class GQACache(KVCache):
@@ -102,11 +101,9 @@ class GQAAttention(nn.Module):
             cache_k, cache_v = seg.cache.k[self.layer], seg.cache.v[self.layer]  # [KvH, cap, hd]
             cache_k[:, s0:s1] = k[offset:offset + n].transpose(0, 1)
             cache_v[:, s0:s1] = v[offset:offset + n].transpose(0, 1)
-            keys = cache_k[:, :s1].repeat_interleave(h // kvh, dim=0)  # [H, s1, hd]
-            vals = cache_v[:, :s1].repeat_interleave(h // kvh, dim=0)  # [H, s1, hd]
             qs = q[offset:offset + n].transpose(0, 1)  # [H, n, hd]
-            o = F.scaled_dot_product_attention(qs, keys, vals,
-                                               attn_mask=causal_mask(n, s0, x.device))  # [H, n, hd]
+            # the cache read in place (no repeat of K/V per layer per step)
+            o = attend_gqa(qs, cache_k[:, :s1], cache_v[:, :s1], causal_mask(n, s0, x.device))  # [H, n, hd]
             outs.append(o.transpose(0, 1).reshape(n, h * hd))
             offset += n
         out: torch.Tensor = self.o_proj(torch.cat(outs, dim=0))  # [T, D]
