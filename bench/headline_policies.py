@@ -40,6 +40,8 @@ PLAN_OVERHEAD = 450 * MiB
 """Least runtime overhead (the idle worker's memory besides its weights) the plan uses: the fresh
 worker measured 800 MiB of cgroup usage here (421 MiB besides its 379 MiB of weights); the run
 measures it again (:func:`bench.headline.measure_idle`) and takes the larger figure."""
+LONG_REQUEST_THRESHOLD_TOKENS = 512
+"""A prompt of at least this many tokens counts as long (at most one per batch in the full policy)."""
 PLAN_CONTEXT = 1024
 """Expected context (prompt + max_tokens) per running sequence used to size the KV share;
 above the p90 of the scaled trace's prompts plus max_tokens (676 + 32); longer requests are
@@ -57,6 +59,9 @@ def moeguard_env(b: dict[str, int]) -> dict[str, str]:
         "MOEGUARD_MAX_BATCH_REQUESTS": str(b["max_batch_requests"]),
         "MOEGUARD_MAX_CONCURRENT_BATCHES": str(MOEGUARD_BATCHES),
         "MOEGUARD_MAX_LONG_REQUESTS_PER_BATCH": "1",  # KV is planned at PLAN_CONTEXT per sequence
+        # named here (not the worker's default, 2048 since the contract unified the defaults):
+        # the committed results ran with 512, and prompts here are at most PLAN_CONTEXT long
+        "MOEGUARD_LONG_REQUEST_THRESHOLD_TOKENS": str(LONG_REQUEST_THRESHOLD_TOKENS),
         "MOEGUARD_MAX_QUEUE_REQUESTS": str(queue),
         "MOEGUARD_MAX_QUEUE_TOKENS": str(8 * prefill),
         "MOEGUARD_MAX_CONCURRENT_REQUESTS": str(running + queue),

@@ -381,7 +381,7 @@ def main() -> int:
         f" per sequence ({meta['plan_budgets']['max_batch_requests']} requests and decode tokens per batch;"
         f" prefill ceiling {meta['plan_budgets']['max_prefill_tokens']}, run at {fm['MOEGUARD_MAX_PREFILL_TOKENS']}"
         f" tokens per step for decode latency), {fm['MOEGUARD_MAX_CONCURRENT_BATCHES']} batch(es) in flight,"
-        f" ≤ {fm['MOEGUARD_MAX_LONG_REQUESTS_PER_BATCH']} long request(s) (≥ 512 prompt tokens) per batch, concurrency cap"
+        f" ≤ {fm['MOEGUARD_MAX_LONG_REQUESTS_PER_BATCH']} long request(s) (≥ {fm.get('MOEGUARD_LONG_REQUEST_THRESHOLD_TOKENS', '512')} prompt tokens) per batch, concurrency cap"
         f" {fm['MOEGUARD_MAX_CONCURRENT_REQUESTS']} requests, bounded queue ({fm['MOEGUARD_MAX_QUEUE_REQUESTS']}"
         f" requests, {int(fm['MOEGUARD_MAX_QUEUE_TOKENS']):,} prompt tokens, {fm['MOEGUARD_QUEUE_TIMEOUT_SECONDS']} s"
         " timeout → 429/503 with Retry-After), soft and hard limits, overload mode Auto. Without the"
