@@ -168,7 +168,7 @@ async def test_replay_records_fields(workers: list[FakeWorker]) -> None:
     assert s.by_status == {"200": 2, "400": 1, "429": 1, "503": 1}
     assert s.completion_tokens_ok == 14
     assert s.goodput_tok_s == pytest.approx(14 / run.wall_s)
-    assert 0.8 + DELAY_S <= run.wall_s < 2.0
+    assert run.wall_s >= 0.8 + DELAY_S  # never early; how late is the machine's, not asserted
 
 
 async def test_replay_default_prompts_are_real_text(workers: list[FakeWorker]) -> None:
@@ -188,8 +188,9 @@ async def test_deadline_stops_the_run(workers: list[FakeWorker]) -> None:
             ScheduledRequest(2, 30.0, 10, 2, 10, 2)]
     run = await replay(workers[0].url, reqs, prompt_fn=lambda r: "HANG" if r.index == 1 else "hi",
                        timeout_s=0.5, progress=False)
-    assert loop.time() - t0 < 2.0
-    assert run.timed_out and run.wall_s == pytest.approx(0.5, abs=0.2)
+    # the deadline ended the run, not the request scheduled at 30 s (bounds far from both: a loaded machine)
+    assert loop.time() - t0 < 15.0
+    assert run.timed_out and 0.5 <= run.wall_s < 15.0
     done, hung, never = run.results
     assert done.ok
     assert hung.status is None and hung.end_s is None and hung.error is not None

@@ -1,4 +1,4 @@
-"""Unit tests of the worker start no process, no thread and never sleep: each is
+"""Unit tests start no process, no thread and never sleep (pyproject: "unit: pure logic"): each is
 refused here, so a test that needs one fails and is re-marked ``integration``."""
 
 from __future__ import annotations
