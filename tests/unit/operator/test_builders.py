@@ -35,7 +35,7 @@ def test_deployment_limits_and_env() -> None:
     env = _env(dep)
     assert env["MOEGUARD_SOFT_LIMIT_BYTES"] == str(12 * 2**30)
     assert env["MOEGUARD_HARD_LIMIT_BYTES"] == str(16 * 2**30)
-    assert env["MOEGUARD_MAX_PREFILL_TOKENS"] == "2048"
+    assert "MOEGUARD_MAX_PREFILL_TOKENS" not in env  # budgets travel in the ConfigMap alone
     assert env["UCX_MEM_MMAP_HOOK_MODE"] == "none"
     assert env["UCX_RCACHE_MAX_UNRELEASED"] == "1024"
     assert env["MOEGUARD_BUDGET_CONFIGMAP"] == "mixtral-budget"
@@ -77,7 +77,7 @@ def test_pod_template_extras_and_gpu_type() -> None:
     env = _env(dep)
     assert env["HF_HOME"] == "/cache" and env["MOEGUARD_CHECKPOINT_PATH"] == "/models/mixtral"
     assert env["MOEGUARD_MODEL_OVERRIDES"] == '{"n_layer": 4, "top_k": 1}'
-    assert env["MOEGUARD_OVERLOAD_MODE"] == "Auto" and env["MOEGUARD_QUEUE_TIMEOUT_SECONDS"] == "30"
+    assert env["MOEGUARD_OVERLOAD_MODE"] == "Auto" and "MOEGUARD_QUEUE_TIMEOUT_SECONDS" not in env
 
 
 def test_restricted_pod_security() -> None:
