@@ -351,7 +351,7 @@ LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 """A label value (at most 63 characters, checked separately)."""
 ALLOWED_VOLUME_SOURCES = ("persistentVolumeClaim", "configMap", "emptyDir", "image", "csi", "secret")
 """Volume types a model server needs. ``secret`` passes the schema, but the operator serves it only where
-its ``--allow-secret-volumes`` setting allows it (a spec cannot grant itself Secrets); hostPath, nfs,
+its ``--allow-secrets`` setting (chart value ``operator.allowSecrets``) allows it (a spec cannot grant itself Secrets); hostPath, nfs,
 iscsi, … are refused at apply time: they would give whoever may create a MoEInferenceService host
 or storage access that they may not have on pods."""
 RESERVED_VOLUMES = ("tmp",)
