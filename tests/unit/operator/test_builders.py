@@ -128,3 +128,25 @@ def test_gpu_resource_name_cannot_be_a_core_resource() -> None:
     for name in ("memory", "cpu", "ephemeral-storage", "hugepages-1Gi"):
         with pytest.raises(ValidationError, match="must be an extended resource"):
             MoEInferenceServiceSpec.model_validate({"resources": {"gpuResourceName": name}})
+
+
+LIVE_CHANGES = {  # spec changes that reach the workers through the budget ConfigMap, or not at all
+    "budgets": {"batching": {"maxPrefillTokens": 1024, "maxDecodeTokens": 32, "maxBatchRequests": 8,
+                             "maxLongRequestsPerBatch": 2, "maxConcurrentBatches": 1, "maxQueueRequests": 10,
+                             "queueTimeoutSeconds": 5}},
+    "floors and ceilings": {"batching": {"floors": {"maxPrefillTokens": 128},
+                                         "ceilings": {"maxPrefillTokens": 8192}}},
+    "overload context cap": {"overload": {"maxContextTokens": 512}},
+    "overload thresholds": {"overload": {"rejectionRatePerSecond": 9, "p99LatencySeconds": 99}},
+    "control": {"control": {"skewThreshold": 9, "queryIntervalSeconds": 3, "cooldownSeconds": 1,
+                            "leakHorizonSeconds": 600, "leakAction": "Restart", "prometheusUrl": "http://p:9090"}},
+}
+
+
+@pytest.mark.parametrize("change", list(LIVE_CHANGES.values()), ids=list(LIVE_CHANGES))
+def test_changes_that_apply_live_leave_the_pod_template_alone(change: dict) -> None:
+    """Only image, resources, model, parallelism (and the pod-template extras, UCX, and the static
+    knobs a worker reads at start) may change the pod template: anything else would roll every worker."""
+    base = build_deployment(OWNER, MoEInferenceServiceSpec())["spec"]["template"]
+    changed = build_deployment(OWNER, MoEInferenceServiceSpec.model_validate(change))["spec"]["template"]
+    assert changed == base
