@@ -198,6 +198,8 @@ def control_loop(
     prior = report.read_status(status)
     if prior.budgets is None or prior.observed_generation != meta.get("generation"):
         return  # reconcile has not finished this generation yet
+    if report.is_stalled(prior, meta.get("generation")):
+        return  # reported by reconcile; re-applying a refused child every tick would retry it forever
     assert namespace is not None, "MoEInferenceService is namespaced"
     now, generation, owner = datetime.now(UTC), meta.get("generation"), Owner(name=name, namespace=namespace, uid=uid)
 

@@ -82,6 +82,13 @@ def stalled(prior: MoEInferenceServiceStatus, reason: str, message: str, now: da
     return status, Event("Warning", reason, message)
 
 
+def is_stalled(status: MoEInferenceServiceStatus, generation: int | None) -> bool:
+    """Whether ``generation`` of the spec was stalled (``Stalled=True``): nothing to control, nothing to
+    re-apply (a child the API server refused would be refused again on every tick)."""
+    cond = find_condition(status.conditions, c.CONDITION_STALLED)
+    return cond is not None and cond.status == "True" and status.observed_generation == generation
+
+
 def reconciled(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, document: BudgetDocument,
                selector: str, now: datetime, generation: int | None) -> MoEInferenceServiceStatus:
     """Children and ``document`` applied for ``generation``: Stalled=False, budgets, and, until the

@@ -180,3 +180,10 @@ def test_policy_state_round_trips_through_status() -> None:
                               0, NOW, 1)
     assert report.policy_state(report.read_status(report.status_patch(MoEInferenceServiceStatus(), status)), SPEC) \
         == decision.state
+
+
+def test_a_stalled_generation_is_stalled_until_a_new_one_reconciles() -> None:
+    prior = _reconciled()
+    assert not report.is_stalled(prior, 1)
+    stalled, _ = report.stalled(prior, "ApplyRefused", "the API server refused Deployment x-worker", NOW, 2)
+    assert report.is_stalled(stalled, 2) and not report.is_stalled(stalled, 3)
