@@ -14,10 +14,11 @@ import kubernetes.config.kube_config
 import pytest
 from hack import stack
 from kopf.testing import KopfRunner
+from kubernetes.client.exceptions import ApiException
 from tests.integration.conftest import Cluster
 from tests.integration.e2e.helpers import moeis, wait_cr
 
-from moeguard_operator import handlers, kube
+from moeguard_operator import apply_errors, handlers, kube
 from moeguard_operator.config import OperatorConfig
 
 DEADLINE_SECONDS = 120
@@ -117,3 +118,28 @@ def test_a_deployment_the_api_server_refuses_is_stalled_naming_the_field_and_not
         time.sleep(QUIET_SECONDS)
         print(f"\nDeployment apply attempts: {seen} until Stalled, {len(attempts)} after {QUIET_SECONDS} s more")
         assert seen == 1 and len(attempts) == seen
+
+
+def test_a_transient_refusal_is_retried_a_bounded_number_of_times_then_stalled(
+        cluster: Cluster, namespace: str, run_operator: Operator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The API server answers 503 to every apply of the Deployment (injected: a real API server does not
+    fail on demand); the operator tries MAX_RETRIES + 1 times, then stalls with ApplyFailed."""
+    ns, name = namespace, "flaky"
+    attempts: list[float] = []
+    apply = kube.apply
+
+    def unavailable(manifest: dict[str, Any]) -> dict[str, Any]:
+        if manifest["kind"] == "Deployment" and manifest["metadata"]["name"] == f"{name}-worker":
+            attempts.append(time.monotonic())
+            raise ApiException(status=503, reason="Service Unavailable")
+        return apply(manifest)
+
+    monkeypatch.setattr(kube, "apply", unavailable)
+    monkeypatch.setattr(apply_errors, "RETRY_DELAY_SECONDS", 0.5)
+    with run_operator(OperatorConfig(timer_interval_seconds=1.0)):
+        cluster.kubectl("-n", ns, "apply", "-f", "-", input=moeis(name, replicas=0))
+        obj = wait_cr(cluster, ns, name, _stalled, DEADLINE_SECONDS, "Stalled=True")
+        stalled = _condition(obj, "Stalled")
+        assert stalled["reason"] == "ApplyFailed" and "gave up after 6 tries" in stalled["message"], stalled
+        time.sleep(5)
+        assert len(attempts) == apply_errors.MAX_RETRIES + 1
