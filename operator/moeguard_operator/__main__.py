@@ -3,7 +3,8 @@
 Flags mirror ``kopf run``: ``--namespace`` (repeatable) or ``--all-namespaces``,
 ``--standalone`` (no peering) or ``--peering NAME`` with ``--priority N`` (active/standby
 replicas: the highest live priority works), ``--liveness URL``, ``--metrics-port``, and
-``--prometheus-url`` (the default for resources whose spec names none). Every option of
+``--prometheus-url`` (the default for resources whose spec names none), ``--allow-secrets`` (let specs
+put Secrets into the worker pods). Every option of
 moeguard's own reaches the handlers in one :class:`~moeguard_operator.config.OperatorConfig`.
 """
 
@@ -57,12 +58,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Opera
     parser.add_argument("--timer-interval-seconds", type=float, default=OperatorConfig.timer_interval_seconds,
                         help="seconds between two timer ticks per resource (default: %(default)s); "
                              "for tests, which shorten it")
+    parser.add_argument("--allow-secrets", action="store_true",
+                        help="serve specs that mount Secrets or read them into env (template.volumes[].secret, "
+                             "template.extraEnv[].valueFrom.secretKeyRef); default: refuse them")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(argv)
     try:
         config = OperatorConfig(prometheus_url=args.prometheus_url or None,
                                 timer_interval_seconds=args.timer_interval_seconds,
-                                peering_lifetime_seconds=args.peering_lifetime_seconds)
+                                peering_lifetime_seconds=args.peering_lifetime_seconds,
+                                allow_secrets=args.allow_secrets)
     except ValueError as exc:
         parser.error(str(exc))
     return args, config

@@ -103,8 +103,9 @@ def _number(value: float) -> str:
 def worker_env(owner: Owner, spec: MoEInferenceServiceSpec) -> list[dict[str, Any]]:
     """The worker container's environment (the contract's ``ENV_*`` names).
 
-    The budgets here are the spec's *initial* ones: budgets changed at run time
-    travel through the budget ConfigMap, so that they never roll the pods.
+    No budget is here: budgets reach the workers through the budget ConfigMap alone
+    (``ENV_BUDGET_CONFIGMAP`` names it; the worker is not ready before its first valid
+    document), so that a change of ``spec.batching``'s budgets never rolls the pods.
     """
     b = spec.batching
     plain = {
@@ -115,7 +116,6 @@ def worker_env(owner: Owner, spec: MoEInferenceServiceSpec) -> list[dict[str, An
         k.ENV_GPU_SOFT_FRACTION: _number(spec.resources.gpu_soft_fraction),
         k.ENV_GPU_HARD_FRACTION: _number(spec.resources.gpu_hard_fraction),
         k.ENV_BUDGET_CONFIGMAP: k.budget_configmap_name(owner.name),
-        **{f.env: _number(getattr(b, f.name)) for f in k.BUDGET_FIELDS},
         k.ENV_LONG_REQUEST_THRESHOLD_TOKENS: str(b.long_request_threshold_tokens),
         k.ENV_MAX_CONCURRENT_REQUESTS: str(b.max_concurrent_requests),
         k.ENV_OVERLOAD_MODE: spec.overload.mode,

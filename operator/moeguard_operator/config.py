@@ -21,11 +21,15 @@ class OperatorConfig:
             OOM kills; Prometheus is asked only every ``control.queryIntervalSeconds``).
         peering_lifetime_seconds: seconds after which a standby replica takes over from an
             active one that stopped renewing its peering lease (kopf's default: 60).
+        allow_secrets: whether a spec may put Secrets into the worker pods (``template.volumes[].secret``,
+            ``template.extraEnv[].valueFrom.secretKeyRef``); False: such a spec is stalled
+            (``SecretsNotAllowed``). Flag ``--allow-secrets``, chart value ``operator.allowSecrets``.
     """
 
     prometheus_url: str | None = None
     timer_interval_seconds: float = 5.0
     peering_lifetime_seconds: int = 60
+    allow_secrets: bool = False
 
     def __post_init__(self) -> None:
         if self.timer_interval_seconds <= 0:

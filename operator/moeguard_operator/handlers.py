@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from moeguard_operator import budget_document, kube, metrics, report
+from moeguard_operator import apply_errors, budget_document, kube, metrics, report
 from moeguard_operator import constants as c
 from moeguard_operator.builders import (
     Owner,
@@ -93,23 +93,31 @@ def reconcile(
     namespace: str | None,
     uid: str,
     patch: kopf.Patch,
+    memo: kopf.Memo,
+    retry: int,
     logger: Logger,
     **_: Any,
 ) -> None:
-    """Apply every child and the budget ConfigMap; record what was applied in status."""
+    """Apply every child and the budget ConfigMap; record what was applied in status.
+
+    A child the API server refuses is retried only while retrying may help, and a bounded number of
+    times (:func:`apply_errors.judge`); then the resource is stalled with the spec field named.
+    """
     assert namespace is not None, "MoEInferenceService is namespaced"
     now, generation = datetime.now(UTC), meta.get("generation")
     prior, owner = report.read_status(status), Owner(name=name, namespace=namespace, uid=uid)
     try:
-        parsed = parse_spec(spec)
+        parsed = parse_spec(spec, allow_secrets=from_memo(memo).allow_secrets)
         apply_children(owner, parsed)
     except SpecError as exc:
         _stall(body, patch, prior, exc.reason, str(exc), now, generation, "invalid")
-    except ApiException as exc:
-        if exc.status is None or (exc.status >= 500 and "duplicate" not in str(exc.body)):
-            raise kopf.TemporaryError(f"API server error {exc.status}; retrying", delay=10) from exc
-        message = f"the API server refused a child object: {exc.status} {kube.api_message(exc)}"
-        _stall(body, patch, prior, "ApplyFailed", message, now, generation, "refused")
+    except apply_errors.ChildRefused as exc:
+        verdict = apply_errors.judge(exc.child, exc.status, exc.message, exc.body, retry)
+        metrics.CHILD_APPLY_REFUSALS.labels(namespace, name, "retry" if verdict.retry else "stall").inc()
+        if verdict.retry:
+            logger.warning("%s", verdict.message)
+            raise kopf.TemporaryError(verdict.message, delay=apply_errors.RETRY_DELAY_SECONDS) from exc
+        _stall(body, patch, prior, verdict.reason, verdict.message, now, generation, "refused")
 
     data = kube.read_configmap_data(namespace, budget_configmap_name(name))
     document = apply_budget_document(owner, data, budget_document.for_spec(parsed, prior, data, now))
@@ -142,12 +150,17 @@ def apply_children(owner: Owner, spec: MoEInferenceServiceSpec) -> None:
     """Server-side apply every child (and the PodMonitor when prometheus-operator is installed).
 
     Raises:
-        kubernetes.client.exceptions.ApiException: the API server refused one.
+        apply_errors.ChildRefused: the API server refused one (which, and its answer).
     """
-    for manifest in build_children(owner, spec):
-        kube.apply(manifest)
+    manifests = build_children(owner, spec)
     if kube.crd_exists(PODMONITOR_CRD):
-        kube.apply(build_pod_monitor(owner))
+        manifests.append(build_pod_monitor(owner))
+    for manifest in manifests:
+        try:
+            kube.apply(manifest)
+        except ApiException as exc:
+            child = f"{manifest['kind']} {manifest['metadata']['name']}"
+            raise apply_errors.ChildRefused(child, exc.status, kube.api_message(exc), str(exc.body or "")) from exc
 
 
 def apply_budget_document(owner: Owner, data: dict[str, str] | None, document: BudgetDocument) -> BudgetDocument:
@@ -179,12 +192,14 @@ def control_loop(
     """Every tick: readiness and OOM kills. Every query interval (or at once on an OOM kill): one look
     at Prometheus, one policy decision, and the actions it asks for."""
     try:
-        parsed = parse_spec(spec)
+        parsed = parse_spec(spec, allow_secrets=from_memo(memo).allow_secrets)
     except SpecError:
         return  # reported by reconcile; nothing to control
     prior = report.read_status(status)
     if prior.budgets is None or prior.observed_generation != meta.get("generation"):
         return  # reconcile has not finished this generation yet
+    if report.is_stalled(prior, meta.get("generation")):
+        return  # reported by reconcile; re-applying a refused child every tick would retry it forever
     assert namespace is not None, "MoEInferenceService is namespaced"
     now, generation, owner = datetime.now(UTC), meta.get("generation"), Owner(name=name, namespace=namespace, uid=uid)
 

@@ -22,6 +22,9 @@ METRICS_AVAILABLE = Gauge(
 PREFILL_BUDGET = Gauge(
     "moeguard_operator_budget_max_prefill_tokens", "maxPrefillTokens in effect, tokens.", LABELS)
 OVERLOAD = Gauge("moeguard_operator_overload", "1 while overload mode is on.", LABELS)
+CHILD_APPLY_REFUSALS = Counter(
+    "moeguard_operator_child_apply_refusals_total",
+    "Children the API server refused at apply, by what the operator did (retry, stall).", [*LABELS, "action"])
 OOM_KILLS = Counter("moeguard_operator_oom_kills_total", "OOMKilled worker containers seen.", LABELS)
 BUDGET_AT_FLOOR = Gauge(
     "moeguard_operator_budget_at_floor", "1 while a budget sits at its floor (the loop can tighten no further).",

@@ -286,8 +286,14 @@ class ControlSpec(_Model):
     """Minimum seconds between two budget changes (an OOM kill does not wait)."""
     leak_action: Literal["Warn", "Restart"] = "Warn"
     """On a suspected native leak: ``Warn`` (condition and Event) or ``Restart`` (roll the workers too)."""
-    leak_slope_bytes_per_second: int = Field(default=1_048_576, ge=1)
-    """RSS growth (PromQL ``deriv`` over ``leakWindowSeconds``) above which a leak is suspected, bytes/s."""
+    leak_horizon_seconds: int = Field(default=43_200, ge=60, le=604_800)
+    """A leak is suspected when the RSS slope (over ``leakWindowSeconds``) would take memory from its current
+    use to ``resources.hardLimit`` within this many seconds, and the slope is above the noise floor (64 KiB/s,
+    3.75 MiB/min). Default 12 h: a leak that would kill the worker within an afternoon is flagged, as is
+    400 MB/min with up to 268 GiB of headroom; a steady worker's noise is not. See docs/runbook.md."""
+    leak_slope_bytes_per_second: int | None = Field(default=None, ge=1)
+    """Deprecated: use ``leakHorizonSeconds``. Where set, an RSS growth above this many bytes/s is also
+    flagged, whatever the time to the hard limit (the old fixed threshold)."""
     leak_window_seconds: int = Field(default=600, ge=30, le=86_400)
     """Window of the RSS slope, seconds."""
 
@@ -351,7 +357,7 @@ LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 """A label value (at most 63 characters, checked separately)."""
 ALLOWED_VOLUME_SOURCES = ("persistentVolumeClaim", "configMap", "emptyDir", "image", "csi", "secret")
 """Volume types a model server needs. ``secret`` passes the schema, but the operator serves it only where
-its ``--allow-secret-volumes`` setting allows it (a spec cannot grant itself Secrets); hostPath, nfs,
+its ``--allow-secrets`` setting (chart value ``operator.allowSecrets``) allows it (a spec cannot grant itself Secrets); hostPath, nfs,
 iscsi, … are refused at apply time: they would give whoever may create a MoEInferenceService host
 or storage access that they may not have on pods."""
 RESERVED_VOLUMES = ("tmp",)
@@ -557,6 +563,10 @@ class Observed(_Model):
     """``memoryRatio`` in percent, for ``kubectl get``."""
     rss_slope_bytes_per_second: float | None = None
     """Highest RSS growth among the pods (PromQL ``deriv`` over the leak window), bytes/s."""
+    leak_kinds: list[str] = Field(default_factory=list)
+    """Leak kinds the pods themselves flag (``native``, ``python_heap``: ``moeguard_memory_leak_suspected``)."""
+    seconds_to_hard_limit: float | None = None
+    """Projected seconds until the fastest-growing pod reaches hardLimit at its current slope (null: no growth)."""
     rejection_rate_per_second: float | None = None
     """Refusals (429 and 503) per second across the pods."""
     p99_latency_seconds: float | None = None

@@ -9,6 +9,7 @@ Never 0 (KEDA #965, AIBrix #1032: missing values read as 0.0).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -25,6 +26,8 @@ from moeguard_runtime.contract import (
     LABEL_SERVICE,
     METRIC_E2E_LATENCY_SECONDS,
     METRIC_EXPERT_SKEW_RATIO,
+    METRIC_MEMORY_GROWTH_BYTES_PER_SECOND,
+    METRIC_MEMORY_LEAK_SUSPECTED,
     METRIC_MEMORY_USAGE_BYTES,
     METRIC_PROCESS_RSS_BYTES,
     METRIC_REJECTIONS_TOTAL,
@@ -40,6 +43,8 @@ class Queries:
     skew: str
     memory: str
     rss_slope: str
+    leak_kinds: str
+    growth: str
     rejection_rate: str
     p99_latency: str
     reporting_pods: str
@@ -53,6 +58,8 @@ def queries(namespace: str, name: str, window_seconds: int, leak_window_seconds:
         skew=f"max(max_over_time({METRIC_EXPERT_SKEW_RATIO}{{{sel}}}[{w}]))",
         memory=f"max(max_over_time({METRIC_MEMORY_USAGE_BYTES}{{{sel}}}[{w}]))",
         rss_slope=f"max by ({LABEL_POD}) (deriv({METRIC_PROCESS_RSS_BYTES}{{{sel}}}[{lw}]))",
+        leak_kinds=f"max by ({LABEL_POD}, kind) ({METRIC_MEMORY_LEAK_SUSPECTED}{{{sel}}})",
+        growth=f"max by ({LABEL_POD}, part) ({METRIC_MEMORY_GROWTH_BYTES_PER_SECOND}{{{sel}}})",
         rejection_rate=f"sum(rate({METRIC_REJECTIONS_TOTAL}{{{sel}}}[{w}]))",
         p99_latency=f"histogram_quantile(0.99, sum by (le) (rate({METRIC_E2E_LATENCY_SECONDS}_bucket{{{sel}}}[{w}])))",
         reporting_pods=f"count by ({LABEL_POD}) ({METRIC_PROCESS_RSS_BYTES}{{{sel}}})",
@@ -96,6 +103,35 @@ def parse_by_label(result: Any, label: str) -> dict[str, float]:
     return out
 
 
+def parse_by_labels(result: Any, labels: tuple[str, ...]) -> dict[tuple[str, ...], float]:
+    """``{(value of each of labels): number}`` from an instant-query ``result``; malformed or non-finite
+    entries (a missing label, a null metric) are left out."""
+    out: dict[tuple[str, ...], float] = {}
+    if not isinstance(result, list):
+        return out
+    for r in result:
+        try:
+            key, value = tuple(str(r["metric"][label]) for label in labels), float(r["value"][1])
+        except (KeyError, IndexError, TypeError, ValueError):
+            continue
+        if math.isfinite(value):
+            out[key] = value
+    return out
+
+
+def leak_signals(kinds_result: Any, growth_result: Any,
+                 counted: Callable[[str], bool]) -> tuple[tuple[str, ...], tuple[tuple[str, float], ...]]:
+    """The leak kinds the counted pods flag (``moeguard_memory_leak_suspected{kind} == 1``), sorted, and the
+    highest growth per memory part among them (``moeguard_memory_growth_bytes_per_second{part}``, bytes/s)."""
+    kinds = sorted({kind for (pod, kind), v in parse_by_labels(kinds_result, (LABEL_POD, "kind")).items()
+                    if counted(pod) and v >= 1})
+    parts: dict[str, float] = {}
+    for (pod, part), v in parse_by_labels(growth_result, (LABEL_POD, "part")).items():
+        if counted(pod):
+            parts[part] = max(v, parts.get(part, -math.inf))
+    return tuple(kinds), tuple(sorted(parts.items()))
+
+
 def parse_label_values(result: Any, label: str) -> tuple[str, ...]:
     """The values of ``label`` across the series of an instant-query ``result``, sorted."""
     if not isinstance(result, list):
@@ -135,9 +171,13 @@ def observe(
                            error=f"Prometheus at {prometheus_url} failed: {type(exc).__name__}: {exc}"[:500])
     skew, _ = parse_scalar(answers["skew"])
     memory, memory_err = parse_scalar(answers["memory"])
+    def counts(pod: str) -> bool:
+        return slope_pods is None or pod in slope_pods
+
     slopes = parse_by_label(answers["rss_slope"], LABEL_POD)
-    counted = [v for pod, v in slopes.items() if slope_pods is None or pod in slope_pods]
+    counted = [v for pod, v in slopes.items() if counts(pod)]
     slope = max(counted) if counted else None
+    leak_kinds, growth = leak_signals(answers["leak_kinds"], answers["growth"], counts)
     rejections, _ = parse_scalar(answers["rejection_rate"])
     p99, _ = parse_scalar(answers["p99_latency"])
     missing = [f"memory: {memory_err}"] if memory_err else []  # skew appears only after large batches
@@ -146,6 +186,8 @@ def observe(
         skew_ratio=skew,
         memory_ratio=None if memory is None else memory / hard_limit_bytes,
         rss_slope_bytes_per_second=slope,
+        leak_kinds=leak_kinds,
+        growth_bytes_per_second=growth,
         rejection_rate_per_second=rejections,
         p99_latency_seconds=p99,
         expected_pods=expected_pods,

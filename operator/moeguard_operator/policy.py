@@ -20,9 +20,14 @@ rule TCP congestion control uses):
 * **Overload** (mode Auto) turns on when memory passes ``rssHardFraction``, the
   refusal rate or p99 latency passes its threshold, or on an OOM kill; it turns
   off only after a stabilization window without triggers, with full visibility.
-* **Leak**: an RSS slope above ``leakSlopeBytesPerSecond`` marks a suspected
-  native leak; with ``leakAction: Restart`` it also asks for a rolling restart,
-  at most once per leak window.
+* **Leak** (:func:`judge_leak`): judged by its projected time to the hard limit. A leak is
+  suspected when the highest RSS slope (over ``leakWindowSeconds``) is above the noise floor
+  (:data:`LEAK_NOISE_BYTES_PER_SECOND`) and would take the highest memory use to
+  ``hardLimit`` within ``leakHorizonSeconds`` (or, deprecated, when it is above
+  ``leakSlopeBytesPerSecond`` where that is set). Its kind is what the workers flag
+  (``moeguard_memory_leak_suspected{kind}``: ``native`` or ``python_heap``), else
+  ``unclassified``. With ``leakAction: Restart`` it also asks for a rolling restart, at most
+  once per leak window.
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ class Observation:
         skew_ratio: highest expert skew ratio among the pods over the window.
         memory_ratio: highest memory in use / hard limit among the pods.
         rss_slope_bytes_per_second: highest RSS growth among the pods, bytes/s.
+        leak_kinds: leak kinds the pods flag themselves (``native``, ``python_heap``), sorted.
+        growth_bytes_per_second: ``(part, bytes/s)``: highest growth of each memory part among the pods
+            (``rss``, ``rss_anonymous``, ``rss_file``, ``malloc_in_use``; the workers' own slopes).
         rejection_rate_per_second: refusals (429, 503) per second across the pods.
         p99_latency_seconds: end-to-end p99 latency across the pods, seconds.
         expected_pods: Running worker pods (from the Kubernetes API).
@@ -61,6 +69,8 @@ class Observation:
     skew_ratio: float | None = None
     memory_ratio: float | None = None
     rss_slope_bytes_per_second: float | None = None
+    leak_kinds: tuple[str, ...] = ()
+    growth_bytes_per_second: tuple[tuple[str, float], ...] = ()
     rejection_rate_per_second: float | None = None
     p99_latency_seconds: float | None = None
     expected_pods: tuple[str, ...] = ()
@@ -110,6 +120,7 @@ class Decision:
         overload_changed: overload mode switched.
         leak_suspected: the RSS slope passed the leak threshold (None: slope unknown).
         restart: roll the workers now (leak action Restart).
+        leak: the leak verdict behind ``leak_suspected`` (None: slope unknown).
     """
 
     state: PolicyState
@@ -119,6 +130,7 @@ class Decision:
     overload_changed: bool = False
     leak_suspected: bool | None = None
     restart: bool = False
+    leak: LeakVerdict | None = None
 
     @property
     def changed(self) -> bool:
@@ -127,6 +139,75 @@ class Decision:
     @property
     def reason(self) -> str:
         return "; ".join(self.reasons)
+
+
+LEAK_NOISE_BYTES_PER_SECOND = 64 * 1024
+"""RSS growth at or below this (3.75 MiB/min) is never a leak, however close the hard limit: a steady
+worker's noise (allocator caches, KV blocks reused). The workers' own classification uses the same floor
+(``moeguard_runtime.leak.DEFAULT_THRESHOLD_BYTES_PER_S``)."""
+LEAK_KIND_REASONS = {"native": "NativeLeak", "python_heap": "PythonHeapLeak", "unclassified": "RSSGrowing"}
+"""The MemoryLeakSuspected condition's reason for each leak kind."""
+
+
+@dataclass(frozen=True)
+class LeakVerdict:
+    """The leak judgement of one look.
+
+    Attributes:
+        suspected: a leak is suspected.
+        kind: ``native``, ``python_heap`` (what the workers flag; both: ``native+python_heap``),
+            ``unclassified`` (the workers flag none) when suspected; ``none`` otherwise.
+        seconds_to_limit: projected seconds until ``hardLimit`` at the current slope (inf: not growing).
+        message: one sentence naming the kind, the slope, the projection and the horizon.
+    """
+
+    suspected: bool
+    kind: str
+    seconds_to_limit: float
+    message: str
+
+    @property
+    def reason(self) -> str:
+        """The condition's reason: ``NativeLeak``, ``PythonHeapLeak``, ``RSSGrowing`` (unclassified or both),
+        ``RSSFlat`` (not suspected)."""
+        return LEAK_KIND_REASONS.get(self.kind, "RSSGrowing") if self.suspected else "RSSFlat"
+
+
+def seconds_to_hard_limit(slope_bytes_per_second: float, memory_ratio: float | None, hard_limit_bytes: int) -> float:
+    """Seconds until memory reaches ``hard_limit_bytes`` at ``slope_bytes_per_second`` from ``memory_ratio``
+    of it in use (None: unknown, projected from 0: the longest time); ``math.inf`` when not growing."""
+    if slope_bytes_per_second <= 0:
+        return math.inf
+    headroom = hard_limit_bytes * min(1.0, max(0.0, 1.0 - (memory_ratio or 0.0)))
+    return headroom / slope_bytes_per_second
+
+
+def _duration(seconds: float) -> str:
+    if math.isinf(seconds):
+        return "never"
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
+
+
+def judge_leak(obs: Observation, spec: MoEInferenceServiceSpec) -> LeakVerdict | None:
+    """The leak verdict of ``obs`` under ``spec.control`` (see the module docstring); None without a slope."""
+    slope, control = obs.rss_slope_bytes_per_second, spec.control
+    if slope is None:
+        return None
+    eta = seconds_to_hard_limit(slope, obs.memory_ratio, spec.resources.hard_limit_bytes)
+    legacy = control.leak_slope_bytes_per_second
+    suspected = slope > LEAK_NOISE_BYTES_PER_SECOND and (
+        eta <= control.leak_horizon_seconds or (legacy is not None and slope > legacy))
+    kind = ("+".join(obs.leak_kinds) or "unclassified") if suspected else "none"
+    parts = dict(obs.growth_bytes_per_second)
+    detail = ", ".join(f"{part} {parts[part] / 2**20 * 60:+.0f} MiB/min" for part in ("rss_anonymous", "malloc_in_use")
+                       if part in parts)
+    used = "" if obs.memory_ratio is None else f" at {obs.memory_ratio:.0%} of hardLimit"
+    head = f"{kind} leak suspected: " if suspected else ""
+    message = (f"{head}RSS {slope / 2**20 * 60:+.1f} MiB/min over {control.leak_window_seconds}s{used}"
+               + (f" ({detail})" if detail else "")
+               + f"; hardLimit reached in {_duration(eta)} at this slope (leakHorizonSeconds "
+               + f"{_duration(control.leak_horizon_seconds)})")
+    return LeakVerdict(suspected, kind, eta, message)
 
 
 def initial_budgets(batching: BatchingSpec) -> Budgets:
@@ -268,12 +349,11 @@ def decide(observation: Observation, state: PolicyState, spec: MoEInferenceServi
         reasons.append(f"overload mode {state.overload} -> {overload} ({why})")
 
     # Leak.
-    slope = obs.rss_slope_bytes_per_second
-    leak = None if slope is None else slope > control.leak_slope_bytes_per_second
+    verdict = judge_leak(obs, spec)
+    leak = None if verdict is None else verdict.suspected
     restart = bool(leak) and control.leak_action == "Restart" and _since(now, state.last_restart) >= control.leak_window_seconds
-    if leak and slope is not None:
-        reasons.append(f"RSS grows {slope / 2**20 * 60:.0f} MiB/min > {control.leak_slope_bytes_per_second / 2**20 * 60:.0f} MiB/min: native leak suspected"
-                       + ("; rolling restart" if restart else ""))
+    if verdict is not None and verdict.suspected:
+        reasons.append(verdict.message + ("; rolling restart" if restart else ""))
 
     next_state = replace(
         state,
@@ -293,4 +373,5 @@ def decide(observation: Observation, state: PolicyState, spec: MoEInferenceServi
         overload_changed=overload_changed,
         leak_suspected=leak,
         restart=restart,
+        leak=verdict,
     )

@@ -7,6 +7,7 @@ with the field names of the CRD (camelCase, as ``kubectl`` shows them).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -81,6 +82,13 @@ def stalled(prior: MoEInferenceServiceStatus, reason: str, message: str, now: da
     return status, Event("Warning", reason, message)
 
 
+def is_stalled(status: MoEInferenceServiceStatus, generation: int | None) -> bool:
+    """Whether ``generation`` of the spec was stalled (``Stalled=True``): nothing to control, nothing to
+    re-apply (a child the API server refused would be refused again on every tick)."""
+    cond = find_condition(status.conditions, c.CONDITION_STALLED)
+    return cond is not None and cond.status == "True" and status.observed_generation == generation
+
+
 def reconciled(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, document: BudgetDocument,
                selector: str, now: datetime, generation: int | None) -> MoEInferenceServiceStatus:
     """Children and ``document`` applied for ``generation``: Stalled=False, budgets, and, until the
@@ -148,8 +156,10 @@ def _round(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
 
 
-def observed(prior: Observed | None, obs: Observation, restarts: int, now: datetime) -> Observed:
-    """``status.observed`` after one look: missing values stay null; OOM kills add up."""
+def observed(prior: Observed | None, obs: Observation, restarts: int, now: datetime,
+             eta: float | None = None) -> Observed:
+    """``status.observed`` after one look: missing values stay null; OOM kills add up; ``eta``: the
+    projected seconds to the hard limit (:attr:`policy.LeakVerdict.seconds_to_limit`; inf or None: null)."""
     mem = obs.memory_ratio
     return Observed(
         time=now,
@@ -157,6 +167,8 @@ def observed(prior: Observed | None, obs: Observation, restarts: int, now: datet
         memory_ratio=_round(mem, 4),
         memory_percent=None if mem is None else round(mem * 100),
         rss_slope_bytes_per_second=_round(obs.rss_slope_bytes_per_second, 1),
+        leak_kinds=list(obs.leak_kinds),
+        seconds_to_hard_limit=None if eta is None or math.isinf(eta) else round(eta),
         rejection_rate_per_second=_round(obs.rejection_rate_per_second, 3),
         p99_latency_seconds=_round(obs.p99_latency_seconds, 3),
         oom_kills=(prior.oom_kills if prior else 0) + obs.new_oom_kills,
@@ -207,19 +219,17 @@ def looked(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, obs:
     conditions = set_condition(conditions, c.CONDITION_OVERLOADED, "True" if nxt.overload == "On" else "False",
                                f"Mode{spec.overload.mode}", f"overload mode {nxt.overload}", now, generation)
 
-    if decision.leak_suspected is None:
+    leak = decision.leak
+    if leak is None:
         conditions = set_condition(conditions, c.CONDITION_MEMORY_LEAK_SUSPECTED, "Unknown", "NoSlope",
                                    "RSS slope not yet measurable", now, generation)
     else:
         leak_was = find_condition(conditions, c.CONDITION_MEMORY_LEAK_SUSPECTED)
-        slope = obs.rss_slope_bytes_per_second or 0.0
-        message = f"RSS slope {slope / 2**20 * 60:.1f} MiB/min over {control.leak_window_seconds}s"
         conditions = set_condition(conditions, c.CONDITION_MEMORY_LEAK_SUSPECTED,
-                                   "True" if decision.leak_suspected else "False",
-                                   "RSSGrowing" if decision.leak_suspected else "RSSFlat", message, now, generation)
-        if decision.leak_suspected and (leak_was is None or leak_was.status != "True"):
+                                   "True" if leak.suspected else "False", leak.reason, leak.message, now, generation)
+        if leak.suspected and (leak_was is None or leak_was.status != "True" or leak_was.reason != leak.reason):
             events.append(Event("Warning", "MemoryLeakSuspected",
-                                f"{message}; see docs/runbook.md (native leak vs heap leak)"))
+                                f"{leak.message}; see docs/runbook.md (native leak vs heap leak)"))
     if decision.restart:
         events.append(Event("Warning", "RestartingWorkers", f"leakAction Restart: {decision.reason}"))
 
@@ -230,6 +240,7 @@ def looked(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, obs:
         "last_restart_time": nxt.last_restart,
         "last_blind_time": nxt.last_blind,
     })
-    status = prior.model_copy(update={**update, "observed": observed(prior.observed, obs, restarts, now),
+    status = prior.model_copy(update={**update, "observed": observed(prior.observed, obs, restarts, now,
+                                                            None if decision.leak is None else decision.leak.seconds_to_limit),
                                       "conditions": conditions, "control": loop})
     return status, events

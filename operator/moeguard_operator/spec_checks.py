@@ -1,7 +1,10 @@
-"""Semantic checks of a spec, pure: what the API server's schema cannot check (it needs the model preset).
+"""Semantic checks of a spec, pure: what the API server's schema cannot check (it needs the model preset,
+or a setting of the operator's).
 
 :func:`parse_spec` validates with the same models that generated the CRD, then checks the
-model shape, that the weights fit in ``hardLimit``, and the overload context cap.
+model shape, that the weights fit in ``hardLimit``, the overload context cap, and (unless the
+operator allows them: ``OperatorConfig.allow_secrets``) that no Secret reaches the pods
+(:func:`secret_uses`).
 """
 
 from __future__ import annotations
@@ -32,11 +35,32 @@ class SpecError(Exception):
         self.reason = reason
 
 
-def parse_spec(spec: Mapping[str, Any]) -> MoEInferenceServiceSpec:
-    """Validate ``spec`` with the same models that generated the CRD.
+SECRETS_SETTING = "chart value operator.allowSecrets"
+"""Where an operator's administrator allows Secrets (the flag ``--allow-secrets``), as messages name it."""
+
+
+def secret_uses(spec: MoEInferenceServiceSpec) -> list[str]:
+    """Each place where ``spec`` would put a Secret into the worker pods, as a message naming the field.
+
+    Secret volumes (``template.volumes[i].secret``) and ``template.extraEnv[i].valueFrom.secretKeyRef``;
+    ``projected`` volumes (which may hold Secrets) never pass the CRD. Anyone who may create a
+    MoEInferenceService could otherwise read any Secret of the namespace through an image they name.
+    """
+    uses = [f"spec.template.volumes[{i}] ({v.get('name')}): Secret volumes are not allowed by this operator "
+            f"({SECRETS_SETTING})" for i, v in enumerate(spec.template.volumes) if "secret" in v]
+    uses += [f"spec.template.extraEnv[{i}] ({e.get('name')}): valueFrom.secretKeyRef is not allowed by this "
+             f"operator ({SECRETS_SETTING})" for i, e in enumerate(spec.template.extra_env)
+             if isinstance(e.get("valueFrom"), Mapping) and "secretKeyRef" in e["valueFrom"]]
+    return uses
+
+
+def parse_spec(spec: Mapping[str, Any], *, allow_secrets: bool = False) -> MoEInferenceServiceSpec:
+    """Validate ``spec`` with the same models that generated the CRD; ``allow_secrets``: the operator's
+    setting (``OperatorConfig.allow_secrets``) that lets Secrets reach the pods.
 
     Raises:
-        SpecError: reason ``InvalidSpec`` or ``UnknownModelPreset``, with a message naming the field.
+        SpecError: reason ``InvalidSpec``, ``UnknownModelPreset`` or ``SecretsNotAllowed``, with a message
+            naming the field.
     """
     try:
         parsed = MoEInferenceServiceSpec.model_validate(dict(spec))
@@ -58,4 +82,7 @@ def parse_spec(spec: Mapping[str, Any]) -> MoEInferenceServiceSpec:
         issues.append(f"spec.overload.maxContextTokens ({cap}) is above the model's context ({args.max_seq_len})")
     if issues:
         raise SpecError("InvalidSpec", "; ".join(issues))
+    secrets = [] if allow_secrets else secret_uses(parsed)
+    if secrets:
+        raise SpecError("SecretsNotAllowed", "; ".join(secrets))
     return parsed

@@ -300,5 +300,7 @@ OPERATOR_READS = (
     METRIC_PROCESS_RSS_BYTES,
     METRIC_REJECTIONS_TOTAL,
     METRIC_E2E_LATENCY_SECONDS,
+    METRIC_MEMORY_LEAK_SUSPECTED,
+    METRIC_MEMORY_GROWTH_BYTES_PER_SECOND,
 )
 """Every worker series the operator's Prometheus queries name (a test checks that the worker exports each)."""

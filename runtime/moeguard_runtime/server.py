@@ -237,12 +237,12 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
 
     @app.get("/readyz", response_class=PlainTextResponse)
     async def readyz() -> Response:
-        """Readiness: 503 while the model loads, the loop is stopped or memory is above hard."""
+        """Readiness: 503 while the model loads, the loop is stopped, memory is above hard, or
+        before the first budget document (:attr:`Worker.not_ready_reason`); the body says why."""
         w = slot.worker
-        if w is not None and w.ready:
+        why = "model is loading" if w is None else w.not_ready_reason
+        if why is None:
             return PlainTextResponse("ready")
-        why = ("model is loading" if w is None else
-               "engine loop stopped" if not w.alive else "above the hard memory limit")
         return PlainTextResponse(why, status_code=503)
 
     @app.get("/metrics", response_class=PlainTextResponse)

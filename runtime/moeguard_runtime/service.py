@@ -101,7 +101,20 @@ class Worker:
 
     @property
     def ready(self) -> bool:
-        return self.alive and self.memory.state != MemoryState.HARD
+        return self.not_ready_reason is None
+
+    @property
+    def not_ready_reason(self) -> str | None:
+        """Why ``/readyz`` answers 503, or None when ready: the engine loop stopped, memory above
+        the hard limit, or, with a budget ConfigMap named (``MOEGUARD_BUDGET_CONFIGMAP``), no valid
+        budget document applied yet (the env's defaults are never served in place of the spec's)."""
+        if not self.alive:
+            return "engine loop stopped"
+        if self.memory.state == MemoryState.HARD:
+            return "above the hard memory limit"
+        if self.settings.budget_configmap is not None and self.budget_generation == NO_GENERATION:
+            return f"waiting for the first valid budget document (ConfigMap {self.settings.budget_configmap})"
+        return None
 
     # --- state read by the server, the tests and the benchmarks -------------------
     @property

@@ -1,30 +1,36 @@
 """The operator-worker contract holds on both sides.
 
 Fails when a budget is missing on either side, when a default differs between the
-operator's spec and a worker started by hand, when the operator's Deployment env does
-not reproduce the spec's values in the worker's settings, or when the operator queries a
+operator's spec and a worker started by hand, when the operator's Deployment env and its
+first budget document do not reproduce the spec's values in the worker, when a budget
+is in the Deployment env (budget changes must never roll the pods), or when the operator queries a
 metric that the worker does not export.
 """
 
 from __future__ import annotations
 
 import re
+from datetime import UTC, datetime
 
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from moeguard_operator.builders import Owner, worker_env
+from moeguard_operator import budget_document
+from moeguard_operator.builders import Owner, build_budget_configmap, worker_env
 from moeguard_operator.models import (
     BatchingSpec,
     BudgetCeilings,
     BudgetFloors,
     MoEInferenceServiceSpec,
+    MoEInferenceServiceStatus,
 )
 from moeguard_operator.observe import queries
 from moeguard_operator.policy import floors, initial_budgets
 from moeguard_runtime import contract
+from moeguard_runtime.budget_watch import NO_GENERATION, decide_update
 from moeguard_runtime.config import load_settings
+from moeguard_runtime.presets import get_preset
 from moeguard_runtime.telemetry import Telemetry
 
 pytestmark = pytest.mark.unit
@@ -67,7 +73,7 @@ def test_a_worker_started_by_hand_gets_the_operators_defaults() -> None:
     assert s.overload_mode == spec.overload.mode
 
 
-def test_the_deployment_env_reproduces_the_spec_in_the_worker_settings() -> None:
+def test_the_deployment_env_and_the_first_budget_document_reproduce_the_spec_in_the_worker() -> None:
     spec = MoEInferenceServiceSpec.model_validate({
         "batching": {"maxPrefillTokens": 1000, "maxDecodeTokens": 77, "maxBatchRequests": 9,
                      "maxLongRequestsPerBatch": 3, "maxConcurrentBatches": 5, "maxQueueRequests": 11,
@@ -75,14 +81,24 @@ def test_the_deployment_env_reproduces_the_spec_in_the_worker_settings() -> None
         "resources": {"gpuSoftFraction": 0.7, "gpuHardFraction": 0.8},
         "overload": {"mode": "On"},
     })
-    env = {e["name"]: e["value"] for e in worker_env(Owner("svc", "ns", "uid"), spec) if "value" in e}
+    owner = Owner("svc", "ns", "uid")
+    env = {e["name"]: e["value"] for e in worker_env(owner, spec) if "value" in e}
+    # Budgets never roll the pods: none is in the env; they come from the ConfigMap's document.
+    assert not {f.env for f in contract.BUDGET_FIELDS} & env.keys()
     s = load_settings(env)
-    assert s.budgets == initial_budgets(spec.batching)
-    assert s.budgets.queue_timeout_seconds == 2.5
+    assert s.budget_configmap == contract.budget_configmap_name("svc")
     assert (s.limits.long_request_threshold_tokens, s.limits.max_concurrent_requests) == (300, 40)
     assert (s.gpu_soft_fraction, s.gpu_hard_fraction, s.overload_mode) == (0.7, 0.8, "On")
     assert env[contract.UCX_MEM_MMAP_HOOK_MODE] == contract.UCX_SAFE_MMAP_HOOK_MODE
     assert env[contract.UCX_RCACHE_MAX_UNRELEASED] == str(contract.UCX_SAFE_RCACHE_MAX_UNRELEASED)
+
+    first = budget_document.for_spec(spec, MoEInferenceServiceStatus(), None, datetime(2026, 1, 1, tzinfo=UTC))
+    data = build_budget_configmap(owner, first)["data"]
+    decision = decide_update(data, NO_GENERATION, get_preset(spec.model.preset).max_seq_len)
+    assert decision.action == "apply" and decision.document is not None
+    assert decision.document.budgets == initial_budgets(spec.batching)
+    assert decision.document.budgets.queue_timeout_seconds == 2.5
+    assert decision.document.overload_mode == "On"
 
 
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",),

@@ -118,6 +118,9 @@ The operator's command-line arguments (python -m moeguard_operator ...).
 {{- with .Values.operator.prometheusUrl }}
 - --prometheus-url={{ . }}
 {{- end }}
+{{- if .Values.operator.allowSecrets }}
+- --allow-secrets
+{{- end }}
 {{- with .Values.operator.extraArgs }}
 {{ toYaml . }}
 {{- end }}

@@ -32,7 +32,7 @@ from moeguard_operator.crdgen import build_crd
 CHART = ROOT / "charts" / "moeguard"
 CRD_NAME = "moeinferenceservices.moeguard.dev"
 ALL_OPTIONS = ("prometheusRule.enabled=true", "serviceMonitor.enabled=true", "grafanaDashboard.enabled=true",
-               "operator.peering.enabled=true", "replicaCount=2")
+               "operator.peering.enabled=true", "replicaCount=2", "operator.allowSecrets=true")
 
 
 def _docs(text: str) -> list[dict[str, Any]]:

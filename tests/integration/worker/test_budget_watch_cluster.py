@@ -67,3 +67,17 @@ def test_budget_configmap_is_watched_applied_and_bad_documents_refused(
                    timeout=30)
     assert r.status_code == 200  # 201 prompt tokens prefilled in chunks of 77
     assert sample(w, "moeguard_batch_tokens_count", phase="prefill") == 3
+
+
+def test_with_a_budget_configmap_named_the_worker_is_not_ready_before_its_first_document(
+        cluster: Cluster, namespace: str, start_worker: Callable[..., WorkerProcess]) -> None:
+    w = start_worker(KUBECONFIG=str(cluster.kubeconfig), MOEGUARD_BUDGET_CONFIGMAP="demo-budget",
+                     MOEGUARD_NAMESPACE=namespace, MOEGUARD_SERVICE_NAME="demo")
+    r = httpx.get(f"{w.base_url}/readyz", timeout=5)
+    assert r.status_code == 503 and "waiting for the first valid budget document" in r.text, r.text
+    cluster.kubectl("apply", "-f", "-", input=configmap(namespace, {"budget.json": '{"generation": 1}'}))
+    wait_for(w, "moeguard_budget_updates_total", 1, result="rejected")
+    assert httpx.get(f"{w.base_url}/readyz", timeout=5).status_code == 503  # an invalid one does not count
+    cluster.kubectl("apply", "-f", "-", input=configmap(namespace, doc(2, 300)))
+    wait_for(w, "moeguard_budget_generation", 2)
+    assert httpx.get(f"{w.base_url}/readyz", timeout=5).text == "ready"

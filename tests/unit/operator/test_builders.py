@@ -35,7 +35,7 @@ def test_deployment_limits_and_env() -> None:
     env = _env(dep)
     assert env["MOEGUARD_SOFT_LIMIT_BYTES"] == str(12 * 2**30)
     assert env["MOEGUARD_HARD_LIMIT_BYTES"] == str(16 * 2**30)
-    assert env["MOEGUARD_MAX_PREFILL_TOKENS"] == "2048"
+    assert "MOEGUARD_MAX_PREFILL_TOKENS" not in env  # budgets travel in the ConfigMap alone
     assert env["UCX_MEM_MMAP_HOOK_MODE"] == "none"
     assert env["UCX_RCACHE_MAX_UNRELEASED"] == "1024"
     assert env["MOEGUARD_BUDGET_CONFIGMAP"] == "mixtral-budget"
@@ -77,7 +77,7 @@ def test_pod_template_extras_and_gpu_type() -> None:
     env = _env(dep)
     assert env["HF_HOME"] == "/cache" and env["MOEGUARD_CHECKPOINT_PATH"] == "/models/mixtral"
     assert env["MOEGUARD_MODEL_OVERRIDES"] == '{"n_layer": 4, "top_k": 1}'
-    assert env["MOEGUARD_OVERLOAD_MODE"] == "Auto" and env["MOEGUARD_QUEUE_TIMEOUT_SECONDS"] == "30"
+    assert env["MOEGUARD_OVERLOAD_MODE"] == "Auto" and "MOEGUARD_QUEUE_TIMEOUT_SECONDS" not in env
 
 
 def test_restricted_pod_security() -> None:
@@ -128,3 +128,25 @@ def test_gpu_resource_name_cannot_be_a_core_resource() -> None:
     for name in ("memory", "cpu", "ephemeral-storage", "hugepages-1Gi"):
         with pytest.raises(ValidationError, match="must be an extended resource"):
             MoEInferenceServiceSpec.model_validate({"resources": {"gpuResourceName": name}})
+
+
+LIVE_CHANGES = {  # spec changes that reach the workers through the budget ConfigMap, or not at all
+    "budgets": {"batching": {"maxPrefillTokens": 1024, "maxDecodeTokens": 32, "maxBatchRequests": 8,
+                             "maxLongRequestsPerBatch": 2, "maxConcurrentBatches": 1, "maxQueueRequests": 10,
+                             "queueTimeoutSeconds": 5}},
+    "floors and ceilings": {"batching": {"floors": {"maxPrefillTokens": 128},
+                                         "ceilings": {"maxPrefillTokens": 8192}}},
+    "overload context cap": {"overload": {"maxContextTokens": 512}},
+    "overload thresholds": {"overload": {"rejectionRatePerSecond": 9, "p99LatencySeconds": 99}},
+    "control": {"control": {"skewThreshold": 9, "queryIntervalSeconds": 3, "cooldownSeconds": 1,
+                            "leakHorizonSeconds": 600, "leakAction": "Restart", "prometheusUrl": "http://p:9090"}},
+}
+
+
+@pytest.mark.parametrize("change", list(LIVE_CHANGES.values()), ids=list(LIVE_CHANGES))
+def test_changes_that_apply_live_leave_the_pod_template_alone(change: dict) -> None:
+    """Only image, resources, model, parallelism (and the pod-template extras, UCX, and the static
+    knobs a worker reads at start) may change the pod template: anything else would roll every worker."""
+    base = build_deployment(OWNER, MoEInferenceServiceSpec())["spec"]["template"]
+    changed = build_deployment(OWNER, MoEInferenceServiceSpec.model_validate(change))["spec"]["template"]
+    assert changed == base

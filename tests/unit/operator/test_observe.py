@@ -5,6 +5,7 @@ from datetime import UTC, datetime
 import pytest
 
 from moeguard_operator.observe import (
+    leak_signals,
     observe,
     parse_by_label,
     parse_label_values,
@@ -62,3 +63,16 @@ def test_values_by_label_skip_bad_entries() -> None:
     result = [{"metric": {"pod": "a"}, "value": [0, "2.5"]}, {"metric": {"pod": "b"}, "value": [0, "NaN"]},
               {"metric": {"pod": "c"}}, {"metric": {}, "value": [0, "1"]}]
     assert parse_by_label(result, "pod") == {"a": 2.5}
+
+
+def test_leak_signals_are_the_counted_pods_kinds_and_highest_growth_per_part() -> None:
+    kinds = [{"metric": {"pod": "w-0", "kind": "native"}, "value": [0, "1"]},
+             {"metric": {"pod": "w-0", "kind": "python_heap"}, "value": [0, "0"]},
+             {"metric": {"pod": "young", "kind": "python_heap"}, "value": [0, "1"]},
+             {"metric": None, "value": "NaN"}]
+    growth = [{"metric": {"pod": "w-0", "part": "rss_anonymous"}, "value": [0, "1000"]},
+              {"metric": {"pod": "w-1", "part": "rss_anonymous"}, "value": [0, "3000"]},
+              {"metric": {"pod": "young", "part": "rss_anonymous"}, "value": [0, "9e9"]},
+              {"metric": {"pod": "w-1", "part": "malloc_in_use"}, "value": [0, "NaN"]}]
+    assert leak_signals(kinds, growth, lambda pod: pod != "young") == (("native",), (("rss_anonymous", 3000.0),))
+    assert leak_signals(None, "garbage", lambda pod: True) == ((), ())

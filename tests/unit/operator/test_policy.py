@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -9,6 +10,7 @@ from hypothesis import strategies as st
 
 from moeguard_operator.models import BUDGET_FIELDS, MoEInferenceServiceSpec
 from moeguard_operator.policy import (
+    LEAK_NOISE_BYTES_PER_SECOND,
     Observation,
     PolicyState,
     ceilings,
@@ -17,8 +19,11 @@ from moeguard_operator.policy import (
     floors,
     increase,
     initial_budgets,
+    judge_leak,
+    seconds_to_hard_limit,
 )
 from moeguard_runtime.contract import Budgets
+from moeguard_runtime.leak import DEFAULT_THRESHOLD_BYTES_PER_S
 
 pytestmark = pytest.mark.unit
 
@@ -129,7 +134,7 @@ def test_leak_warn_and_restart() -> None:
     slope = 3 * 2**20  # 3 MiB/s = 180 MiB/min
     warn = decide(obs(rss_slope_bytes_per_second=slope), PolicyState(START), SPEC, NOW)
     assert warn.leak_suspected is True and not warn.restart
-    assert "RSS grows 180 MiB/min > 60 MiB/min" in warn.reason
+    assert "unclassified leak suspected: RSS +180.0 MiB/min over 600s at 50% of hardLimit" in warn.reason
     restart_spec = SPEC.model_copy(update={"control": SPEC.control.model_copy(update={"leak_action": "Restart"})})
     first = decide(obs(rss_slope_bytes_per_second=slope), PolicyState(START), restart_spec, NOW)
     assert first.restart and first.state.last_restart == NOW
@@ -202,3 +207,73 @@ def test_no_skew_samples_yet_is_visible_but_does_not_loosen() -> None:
     tight = START.model_copy(update={"max_prefill_tokens": 1024})
     d = decide(o, PolicyState(tight, last_change=ago(3600), last_pressure=ago(3600)), SPEC, NOW)
     assert d.direction == "hold" and "no expert-skew samples yet" in d.reason
+
+
+# --- the leak rule: projected time to the hard limit ---------------------------------------------------
+GiB, MB = 2**30, 10**6
+
+
+def _leak_spec(hard: str = "16Gi", horizon: int | None = None, legacy: int | None = None) -> MoEInferenceServiceSpec:
+    control: dict[str, Any] = {}
+    if horizon is not None:
+        control["leakHorizonSeconds"] = horizon
+    if legacy is not None:
+        control["leakSlopeBytesPerSecond"] = legacy
+    return MoEInferenceServiceSpec.model_validate({"resources": {"softLimit": "512Mi", "hardLimit": hard},
+                                                   "control": control})
+
+
+def test_the_default_flags_the_seeds_leak_and_an_afternoon_leak_and_names_the_kind() -> None:
+    spec = _leak_spec("80Gi")
+    seed = judge_leak(obs(rss_slope_bytes_per_second=400 * MB / 60, memory_ratio=0.3,
+                          leak_kinds=("native",), growth_bytes_per_second=(("rss_anonymous", 400 * MB / 60),)), spec)
+    assert seed is not None and seed.suspected and seed.kind == "native" and seed.reason == "NativeLeak"
+    assert seed.message.startswith("native leak suspected: RSS +381.5 MiB/min over 600s at 30% of hardLimit")
+    assert "rss_anonymous +381 MiB/min" in seed.message and "hardLimit reached in 2.5 h" in seed.message
+    # 50 MB/min (the old default, 1 MiB/s, never flagged it) on a worker 4 h from its 16Gi limit.
+    afternoon = judge_leak(obs(rss_slope_bytes_per_second=50 * MB / 60, memory_ratio=0.3,
+                               leak_kinds=("python_heap",)), _leak_spec("16Gi"))
+    assert afternoon is not None and afternoon.suspected and afternoon.reason == "PythonHeapLeak"
+    assert "python_heap leak suspected" in afternoon.message
+
+
+def test_noise_and_far_horizons_are_not_flagged_and_the_deprecated_threshold_still_works() -> None:
+    spec = _leak_spec("16Gi")
+    noise = judge_leak(obs(rss_slope_bytes_per_second=LEAK_NOISE_BYTES_PER_SECOND, memory_ratio=0.99), spec)
+    assert noise is not None and not noise.suspected and noise.reason == "RSSFlat" and noise.kind == "none"
+    far = judge_leak(obs(rss_slope_bytes_per_second=200 * 1024, memory_ratio=0.1), spec)  # 14.4 GiB at 200 KiB/s: 21 h
+    assert far is not None and not far.suspected
+    legacy = judge_leak(obs(rss_slope_bytes_per_second=200 * 1024, memory_ratio=0.1), _leak_spec(legacy=100 * 1024))
+    assert legacy is not None and legacy.suspected
+    assert judge_leak(obs(rss_slope_bytes_per_second=None), spec) is None
+    assert seconds_to_hard_limit(-5.0, 0.5, GiB) == math.inf
+
+
+def test_the_noise_floor_is_the_workers_own() -> None:
+    assert LEAK_NOISE_BYTES_PER_SECOND == DEFAULT_THRESHOLD_BYTES_PER_S
+
+
+@settings(max_examples=300, deadline=None)
+@given(slope=st.floats(-1e7, 1e9), ratio=st.one_of(st.none(), st.floats(0.0, 1.2)),
+       hard_gib=st.integers(1, 512), horizon=st.integers(60, 604_800))
+def test_leak_rule_properties(slope: float, ratio: float | None, hard_gib: int, horizon: int) -> None:
+    spec = _leak_spec(f"{hard_gib}Gi", horizon)
+    verdict = judge_leak(obs(rss_slope_bytes_per_second=slope, memory_ratio=ratio), spec)
+    assert verdict is not None
+    eta = seconds_to_hard_limit(slope, ratio, hard_gib * GiB)
+    # flagged exactly when above the noise floor and the hard limit is within the horizon
+    assert verdict.suspected == (slope > LEAK_NOISE_BYTES_PER_SECOND and eta <= horizon)
+    if slope <= LEAK_NOISE_BYTES_PER_SECOND:
+        assert not verdict.suspected
+    # a steeper slope, from the same use, is never less suspect
+    steeper = judge_leak(obs(rss_slope_bytes_per_second=slope * 2 + 1, memory_ratio=ratio), spec)
+    assert steeper is not None and (steeper.suspected or not verdict.suspected)
+    # with the default horizon, any leak that would kill within 6 hours (an afternoon) is flagged
+    default = judge_leak(obs(rss_slope_bytes_per_second=slope, memory_ratio=ratio), _leak_spec(f"{hard_gib}Gi"))
+    assert default is not None
+    if slope > LEAK_NOISE_BYTES_PER_SECOND and eta <= 6 * 3600:
+        assert default.suspected
+    # the seed's 400 MB/min is flagged at any use with up to 268 GiB of headroom
+    if hard_gib <= 268:
+        seed = judge_leak(obs(rss_slope_bytes_per_second=400 * MB / 60, memory_ratio=ratio), _leak_spec(f"{hard_gib}Gi"))
+        assert seed is not None and seed.suspected

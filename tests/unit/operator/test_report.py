@@ -159,7 +159,14 @@ def test_a_leak_warns_once() -> None:
     status, events = report.looked(prior, SPEC, seen, decide(seen, report.policy_state(prior, SPEC), SPEC, NOW),
                                    None, 0, NOW, 1)
     assert ("Warning", "MemoryLeakSuspected") in [(e.type, e.reason) for e in events]
-    assert _types(status)["MemoryLeakSuspected"] == ("True", "RSSGrowing")
+    assert _types(status)["MemoryLeakSuspected"] == ("True", "RSSGrowing")  # the workers flag no kind
+    native = _obs(rss_slope_bytes_per_second=10 * 2**20, leak_kinds=("native",))
+    named, events = report.looked(status, SPEC, native, decide(native, report.policy_state(status, SPEC), SPEC, NOW),
+                                  None, 0, NOW, 1)
+    assert _types(named)["MemoryLeakSuspected"] == ("True", "NativeLeak")
+    assert [e.message.split(":")[0] for e in events if e.reason == "MemoryLeakSuspected"] == ["native leak suspected"]
+    assert named.observed is not None and named.observed.leak_kinds == ["native"]
+    assert named.observed.seconds_to_hard_limit is not None
     _, again = report.looked(status, SPEC, seen, decide(seen, report.policy_state(status, SPEC), SPEC, NOW),
                              None, 0, NOW, 1)
     assert "MemoryLeakSuspected" not in [e.reason for e in again]
@@ -173,3 +180,10 @@ def test_policy_state_round_trips_through_status() -> None:
                               0, NOW, 1)
     assert report.policy_state(report.read_status(report.status_patch(MoEInferenceServiceStatus(), status)), SPEC) \
         == decision.state
+
+
+def test_a_stalled_generation_is_stalled_until_a_new_one_reconciles() -> None:
+    prior = _reconciled()
+    assert not report.is_stalled(prior, 1)
+    stalled, _ = report.stalled(prior, "ApplyRefused", "the API server refused Deployment x-worker", NOW, 2)
+    assert report.is_stalled(stalled, 2) and not report.is_stalled(stalled, 3)

@@ -48,3 +48,29 @@ def test_cross_field_rules(spec: dict, message: str) -> None:
     with pytest.raises(ValidationError) as info:
         MoEInferenceServiceSpec.model_validate(spec)
     assert message in str(info.value)
+
+
+SECRET_SPEC = {"template": {
+    "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "m"}}, {"name": "cache", "emptyDir": {}},
+                {"name": "hf-token", "secret": {"secretName": "hf"}}],
+    "extraEnv": [{"name": "HF_HOME", "value": "/cache"},
+                 {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+                 {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]}}
+
+
+def test_secrets_are_refused_unless_the_operator_allows_them_naming_each_field() -> None:
+    with pytest.raises(SpecError) as info:
+        parse_spec(SECRET_SPEC)
+    assert info.value.reason == "SecretsNotAllowed"
+    assert str(info.value) == (
+        "spec.template.volumes[2] (hf-token): Secret volumes are not allowed by this operator "
+        "(chart value operator.allowSecrets); spec.template.extraEnv[1] (HF_TOKEN): valueFrom.secretKeyRef is not "
+        "allowed by this operator (chart value operator.allowSecrets)")
+    served = parse_spec(SECRET_SPEC, allow_secrets=True)
+    assert served.template.volumes[2]["secret"] == {"secretName": "hf"}
+
+
+def test_specs_without_secrets_are_served_either_way() -> None:
+    spec = {"template": {"volumes": SECRET_SPEC["template"]["volumes"][:2],  # type: ignore[index]
+                         "extraEnv": [SECRET_SPEC["template"]["extraEnv"][0]]}}  # type: ignore[index]
+    assert parse_spec(spec).template.volumes == parse_spec(spec, allow_secrets=True).template.volumes

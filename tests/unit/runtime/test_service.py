@@ -265,3 +265,26 @@ def test_the_self_trigger_holds_until_calm() -> None:
     assert worker_wants_overload(active=True, pressure=False, calm=False)  # held
     assert not worker_wants_overload(active=True, pressure=False, calm=True)
     assert not worker_wants_overload(active=False, pressure=False, calm=False)
+
+
+def test_with_a_budget_configmap_the_worker_is_not_ready_before_its_first_document(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Worker, "alive", property(lambda self: True))  # no engine thread in unit tests
+    settings = load_settings({"MOEGUARD_BUDGET_CONFIGMAP": "svc-budget"})
+    worker = Worker(settings, Engine(build_model(presets.get_preset("tiny"), seed=1)),
+                    Telemetry(LABELS, 8), RateLimitedLog(0.0, logger=Lines()), clock=lambda: 0.0,
+                    memory_reader=lambda: MemoryReading(100, "rss"), idle_wait_s=0.0)
+    assert not worker.ready
+    assert worker.not_ready_reason is not None and "svc-budget" in worker.not_ready_reason
+    worker.on_budget_data({"budget.json": json.dumps({"generation": 1})})  # invalid: still not ready
+    assert not worker.ready
+    worker.on_budget_data(doc(1, 32))
+    assert worker.ready and worker.not_ready_reason is None
+
+
+def test_without_a_budget_configmap_the_env_budgets_serve_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Worker, "alive", property(lambda self: True))
+    worker = Worker(load_settings({}), Engine(build_model(presets.get_preset("tiny"), seed=1)),
+                    Telemetry(LABELS, 8), RateLimitedLog(0.0, logger=Lines()), clock=lambda: 0.0,
+                    memory_reader=lambda: MemoryReading(100, "rss"), idle_wait_s=0.0)
+    assert worker.ready
