@@ -57,12 +57,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Opera
     parser.add_argument("--timer-interval-seconds", type=float, default=OperatorConfig.timer_interval_seconds,
                         help="seconds between two timer ticks per resource (default: %(default)s); "
                              "for tests, which shorten it")
+    parser.add_argument("--allow-host-path-models", action="store_true",
+                        help="serve spec.model.source.hostPath (a node directory; for single-node and "
+                             "development clusters: it gives whoever may create a MoEInferenceService read "
+                             "access to that directory of the node)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(argv)
     try:
         config = OperatorConfig(prometheus_url=args.prometheus_url or None,
                                 timer_interval_seconds=args.timer_interval_seconds,
-                                peering_lifetime_seconds=args.peering_lifetime_seconds)
+                                peering_lifetime_seconds=args.peering_lifetime_seconds,
+                                allow_host_path_models=args.allow_host_path_models)
     except ValueError as exc:
         parser.error(str(exc))
     return args, config

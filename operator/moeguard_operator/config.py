@@ -21,11 +21,14 @@ class OperatorConfig:
             OOM kills; Prometheus is asked only every ``control.queryIntervalSeconds``).
         peering_lifetime_seconds: seconds after which a standby replica takes over from an
             active one that stopped renewing its peering lease (kopf's default: 60).
+        allow_host_path_models: whether a ``spec.model.source.hostPath`` is served (single-node and
+            development clusters); off: such a spec is Stalled with reason ``HostPathNotAllowed``.
     """
 
     prometheus_url: str | None = None
     timer_interval_seconds: float = 5.0
     peering_lifetime_seconds: int = 60
+    allow_host_path_models: bool = False
 
     def __post_init__(self) -> None:
         if self.timer_interval_seconds <= 0:

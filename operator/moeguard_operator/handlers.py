@@ -35,7 +35,7 @@ from moeguard_operator.models import MoEInferenceServiceSpec, MoEInferenceServic
 from moeguard_operator.observe import observe_service
 from moeguard_operator.podstate import pod_facts
 from moeguard_operator.policy import decide, floors
-from moeguard_operator.spec_checks import SpecError, parse_spec
+from moeguard_operator.spec_checks import SpecError, check_model_source, parse_spec
 from moeguard_runtime.contract import (
     API_GROUP,
     API_VERSION,
@@ -93,6 +93,7 @@ def reconcile(
     namespace: str | None,
     uid: str,
     patch: kopf.Patch,
+    memo: kopf.Memo,
     logger: Logger,
     **_: Any,
 ) -> None:
@@ -102,6 +103,7 @@ def reconcile(
     prior, owner = report.read_status(status), Owner(name=name, namespace=namespace, uid=uid)
     try:
         parsed = parse_spec(spec)
+        check_model_source(parsed, from_memo(memo).allow_host_path_models)
         apply_children(owner, parsed)
     except SpecError as exc:
         _stall(body, patch, prior, exc.reason, str(exc), now, generation, "invalid")
@@ -180,6 +182,7 @@ def control_loop(
     at Prometheus, one policy decision, and the actions it asks for."""
     try:
         parsed = parse_spec(spec)
+        check_model_source(parsed, from_memo(memo).allow_host_path_models)
     except SpecError:
         return  # reported by reconcile; nothing to control
     prior = report.read_status(status)
@@ -192,8 +195,10 @@ def control_loop(
     data = kube.read_configmap_data(namespace, budget_configmap_name(name))
     if deployment is None or data is None:
         _recreate(body, owner, parsed, prior, {"Deployment": deployment is None, "budget ConfigMap": data is None}, now)
-    new = report.readiness(prior, parsed, int((deployment or {}).get("readyReplicas") or 0), now, generation)
     facts = pod_facts(kube.list_pods(namespace, selector_string(owner)))
+    new = report.readiness(prior, parsed, int((deployment or {}).get("readyReplicas") or 0), now, generation,
+                           facts.startup_failures)
+    _post(body, report.readiness_events(prior, new))
     new, new_ooms = report.oom_check(new, facts, now)
     last_look: datetime | None = memo.get(LAST_LOOK_KEY)
     if new_ooms or last_look is None or (now - last_look).total_seconds() >= parsed.control.query_interval_seconds:

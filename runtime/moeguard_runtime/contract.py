@@ -75,7 +75,7 @@ ENV_DTYPE = "MOEGUARD_DTYPE"
 ENV_PORT = "MOEGUARD_PORT"
 """TCP port of the worker's HTTP server (OpenAI API, /metrics, health)."""
 WORKER_PORT = 8000
-MODEL_MOUNT_PATH = "/models"
+MODEL_MOUNT_PATH = "/moeguard/model"
 """Where the worker container sees ``spec.model.source``, read-only."""
 MODEL_VOLUME = "moeguard-model"
 """Name of the pod volume of ``spec.model.source``."""

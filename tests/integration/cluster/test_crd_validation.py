@@ -46,7 +46,7 @@ REFUSED = [
     ("volume-named-like-the-operators", {"template": {"volumes": [{"name": "tmp", "emptyDir": {}}]}},
      "the names tmp are the operator's"),
     ("mount-at-the-operators-path", {"template": {"volumes": [PVC], "volumeMounts": [{"name": "models", "mountPath": "/tmp/x"}]}},
-     "/tmp is where the operator mounts its own volumes"),
+     "/tmp and /moeguard/model are where the operator mounts its own volumes"),
     ("mount-of-an-undefined-volume", {"template": {"volumeMounts": [{"name": "nope", "mountPath": "/m"}]}},
      "template.volumeMounts must name a volume of template.volumes"),
     ("host-path-volume", {"template": {"volumes": [{"name": "host", "hostPath": {"path": "/"}}]}},

@@ -9,7 +9,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from moeguard_runtime.contract import Budgets
 from moeguard_runtime.moe import routing_stats
-from moeguard_runtime.telemetry import RateLimitedLog, Telemetry, worker_labels, write_termination_message
+from moeguard_runtime.telemetry import (
+    RateLimitedLog,
+    Telemetry,
+    worker_labels,
+    write_termination_message,
+)
 
 pytestmark = pytest.mark.unit
 
