@@ -233,6 +233,19 @@ def build_deployment(owner: Owner, spec: MoEInferenceServiceSpec) -> Manifest:
     }
 
 
+def dropped_volumes(sent: Manifest, stored: Manifest) -> list[str]:
+    """Names of the pod volumes of Deployment ``sent`` that the API server did not store in ``stored``.
+
+    The API server silently drops a field of a disabled feature: on Kubernetes 1.33-1.34 without the
+    ``ImageVolume`` feature gate, an ``image`` volume (and its mounts) vanish from an accepted Deployment.
+    """
+    def names(manifest: Manifest) -> set[str]:
+        pod = (((manifest.get("spec") or {}).get("template") or {}).get("spec") or {})
+        return {str(v.get("name")) for v in pod.get("volumes") or []}
+
+    return sorted(names(sent) - names(stored))
+
+
 def build_pod_disruption_budget(owner: Owner) -> Manifest:
     """At most one worker pod down at a time through voluntary disruptions (drains)."""
     return {

@@ -26,6 +26,7 @@ from moeguard_operator.builders import (
     build_budget_configmap,
     build_children,
     build_pod_monitor,
+    dropped_volumes,
     restart_patch,
     selector_string,
     worker_name,
@@ -145,9 +146,17 @@ def apply_children(owner: Owner, spec: MoEInferenceServiceSpec) -> None:
 
     Raises:
         kubernetes.client.exceptions.ApiException: the API server refused one.
+        SpecError: reason ``VolumeDropped``: the API server stored the Deployment without some of its
+            volumes (a disabled feature, e.g. image volumes without the ImageVolume feature gate).
     """
     for manifest in build_children(owner, spec):
-        kube.apply(manifest)
+        stored = kube.apply(manifest)
+        dropped = dropped_volumes(manifest, stored) if manifest["kind"] == "Deployment" else []
+        if dropped:
+            raise SpecError("VolumeDropped", f"the API server stored the worker Deployment without its volumes "
+                                             f"{', '.join(dropped)}: a volume type this cluster has not enabled "
+                                             "(image volumes need Kubernetes 1.33+ with the ImageVolume feature "
+                                             "gate)")
     if kube.crd_exists(PODMONITOR_CRD):
         kube.apply(build_pod_monitor(owner))
 

@@ -3,12 +3,13 @@ the weights-vs-hardLimit check, and the hostPath gate."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
-from moeguard_operator.builders import Owner, build_deployment
+from moeguard_operator.builders import Owner, build_deployment, dropped_volumes
 from moeguard_operator.models import MoEInferenceServiceSpec
 from moeguard_operator.spec_checks import SpecError, check_model_source, parse_spec, weight_bytes
 
@@ -119,3 +120,12 @@ def test_host_path_only_where_the_operator_allows_it() -> None:
     assert "--allow-host-path-models" in str(info.value)
     check_model_source(spec, allow_host_path=True)
     check_model_source(parse_spec({"model": {"source": PVC}}), allow_host_path=False)
+
+
+def test_volumes_the_api_server_dropped_are_named() -> None:
+    parsed = MoEInferenceServiceSpec.model_validate({"model": {"source": {"image": {"reference": "r.example/m:1"}}}})
+    sent = build_deployment(OWNER, parsed)
+    stored = copy.deepcopy(sent)
+    assert dropped_volumes(sent, stored) == []
+    stored["spec"]["template"]["spec"]["volumes"] = [{"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}]
+    assert dropped_volumes(sent, stored) == ["moeguard-model"]
