@@ -72,8 +72,10 @@ def _terminated(term: dict[str, Any]) -> str:
 
 
 def container_failure(cs: dict[str, Any]) -> str | None:
-    """Why a container (one ``containerStatuses[]`` entry) failed to start, or None when it is ready, running
-    or still starting. A crash loop names the last termination (exit code, reason, termination message)."""
+    """Why a container (one ``containerStatuses[]`` entry) failed to start, or None when it is ready or
+    starting for the first time. A crash loop names the last termination (exit code, reason, termination
+    message), also while the restarted container runs again but is not ready yet (so the reason does not
+    flip at every restart)."""
     if cs.get("ready"):
         return None
     state, last = cs.get("state") or {}, cs.get("lastState") or {}
@@ -81,11 +83,14 @@ def container_failure(cs: dict[str, Any]) -> str | None:
     term = state.get("terminated") or {}
     if term and term.get("exitCode") not in (None, 0):
         return f"container {name} {_terminated(term)}"
+    last_term = last.get("terminated") or {}
+    failed_before = bool(last_term) and last_term.get("exitCode") not in (None, 0)
+    if state.get("running") and failed_before:
+        return f"container {name} {_terminated(last_term)} (restarted, not ready)"
     waiting = state.get("waiting") or {}
     if waiting.get("reason") not in WAITING_FAILURES:
         return None
-    last_term = last.get("terminated") or {}
-    if last_term and last_term.get("exitCode") not in (None, 0):
+    if failed_before:
         return f"container {name} {_terminated(last_term)} ({waiting['reason']})"
     message = _clip(str(waiting.get("message") or ""))
     return f"container {name} {waiting['reason']}" + (f": {message}" if message else "")

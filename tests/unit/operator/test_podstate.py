@@ -81,13 +81,16 @@ def test_waiting_errors_terminations_and_what_is_not_a_failure() -> None:
     creating = {"name": "worker", "ready": False, "restartCount": 0, "state": {"waiting": {"reason": "ContainerCreating"}}}
     loading = {"name": "worker", "ready": False, "restartCount": 0, "state": {"running": {"startedAt": "2026-11-30T10:00:00Z"}}}
     ready_again = {**CRASH_LOOP, "ready": True, "state": {"running": {"startedAt": "2026-11-30T10:02:00Z"}}}
+    reloading = {**CRASH_LOOP, "state": {"running": {"startedAt": "2026-11-30T10:02:00Z"}}}
     deleting = _pod_with("e", CRASH_LOOP)
     deleting["metadata"]["deletionTimestamp"] = "2026-11-30T10:05:00Z"
     facts = pod_facts([_pod_with("a", pull, "Pending"), _pod_with("b", exited), _pod_with("c", creating, "Pending"),
-                       _pod_with("d", loading), _pod_with("f", ready_again), deleting])
+                       _pod_with("d", loading), _pod_with("f", ready_again), deleting, _pod_with("g", reloading)])
     assert facts.startup_failures == (
         ("a", 'container worker ImagePullBackOff: Back-off pulling image "ghcr.io/moeguard/worker:nope"'),
         ("b", "container worker exited 2 (Error)"),
+        ("g", "container worker exited 3 (Error): model_load_error: /moeguard/model/model-00002-of-00002.safetensors: "
+              "missing shard (named by model.safetensors.index.json) (restarted, not ready)"),
     )
 
 
