@@ -355,6 +355,11 @@ ADVICE: dict[str, str] = {
         "1 when the worker's own detector sees a part growing (label `kind`). The operator raises "
         "MemoryLeakSuspected and, with `Restart`, rolls the pods before the hard limit."),
     "moeguard_overload_active": "1 while overload mode is on (label `source`: operator or worker).",
+    "moeguard_model_weight_bytes": (
+        "The loaded model's parameters in bytes, in the dtype they were loaded in, set once at start-up: the "
+        "checkpoint's real size, which the operator cannot know at apply time for a `spec.model.source`. "
+        "Compare it with `resources.hardLimit` (and set `spec.model.weightBytes` to it, so that the next "
+        "apply checks the limit)."),
     "moeguard_oom_errors": (
         "Batches that hit an out-of-memory error the worker survived (label `kind`: GPU). Rising: the "
         "budgets are too high for the device; the worker already shrinks them."),

@@ -61,13 +61,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Opera
     parser.add_argument("--allow-secrets", action="store_true",
                         help="serve specs that mount Secrets or read them into env (template.volumes[].secret, "
                              "template.extraEnv[].valueFrom.secretKeyRef); default: refuse them")
+    parser.add_argument("--allow-host-path-models", action="store_true",
+                        help="serve spec.model.source.hostPath (a node directory; for single-node and "
+                             "development clusters: it gives whoever may create a MoEInferenceService read "
+                             "access to that directory of the node)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(argv)
     try:
         config = OperatorConfig(prometheus_url=args.prometheus_url or None,
                                 timer_interval_seconds=args.timer_interval_seconds,
                                 peering_lifetime_seconds=args.peering_lifetime_seconds,
-                                allow_secrets=args.allow_secrets)
+                                allow_secrets=args.allow_secrets,
+                                allow_host_path_models=args.allow_host_path_models)
     except ValueError as exc:
         parser.error(str(exc))
     return args, config

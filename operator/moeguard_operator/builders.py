@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moeguard_operator import constants as c
-from moeguard_operator.models import MoEInferenceServiceSpec
+from moeguard_operator.models import ModelSource, MoEInferenceServiceSpec
 from moeguard_runtime import contract as k
 from moeguard_runtime.contract import BudgetDocument
 
@@ -121,8 +121,12 @@ def worker_env(owner: Owner, spec: MoEInferenceServiceSpec) -> list[dict[str, An
         k.ENV_OVERLOAD_MODE: spec.overload.mode,
         k.ENV_PORT: str(k.WORKER_PORT),
     }
-    if spec.model.checkpoint_path:
+    if spec.model.source is not None:
+        plain[k.ENV_CHECKPOINT_PATH] = spec.model.source.checkpoint_path
+    elif spec.model.checkpoint_path:
         plain[k.ENV_CHECKPOINT_PATH] = spec.model.checkpoint_path
+    if spec.model.served_model_name:
+        plain[k.ENV_SERVED_MODEL_NAME] = spec.model.served_model_name
     overrides = spec.model.overrides.model_dump(exclude_none=True)
     if overrides:
         plain[k.ENV_MODEL_OVERRIDES] = json.dumps(overrides, sort_keys=True)
@@ -134,6 +138,19 @@ def worker_env(owner: Owner, spec: MoEInferenceServiceSpec) -> list[dict[str, An
     env += [{"name": name, "value": value} for name, value in plain.items()]
     env += [dict(e) for e in spec.template.extra_env]
     return env
+
+
+def model_volume(source: ModelSource) -> Manifest:
+    """The pod volume (``contract.MODEL_VOLUME``) of ``spec.model.source``: read-only wherever the volume
+    type can say so (an image volume always is)."""
+    volume: Manifest = {"name": k.MODEL_VOLUME}
+    if source.persistent_volume_claim is not None:
+        volume["persistentVolumeClaim"] = {"claimName": source.persistent_volume_claim.claim_name, "readOnly": True}
+    elif source.host_path is not None:
+        volume["hostPath"] = {"path": source.host_path.path, "type": "Directory"}
+    elif source.image is not None:
+        volume["image"] = {"reference": source.image.reference, "pullPolicy": source.image.pull_policy}
+    return volume
 
 
 def build_deployment(owner: Owner, spec: MoEInferenceServiceSpec) -> Manifest:
@@ -148,6 +165,10 @@ def build_deployment(owner: Owner, spec: MoEInferenceServiceSpec) -> Manifest:
         limits[res.gpu_resource_name] = str(res.gpus)
     probe = {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10, "failureThreshold": 3}
     mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
+    volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}]
+    if spec.model.source is not None:  # the whole volume: the worker reads MODEL_MOUNT_PATH/<subPath>
+        mounts.append({"name": k.MODEL_VOLUME, "mountPath": k.MODEL_MOUNT_PATH, "readOnly": True})
+        volumes.append(model_volume(spec.model.source))
     mounts += [{"readOnly": True, **m} for m in spec.template.volume_mounts]  # read-only unless asked
     container = {
         "name": "worker",
@@ -168,6 +189,10 @@ def build_deployment(owner: Owner, spec: MoEInferenceServiceSpec) -> Manifest:
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "volumeMounts": mounts,
+        # the worker writes why it could not start there (contract.TERMINATION_MESSAGE_PATH); where it
+        # could not write it, the kubelet takes the log's tail
+        "terminationMessagePath": k.TERMINATION_MESSAGE_PATH,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     node_selector = dict(spec.template.node_selector)
     if res.gpu_product:
@@ -183,7 +208,7 @@ def build_deployment(owner: Owner, spec: MoEInferenceServiceSpec) -> Manifest:
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [container],
-        "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}, *spec.template.volumes],
+        "volumes": [*volumes, *spec.template.volumes],
     }
     if node_selector:
         pod_spec["nodeSelector"] = node_selector
@@ -206,6 +231,19 @@ def build_deployment(owner: Owner, spec: MoEInferenceServiceSpec) -> Manifest:
             "template": {"metadata": template_meta, "spec": pod_spec},
         },
     }
+
+
+def dropped_volumes(sent: Manifest, stored: Manifest) -> list[str]:
+    """Names of the pod volumes of Deployment ``sent`` that the API server did not store in ``stored``.
+
+    The API server silently drops a field of a disabled feature: on Kubernetes 1.33-1.34 without the
+    ``ImageVolume`` feature gate, an ``image`` volume (and its mounts) vanish from an accepted Deployment.
+    """
+    def names(manifest: Manifest) -> set[str]:
+        pod = (((manifest.get("spec") or {}).get("template") or {}).get("spec") or {})
+        return {str(v.get("name")) for v in pod.get("volumes") or []}
+
+    return sorted(names(sent) - names(stored))
 
 
 def build_pod_disruption_budget(owner: Owner) -> Manifest:

@@ -24,12 +24,15 @@ class OperatorConfig:
         allow_secrets: whether a spec may put Secrets into the worker pods (``template.volumes[].secret``,
             ``template.extraEnv[].valueFrom.secretKeyRef``); False: such a spec is stalled
             (``SecretsNotAllowed``). Flag ``--allow-secrets``, chart value ``operator.allowSecrets``.
+        allow_host_path_models: whether a ``spec.model.source.hostPath`` is served (single-node and
+            development clusters); off: such a spec is Stalled with reason ``HostPathNotAllowed``.
     """
 
     prometheus_url: str | None = None
     timer_interval_seconds: float = 5.0
     peering_lifetime_seconds: int = 60
     allow_secrets: bool = False
+    allow_host_path_models: bool = False
 
     def __post_init__(self) -> None:
         if self.timer_interval_seconds <= 0:

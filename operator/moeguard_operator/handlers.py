@@ -26,6 +26,7 @@ from moeguard_operator.builders import (
     build_budget_configmap,
     build_children,
     build_pod_monitor,
+    dropped_volumes,
     restart_patch,
     selector_string,
     worker_name,
@@ -35,7 +36,7 @@ from moeguard_operator.models import MoEInferenceServiceSpec, MoEInferenceServic
 from moeguard_operator.observe import observe_service
 from moeguard_operator.podstate import pod_facts
 from moeguard_operator.policy import decide, floors
-from moeguard_operator.spec_checks import SpecError, parse_spec
+from moeguard_operator.spec_checks import SpecError, check_model_source, parse_spec
 from moeguard_runtime.contract import (
     API_GROUP,
     API_VERSION,
@@ -107,7 +108,9 @@ def reconcile(
     now, generation = datetime.now(UTC), meta.get("generation")
     prior, owner = report.read_status(status), Owner(name=name, namespace=namespace, uid=uid)
     try:
-        parsed = parse_spec(spec, allow_secrets=from_memo(memo).allow_secrets)
+        config = from_memo(memo)
+        parsed = parse_spec(spec, allow_secrets=config.allow_secrets)
+        check_model_source(parsed, config.allow_host_path_models)
         apply_children(owner, parsed)
     except SpecError as exc:
         _stall(body, patch, prior, exc.reason, str(exc), now, generation, "invalid")
@@ -151,16 +154,24 @@ def apply_children(owner: Owner, spec: MoEInferenceServiceSpec) -> None:
 
     Raises:
         apply_errors.ChildRefused: the API server refused one (which, and its answer).
+        SpecError: reason ``VolumeDropped``: the API server stored the Deployment without some of its
+            volumes (a disabled feature, e.g. image volumes without the ImageVolume feature gate).
     """
     manifests = build_children(owner, spec)
     if kube.crd_exists(PODMONITOR_CRD):
         manifests.append(build_pod_monitor(owner))
     for manifest in manifests:
         try:
-            kube.apply(manifest)
+            stored = kube.apply(manifest)
         except ApiException as exc:
             child = f"{manifest['kind']} {manifest['metadata']['name']}"
             raise apply_errors.ChildRefused(child, exc.status, kube.api_message(exc), str(exc.body or "")) from exc
+        dropped = dropped_volumes(manifest, stored) if manifest["kind"] == "Deployment" else []
+        if dropped:
+            raise SpecError("VolumeDropped", f"the API server stored the worker Deployment without its volumes "
+                                             f"{', '.join(dropped)}: a volume type this cluster has not enabled "
+                                             "(image volumes need Kubernetes 1.33+ with the ImageVolume feature "
+                                             "gate)")
 
 
 def apply_budget_document(owner: Owner, data: dict[str, str] | None, document: BudgetDocument) -> BudgetDocument:
@@ -192,7 +203,9 @@ def control_loop(
     """Every tick: readiness and OOM kills. Every query interval (or at once on an OOM kill): one look
     at Prometheus, one policy decision, and the actions it asks for."""
     try:
-        parsed = parse_spec(spec, allow_secrets=from_memo(memo).allow_secrets)
+        config = from_memo(memo)
+        parsed = parse_spec(spec, allow_secrets=config.allow_secrets)
+        check_model_source(parsed, config.allow_host_path_models)
     except SpecError:
         return  # reported by reconcile; nothing to control
     prior = report.read_status(status)
@@ -207,8 +220,10 @@ def control_loop(
     data = kube.read_configmap_data(namespace, budget_configmap_name(name))
     if deployment is None or data is None:
         _recreate(body, owner, parsed, prior, {"Deployment": deployment is None, "budget ConfigMap": data is None}, now)
-    new = report.readiness(prior, parsed, int((deployment or {}).get("readyReplicas") or 0), now, generation)
     facts = pod_facts(kube.list_pods(namespace, selector_string(owner)))
+    new = report.readiness(prior, parsed, int((deployment or {}).get("readyReplicas") or 0), now, generation,
+                           facts.startup_failures)
+    _post(body, report.readiness_events(prior, new))
     new, new_ooms = report.oom_check(new, facts, now)
     last_look: datetime | None = memo.get(LAST_LOOK_KEY)
     if new_ooms or last_look is None or (now - last_look).total_seconds() >= parsed.control.query_interval_seconds:

@@ -77,8 +77,81 @@ class ModelOverrides(_Model):
     """Maximum context length, tokens."""
 
 
+SUB_PATH_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._-]*(/[A-Za-z0-9_][A-Za-z0-9._-]*)*$"
+"""A relative path inside a volume: segments that start with a letter, digit or ``_`` (so never ``..``)."""
+
+
+class PvcModelSource(_Model):
+    """A PersistentVolumeClaim that holds the checkpoint (mounted read-only; the claim may be ReadOnlyMany)."""
+
+    claim_name: str = Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    """Name of the PersistentVolumeClaim, in the MoEInferenceService's namespace."""
+
+
+class HostPathModelSource(_Model):
+    """A directory of the node (single-node and development clusters: the files must be on every node the
+    workers may run on). Served only where the operator runs with ``--allow-host-path-models``: a hostPath
+    gives whoever may create a MoEInferenceService read access to that node directory."""
+
+    path: str = Field(min_length=2, max_length=4096, pattern=r"^/[^:]*[^/:]$")
+    """Absolute path of the directory on the node (not ``/``)."""
+
+
+class ImageModelSource(_Model):
+    """An OCI image or artifact whose files are the checkpoint (a Kubernetes image volume, read-only; needs
+    Kubernetes 1.33+ with the ``ImageVolume`` feature and a container runtime that supports it)."""
+
+    reference: str = Field(min_length=1, max_length=512, pattern=r"^[^\s]+$")
+    """Image reference, e.g. ``registry.example.com/models/qwen3-30b-a3b:2507``."""
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    """When the kubelet pulls the image."""
+
+
+_SOURCE_KINDS = ("persistentVolumeClaim", "hostPath", "image")
+
+
+class ModelSource(_Model):
+    """Where the checkpoint's files come from: exactly one of ``persistentVolumeClaim``, ``hostPath`` or
+    ``image``, mounted read-only in every worker at ``/moeguard/model`` (``contract.MODEL_MOUNT_PATH``). The operator
+    reads nothing from it: the worker validates the checkpoint at start-up, and a failure reaches the
+    Ready condition through the container's termination message."""
+
+    model_config = ConfigDict(json_schema_extra=_cel(
+        (" + ".join(f"(has(self.{k}) ? 1 : 0)" for k in _SOURCE_KINDS) + " == 1",
+         "model.source must set exactly one of " + ", ".join(_SOURCE_KINDS), ""),
+    ))
+
+    persistent_volume_claim: PvcModelSource | None = None
+    """A PersistentVolumeClaim."""
+    host_path: HostPathModelSource | None = None
+    """A node directory (only with the operator's ``--allow-host-path-models``)."""
+    image: ImageModelSource | None = None
+    """An OCI image volume."""
+    sub_path: str | None = Field(default=None, max_length=1024, pattern=SUB_PATH_PATTERN)
+    """Folder inside the source that holds ``config.json`` and the safetensors shards (relative, no
+    ``..``). Unset: the source's root. The worker reads ``/moeguard/model/<subPath>``."""
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> ModelSource:
+        kinds = [self.persistent_volume_claim, self.host_path, self.image]
+        if sum(k is not None for k in kinds) != 1:
+            raise ValueError("model.source must set exactly one of " + ", ".join(_SOURCE_KINDS))
+        return self
+
+    @property
+    def checkpoint_path(self) -> str:
+        """Where the worker finds the checkpoint: ``contract.MODEL_MOUNT_PATH`` [``/subPath``]."""
+        return contract.MODEL_MOUNT_PATH + (f"/{self.sub_path}" if self.sub_path else "")
+
+
 class ModelSpec(_Model):
     """Which model the workers serve."""
+
+    model_config = ConfigDict(json_schema_extra=_cel(
+        ("!has(self.source) || !has(self.checkpointPath)",
+         "model.source and model.checkpointPath are exclusive (with a source the worker reads /moeguard/model)",
+         ".checkpointPath"),
+    ))
 
     preset: str = Field(default="tiny", min_length=1, max_length=63, pattern=r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$")
     """Name of a built-in model shape preset (see ``moeguard_runtime.presets``). An unknown name is
@@ -88,6 +161,32 @@ class ModelSpec(_Model):
     accepted). Unset: seeded random weights."""
     overrides: ModelOverrides = Field(default_factory=ModelOverrides)
     """Shape overrides on top of the preset."""
+    source: ModelSource | None = None
+    """A checkpoint folder in the Hugging Face layout (``config.json``, safetensors shards, tokenizer files)
+    from a PersistentVolumeClaim, a node directory or an OCI image, mounted read-only at ``/moeguard/model``. Its
+    ``config.json`` gives the model's shape: the preset and overrides are not used for it. Unset: the
+    preset (``checkpointPath`` or seeded random weights)."""
+    served_model_name: str | None = Field(default=None, min_length=1, max_length=256,
+                                          pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")
+    """The model name clients send and ``/v1/models`` reports (env ``MOEGUARD_SERVED_MODEL_NAME``), e.g.
+    ``Qwen/Qwen3-30B-A3B``. Unset: the worker's default."""
+    weight_bytes: str | None = Field(default=None, pattern=QUANTITY_PATTERN, max_length=32)
+    """Size of the checkpoint's weights (Kubernetes quantity, bytes; e.g. ``57Gi``, what ``du -sh`` of the
+    safetensors shards says). The operator reads nothing from a ``source``, so this hint is the only size it
+    knows at apply time: when set, a ``hardLimit`` at or below it is refused. Unset with a source: not checked
+    at apply time; the worker exports the loaded size as ``moeguard_model_weight_bytes``."""
+
+    @model_validator(mode="after")
+    def _one_checkpoint(self) -> ModelSpec:
+        if self.source is not None and self.checkpoint_path is not None:
+            raise ValueError("model.source and model.checkpointPath are exclusive "
+                             "(with a source the worker reads /moeguard/model)")
+        return self
+
+    @property
+    def weight_bytes_hint(self) -> int | None:
+        """``weightBytes`` in bytes, or None when unset."""
+        return None if self.weight_bytes is None else int(parse_quantity(self.weight_bytes))
 
 
 CORE_RESOURCE_NAMES = ("cpu", "memory", "ephemeral-storage", "storage", "pods")
@@ -360,10 +459,12 @@ ALLOWED_VOLUME_SOURCES = ("persistentVolumeClaim", "configMap", "emptyDir", "ima
 its ``--allow-secrets`` setting (chart value ``operator.allowSecrets``) allows it (a spec cannot grant itself Secrets); hostPath, nfs,
 iscsi, … are refused at apply time: they would give whoever may create a MoEInferenceService host
 or storage access that they may not have on pods."""
-RESERVED_VOLUMES = ("tmp",)
-"""Volumes the operator adds to every worker pod."""
-RESERVED_MOUNT_PATHS = ("/tmp",)
-"""Paths where the operator mounts its own volumes."""
+MOUNTABLE_RESERVED_VOLUMES = ("tmp",)
+"""The operator's volumes that ``template.volumeMounts`` may mount again (it is in every pod)."""
+RESERVED_VOLUMES = (*MOUNTABLE_RESERVED_VOLUMES, contract.MODEL_VOLUME)
+"""Volumes the operator adds to worker pods (``moeguard-model``: ``spec.model.source``)."""
+RESERVED_MOUNT_PATHS = ("/tmp", contract.MODEL_MOUNT_PATH)
+"""Paths where the operator mounts its own volumes (``/moeguard/model``: ``spec.model.source``, always reserved)."""
 
 
 def _core(name: str, *rules: tuple[str, str, str], message_expressions: dict[str, str] | None = None,
@@ -401,7 +502,7 @@ _VOLUME_RULES = (
 )
 _MOUNT_RULES = (
     (" && ".join(f"self.mountPath != '{p}' && !self.mountPath.startsWith('{p}/')" for p in RESERVED_MOUNT_PATHS),
-     f"template.volumeMounts: {', '.join(RESERVED_MOUNT_PATHS)} is where the operator mounts its own volumes",
+     f"template.volumeMounts: {' and '.join(RESERVED_MOUNT_PATHS)} are where the operator mounts its own volumes",
      ".mountPath"),
     ("self.mountPath.startsWith('/') && !self.mountPath.contains(':')",
      "template.volumeMounts: mountPath must be an absolute path without ':'", ".mountPath"),
@@ -421,7 +522,7 @@ class PodTemplateSpec(_Model):
     cannot state; every name is checked against the children the operator creates."""
 
     model_config = ConfigDict(json_schema_extra=_cel(
-        ("!has(self.volumeMounts) || self.volumeMounts.all(m, m.name in " + repr(list(RESERVED_VOLUMES)) +
+        ("!has(self.volumeMounts) || self.volumeMounts.all(m, m.name in " + repr(list(MOUNTABLE_RESERVED_VOLUMES)) +
          " || (has(self.volumes) && self.volumes.exists(v, v.name == m.name)))",
          "template.volumeMounts must name a volume of template.volumes", ".volumeMounts"),
     ))
@@ -470,7 +571,7 @@ class PodTemplateSpec(_Model):
         dups = sorted({n for n in env if env.count(n) > 1})
         if dups:
             raise ValueError(f"template.extraEnv names must be unique (repeated: {', '.join(dups)})")
-        volumes = {str(v.get("name")) for v in self.volumes} | set(RESERVED_VOLUMES)
+        volumes = {str(v.get("name")) for v in self.volumes} | set(MOUNTABLE_RESERVED_VOLUMES)
         missing = sorted(str(m.get("name")) for m in self.volume_mounts if m.get("name") not in volumes)
         if missing:
             raise ValueError(f"template.volumeMounts name no volume in template.volumes: {', '.join(missing)}")

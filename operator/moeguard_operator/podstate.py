@@ -1,5 +1,6 @@
 """Pure reading of worker pods (as the API returns them, in JSON form): which are
-Running, how often they restarted, and which containers were OOM-killed when."""
+Running, how often they restarted, which containers were OOM-killed when, and why
+containers that are not ready failed to start."""
 
 from __future__ import annotations
 
@@ -17,12 +18,16 @@ class PodFacts:
         restarts: container restarts summed over the pods.
         started: when each running pod's worker container last started (its RSS history begins there).
         oom_kills: (pod, container, finishedAt) of every last termination with reason OOMKilled.
+        startup_failures: (pod, what the kubelet says) for each container that is not ready and failed:
+            exited non-zero (its termination message: the worker writes why there, e.g. a bad
+            checkpoint) or waits in an error state (CrashLoopBackOff, ImagePullBackOff, …).
     """
 
     running: tuple[str, ...]
     restarts: int
     oom_kills: tuple[tuple[str, str, datetime], ...]
     started: tuple[tuple[str, datetime], ...] = ()
+    startup_failures: tuple[tuple[str, str], ...] = ()
 
     def running_since(self, before: datetime) -> tuple[str, ...]:
         """Running pods whose worker started no later than ``before``."""
@@ -44,9 +49,56 @@ def _time(value: Any) -> datetime | None:
     return None
 
 
+WAITING_FAILURES = frozenset({
+    "CrashLoopBackOff", "ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull",
+    "CreateContainerConfigError", "CreateContainerError", "RunContainerError",
+})
+"""``state.waiting.reason`` values the kubelet sets when a container cannot start (not ``ContainerCreating``
+or ``PodInitializing``, which are progress)."""
+MESSAGE_CHARS = 2048
+"""At most this many characters of a termination message are kept (the kubelet keeps 4096 bytes; a log
+tail through ``FallbackToLogsOnError`` keeps its last lines)."""
+
+
+def _clip(message: str) -> str:
+    message = message.strip()
+    return message if len(message) <= MESSAGE_CHARS else "…" + message[-(MESSAGE_CHARS - 1):]
+
+
+def _terminated(term: dict[str, Any]) -> str:
+    code, reason, message = term.get("exitCode"), term.get("reason") or "", _clip(str(term.get("message") or ""))
+    head = f"exited {code}" + (f" ({reason})" if reason else "")
+    return f"{head}: {message}" if message else head
+
+
+def container_failure(cs: dict[str, Any]) -> str | None:
+    """Why a container (one ``containerStatuses[]`` entry) failed to start, or None when it is ready or
+    starting for the first time. A crash loop names the last termination (exit code, reason, termination
+    message), also while the restarted container runs again but is not ready yet (so the reason does not
+    flip at every restart)."""
+    if cs.get("ready"):
+        return None
+    state, last = cs.get("state") or {}, cs.get("lastState") or {}
+    name = cs.get("name", "")
+    term = state.get("terminated") or {}
+    if term and term.get("exitCode") not in (None, 0):
+        return f"container {name} {_terminated(term)}"
+    last_term = last.get("terminated") or {}
+    failed_before = bool(last_term) and last_term.get("exitCode") not in (None, 0)
+    if state.get("running") and failed_before:
+        return f"container {name} {_terminated(last_term)} (restarted, not ready)"
+    waiting = state.get("waiting") or {}
+    if waiting.get("reason") not in WAITING_FAILURES:
+        return None
+    if failed_before:
+        return f"container {name} {_terminated(last_term)} ({waiting['reason']})"
+    message = _clip(str(waiting.get("message") or ""))
+    return f"container {name} {waiting['reason']}" + (f": {message}" if message else "")
+
+
 def pod_facts(pods: list[dict[str, Any]]) -> PodFacts:
     """Summarize pods (``kubectl get pods -o json``'s items) into :class:`PodFacts`."""
-    running, restarts, ooms, started = [], 0, [], []
+    running, restarts, ooms, started, failures = [], 0, [], [], []
     for pod in pods:
         meta, status = pod.get("metadata", {}), pod.get("status", {}) or {}
         name = meta.get("name", "")
@@ -60,9 +112,13 @@ def pod_facts(pods: list[dict[str, Any]]) -> PodFacts:
             started.append((name, max(since_known)))
         for cs in status.get("containerStatuses") or []:
             restarts += int(cs.get("restartCount") or 0)
+            failure = None if meta.get("deletionTimestamp") else container_failure(cs)
+            if failure is not None:
+                failures.append((name, failure))
             for state_key in ("lastState", "state"):
                 term = (cs.get(state_key) or {}).get("terminated") or {}
                 finished = _time(term.get("finishedAt"))
                 if term.get("reason") == "OOMKilled" and finished is not None:
                     ooms.append((name, cs.get("name", ""), finished))
-    return PodFacts(tuple(sorted(running)), restarts, tuple(sorted(set(ooms))), tuple(sorted(started)))
+    return PodFacts(tuple(sorted(running)), restarts, tuple(sorted(set(ooms))), tuple(sorted(started)),
+                    tuple(sorted(failures)))

@@ -8,7 +8,7 @@ with the field names of the CRD (camelCase, as ``kubectl`` shows them).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
@@ -112,16 +112,37 @@ def reconciled(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, 
     })
 
 
+STARTUP_FAILED = "WorkerStartupFailed"
+"""Reason of Ready=False while worker containers fail to start (:attr:`PodFacts.startup_failures`)."""
+
+
 def readiness(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, ready: int, now: datetime,
-              generation: int | None) -> MoEInferenceServiceStatus:
-    """Ready and Reconciling from the worker Deployment's ``ready`` replicas."""
+              generation: int | None,
+              startup_failures: Sequence[tuple[str, str]] = ()) -> MoEInferenceServiceStatus:
+    """Ready and Reconciling from the worker Deployment's ``ready`` replicas. While some are missing and
+    ``startup_failures`` (pod, why) is not empty, the reason is ``WorkerStartupFailed`` and the message
+    carries the first pod's failure (the worker's own words: its termination message) and how many
+    other pods fail."""
     state: Status = "True" if ready >= spec.replicas else "False"
     why = "AllReplicasReady" if state == "True" else "WaitingForReplicas"
     message = f"{ready}/{spec.replicas} worker pods ready"
+    if state == "False" and startup_failures:
+        why = STARTUP_FAILED
+        pod, failure = startup_failures[0]
+        others = len({p for p, _ in startup_failures} - {pod})
+        message += f"; pod {pod}: {failure}" + (f" (and {others} more pods failing)" if others else "")
     conditions = set_condition(prior.conditions, c.CONDITION_READY, state, why, message, now, generation)
     conditions = set_condition(conditions, c.CONDITION_RECONCILING, "False" if state == "True" else "True", why,
                                message, now, generation)
     return prior.model_copy(update={"conditions": conditions, "ready_replicas": ready, "replicas": spec.replicas})
+
+
+def readiness_events(prior: MoEInferenceServiceStatus, new: MoEInferenceServiceStatus) -> list[Event]:
+    """A Warning Event when Ready turns to ``WorkerStartupFailed`` (once, not every tick)."""
+    was, now = find_condition(prior.conditions, c.CONDITION_READY), find_condition(new.conditions, c.CONDITION_READY)
+    if now is None or now.reason != STARTUP_FAILED or (was is not None and was.reason == STARTUP_FAILED):
+        return []
+    return [Event("Warning", STARTUP_FAILED, now.message)]
 
 
 def oom_check(prior: MoEInferenceServiceStatus, facts: PodFacts, now: datetime) -> tuple[MoEInferenceServiceStatus, int]:

@@ -73,12 +73,12 @@ def parse_spec(spec: Mapping[str, Any], *, allow_secrets: bool = False) -> MoEIn
         raise SpecError("UnknownModelPreset", f"spec.model.preset: {exc.args[0]}") from None
     args = dataclasses.replace(preset, **parsed.model.overrides.model_dump(exclude_none=True))
     issues = [f"spec.model.overrides: {p}" for p in shape_problems(args)]
-    weights = parameter_count(args) * WEIGHT_BYTES
-    if weights >= parsed.resources.hard_limit_bytes:
+    weights = weight_bytes(parsed, parameter_count(args))
+    if weights is not None and weights[0] >= parsed.resources.hard_limit_bytes:
         issues.append(f"spec.resources.hardLimit ({parsed.resources.hard_limit}) is below the model's weights alone "
-                      f"({weights / 2**30:.2f} GiB at {WEIGHT_BYTES} bytes per parameter)")
+                      f"({weights[0] / 2**30:.2f} GiB, {weights[1]})")
     cap = parsed.overload.max_context_tokens
-    if cap is not None and cap > args.max_seq_len:
+    if cap is not None and cap > args.max_seq_len and parsed.model.source is None:
         issues.append(f"spec.overload.maxContextTokens ({cap}) is above the model's context ({args.max_seq_len})")
     if issues:
         raise SpecError("InvalidSpec", "; ".join(issues))
@@ -86,3 +86,34 @@ def parse_spec(spec: Mapping[str, Any], *, allow_secrets: bool = False) -> MoEIn
     if secrets:
         raise SpecError("SecretsNotAllowed", "; ".join(secrets))
     return parsed
+
+
+def weight_bytes(spec: MoEInferenceServiceSpec, preset_parameters: int) -> tuple[int, str] | None:
+    """The weights' size that ``hardLimit`` is checked against, bytes, and where it comes from.
+
+    ``spec.model.weightBytes`` when set (the user's figure for a checkpoint); else, with a
+    ``spec.model.source``, None: the operator reads nothing from the checkpoint, so its size is not known
+    at apply time (the worker exports it as ``moeguard_model_weight_bytes`` once loaded); else the
+    preset's ``preset_parameters`` × :data:`WEIGHT_BYTES`.
+    """
+    hint = spec.model.weight_bytes_hint
+    if hint is not None:
+        return hint, "spec.model.weightBytes"
+    if spec.model.source is not None:
+        return None
+    return preset_parameters * WEIGHT_BYTES, f"the preset at {WEIGHT_BYTES} bytes per parameter"
+
+
+def check_model_source(spec: MoEInferenceServiceSpec, allow_host_path: bool) -> None:
+    """What the operator's own settings refuse in ``spec.model.source`` (a spec cannot grant itself them).
+
+    Raises:
+        SpecError: reason ``HostPathNotAllowed`` for a ``hostPath`` source when ``allow_host_path`` is false
+            (the operator's ``--allow-host-path-models``).
+    """
+    source = spec.model.source
+    if source is not None and source.host_path is not None and not allow_host_path:
+        raise SpecError("HostPathNotAllowed",
+                        f"spec.model.source.hostPath ({source.host_path.path}): this operator serves no node "
+                        "directories (it runs without --allow-host-path-models); use a persistentVolumeClaim "
+                        "or an image source")

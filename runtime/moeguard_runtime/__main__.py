@@ -32,6 +32,7 @@ from moeguard_runtime.telemetry import (
     Telemetry,
     configure_logging,
     worker_labels,
+    write_termination_message,
 )
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ def main() -> int:
     try:
         settings = load_settings()
     except ConfigError as exc:
-        log.event("config_error", force=True, error=str(exc))
+        _fail(log, "config_error", str(exc))
         return 2
     import torch
     import uvicorn
@@ -58,10 +59,10 @@ def main() -> int:
     try:
         args = model_args(settings)
     except KeyError as exc:
-        log.event("config_error", force=True, error=str(exc.args[0]))
+        _fail(log, "config_error", str(exc.args[0]))
         return 2
     except ConfigError as exc:
-        log.event("config_error", force=True, error=str(exc))
+        _fail(log, "config_error", str(exc))
         return 2
     hf_info = None
     if settings.checkpoint is not None and is_hf_folder(settings.checkpoint):
@@ -139,9 +140,10 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
             model_type, parameters = "preset", presets.parameter_count(args)
             eos_ids = slot.tokenizer.eos_ids
     except Exception as exc:  # a bad checkpoint: say why and exit
-        log.event("model_load_error", force=True, error=str(exc)[:1000])
+        _fail(log, "model_load_error", str(exc)[:1000])
         failed.set()
         return
+    weight_bytes = slot.telemetry.set_model_weights(model.parameters())
     # generation ends on the checkpoint's generation_config EOS ids and the tokenizer's (as transformers' generate)
     worker = Worker(settings, Engine(model, eos_ids=eos_ids), slot.telemetry, log)
     log.event("worker_start", force=True, preset=settings.preset, seed=settings.seed,
@@ -149,6 +151,7 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
               device=settings.device, dtype=settings.dtype,
               matmul_backend=settings.matmul_backend, moe_dispatch=settings.moe_dispatch,
               model_overrides=dict(settings.model_overrides) or None,
+              weight_bytes=weight_bytes,
               load_seconds=round(time.monotonic() - t0, 3), torch_threads=settings.torch_threads,
               omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
               port=settings.port, capacity_factor=settings.capacity_factor,
@@ -159,6 +162,13 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
     worker.start()
     slot.worker = worker
     _start_budget_watch(settings, worker, log)
+
+
+def _fail(log: RateLimitedLog, event: str, error: str) -> None:
+    """Log a start-up failure and leave it in the container's termination message (the pod's
+    ``lastState.terminated.message``, which the operator puts in its Ready condition)."""
+    log.event(event, force=True, error=error)
+    write_termination_message(f"{event}: {error}")
 
 
 def _stop_on_failure(failed: threading.Event, server: Any) -> None:

@@ -36,7 +36,11 @@ ENV_POD_NAME = "MOEGUARD_POD_NAME"
 """Name of the pod (downward API ``metadata.name``)."""
 ENV_MODEL_PRESET = "MOEGUARD_MODEL_PRESET"
 ENV_CHECKPOINT_PATH = "MOEGUARD_CHECKPOINT_PATH"
-"""Absolute path of a safetensors checkpoint (unset: seeded random weights)."""
+"""Absolute path of a safetensors checkpoint (unset: seeded random weights). With ``spec.model.source``:
+``MODEL_MOUNT_PATH``, or ``MODEL_MOUNT_PATH/<subPath>``."""
+ENV_SERVED_MODEL_NAME = "MOEGUARD_SERVED_MODEL_NAME"
+"""The model name the worker's OpenAI API reports (``/v1/models``) and accepts (``spec.model.servedModelName``;
+unset: the worker's own default)."""
 ENV_MODEL_OVERRIDES = "MOEGUARD_MODEL_OVERRIDES"
 """JSON object of ``presets.ModelArgs`` fields (snake case) that replace the preset's."""
 ENV_SOFT_LIMIT_BYTES = "MOEGUARD_SOFT_LIMIT_BYTES"
@@ -71,6 +75,14 @@ ENV_DTYPE = "MOEGUARD_DTYPE"
 ENV_PORT = "MOEGUARD_PORT"
 """TCP port of the worker's HTTP server (OpenAI API, /metrics, health)."""
 WORKER_PORT = 8000
+MODEL_MOUNT_PATH = "/moeguard/model"
+"""Where the worker container sees ``spec.model.source``, read-only."""
+MODEL_VOLUME = "moeguard-model"
+"""Name of the pod volume of ``spec.model.source``."""
+TERMINATION_MESSAGE_PATH = "/dev/termination-log"
+"""File where the worker writes why it failed to start (a bad checkpoint, a bad configuration) before it
+exits non-zero; the kubelet copies it into ``containerStatuses[].lastState.terminated.message`` (at most
+4096 bytes), where the operator reads it for the Ready condition."""
 
 UCX_MEM_MMAP_HOOK_MODE = "UCX_MEM_MMAP_HOOK_MODE"
 """UCX's memory hooks; ``none`` stops UCX from intercepting mmap/munmap (and queueing freed regions)."""
@@ -293,6 +305,9 @@ METRIC_QUEUE_REQUESTS = "moeguard_queue_requests"
 """Gauge: requests waiting in the queue."""
 METRIC_OOM_ERRORS_TOTAL = "moeguard_oom_errors_total"
 """Counter, label ``kind`` (cuda | host): batches failed by an out-of-memory error the worker survived."""
+METRIC_MODEL_WEIGHT_BYTES = "moeguard_model_weight_bytes"
+"""Bytes of the loaded model's parameters (set once at start-up): the checkpoint's real size, which the
+operator cannot know at apply time when the weights come from ``spec.model.source``."""
 
 OPERATOR_READS = (
     METRIC_EXPERT_SKEW_RATIO,

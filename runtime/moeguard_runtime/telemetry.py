@@ -14,7 +14,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import structlog
@@ -165,6 +165,9 @@ class Telemetry:
                           ["kind"])
         self.overload = gauge(contract.METRIC_OVERLOAD_ACTIVE,
                               "1 while overload mode is on, by who asked for it.", ["source"])
+        self.weight_bytes = gauge(contract.METRIC_MODEL_WEIGHT_BYTES,
+                                  "Bytes of the loaded model's parameters (set once the model is loaded).",
+                                  unit="bytes")
         self.oom = Counter(contract.METRIC_OOM_ERRORS_TOTAL.removesuffix("_total"),
                            "Batches failed by an out-of-memory error the worker survived.",
                            [*base, "kind"], registry=r)
@@ -203,6 +206,13 @@ class Telemetry:
             if stats.routed_slots >= 4 * self.num_experts:
                 self.skew.labels(**self.l(layer=str(layer))).set(stats.expert_skew_ratio)
                 self.balancedness.labels(**self.l(layer=str(layer))).set(stats.balancedness)
+
+    def set_model_weights(self, parameters: Iterable[Any]) -> int:
+        """Set ``moeguard_model_weight_bytes`` from the loaded model's ``parameters()`` (torch tensors:
+        ``numel × element_size``, in the dtype they were loaded in); returns the bytes."""
+        total = sum(int(p.numel()) * int(p.element_size()) for p in parameters)
+        self.weight_bytes.labels(**self.labels).set(total)
+        return total
 
     def stage(self, stage: str, seconds: float) -> None:
         self.stage_seconds.labels(**self.l(stage=stage)).observe(seconds)
@@ -269,6 +279,22 @@ class RateLimitedLog:
             fields["suppressed"] = suppressed
         self._log.info(event, **fields)
         return True
+
+
+def write_termination_message(message: str, path: str = contract.TERMINATION_MESSAGE_PATH) -> bool:
+    """Write why the worker is about to exit to the container's termination-message file, which the
+    kubelet creates (``contract.TERMINATION_MESSAGE_PATH``) and copies into the pod's
+    ``containerStatuses[].lastState.terminated.message``. The kubelet keeps at most 4096 bytes: longer
+    messages are cut here, on a character boundary. Outside Kubernetes the file does not exist and
+    nothing is written (it is never created). Returns whether the message was written; never raises."""
+    data = message.encode("utf-8", "replace")[:4096].decode("utf-8", "ignore")
+    try:
+        with open(path, "r+", encoding="utf-8") as out:
+            out.truncate(0)
+            out.write(data)
+    except OSError:
+        return False
+    return True
 
 
 def configure_logging() -> None:

@@ -11,7 +11,7 @@ from hack import stack
 from hack.stack import ROOT
 from tests.integration.conftest import Cluster
 
-from moeguard_operator.builders import Owner, build_children
+from moeguard_operator.builders import Owner, build_children, dropped_volumes
 from moeguard_operator.models import MoEInferenceServiceSpec
 
 
@@ -45,9 +45,9 @@ REFUSED = [
     ("node-selector-bad-value", {"template": {"nodeSelector": {"gpu": "a b"}}},
      "template.nodeSelector values must be label values"),
     ("volume-named-like-the-operators", {"template": {"volumes": [{"name": "tmp", "emptyDir": {}}]}},
-     "the names tmp are the operator's"),
+     "the names tmp, moeguard-model are the operator's"),
     ("mount-at-the-operators-path", {"template": {"volumes": [PVC], "volumeMounts": [{"name": "models", "mountPath": "/tmp/x"}]}},
-     "/tmp is where the operator mounts its own volumes"),
+     "/tmp and /moeguard/model are where the operator mounts its own volumes"),
     ("mount-of-an-undefined-volume", {"template": {"volumeMounts": [{"name": "nope", "mountPath": "/m"}]}},
      "template.volumeMounts must name a volume of template.volumes"),
     ("host-path-volume", {"template": {"volumes": [{"name": "host", "hostPath": {"path": "/"}}]}},
@@ -65,6 +65,27 @@ REFUSED = [
      "must not set MOEGUARD_* or UCX_*"),
     ("annotation-bad-key", {"template": {"annotations": {"a b": "x"}}},
      "template.annotations keys must be qualified names"),
+    ("model-source-two-kinds", {"model": {"source": {"persistentVolumeClaim": {"claimName": "m"},
+                                                     "image": {"reference": "r/m:1"}}}},
+     "model.source must set exactly one of persistentVolumeClaim, hostPath, image"),
+    ("model-source-no-kind", {"model": {"source": {"subPath": "m"}}}, "model.source must set exactly one of"),
+    ("model-source-and-checkpoint-path",
+     {"model": {"source": {"persistentVolumeClaim": {"claimName": "m"}}, "checkpointPath": "/m"}},
+     "model.source and model.checkpointPath are exclusive"),
+    ("model-source-sub-path-up", {"model": {"source": {"persistentVolumeClaim": {"claimName": "m"},
+                                                       "subPath": "a/../.."}}},
+     "spec.model.source.subPath: Invalid value"),
+    ("model-source-host-root", {"model": {"source": {"hostPath": {"path": "/"}}}},
+     "spec.model.source.hostPath.path: Invalid value"),
+    ("served-model-name-with-space", {"model": {"servedModelName": "my model"}},
+     "spec.model.servedModelName: Invalid value"),
+    ("volume-named-like-the-model-volume", {"template": {"volumes": [{"name": "moeguard-model", "emptyDir": {}}]}},
+     "the names tmp, moeguard-model are the operator's"),
+    ("mount-at-the-model-path", {"template": {"volumes": [PVC], "volumeMounts": [{"name": "models",
+                                                                                   "mountPath": "/moeguard/model"}]}},
+     "/tmp and /moeguard/model are where the operator mounts its own volumes"),
+    ("mount-of-the-model-volume", {"template": {"volumeMounts": [{"name": "moeguard-model", "mountPath": "/m"}]}},
+     "template.volumeMounts must name a volume of template.volumes"),
 ]
 
 
@@ -116,3 +137,50 @@ def test_a_full_valid_template_is_accepted_and_its_deployment_too(cluster: Clust
     mounts = {m["mountPath"]: m.get("readOnly", False) for m in container["volumeMounts"]}
     # the user's mounts are read-only unless they say otherwise; the operator's /tmp is writable
     assert mounts == {"/tmp": False, "/models": True, "/weights": True, "/scratch": False}
+
+
+MODEL_SOURCES = {
+    "pvc": {"persistentVolumeClaim": {"claimName": "qwen3"}, "subPath": "hub/Qwen3-30B-A3B"},
+    "host-path": {"hostPath": {"path": "/srv/models/qwen3"}},
+    "image": {"image": {"reference": "registry.example.com/models/qwen3:1", "pullPolicy": "IfNotPresent"}},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MODEL_SOURCES))
+def test_each_model_source_is_accepted_and_its_deployment_too(cluster: Cluster, namespace: str, crd: None,
+                                                              kind: str) -> None:
+    spec = {"model": {"source": MODEL_SOURCES[kind], "servedModelName": "Qwen/Qwen3-30B-A3B",
+                      "weightBytes": "1Gi"},
+            "resources": {"gpus": 0, "softLimit": "2Gi", "hardLimit": "4Gi"}}
+    ok, err = _apply(cluster, namespace, f"source-{kind}", spec)
+    assert ok, err
+    parsed = MoEInferenceServiceSpec.model_validate(spec)
+    deployment = next(m for m in build_children(Owner("m", namespace, "uid-1"), parsed) if m["kind"] == "Deployment")
+    res = cluster.kubectl("apply", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(deployment),
+                          check=False)
+    assert res.returncode == 0, res.stderr
+    stored = json.loads(res.stdout)
+    pod = stored["spec"]["template"]["spec"]
+    if kind == "image":
+        # This API server (1.34, ImageVolume feature gate off as by default) accepts the Deployment and
+        # silently drops the image volume and its mount: the operator compares what it sent with what was
+        # stored and reports VolumeDropped (handlers.apply_children) instead of starting workers without
+        # their weights.
+        assert dropped_volumes(deployment, stored) == ["moeguard-model"]
+        assert [m["mountPath"] for m in pod["containers"][0]["volumeMounts"]] == ["/tmp"]
+        return
+    assert dropped_volumes(deployment, stored) == []
+    model = next(v for v in pod["volumes"] if v["name"] == "moeguard-model")
+    # what the API server kept (a disabled feature's field would be dropped here)
+    assert {k: v for k, v in model.items() if k != "name"} == {
+        "pvc": {"persistentVolumeClaim": {"claimName": "qwen3", "readOnly": True}},
+        "host-path": {"hostPath": {"path": "/srv/models/qwen3", "type": "Directory"}},
+        "image": {"image": {"reference": "registry.example.com/models/qwen3:1", "pullPolicy": "IfNotPresent"}},
+    }[kind]
+    container = pod["containers"][0]
+    assert {"name": "moeguard-model", "mountPath": "/moeguard/model", "readOnly": True} in container["volumeMounts"]
+    assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["MOEGUARD_CHECKPOINT_PATH"] == ("/moeguard/model/hub/Qwen3-30B-A3B" if kind == "pvc"
+                                               else "/moeguard/model")
+    assert env["MOEGUARD_SERVED_MODEL_NAME"] == "Qwen/Qwen3-30B-A3B"

@@ -9,12 +9,17 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from hack.stack import ROOT
+
+from moeguard_operator.builders import Owner, build_deployment
+from moeguard_operator.spec_checks import parse_spec
 
 sys.path.insert(0, str(ROOT / "tests" / "unit" / "delivery"))
 from test_delivery_gitops_schema import KNOWN_BY_API_SERVER, chart_values
@@ -68,3 +73,35 @@ def test_gitops_chart_values_render_and_dry_run(cluster: Any, helm_bin: Any, nam
         text = helm_bin("template", "moeguard", str(ROOT / "charts" / "moeguard"), "--namespace", namespace,
                         "--kube-version", "1.34.4", "-f", str(vf)).stdout
         cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", input=text)
+
+
+REAL_CHECKPOINT_EXAMPLES = {"qwen3-30b-a3b-pvc.yaml": "persistentVolumeClaim", "qwen1.5-moe-image.yaml": "image"}
+"""The examples that serve a real checkpoint, and their source's kind."""
+
+
+@pytest.mark.parametrize("example", sorted(REAL_CHECKPOINT_EXAMPLES))
+def test_real_checkpoint_examples_and_their_deployments_dry_run(cluster: Any, namespace: str, example: str) -> None:
+    """Each example (the PVC too) is accepted by the API server as written, passes the operator's own checks,
+    and the worker Deployment the operator would build from it is accepted as well."""
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
+    path = ROOT / "examples" / example
+    cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", str(path))
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    service = next(d for d in docs if d["kind"] == "MoEInferenceService")
+    parsed = parse_spec(service["spec"])
+    source = parsed.model.source
+    assert source is not None and parsed.model.served_model_name and parsed.model.weight_bytes_hint
+    kind = REAL_CHECKPOINT_EXAMPLES[example]
+    if kind == "persistentVolumeClaim":
+        claim = next(d for d in docs if d["kind"] == "PersistentVolumeClaim")
+        assert source.persistent_volume_claim is not None
+        assert source.persistent_volume_claim.claim_name == claim["metadata"]["name"]
+    else:
+        assert source.image is not None
+    deployment = build_deployment(Owner(service["metadata"]["name"], namespace, "uid-1"), parsed)
+    res = cluster.kubectl("apply", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(deployment))
+    container = json.loads(res.stdout)["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["MOEGUARD_SERVED_MODEL_NAME"] == parsed.model.served_model_name
+    assert env["MOEGUARD_CHECKPOINT_PATH"] == source.checkpoint_path
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"

@@ -14,14 +14,15 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MOEGUARD_PROMETHEUS_URL", raising=False)
     args, config = parse_args(["-A", "--standalone"])
     assert config == OperatorConfig(prometheus_url=None, timer_interval_seconds=5.0, peering_lifetime_seconds=60)
+    assert config.allow_host_path_models is False
     assert args.all_namespaces and args.standalone
 
 
 def test_flags_set_the_config() -> None:
     _, config = parse_args(["--prometheus-url", "http://prom:9090", "--timer-interval-seconds", "2",
-                            "--peering-lifetime-seconds", "6"])
+                            "--peering-lifetime-seconds", "6", "--allow-host-path-models"])
     assert config == OperatorConfig(prometheus_url="http://prom:9090", timer_interval_seconds=2.0,
-                                    peering_lifetime_seconds=6)
+                                    peering_lifetime_seconds=6, allow_host_path_models=True)
 
 
 def test_the_prometheus_url_flag_defaults_to_its_documented_variable(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -45,3 +45,58 @@ def test_pods_old_enough_for_a_slope() -> None:
                        pod("gone", phase="Succeeded")])
     assert facts.running_since(datetime(2026, 11, 30, 10, 0, tzinfo=UTC)) == ("old",)
     assert facts.running_since(datetime(2026, 11, 30, 10, 10, tzinfo=UTC)) == ("old", "young")
+
+
+# Container statuses as the kubelet writes them for a worker that cannot load its checkpoint: it writes
+# why to /dev/termination-log and exits 3; the kubelet restarts it, then backs off.
+CRASH_LOOP = {
+    "name": "worker", "ready": False, "restartCount": 4, "started": False,
+    "state": {"waiting": {"reason": "CrashLoopBackOff",
+                          "message": "back-off 1m20s restarting failed container=worker pod=q-worker-7d9c"}},
+    "lastState": {"terminated": {
+        "exitCode": 3, "reason": "Error", "startedAt": "2026-11-30T10:01:00Z", "finishedAt": "2026-11-30T10:01:04Z",
+        "message": "model_load_error: /moeguard/model/model-00002-of-00002.safetensors: missing shard "
+                   "(named by model.safetensors.index.json)"}},
+}
+
+
+def _pod_with(name: str, cs: dict, phase: str = "Running") -> dict:
+    return {"metadata": {"name": name}, "status": {"phase": phase, "containerStatuses": [cs]}}
+
+
+def test_a_crash_looping_worker_names_its_termination_message() -> None:
+    facts = pod_facts([_pod_with("q-worker-7d9c", CRASH_LOOP)])
+    assert facts.startup_failures == (("q-worker-7d9c",
+        "container worker exited 3 (Error): model_load_error: /moeguard/model/model-00002-of-00002.safetensors: "
+        "missing shard (named by model.safetensors.index.json) (CrashLoopBackOff)"),)
+    assert facts.restarts == 4 and facts.oom_kills == ()
+
+
+def test_waiting_errors_terminations_and_what_is_not_a_failure() -> None:
+    pull = {"name": "worker", "ready": False, "restartCount": 0,
+            "state": {"waiting": {"reason": "ImagePullBackOff",
+                                  "message": "Back-off pulling image \"ghcr.io/moeguard/worker:nope\""}}}
+    exited = {"name": "worker", "ready": False, "restartCount": 0,
+              "state": {"terminated": {"exitCode": 2, "reason": "Error", "message": ""}}}
+    creating = {"name": "worker", "ready": False, "restartCount": 0, "state": {"waiting": {"reason": "ContainerCreating"}}}
+    loading = {"name": "worker", "ready": False, "restartCount": 0, "state": {"running": {"startedAt": "2026-11-30T10:00:00Z"}}}
+    ready_again = {**CRASH_LOOP, "ready": True, "state": {"running": {"startedAt": "2026-11-30T10:02:00Z"}}}
+    reloading = {**CRASH_LOOP, "state": {"running": {"startedAt": "2026-11-30T10:02:00Z"}}}
+    deleting = _pod_with("e", CRASH_LOOP)
+    deleting["metadata"]["deletionTimestamp"] = "2026-11-30T10:05:00Z"
+    facts = pod_facts([_pod_with("a", pull, "Pending"), _pod_with("b", exited), _pod_with("c", creating, "Pending"),
+                       _pod_with("d", loading), _pod_with("f", ready_again), deleting, _pod_with("g", reloading)])
+    assert facts.startup_failures == (
+        ("a", 'container worker ImagePullBackOff: Back-off pulling image "ghcr.io/moeguard/worker:nope"'),
+        ("b", "container worker exited 2 (Error)"),
+        ("g", "container worker exited 3 (Error): model_load_error: /moeguard/model/model-00002-of-00002.safetensors: "
+              "missing shard (named by model.safetensors.index.json) (restarted, not ready)"),
+    )
+
+
+def test_a_log_tail_message_is_clipped_to_its_end() -> None:
+    tail = "x" * 5000 + " model_load_error: truncated file"
+    cs = {**CRASH_LOOP, "lastState": {"terminated": {"exitCode": 3, "reason": "Error", "message": tail}}}
+    (_, failure), = pod_facts([_pod_with("p", cs)]).startup_failures
+    assert failure.endswith("model_load_error: truncated file (CrashLoopBackOff)")
+    assert len(failure) == len("container worker exited 3 (Error): ") + 2048 + len(" (CrashLoopBackOff)")

@@ -187,3 +187,24 @@ def test_a_stalled_generation_is_stalled_until_a_new_one_reconciles() -> None:
     assert not report.is_stalled(prior, 1)
     stalled, _ = report.stalled(prior, "ApplyRefused", "the API server refused Deployment x-worker", NOW, 2)
     assert report.is_stalled(stalled, 2) and not report.is_stalled(stalled, 3)
+
+
+def test_a_start_up_failure_is_the_ready_conditions_message_and_warns_once() -> None:
+    failures = (("w-0", "container worker exited 3 (Error): model_load_error: missing shard "
+                        "model-00002-of-00002.safetensors (CrashLoopBackOff)"),
+                ("w-1", "container worker exited 3 (Error): model_load_error: missing shard"))
+    prior = _reconciled()
+    failing = report.readiness(prior, SPEC, 0, NOW, 1, failures)
+    ready = next(c for c in failing.conditions if c.type == "Ready")
+    assert (ready.status, ready.reason) == ("False", "WorkerStartupFailed")
+    assert ready.message == ("0/2 worker pods ready; pod w-0: container worker exited 3 (Error): model_load_error: "
+                             "missing shard model-00002-of-00002.safetensors (CrashLoopBackOff) "
+                             "(and 1 more pods failing)")
+    assert _types(failing)["Reconciling"] == ("True", "WorkerStartupFailed")
+    assert report.readiness_events(prior, failing) == [report.Event("Warning", "WorkerStartupFailed", ready.message)]
+    later = report.readiness(failing, SPEC, 0, NOW + timedelta(seconds=5), 1, failures)
+    assert report.readiness_events(failing, later) == []  # once, not every tick
+    # all replicas ready: an old crash in lastState says nothing any more
+    healed = report.readiness(later, SPEC, 2, NOW + timedelta(seconds=10), 1, failures)
+    assert _types(healed)["Ready"] == ("True", "AllReplicasReady")
+    assert report.readiness_events(later, healed) == []

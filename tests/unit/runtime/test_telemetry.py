@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from prometheus_client import generate_latest
@@ -7,7 +9,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from moeguard_runtime.contract import Budgets
 from moeguard_runtime.moe import routing_stats
-from moeguard_runtime.telemetry import RateLimitedLog, Telemetry, worker_labels
+from moeguard_runtime.telemetry import (
+    RateLimitedLog,
+    Telemetry,
+    worker_labels,
+    write_termination_message,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -70,3 +77,22 @@ def test_rate_limited_log_counts_suppressed() -> None:
     assert log.event("inference_batch_start", step=4)
     assert lines == [("inference_batch_start", {"step": 1}), ("budget_applied", {}),
                      ("inference_batch_start", {"step": 4, "suppressed": 2})]
+
+
+def test_model_weight_bytes_is_the_parameters_bytes_in_their_dtype() -> None:
+    t = Telemetry(LABELS, num_experts=8)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8, bias=False), torch.nn.Linear(8, 4)).to(torch.bfloat16)
+    assert t.set_model_weights(model.parameters()) == (16 * 8 + 8 * 4 + 4) * 2
+    assert samples(t)[("moeguard_model_weight_bytes", tuple(sorted(LABELS.items())))] == 328.0
+
+
+def test_termination_message_written_only_where_the_kubelet_made_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "termination-log"
+    assert not write_termination_message("model_load_error: x", str(path))
+    assert not path.exists()  # never created: outside Kubernetes there is no such file
+    path.write_text("an older message, longer than the new one")
+    assert write_termination_message("model_load_error: missing shard model-00002-of-00002.safetensors",
+                                     str(path))
+    assert path.read_text() == "model_load_error: missing shard model-00002-of-00002.safetensors"
+    assert write_termination_message("é" * 3000, str(path))  # 6000 bytes: cut at 4096, never half a character
+    assert path.read_text() == "é" * 2048
