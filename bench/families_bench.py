@@ -47,50 +47,34 @@ from typing import Any
 
 import torch
 
+from bench.family_checkpoints import checkpoint_folder
 from bench.memory_probe import _status
 from bench.runtime_bench import machine, side_by_side
 
 RESULTS = Path(__file__).resolve().parent / "results"
-CACHE = Path(os.environ.get("MOEGUARD_BENCH_CACHE", "/tmp/moeguard-families-bench"))
 VOCAB = 32_000
 COMMON: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=1024, num_hidden_layers=2,
                               num_attention_heads=16, max_position_embeddings=4096,
                               tie_word_embeddings=False)
-SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
-    # (transformers config class, fields)
-    "mixtral": ("MixtralConfig", dict(num_key_value_heads=4, intermediate_size=2816,
-                                      num_local_experts=8, num_experts_per_tok=2)),
-    "qwen2_moe": ("Qwen2MoeConfig", dict(num_key_value_heads=16, intermediate_size=2816,
-                                         moe_intermediate_size=704, shared_expert_intermediate_size=2816,
-                                         num_experts=16, num_experts_per_tok=4, norm_topk_prob=False)),
-    "qwen3_moe": ("Qwen3MoeConfig", dict(num_key_value_heads=4, head_dim=64, intermediate_size=2816,
-                                         moe_intermediate_size=768, num_experts=16,
-                                         num_experts_per_tok=4, norm_topk_prob=True)),
-    "deepseek_v3": ("DeepseekV3Config", dict(
-        num_key_value_heads=16, intermediate_size=2816, moe_intermediate_size=512, n_routed_experts=16,
-        num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, kv_lora_rank=256,
-        q_lora_rank=384, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
-        first_k_dense_replace=1, routed_scaling_factor=2.5)),
-    "olmoe": ("OlmoeConfig", dict(num_key_value_heads=16, intermediate_size=512, num_experts=16,
-                                  num_experts_per_tok=4)),
+SHAPES: dict[str, dict[str, Any]] = {
+    # model_type -> config.json fields (transformers' names) beside COMMON
+    "mixtral": dict(num_key_value_heads=4, intermediate_size=2816, num_local_experts=8, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_key_value_heads=16, intermediate_size=2816, moe_intermediate_size=704,
+                      shared_expert_intermediate_size=2816, num_experts=16, num_experts_per_tok=4,
+                      norm_topk_prob=False),
+    "qwen3_moe": dict(num_key_value_heads=4, head_dim=64, intermediate_size=2816, moe_intermediate_size=768,
+                      num_experts=16, num_experts_per_tok=4, norm_topk_prob=True),
+    "deepseek_v3": dict(num_key_value_heads=16, intermediate_size=2816, moe_intermediate_size=512,
+                        n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
+                        kv_lora_rank=256, q_lora_rank=384, qk_nope_head_dim=64, qk_rope_head_dim=32,
+                        v_head_dim=64, first_k_dense_replace=1, routed_scaling_factor=2.5),
+    "olmoe": dict(num_key_value_heads=16, intermediate_size=512, num_experts=16, num_experts_per_tok=4),
 }
 
 
 def folder_of(family: str) -> Path:
     """The family's checkpoint folder, written once (seed 0) by ``transformers``' ``save_pretrained``."""
-    folder = CACHE / family
-    if (folder / "config.json").is_file():
-        return folder
-    import transformers
-
-    cls_name, fields = SHAPES[family]
-    cfg = getattr(transformers, cls_name)(**COMMON, **fields)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    tmp = folder.with_suffix(".tmp")
-    model.save_pretrained(tmp)
-    tmp.rename(folder)
-    return folder
+    return checkpoint_folder({"model_type": family, **COMMON, **SHAPES[family]})
 
 
 class Ours:
@@ -214,7 +198,7 @@ def summarize(family: str, t: dict[str, Any], mem: dict[str, list[dict[str, int]
     pre_ours, pre_hf = med(t["prefill_s"]["ours"]), med(t["prefill_s"]["transformers"])
     dec_ours, dec_hf = med(t["decode_s"]["ours"]), med(t["decode_s"]["transformers"])
     return {
-        "family": family, "shape": SHAPES[family][1], "parameters": t["parameters"],
+        "family": family, "shape": SHAPES[family], "parameters": t["parameters"],
         "implementations": t["implementations"],
         "prefill_tok_s": {"ours": args.prefill / pre_ours, "transformers": args.prefill / pre_hf},
         "prefill_speedup": pre_hf / pre_ours,
