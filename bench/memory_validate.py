@@ -117,6 +117,10 @@ def main() -> int:
         " `load_hf_checkpoint`; shapes in `bench/memory_configs.py` `HF_FAMILIES`; none of their rows"
         " was used to fit a coefficient):",
         "",
+        "`make bench-memory-families` (`memory_run --families`) re-measures the family rows only and keeps"
+        " the other rows' earlier measurements (taken with the worker code of their own run); a positive"
+        " error is an over-prediction (the safe side for `moeguard plan`).",
+        "",
         "| family | configurations | worst error | mean absolute error | within ±20 % |",
         "|---|---|---|---|---|",
         *[f"| {fam} | {len(errs)} | {max(errs, key=abs):+.1%} | {sum(abs(e) for e in errs) / len(errs):.1%} |"
