@@ -109,7 +109,9 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
             loaded = load_hf_checkpoint(settings.checkpoint, settings.torch_dtype,
                                         settings.torch_device,
                                         BuildOptions(settings.expert_chunk_tokens,
-                                                     settings.capacity_factor))
+                                                     settings.capacity_factor,
+                                                     settings.matmul_backend,
+                                                     settings.moe_dispatch))
             model, model_type = loaded.model, loaded.model_type
             parameters = sum(p.numel() for p in model.parameters())
         else:

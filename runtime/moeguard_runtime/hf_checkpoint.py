@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 
 from moeguard_runtime.checkpoint import CheckpointError
-from moeguard_runtime.moe import DEFAULT_EXPERT_CHUNK_TOKENS
+from moeguard_runtime.moe import DEFAULT_EXPERT_CHUNK_TOKENS, MatmulBackend, MoeDispatch
 from moeguard_runtime.serving import ServingModel
 
 CONFIG_FILE = "config.json"
@@ -97,22 +97,6 @@ class HFConfig:
         if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
             raise self.error(key, f"must be a list of integers, given {value!r}")
         return list(value)
-
-    def rope_theta(self, default: float = 10_000.0) -> float:
-        """The rotary base. Reads ``rope_parameters`` (transformers 5) or ``rope_theta`` plus
-        ``rope_scaling`` (older files); only unscaled (``default``) RoPE is implemented, so any
-        other ``rope_type`` (yarn, llama3, dynamic ...) is refused rather than served wrong."""
-        params = self.data.get("rope_parameters") or self.data.get("rope_scaling") or {}
-        if not isinstance(params, dict):
-            raise self.error("rope_parameters", f"must be an object, given {params!r}")
-        kind = params.get("rope_type", params.get("type", "default"))
-        if kind not in ("default", None):
-            key = "rope_parameters" if "rope_parameters" in self.data else "rope_scaling"
-            raise self.error(key, f"rope_type {kind!r} is not supported (only default RoPE)")
-        theta = params.get("rope_theta", self.data.get("rope_theta", default))
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-            raise self.error("rope_theta", f"must be a positive number, given {theta!r}")
-        return float(theta)
 
     def max_seq_len(self) -> int:
         """``max_position_embeddings``, capped at a sliding window when one applies: with the
@@ -222,10 +206,13 @@ class TensorSource:
 
 @dataclass(frozen=True)
 class BuildOptions:
-    """How a family builds its model: the MoE guardrails (:mod:`moeguard_runtime.moe`)."""
+    """How a family builds its model: the MoE guardrails and kernels (:mod:`moeguard_runtime.moe`,
+    as for the embedded model)."""
 
     expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS
     capacity_factor: float = 0.0
+    matmul_backend: MatmulBackend = "onednn"
+    dispatch: MoeDispatch = "auto"
 
 
 @dataclass(frozen=True)
@@ -294,6 +281,11 @@ def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
     if families.get(model_type) is None:
         raise CheckpointError(f"{config.path}: model_type {model_type!r} is not supported; "
                               f"supported: {', '.join(families.SUPPORTED)}")
+    quant = config.data.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise config.error("quantization_config", f"({method!r}) is not supported: serve an "
+                                                  f"unquantized (bf16/fp32) checkpoint")
     return CheckpointInfo(str(model_type), config.max_seq_len(),
                           config.get_int("n_routed_experts", "num_local_experts", "num_experts"),
                           eos_token_ids(folder, config))
@@ -319,7 +311,7 @@ def load_hf_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
     assert family is not None
     with TensorSource(folder) as source:
         model: ServingModel = family(config, source, options or BuildOptions())
-    from moeguard_runtime.families.common import HFDecoder
+    from moeguard_runtime.families.decoder import HFDecoder
 
     if isinstance(model, HFDecoder):
         model.cast(dtype)  # routers that HF keeps in float32 stay float32

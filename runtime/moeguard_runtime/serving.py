@@ -14,6 +14,7 @@ from torch import nn
 
 from moeguard_runtime.model import KVCache, Segment
 from moeguard_runtime.moe import RoutingStats
+from moeguard_runtime.moe_device import PendingRouting
 
 
 class ServingArgs(Protocol):
@@ -31,7 +32,7 @@ class ServingModel(Protocol):
 
     ``model(tokens, positions, segments)``: ``tokens``, ``positions`` [T] int64
     (packed, in segment order) → ``([S, V] float32 logits of each segment's last
-    token, routing statistics of each MoE layer)``. ``new_cache(capacity, dtype,
+    token, routing of each MoE layer: statistics, or pending on the device)``. ``new_cache(capacity, dtype,
     device)`` allocates one sequence's cache of ``capacity`` token positions (the
     family decides what it holds: K/V, or MLA's compressed latent).
     """
@@ -47,7 +48,8 @@ class ServingModel(Protocol):
     def setup_rope(self, device: torch.device | str | None = None) -> None: ...
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor,
-                 segments: Sequence[Segment]) -> tuple[torch.Tensor, list[RoutingStats]]: ...
+                 segments: Sequence[Segment]
+                 ) -> tuple[torch.Tensor, list[RoutingStats | PendingRouting]]: ...
 
     def to(self, *args: Any, **kwargs: Any) -> Any: ...
 

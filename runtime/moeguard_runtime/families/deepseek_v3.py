@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeguard_runtime.checkpoint import hf_to_interleaved
-from moeguard_runtime.families.common import (
+from moeguard_runtime.families.decoder import (
     DecoderArgs,
     DecoderLayer,
     DenseMLP,
@@ -40,10 +40,9 @@ from moeguard_runtime.families.common import (
     causal_mask,
     check_activation,
     decoder_args,
-    load_by_name,
-    moe_tensor,
 )
 from moeguard_runtime.families.routers import GroupLimitedSigmoid
+from moeguard_runtime.families.weights import load_by_name, moe_tensor
 from moeguard_runtime.hf_checkpoint import BuildOptions, HFConfig, TensorSource
 from moeguard_runtime.model import KVCache, RMSNorm, Segment, apply_rope
 
@@ -116,17 +115,41 @@ class MLAttention(nn.Module):
             cache_c, cache_r = seg.cache.k[self.layer], seg.cache.v[self.layer]  # [cap, r], [cap, rope]
             cache_c[s0:s1] = latent[offset:offset + n]
             cache_r[s0:s1] = k_rot[offset:offset + n]
-            kv = self.kv_b_proj(cache_c[:s1]).view(s1, h, nope + self.v_dim)  # [s1, H, nope+v]
-            k_nope, vals = kv.split([nope, self.v_dim], dim=-1)
-            keys = torch.cat([k_nope, cache_r[:s1, None, :].expand(s1, h, rope)], dim=-1)
-            qs = q[offset:offset + n].transpose(0, 1)  # [H, n, nope+rope]
-            o = F.scaled_dot_product_attention(
-                qs, keys.transpose(0, 1), vals.transpose(0, 1),  # [H, s1, nope+rope], [H, s1, v]
-                attn_mask=causal_mask(n, s0, x.device), scale=self.scale)  # [H, n, v]
-            outs.append(o.transpose(0, 1).reshape(n, h * self.v_dim))
+            qs = q[offset:offset + n]  # [n, H, nope+rope]
+            attend = self._absorbed if n == 1 else self._expanded
+            outs.append(attend(qs, cache_c[:s1], cache_r[:s1], causal_mask(n, s0, x.device)))
             offset += n
         out: torch.Tensor = self.o_proj(torch.cat(outs, dim=0))  # [T, D]
         return out
+
+    def _expanded(self, q: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
+                  mask: torch.Tensor | None) -> torch.Tensor:
+        """Prefill: keys and values expanded from the cache, as HF computes them.
+        ``q`` [n, H, nope+rope], ``latent`` [s, r], ``k_rot`` [s, rope] → [n, H*v]."""
+        h, nope, s = self.n_head, self.nope, latent.shape[0]
+        kv = self.kv_b_proj(latent).view(s, h, nope + self.v_dim)  # [s, H, nope+v]
+        k_nope, vals = kv.split([nope, self.v_dim], dim=-1)
+        keys = torch.cat([k_nope, k_rot[:, None, :].expand(s, h, self.rope)], dim=-1)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),  # [H, n|s, ...]
+            attn_mask=mask, scale=self.scale)  # [H, n, v]
+        return o.transpose(0, 1).reshape(q.shape[0], h * self.v_dim)
+
+    def _absorbed(self, q: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
+                  mask: torch.Tensor | None) -> torch.Tensor:
+        """Decode: attention in the latent space (DeepSeek-V2 report §2.1.3, "absorb" ``W_uk``
+        into the query and ``W_uv`` into the output), so the cache is read as is instead of
+        being expanded to ``H * (nope + v)`` per position. Same result up to summation order.
+        ``q`` [n, H, nope+rope], ``latent`` [s, r], ``k_rot`` [s, rope] → [n, H*v]."""
+        h, nope, s, r = self.n_head, self.nope, latent.shape[0], self.kv_lora_rank
+        w = self.kv_b_proj.weight.view(h, nope + self.v_dim, r)  # [H, nope+v, r]
+        q_lat = torch.einsum("nhd,hdr->hnr", q[..., :nope], w[:, :nope])  # [H, n, r]
+        query = torch.cat([q_lat, q[..., nope:].transpose(0, 1)], dim=-1)  # [H, n, r+rope]
+        keys = torch.cat([latent, k_rot], dim=-1)[None].expand(h, s, r + self.rope)  # [H, s, r+rope]
+        o_lat = F.scaled_dot_product_attention(query, keys, latent[None].expand(h, s, r),
+                                               attn_mask=mask, scale=self.scale)  # [H, n, r]
+        o = torch.einsum("hnr,hvr->nhv", o_lat, w[:, nope:])  # [n, H, v]
+        return o.reshape(q.shape[0], h * self.v_dim)
 
 
 def build(cfg: HFConfig, source: TensorSource, options: BuildOptions) -> HFDecoder:

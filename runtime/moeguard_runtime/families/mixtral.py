@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from moeguard_runtime.checkpoint import hf_to_interleaved
-from moeguard_runtime.families.common import check_activation
+from moeguard_runtime.families.decoder import check_activation
+from moeguard_runtime.families.rope import rope_scaling
 from moeguard_runtime.hf_checkpoint import BuildOptions, HFConfig, TensorSource
 from moeguard_runtime.model import Transformer
 from moeguard_runtime.presets import ModelArgs, shape_problems
@@ -27,7 +28,8 @@ def model_args(cfg: HFConfig) -> ModelArgs:
                      intermediate_size=cfg.get_int("intermediate_size"),
                      num_experts=cfg.get_int("num_local_experts", "num_experts"),
                      top_k=cfg.get_int("num_experts_per_tok"), max_seq_len=cfg.max_seq_len(),
-                     vocab_size=cfg.get_int("vocab_size"), rope_base=cfg.rope_theta(1e6),
+                     vocab_size=cfg.get_int("vocab_size"),
+                     rope_base=rope_scaling(cfg, 1e6, ("default",)).base,  # model.py: no YaRN
                      norm_eps=cfg.get_float("rms_norm_eps", 1e-5))
     head_dim = cfg.data.get("head_dim")
     if head_dim is not None and head_dim != args.head_dim:

@@ -8,13 +8,8 @@ projections; every layer sparse; ``norm_topk_prob`` false by default.
 
 from __future__ import annotations
 
-from moeguard_runtime.families.common import (
-    AttentionSpec,
-    HFDecoder,
-    SparseMoE,
-    build_gqa_decoder,
-    decoder_args,
-)
+from moeguard_runtime.families.decoder import HFDecoder, SparseMoE, decoder_args
+from moeguard_runtime.families.gqa import AttentionSpec, build_gqa_decoder
 from moeguard_runtime.families.routers import SoftmaxTopK
 from moeguard_runtime.hf_checkpoint import BuildOptions, HFConfig, TensorSource
 

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 from torch import nn
 
-from moeguard_runtime.families.common import (
-    AttentionSpec,
+from moeguard_runtime.families.decoder import (
     DenseMLP,
     HFDecoder,
     SparseMoE,
-    build_gqa_decoder,
     decoder_args,
     sparse_layers,
 )
+from moeguard_runtime.families.gqa import AttentionSpec, build_gqa_decoder
 from moeguard_runtime.families.routers import SoftmaxTopK
 from moeguard_runtime.hf_checkpoint import BuildOptions, HFConfig, TensorSource
 

@@ -76,22 +76,24 @@ class RopeScaling:
         return scale
 
 
-def rope_scaling(cfg: HFConfig) -> RopeScaling:
-    """The rotary embedding of ``cfg`` (``rope_parameters``, or ``rope_theta`` and
-    ``rope_scaling``). Raises CheckpointError for a ``rope_type`` other than default and yarn."""
+def rope_scaling(cfg: HFConfig, default_base: float = 10_000.0,
+                 supported: tuple[str, ...] = SUPPORTED_ROPE_TYPES) -> RopeScaling:
+    """The rotary embedding of ``cfg``: ``rope_parameters`` (transformers 5), or ``rope_theta``
+    and ``rope_scaling`` (older files). Raises CheckpointError naming the key for a
+    ``rope_type`` not in ``supported`` (llama3, dynamic, longrope ... are never served wrong)."""
     key = "rope_parameters" if cfg.data.get("rope_parameters") else "rope_scaling"
     params = cfg.data.get(key) or {}
     if not isinstance(params, dict):
         raise cfg.error(key, f"must be an object, given {params!r}")
     kind = params.get("rope_type", params.get("type")) or "default"
-    base = params.get("rope_theta", cfg.data.get("rope_theta", 10_000.0))
+    base = params.get("rope_theta", cfg.data.get("rope_theta", default_base))
     if isinstance(base, bool) or not isinstance(base, (int, float)) or base <= 0:
         raise cfg.error("rope_theta", f"must be a positive number, given {base!r}")
+    if kind not in supported:
+        raise cfg.error(key, f"rope_type {kind!r} is not supported ({', '.join(supported)} "
+                             f"{'is' if len(supported) == 1 else 'are'})")
     if kind == "default":
         return RopeScaling(float(base))
-    if kind != "yarn":
-        raise cfg.error(key, f"rope_type {kind!r} is not supported "
-                             f"({', '.join(SUPPORTED_ROPE_TYPES)} are)")
     original = params.get("original_max_position_embeddings") or \
         cfg.data.get("original_max_position_embeddings") or cfg.get_int("max_position_embeddings")
     factor = params.get("factor") or cfg.get_int("max_position_embeddings") / original

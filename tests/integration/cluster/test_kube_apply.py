@@ -46,6 +46,8 @@ def test_unicode_in_annotations_and_env_reaches_the_deployment_exactly(
     })
     owner = Owner(name="unicode", namespace=namespace, uid="00000000-0000-0000-0000-000000000001")
     deployment = next(m for m in build_children(owner, spec) if m["kind"] == "Deployment")
+    # no MoEInferenceService owns it here: without this the garbage collector deletes the orphan mid-test
+    del deployment["metadata"]["ownerReferences"]
     stored = kube.apply(deployment)
     template = stored["spec"]["template"]
     assert {k: template["metadata"]["annotations"][f"example.com/{k}"] for k in TEXTS} == TEXTS

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -149,6 +150,8 @@ def test_file_errors(tmp_path: Path) -> None:
      r"config\.json: rope_scaling rope_type 'yarn' is not supported"),
     ({"head_dim": 16}, r"config\.json: head_dim 16 must be hidden_size / num_attention_heads"),
     ({"hidden_act": "gelu"}, r"config\.json: hidden_act 'gelu' is not supported"),
+    ({"quantization_config": {"quant_method": "fp8"}},
+     r"config\.json: quantization_config \('fp8'\) is not supported"),
 ])
 def test_config_errors_name_the_key(tmp_path: Path, change: dict[str, object], message: str) -> None:
     config = {k: v for k, v in {**CONFIG, **change}.items() if v is not None}
@@ -159,3 +162,66 @@ def test_config_errors_name_the_key(tmp_path: Path, change: dict[str, object], m
 def test_sliding_window_caps_the_context(tmp_path: Path) -> None:
     folder = write_folder(tmp_path, mixtral_tensors(), {**CONFIG, "sliding_window": 64})
     assert read_checkpoint_info(folder).max_seq_len == 64
+
+
+def test_runtime_never_imports_transformers() -> None:
+    """``transformers`` is the tests' reference only: no worker module imports it."""
+    import moeguard_runtime
+
+    root = Path(moeguard_runtime.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n.split(".")[0] == "transformers" for n in names), path
+
+
+DEEPSEEK = {"model_type": "deepseek_v3", "vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 48,
+            "moe_intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 2,
+            "n_group": 4, "topk_group": 2, "kv_lora_rank": 16, "q_lora_rank": None,
+            "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8,
+            "max_position_embeddings": 128}
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"n_group": 3}, r"config\.json: n_group 3 must split n_routed_experts \(8\) into groups"),
+    ({"topk_group": 5}, r"config\.json: topk_group 5 must be in 1\.\.n_group \(4\)"),
+    ({"num_experts_per_tok": 9}, r"config\.json: num_experts_per_tok 9 must be in 1\.\.8"),
+    ({"qk_rope_head_dim": 7}, r"config\.json: head_dim 7 must be even"),
+    ({"model_type": "qwen3_moe", "num_experts": 8, "num_key_value_heads": 3},
+     r"config\.json: num_key_value_heads 3 must divide num_attention_heads \(4\)"),
+])
+def test_family_config_errors(tmp_path: Path, change: dict[str, object], message: str) -> None:
+    folder = write_folder(tmp_path, {"model.norm.weight": torch.ones(32)}, {**DEEPSEEK, **change})
+    with pytest.raises(CheckpointError, match=message):
+        load_hf_checkpoint(folder)
+
+
+def test_worker_start_up_fails_naming_the_file(tmp_path: Path) -> None:
+    """``__main__._load`` with a truncated HF folder: a model_load_error naming the file, the
+    failure flag set (the process exits 3), no worker started."""
+    import threading
+
+    from moeguard_runtime.__main__ import _load
+    from moeguard_runtime.config import load_settings, model_args
+    from moeguard_runtime.server import WorkerSlot
+    from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
+
+    folder = write_folder(tmp_path, mixtral_tensors())
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[:100])
+    settings = load_settings({"MOEGUARD_CHECKPOINT_PATH": str(folder)})
+    lines: list[tuple[str, dict[str, object]]] = []
+
+    class Logger:
+        def info(self, event: str, **kw: object) -> None:
+            lines.append((event, kw))
+
+    slot = WorkerSlot(Telemetry({"moeis": "s", "namespace": "n", "pod": "p"}, 4), "m", 128)
+    failed = threading.Event()
+    _load(settings, model_args(settings), slot, RateLimitedLog(0.0, logger=Logger()), failed)
+    assert failed.is_set() and slot.worker is None
+    event, fields = lines[-1]
+    assert event == "model_load_error"
+    assert "model.safetensors: not a readable safetensors file" in str(fields["error"])

@@ -26,10 +26,11 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 
 from moeguard_runtime.config import load_settings
 from moeguard_runtime.engine import Engine
-from moeguard_runtime.families.common import SparseMoE
+from moeguard_runtime.families.decoder import SparseMoE
 from moeguard_runtime.hf_checkpoint import (
     BuildOptions,
     LoadedCheckpoint,
@@ -37,15 +38,14 @@ from moeguard_runtime.hf_checkpoint import (
     read_checkpoint_info,
 )
 from moeguard_runtime.memory import MemoryReading
-from moeguard_runtime.model import Segment
+from moeguard_runtime.model import KVCache, Segment
 from moeguard_runtime.moe import MOEFeedForward
 from moeguard_runtime.service import Event, GenerationRequest, Worker
 from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
 from moeguard_runtime.tokenizer import EOS
 
-transformers = pytest.importorskip("transformers")
-
 pytestmark = pytest.mark.unit
+transformers.utils.logging.disable_progress_bar()  # its tqdm would start a monitor thread
 
 VOCAB = 32_000
 NEW_TOKENS = 32
@@ -76,10 +76,10 @@ def _qwen3() -> Any:
     return transformers.Qwen3MoeForCausalLM(cfg)
 
 
-def _qwen2() -> Any:
-    cfg = transformers.Qwen2MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=48,
-                                      shared_expert_intermediate_size=80, num_experts=8,
-                                      num_experts_per_tok=2, norm_topk_prob=False)
+def _qwen2(**kw: Any) -> Any:
+    cfg = transformers.Qwen2MoeConfig(**{**COMMON, **kw}, intermediate_size=96,
+                                      moe_intermediate_size=48, shared_expert_intermediate_size=80,
+                                      num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)
     return transformers.Qwen2MoeForCausalLM(cfg)
 
 
@@ -124,6 +124,8 @@ LOGITS_ONLY = {
         transformers.Qwen3MoeConfig(**COMMON, head_dim=32, intermediate_size=96,
                                     moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
                                     rope_parameters=YARN))),
+    # no lm_head.weight in the file: the LM head is the embedding
+    "qwen2_moe-tied": Family("qwen2_moe", lambda: _qwen2(tie_word_embeddings=True)),
 }
 
 
@@ -197,28 +199,43 @@ def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours - ref).abs().max() / ref.abs().max())
 
 
+def _packed_logits(loaded: LoadedCheckpoint, caches: list[KVCache], prompts: list[list[int]],
+                   start: int) -> torch.Tensor:
+    """One packed forward of ``p[start:]`` for every prompt (``start`` -1: one decode token
+    each, after the rest was prefilled) → ``[S, V]`` last-token logits."""
+    chunks = [p[start:] if start >= 0 else p[-1:] for p in prompts]
+    starts = [start if start >= 0 else len(p) - 1 for p in prompts]
+    tokens = torch.tensor([t for c in chunks for t in c])
+    positions = torch.tensor([s0 + i for c, s0 in zip(chunks, starts, strict=True)
+                              for i in range(len(c))])
+    segments = [Segment(cache, s0, len(c)) for cache, c, s0 in zip(caches, chunks, starts, strict=True)]
+    with torch.inference_mode():
+        logits, stats = loaded.model(tokens, positions, segments)
+    assert stats and all(s.routed_slots == len(tokens) * loaded.model.args.top_k  # type: ignore[attr-defined]
+                         for s in stats)
+    return logits
+
+
 @pytest.mark.parametrize("name", sorted({**FAMILIES, **LOGITS_ONLY}))
 def test_logits_match_transformers(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Last-token logits of every prompt, packed in one prefill step, and again as one
+    decode step after prefilling all but the last token (MLA's other attention path)."""
     reference = _reference(name, tmp_path_factory)
     loaded = load_hf_checkpoint(reference.folder)
     assert loaded.model_type == reference.hf.config.model_type
     assert loaded.max_seq_len == 256
-    engine = Engine(loaded.model)
-    for i, p in enumerate(reference.prompts):
-        engine.add(str(i), p, 1)
-    out_ids = [str(i) for i in range(len(reference.prompts))]
-    tokens = torch.tensor([t for p in reference.prompts for t in p])
-    positions = torch.tensor([i for p in reference.prompts for i in range(len(p))])
-    segments = [Segment(engine.sequences[s].cache, 0, len(p))
-                for s, p in zip(out_ids, reference.prompts, strict=True)]
-    with torch.inference_mode():
-        logits, stats = loaded.model(tokens, positions, segments)
-    assert logits.shape == (len(reference.prompts), VOCAB)
-    ref = torch.stack([_hf_last_logits(reference.hf, p) for p in reference.prompts])
-    err = relative_error(logits, ref)
-    print(f"\n{reference.folder.name}: max relative error {err:.2e}")
-    assert err <= MAX_REL_ERR
-    assert stats and all(s.routed_slots == len(tokens) * loaded.model.args.top_k for s in stats)
+    prompts = reference.prompts
+    ref = torch.stack([_hf_last_logits(reference.hf, p) for p in prompts])  # [S, V]
+    caches = [loaded.model.new_cache(len(p), torch.float32, "cpu") for p in prompts]
+    prefill = _packed_logits(loaded, caches, prompts, 0)
+    caches = [loaded.model.new_cache(len(p), torch.float32, "cpu") for p in prompts]
+    _packed_logits(loaded, caches, [p[:-1] for p in prompts], 0)
+    decode = _packed_logits(loaded, caches, prompts, -1)
+    assert prefill.shape == decode.shape == (len(prompts), VOCAB)
+    errors = relative_error(prefill, ref), relative_error(decode, ref)
+    print(f"\n{name}: max relative error {max(errors):.2e} (prefill {errors[0]:.2e}, "
+          f"decode {errors[1]:.2e})")
+    assert max(errors) <= MAX_REL_ERR
 
 
 def _serve(loaded: LoadedCheckpoint, prompts: list[list[int]]) -> tuple[dict[str, list[int]], Worker]:

@@ -1,0 +1,81 @@
+"""From HF tensor names and layouts to the families' modules.
+
+Module names follow HF's, so most tensors are ``model.`` + the parameter name; only
+the experts are restacked (``experts.E.gate_proj`` → ``w1[E]``, feeding
+:func:`moeguard_runtime.moe.grouped_expert_forward`) and the q/k rows permuted to
+the interleaved rotary layout of :func:`moeguard_runtime.model.apply_rope`
+(:func:`to_interleaved`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from moeguard_runtime.checkpoint import hf_to_interleaved
+from moeguard_runtime.hf_checkpoint import TensorSource
+
+
+def to_interleaved(t: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of a ``[n_heads * hd, ...]`` q/k weight, bias or per-head norm weight from HF's
+    half-split rotary layout (``rotate_half``) to the interleaved pairs of ``apply_rope``
+    (as gpt-fast's ``convert_hf_checkpoint.py``). A 1-D tensor is treated as one column."""
+    if t.dim() == 1:
+        return hf_to_interleaved(t[:, None], n_heads)[:, 0]
+    return hf_to_interleaved(t, n_heads)
+
+
+_EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def moe_tensor(source: TensorSource, name: str, shape: tuple[int, ...],
+               shared_name: str = "shared_experts") -> torch.Tensor | None:
+    """The :class:`SparseMoE` parameters under their HF names, or None for any other ``name``.
+
+    ``layers.N.mlp.w1`` ``[E, I, D]`` is HF's per-expert ``model.layers.N.mlp.experts.E.gate_proj.weight``
+    stacked (``w3``: ``up_proj``, ``w2``: ``down_proj``); ``mlp.shared.*`` is
+    ``mlp.{shared_name}.*``, ``mlp.shared_gate`` is ``mlp.shared_expert_gate`` and
+    ``mlp.e_score_correction_bias`` is ``mlp.gate.e_score_correction_bias``.
+    """
+    prefix, _, leaf = name.rpartition(".mlp.")
+    if not prefix:
+        return None
+    hf = f"model.{prefix}.mlp."
+    if leaf in _EXPERT_PROJ:
+        return torch.stack([source.take(f"{hf}experts.{e}.{_EXPERT_PROJ[leaf]}.weight", shape[1:])
+                            for e in range(shape[0])])  # [E, ...]
+    if leaf.startswith("shared."):
+        return source.take(f"{hf}{shared_name}.{leaf.removeprefix('shared.')}", shape)
+    if leaf == "shared_gate.weight":
+        return source.take(f"{hf}shared_expert_gate.weight", shape)
+    if leaf == "e_score_correction_bias":
+        return source.take(f"{hf}gate.e_score_correction_bias", shape)
+    return None
+
+
+def load_by_name(model: nn.Module, source: TensorSource,
+                 special: Callable[[str, tuple[int, ...]], torch.Tensor | None],
+                 tie_embeddings: bool = False, ignore: Sequence[str] = ()) -> None:
+    """Fill every parameter of ``model`` (built on the meta device) from ``source``:
+    ``special(name, shape)`` supplies the restacked or permuted ones (None: take
+    ``model.{name}`` as stored; ``lm_head.weight`` has no prefix, and with
+    ``tie_embeddings`` and no ``lm_head.weight`` stored it is the embedding), then
+    checks that no tensor was left over (but those whose names start with one of ``ignore``).
+
+    Raises:
+        CheckpointError: from :class:`TensorSource` (missing, shape, unexpected).
+    """
+    state: dict[str, torch.Tensor] = {}
+    for name, p in model.state_dict(keep_vars=True).items():
+        shape = tuple(p.shape)
+        t = special(name, shape)
+        if t is None and name == "lm_head.weight":
+            tied = tie_embeddings and not source.has(name)
+            t = source.take("model.embed_tokens.weight" if tied else name, shape)
+        elif t is None:
+            t = source.take(f"model.{name}", shape)
+        state[name] = t
+    model.load_state_dict(state, assign=True, strict=True)
+    source.check_all_used(ignore)
