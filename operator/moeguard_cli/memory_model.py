@@ -44,7 +44,8 @@ their KV caches do.
   **Dense layers** (deepseek_v3 ``first_k_dense_replace``, qwen ``mlp_only_layers``) have their
   own phase, ``MOE_STREAM x T x D x b + T x (D + 2 x intermediate_size) x b``. **MLA**
   replaces the repeated K/V by its queries and per-step up-projected keys and values
-  (:func:`mla_attention_bytes`).
+  (:func:`mla_attention_bytes`). GQA with ``H x head_dim > D`` (qwen3_moe) adds
+  ``2 x T x (H x head_dim - D) x b`` (:func:`wide_heads_bytes`).
 
 * ``b`` = dtype bytes. With a 2-byte dtype, (a) the RMSNorm and rotary code upcast to float32,
   which adds ``UPCAST_STREAM x T x D x 4`` to both phases (counted), and (b) on CPU the MoE phase
@@ -256,6 +257,16 @@ v 64): 316 MiB against 20 MiB with v 96, of which the bool mask's 5.5 B per pair
 by the mask term: (316 - 22) / 128 MiB of scores = 2.3. Not fitted on the validation set."""
 
 
+def wide_heads_bytes(shape: FamilyShape, tokens: int, dtype_bytes: int) -> int:
+    """GQA whose query width ``H x head_dim`` exceeds ``D`` (qwen3_moe: 32 x 128 = 4096 over D 2048):
+    the queries ``[T, H x head_dim]`` and the attention output before ``o_proj`` are wider than the
+    residual-size tensors ``ATTN_STREAM`` counts, by ``T x (H x head_dim - D) x b`` each. Counted,
+    not fitted; 0 for MLA (its queries are in :func:`mla_attention_bytes`) and when ``H x head_dim <= D``."""
+    if shape.mla:
+        return 0
+    return 2 * tokens * max(0, shape.n_head * shape.head_dim - shape.dim) * dtype_bytes
+
+
 def mla_attention_bytes(shape: FamilyShape, tokens: int, longest: int, dtype_bytes: int) -> int:
     """MLA's per-step temporaries beyond the residual stream (the worker's ``MLAttention``):
     the queries ``[T, H, nope + rope]`` and their copy with rotated rope half, and, for the
@@ -298,7 +309,8 @@ def step_peak(shape: ShapeLike, step: Step, routing: Routing, dtype: str = "floa
         repeat = 2 * shape.n_head * longest * shape.head_dim * b
         repeat_how = f"2 x H {shape.n_head} x {longest:,} keys x {shape.head_dim} x {b} B"
     scores = math_sdpa_bytes(shape, pairs, b)
-    attention = attn_stream + mask + repeat + scores + upcast
+    wide = wide_heads_bytes(shape, t, b)
+    attention = attn_stream + mask + repeat + scores + wide + upcast
     n_top = busiest_expert_slots(t, shape, routing)
     moe_stream = int(MOE_STREAM * t * d * b)
     expert = swiglu_bytes(n_top, shape, i, b)
@@ -320,6 +332,9 @@ def step_peak(shape: ShapeLike, step: Step, routing: Routing, dtype: str = "floa
         ("MoE: busiest expert", expert, f"{n_top:,} slots x (D {d} + 2 x I {i}) x {b} B"),
         ("MoE: router and dispatch", router, f"T {t:,} x E {e} x ({b} + 4) B + 32 x k {k} x T"),
     ]
+    if wide:
+        terms.append(("attention: queries and output wider than D", wide,
+                      f"2 x T {t:,} x (H {shape.n_head} x {shape.head_dim} - D {d}) x {b} B"))
     if scores:
         terms.append(("attention: SDPA math path (MLA: v width != q/k width)", scores,
                       f"{MLA_MATH_SCORES:g} x H {shape.n_head} x {pairs:,} query-key pairs x {b} B"))

@@ -160,3 +160,13 @@ def test_parameter_count_equals_transformers_on_tiny_configs() -> None:
         shape = fs.from_hf_config(cfg.to_dict())
         bias = shape.moe_layers * shape.num_experts if shape.model_type == "deepseek_v3" else 0  # a buffer in HF
         assert fs.parameter_count(shape) == model.num_parameters() + bias, cfg.model_type
+
+
+def test_queries_wider_than_the_residual_stream() -> None:
+    # Qwen3-30B-A3B: H 32 x head_dim 128 = 4096 over D 2048: q and the attention output, 2 x T x 2048 x b more
+    shape = fs.from_hf_config(QWEN3_30B_A3B)
+    assert mm.wide_heads_bytes(shape, 1000, 2) == 2 * 1000 * 2048 * 2 == 8_192_000
+    assert mm.wide_heads_bytes(fs.from_hf_config(MIXTRAL_8X7B), 1000, 2) == 0  # 32 x 128 = D
+    assert mm.wide_heads_bytes(fs.from_hf_config(DEEPSEEK_V3), 1000, 2) == 0  # MLA: counted elsewhere
+    est = mm.step_peak(shape, mm.Step(prefill=((0, 1000),)), mm.Routing(top_share=1 / 128), "bfloat16")
+    assert ("attention: queries and output wider than D", 8_192_000) in [(n, v) for n, v, _ in est.terms]
