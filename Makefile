@@ -74,11 +74,20 @@ bench-soak: ## C6 at full length: 10 minutes of steady traffic, RSS slope -> ben
 	$(PY) -m bench.soak --minutes 10
 
 .PHONY: bench-memory-model
-bench-memory-model: ## Memory model vs measured step peaks (28 configs, fresh process each) -> bench/results/memory_model.md.
+bench-memory-model: ## Memory model vs measured step peaks (32 preset + 25 HF-family configs, fresh process each) -> bench/results/memory_model.md.
 	$(PY) -m bench.memory_run
+	$(PY) -m bench.memory_validate
+
+.PHONY: bench-memory-families
+bench-memory-families: ## The same, re-measuring only the HF families' 25 configurations (keeps the others' rows).
+	$(PY) -m bench.memory_run --families
 	$(PY) -m bench.memory_validate
 
 .PHONY: bench-headline
 bench-headline: ## Headline: request-count vs token budgets vs moeguard, same traffic and memory limit, 3 reps -> bench/RESULTS.md + plots (~20 min).
 	$(PY) -m bench.headline --reps 3
 	$(PY) -m bench.headline_report
+
+.PHONY: bench-families
+bench-families: ## Per family (mixtral, qwen2_moe, qwen3_moe, deepseek_v3, olmoe): prefill, decode and peak memory vs transformers, same weights -> bench/results/families.md (~10 min).
+	$(PY) -m bench.families_bench

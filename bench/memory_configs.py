@@ -4,7 +4,8 @@ Each is one engine step measured in a fresh process by :mod:`bench.memory_probe`
 ``role`` is ``fit`` for the ten configurations whose measurements fixed the model's empirical
 coefficients (``bench.memory_fit``: the eight float32, unskewed, default-chunk ``small`` steps, one
 unskewed bfloat16 step for the 2-byte term and one ``tiny`` step for the constant; see
-``docs/memory-model.md``) and ``check`` for all the others, which played no part in choosing them.
+``docs/memory-model.md``) and ``check`` for all the others, which played no part in choosing them. ``FAMILY_CONFIGS``: each HF
+family (:data:`HF_FAMILIES`) at serving chunk sizes, one skewed case each (issue 10).
 """
 
 from __future__ import annotations
@@ -19,6 +20,43 @@ WIDE_E16K4 = {"n_layer": 4, "dim": 256, "n_head": 4, "n_kv_head": 4, "intermedia
 
 def _c(name: str, role: str = "check", **cfg: Any) -> dict[str, Any]:
     return {"name": name, "role": role, **cfg}
+
+
+# The HF families (issue 10), loaded from a random ``save_pretrained`` folder by the worker's loader:
+# hidden 512, a real vocabulary, the family's own features (fine-grained and shared experts, q/k
+# norms, MLA with a dense first layer). ``config.json`` fields, ``transformers``' names.
+_HF_COMMON = {"vocab_size": 32000, "hidden_size": 512, "num_attention_heads": 8,
+              "max_position_embeddings": 4096, "tie_word_embeddings": False}
+HF_FAMILIES: dict[str, dict[str, Any]] = {
+    "mixtral": {"model_type": "mixtral", **_HF_COMMON, "num_hidden_layers": 2, "num_key_value_heads": 2,
+                "intermediate_size": 1792, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen2_moe": {"model_type": "qwen2_moe", **_HF_COMMON, "num_hidden_layers": 2, "num_key_value_heads": 8,
+                  "intermediate_size": 1408, "moe_intermediate_size": 352,
+                  "shared_expert_intermediate_size": 1408, "num_experts": 16, "num_experts_per_tok": 4},
+    "qwen3_moe": {"model_type": "qwen3_moe", **_HF_COMMON, "num_hidden_layers": 2, "num_key_value_heads": 2,
+                  "head_dim": 128, "intermediate_size": 1408, "moe_intermediate_size": 384,
+                  "num_experts": 16, "num_experts_per_tok": 4},
+    "deepseek_v3": {"model_type": "deepseek_v3", **_HF_COMMON, "num_hidden_layers": 3,
+                    "num_key_value_heads": 8, "intermediate_size": 1408, "moe_intermediate_size": 256,
+                    "n_routed_experts": 16, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
+                    "n_shared_experts": 1, "first_k_dense_replace": 1, "kv_lora_rank": 128,
+                    "q_lora_rank": 192, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64},
+    "olmoe": {"model_type": "olmoe", **_HF_COMMON, "num_hidden_layers": 2, "num_key_value_heads": 8,
+              "intermediate_size": 512, "num_experts": 16, "num_experts_per_tok": 4},
+}
+
+
+def _family_configs(family: str) -> list[dict[str, Any]]:
+    """Serving chunk sizes (512, 2048, four 512-token prompts, decode beside a prefill chunk) and one
+    skewed routing case, each a ``check`` (none was used to fit the coefficients)."""
+    hf = HF_FAMILIES[family]
+    return [
+        _c(f"{family} 1x512", hf_config=hf, prefill=[512]),
+        _c(f"{family} 1x2048", hf_config=hf, prefill=[2048]),
+        _c(f"{family} 4x512", hf_config=hf, prefill=[512] * 4),
+        _c(f"{family} 1x2048 skewed", hf_config=hf, prefill=[2048], skewed=True),
+        _c(f"{family} decode 32 @256 + 1x512", hf_config=hf, decode=32, decode_context=256, prefill=[512]),
+    ]
 
 
 CONFIGS: list[dict[str, Any]] = [
@@ -59,3 +97,6 @@ CONFIGS: list[dict[str, Any]] = [
     _c("tiny 4x1000", preset="tiny", prefill=[1000] * 4, max_new=8),
     _c("tiny 8x500 skewed", preset="tiny", prefill=[500] * 8, skewed=True, max_new=8),
 ]
+
+FAMILY_CONFIGS: list[dict[str, Any]] = [c for f in HF_FAMILIES for c in _family_configs(f)]
+CONFIGS += FAMILY_CONFIGS

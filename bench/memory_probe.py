@@ -16,7 +16,11 @@ Config keys: ``shape`` (ModelArgs fields), ``dtype`` ("float32"/"bfloat16"),
 ``decode_context`` tokens already in its cache, prefilled before the window),
 ``decode_context``, ``max_new`` (max_new_tokens of every sequence, KV capacity),
 ``skewed`` (repetitive one-letter prompts instead of real text),
-``chunk`` (expert chunk bound), ``capacity_factor`` (0: dropless), ``threads``.
+``chunk`` (expert chunk bound), ``capacity_factor`` (0: dropless), ``threads``;
+``hf_config`` (a family's ``config.json`` fields, ``model_type`` included) instead of
+``preset``/``shape``: the folder :func:`bench.family_checkpoints.checkpoint_folder` writes
+with ``transformers``, loaded by the worker's ``load_hf_checkpoint``; the saved
+``config.json`` comes back in the result (``config_json``) for the memory model.
 """
 
 from __future__ import annotations
@@ -53,12 +57,24 @@ def probe(cfg: dict[str, Any]) -> dict[str, Any]:
     from moeguard_runtime.engine import Engine
     from moeguard_runtime.model import build_model
     from moeguard_runtime.presets import get_preset
+    from moeguard_runtime.serving import ServingModel
 
     torch.set_num_threads(int(cfg.get("threads", 1)))
-    args = dataclasses.replace(get_preset(cfg.get("preset", "tiny")), **cfg.get("shape", {}))
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.get("dtype", "float32")]
-    model = build_model(args, seed=0, dtype=dtype, expert_chunk_tokens=int(cfg.get("chunk", 2048)),
-                        capacity_factor=float(cfg.get("capacity_factor", 0.0)))
+    model: ServingModel
+    config_json = None
+    if "hf_config" in cfg:  # a family's HF folder, loaded as the worker loads it
+        from bench.family_checkpoints import checkpoint_folder, read_config
+        from moeguard_runtime.hf_checkpoint import BuildOptions, load_hf_checkpoint
+
+        folder = checkpoint_folder(cfg["hf_config"])
+        config_json = read_config(folder)
+        model = load_hf_checkpoint(folder, dtype, options=BuildOptions(
+            int(cfg.get("chunk", 2048)), float(cfg.get("capacity_factor", 0.0)))).model
+    else:
+        args = dataclasses.replace(get_preset(cfg.get("preset", "tiny")), **cfg.get("shape", {}))
+        model = build_model(args, seed=0, dtype=dtype, expert_chunk_tokens=int(cfg.get("chunk", 2048)),
+                            capacity_factor=float(cfg.get("capacity_factor", 0.0)))
     engine = Engine(model)
     skewed = bool(cfg.get("skewed", False))
     max_new = int(cfg.get("max_new", 16))
@@ -109,6 +125,7 @@ def probe(cfg: dict[str, Any]) -> dict[str, Any]:
         "top_expert_slots": top, "routed_slots": slots,
         "overflow": [r.overflow_tokens for r in out.routing],
         "weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        **({"config_json": config_json} if config_json is not None else {}),
     }
 
 

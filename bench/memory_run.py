@@ -2,7 +2,7 @@
 a fresh process, ``REPEATS`` times, and write the measurements to
 ``bench/results/memory_measurements.json`` (the median run of each configuration, and every run).
 
-``python -m bench.memory_run [--jobs N] [--only NAME,...]``. Probes run ``--jobs`` at a time (default 3):
+``python -m bench.memory_run [--jobs N] [--only NAME,...] [--families]``. Probes run ``--jobs`` at a time (default 3):
 each measures its own process's high-water mark, so concurrent probes do not change one another's
 figure (the machine has memory to spare), only the wall time.
 """
@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench.memory_configs import CONFIGS
+from bench.memory_configs import CONFIGS, FAMILY_CONFIGS
 
 ROOT = Path(__file__).resolve().parents[1]
 REPEATS = 3
@@ -44,9 +44,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=3)
     ap.add_argument("--only", default="", help="re-measure these configurations, keep the others' rows")
+    ap.add_argument("--families", action="store_true",
+                    help="re-measure the HF family configurations only (bench.memory_configs.FAMILY_CONFIGS)")
     args = ap.parse_args(argv)
     only = set(filter(None, args.only.split(",")))
+    if args.families:
+        only |= {c["name"] for c in FAMILY_CONFIGS}
     configs = [c for c in CONFIGS if not only or c["name"] in only]
+    if any("hf_config" in c for c in configs):  # write the families' folders once, before the probes
+        from bench.family_checkpoints import checkpoint_folder
+
+        for c in configs:
+            if "hf_config" in c:
+                checkpoint_folder(c["hf_config"])
     with ThreadPoolExecutor(args.jobs) as pool:
         futures = {c["name"]: [pool.submit(_probe, c) for _ in range(REPEATS)] for c in configs}
         done = {}

@@ -5,6 +5,7 @@
     moeguard demo [--keep]                                            (from a source checkout)
     moeguard bench replay --url http://127.0.0.1:8000 --limit 200     (from a source checkout; any bench.loadgen arguments)
     moeguard plan --preset tiny --memory 8Gi [--skew 4] [--dtype bfloat16]
+    moeguard plan --config /models/qwen3-30b-a3b/config.json --memory 80Gi
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from moeguard_cli.family_shape import FamilyShape
 from moeguard_cli.plan import DTYPE_BYTES, PlanInput, batching_yaml, estimate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,11 +110,33 @@ def parse_shape(text: str) -> dict[str, int]:
     return out
 
 
+def read_config(path: Path) -> FamilyShape:
+    """The shape of an HF ``config.json`` (a file, or a folder holding one); a usage error
+    names the file and the key when it cannot be read."""
+    import json
+
+    from moeguard_cli.family_shape import ConfigError, from_hf_config
+
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise typer.BadParameter(f"{file}: cannot read ({exc})", param_hint="--config") from None
+    if not isinstance(data, dict):
+        raise typer.BadParameter(f"{file}: not a JSON object", param_hint="--config")
+    try:
+        return from_hf_config(data)
+    except ConfigError as exc:
+        raise typer.BadParameter(f"{file}: {exc}", param_hint="--config") from None
+
+
 @app.command("plan")
 def plan(
     memory: str = typer.Option(..., "--memory", "-m", help="memory limit (Kubernetes quantity): the container's "
                                "hardLimit on CPU, the GPU's memory on a GPU"),
     preset: str = typer.Option("tiny", help="model preset (moeguard_runtime.presets)"),
+    config: str = typer.Option(None, "--config", help="an HF config.json (or its folder) of a served family "
+                                "(mixtral, qwen2_moe, qwen3_moe, deepseek_v3, olmoe), instead of --preset"),
     shape: str = typer.Option("", help="shape overrides, e.g. n_layer=32,dim=4096,num_experts=8,top_k=2"),
     dtype: str = typer.Option("bfloat16", help="weight and activation dtype: " + ", ".join(DTYPE_BYTES)),
     skew: float = typer.Option(4.0, min=1.0, max=1e6, help="expert skew ratio to plan for (top / median expert tokens), >= 1"),
@@ -128,28 +152,40 @@ def plan(
     (moeguard_cli/memory_model.py, validated in bench/results/memory_model.md) inverted."""
     import dataclasses
 
-    from moeguard_runtime.presets import get_preset, shape_problems
+    from moeguard_cli.family_shape import FamilyShape
+    from moeguard_runtime.presets import ModelArgs, get_preset, shape_problems
 
     if dtype not in DTYPE_BYTES:
         raise typer.BadParameter(f"dtype must be one of {', '.join(DTYPE_BYTES)}", param_hint="--dtype")
+    args: ModelArgs | FamilyShape
+    if config is not None:
+        args = read_config(Path(config))
+        name = f"{args.model_type} ({config})"
+    else:
+        try:
+            args = get_preset(preset)
+        except KeyError as exc:
+            raise typer.BadParameter(str(exc.args[0]), param_hint="--preset") from None
+        name = preset
     try:
-        args = get_preset(preset)
-    except KeyError as exc:
-        raise typer.BadParameter(str(exc.args[0]), param_hint="--preset") from None
-    try:
-        args = dataclasses.replace(args, **parse_shape(shape))
+        args = dataclasses.replace(args, **parse_shape(shape))  # type: ignore[arg-type]
     except TypeError as exc:
         raise typer.BadParameter(str(exc), param_hint="--shape") from None
-    problems = shape_problems(args) + [f"{k} ({v}) must be positive" for k, v in dataclasses.asdict(args).items()
-                                       if isinstance(v, (int, float)) and v <= 0]
+    problems = (shape_problems(args) if isinstance(args, ModelArgs) else []) + [
+        f"{k} ({v}) must be positive" for k, v in dataclasses.asdict(args).items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0
+        and k in ("n_layer", "dim", "n_head", "n_kv_head", "head_dim", "intermediate_size", "num_experts",
+                  "top_k", "max_seq_len", "vocab_size")]
+    if isinstance(args, FamilyShape) and args.top_k > args.num_experts:
+        problems.append(f"top_k ({args.top_k}) must be at most num_experts ({args.num_experts})")
     if problems:
-        raise typer.BadParameter("; ".join(problems), param_hint="--shape")
+        raise typer.BadParameter("; ".join(problems), param_hint="--config" if config else "--shape")
     if skew != skew:  # NaN passes min/max checks
         raise typer.BadParameter("must be a number", param_hint="--skew")
     result = estimate(PlanInput(args=args, memory_bytes=parse_memory(memory), dtype=dtype, skew=skew,
                                 headroom=headroom, overhead_bytes=parse_memory(overhead),
                                 concurrent_batches=concurrent_batches, context_tokens=context_tokens))
-    table = Table(title=f"plan: {preset} in {memory} ({dtype}, skew {skew})")
+    table = Table(title=f"plan: {name} in {memory} ({dtype}, skew {skew})")
     for col in ("term", "value", "arithmetic"):
         table.add_column(col)
     for row in result.lines:

@@ -4,7 +4,9 @@
 :mod:`moeguard_cli.memory_model` (validated against measured peaks; bench/results/memory_model.md).
 Every term is printed with its arithmetic so that it can be checked by hand.
 
-* **Weights** = parameters x bytes per element (``presets.parameter_count``; embeddings untied).
+* **Weights** = parameters x bytes per element (``family_shape.parameter_count``: a preset's
+  ``presets.parameter_count``; for a ``config.json`` its family's attention (GQA or MLA), shared
+  experts, dense first layers and (un)tied embeddings).
 * **Runtime overhead**: the process without its weights (torch, Python; on a GPU the CUDA
   context); default 512 MiB (measured here on CPU: about 410 MiB for ``tiny``, 550 MiB for
   ``small``, as cgroup usage). **Headroom**: a fraction of the limit (default 10 %) for
@@ -26,24 +28,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moeguard_cli.family_shape import FamilyShape, parameter_count
 from moeguard_cli.memory_model import (
     DTYPE_BYTES,
     MiB,
-    Shape,
+    ShapeLike,
+    as_family,
+    kv_arithmetic,
     kv_bytes_per_token,
     top_share_from_skew_ratio,
     worst_case_peak,
 )
-from moeguard_runtime.presets import ModelArgs, parameter_count
 
 __all__ = ["DTYPE_BYTES", "MiB", "Plan", "PlanInput", "batching_yaml", "estimate"]
 
 
 @dataclass(frozen=True)
 class PlanInput:
-    """What ``plan`` needs: a model shape, a memory limit and the knobs of the estimate."""
+    """What ``plan`` needs: a model shape (a preset's ``ModelArgs`` or a family's
+    :class:`FamilyShape`), a memory limit and the knobs of the estimate."""
 
-    args: ModelArgs
+    args: ShapeLike
     memory_bytes: int
     dtype: str = "bfloat16"
     skew: float = 4.0
@@ -78,7 +83,7 @@ def _round_down(n: float, multiple: int) -> int:
     return max(0, int(n) // multiple * multiple)
 
 
-def _step_peak(shape: Shape, prefill: int, decode: int, p: PlanInput, share: float) -> int:
+def _step_peak(shape: FamilyShape, prefill: int, decode: int, p: PlanInput, share: float) -> int:
     _, est = worst_case_peak(shape, prefill, decode, 0, share, p.dtype, p.expert_chunk_tokens,
                              p.capacity_factor)
     return est.total_bytes
@@ -86,8 +91,7 @@ def _step_peak(shape: Shape, prefill: int, decode: int, p: PlanInput, share: flo
 
 def estimate(p: PlanInput) -> Plan:
     """Starting budgets for ``p`` (see the module docstring for every term)."""
-    a = p.args
-    shape = a
+    a = shape = as_family(p.args)
     b = DTYPE_BYTES[p.dtype]
     params = parameter_count(a)
     weights = params * b
@@ -97,10 +101,9 @@ def estimate(p: PlanInput) -> Plan:
     headroom = int(p.memory_bytes * p.headroom)
     available = p.memory_bytes - weights - p.overhead_bytes - headroom
     lines = [
-        ("parameters", f"{params:,}", "presets.parameter_count"),
+        ("parameters", f"{params:,}", f"family_shape.parameter_count ({a.model_type})"),
         ("weights", f"{weights / MiB:,.1f} MiB", f"{params:,} x {b} B ({p.dtype})"),
-        ("KV cache per token", f"{kv:,} B",
-         f"2 x {a.n_layer} layers x {a.n_kv_head} kv heads x {a.head_dim} x {b} B"),
+        ("KV cache per token", f"{kv:,} B", kv_arithmetic(a, b)),
         ("busiest expert share", f"{share:.3f} of slots",
          f"skew {p.skew:g} / (skew + E {a.num_experts} - 1), within [1/E, 1/k]"),
         ("overhead + headroom", f"{(p.overhead_bytes + headroom) / MiB:,.1f} MiB",

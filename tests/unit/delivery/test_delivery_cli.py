@@ -190,3 +190,41 @@ def test_cli_plan_refuses_bad_input_with_a_usage_error(args: list[str], needle: 
     result = runner.invoke(cli.app, ["plan", *args])
     assert result.exit_code == 2, result.output
     assert needle in " ".join(result.output.split()) or needle in result.output
+
+
+def test_cli_plan_reads_an_hf_config(tmp_path: Path) -> None:
+    """``plan --config``: a DeepSeek-V3-style config.json (MLA, shared expert, dense first layer)."""
+    import json
+
+    cfg = {"model_type": "deepseek_v3", "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+           "intermediate_size": 1024, "moe_intermediate_size": 128, "n_routed_experts": 16,
+           "num_experts_per_tok": 4, "n_shared_experts": 2, "first_k_dense_replace": 1, "kv_lora_rank": 64,
+           "q_lora_rank": 96, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
+           "max_position_embeddings": 2048, "vocab_size": 32000}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    for where in (tmp_path / "config.json", tmp_path):  # the file or its folder
+        res = runner.invoke(cli.app, ["plan", "--memory", "4Gi", "--config", str(where), "--dtype", "bfloat16"])
+        assert res.exit_code == 0, res.output
+        text = " ".join(res.output.split())
+        # KV per token: 4 layers x (64 + 16) x 2 B = 640 B, the MLA latent
+        assert "640 B" in text and "MLA" in text
+        assert "deepseek_v3" in text and "maxPrefillTokens:" in res.output
+        assert "shared expert" in text and "dense MLP layer" in text
+
+
+@pytest.mark.parametrize(("cfg", "needle"), [
+    ({"model_type": "llama", "hidden_size": 64}, "model_type 'llama' is not supported"),
+    ({"model_type": "mixtral", "hidden_size": 64}, "missing key"),
+    ([1, 2], "not a JSON object"),
+])
+def test_cli_plan_config_errors_name_the_file_and_key(tmp_path: Path, cfg: object, needle: str) -> None:
+    import json
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    res = runner.invoke(cli.app, ["plan", "--memory", "4Gi", "--config", str(path)])
+    assert res.exit_code == 2, res.output
+    text = " ".join(res.output.split())
+    assert needle in text and "config.json" in text
+    missing = runner.invoke(cli.app, ["plan", "--memory", "4Gi", "--config", str(tmp_path / "nope.json")])
+    assert missing.exit_code == 2 and "cannot read" in " ".join(missing.output.split())
