@@ -98,19 +98,27 @@ def apply_rope(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     return out.flatten(-2).type_as(x)
 
 
-def attend_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+def attend_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                scale: float | None = None) -> torch.Tensor:
-    """Grouped-query attention of one sequence segment against its cached keys and values.
+    """Causal grouped-query attention of one sequence segment against its cached keys and values.
 
-    ``q`` [H, n, hd], ``k``/``v`` [KvH, s, hd] (the cache, read in place), ``mask`` [n, s] bool
-    (True: may attend) or None → [H, n, hd]. Query head ``j`` reads KV head ``j // (H // KvH)``
-    (HF's ``repeat_kv``) through ``scaled_dot_product_attention(enable_gqa=True)`` (torch ≥ 2.5),
-    so K/V are never repeated per layer per step. The tensors get a batch dimension of 1: CUDA's
-    fused kernels (flash, memory-efficient) take 4-D inputs only and fall back to the math kernel,
-    which copies K/V for GQA, on 3-D ones.
+    ``q`` [H, n, hd] at positions ``start..start+n-1``, ``k``/``v`` [KvH, start+n, hd] (the cache,
+    read in place) → [H, n, hd]. Query ``i`` sees keys ``0..start+i``. Query head ``j`` reads KV
+    head ``j // (H // KvH)`` (HF's ``repeat_kv``) through ``scaled_dot_product_attention(
+    enable_gqa=True)`` (torch ≥ 2.5), so K/V are never repeated per layer per step. A whole prompt
+    (``start == 0``) uses ``is_causal`` rather than a mask (the fused kernels' fast path); a decode
+    token needs no mask. The tensors get a batch dimension of 1: CUDA's fused kernels (flash,
+    memory-efficient) take 4-D inputs only and fall back to the math kernel, which copies K/V for
+    GQA, on 3-D ones.
     """
-    o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
-                                       enable_gqa=q.shape[0] != k.shape[0])  # [1, H, n, hd]
+    n, s = q.shape[1], k.shape[1]
+    mask, causal = None, False
+    if n > 1 and start == 0 and n == s:
+        causal = True
+    elif n > 1:  # a later prefill chunk: query i (position start+i) sees keys 0..start+i
+        mask = torch.ones(n, s, dtype=torch.bool, device=q.device).tril(diagonal=start)
+    o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=causal,
+                                       scale=scale, enable_gqa=q.shape[0] != k.shape[0])  # [1, H, n, hd]
     return o[0]
 
 
@@ -144,10 +152,7 @@ class Attention(nn.Module):
             cache_k[:, s0:s1] = k[offset:offset + n].transpose(0, 1)
             cache_v[:, s0:s1] = v[offset:offset + n].transpose(0, 1)
             qs = q[offset:offset + n].transpose(0, 1)  # [H, n, hd]
-            mask = None
-            if n > 1:  # query i (position s0+i) sees keys 0..s0+i
-                mask = torch.ones(n, s1, dtype=torch.bool, device=x.device).tril(diagonal=s0)
-            o = attend_gqa(qs, cache_k[:, :s1], cache_v[:, :s1], mask)  # [H, n, hd]
+            o = attend_gqa(qs, cache_k[:, :s1], cache_v[:, :s1], s0)  # [H, n, hd]
             outs.append(o.transpose(0, 1).reshape(n, h * hd))
             offset += n
         out: torch.Tensor = self.wo(torch.cat(outs, dim=0))  # [T, D]

@@ -16,7 +16,6 @@ from moeguard_runtime.families.decoder import (
     DecoderArgs,
     DecoderLayer,
     HFDecoder,
-    causal_mask,
     check_activation,
 )
 from moeguard_runtime.families.weights import load_by_name, moe_tensor, to_interleaved
@@ -103,7 +102,7 @@ class GQAAttention(nn.Module):
             cache_v[:, s0:s1] = v[offset:offset + n].transpose(0, 1)
             qs = q[offset:offset + n].transpose(0, 1)  # [H, n, hd]
             # the cache read in place (no repeat of K/V per layer per step)
-            o = attend_gqa(qs, cache_k[:, :s1], cache_v[:, :s1], causal_mask(n, s0, x.device))  # [H, n, hd]
+            o = attend_gqa(qs, cache_k[:, :s1], cache_v[:, :s1], s0)  # [H, n, hd]
             outs.append(o.transpose(0, 1).reshape(n, h * hd))
             offset += n
         out: torch.Tensor = self.o_proj(torch.cat(outs, dim=0))  # [T, D]
