@@ -50,14 +50,14 @@ def worker_serve(
     """Serve the worker (OpenAI /v1/completions, /metrics, /healthz, /readyz); the rest of its
     configuration comes from the environment, as the operator sets it (moeguard_runtime.contract)."""
     from moeguard_runtime import contract
-
-    if preset:
-        os.environ[contract.ENV_MODEL_PRESET] = preset
-    if port:
-        os.environ[contract.ENV_PORT] = str(port)
     from moeguard_runtime.__main__ import main
 
-    raise typer.Exit(main())
+    env = dict(os.environ)
+    if preset:
+        env[contract.ENV_MODEL_PRESET] = preset
+    if port:
+        env[contract.ENV_PORT] = str(port)
+    raise typer.Exit(main(env))
 
 
 def _from_checkout(what: str, needs: Path, cmd: list[str]) -> None:

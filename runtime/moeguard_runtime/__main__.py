@@ -5,6 +5,7 @@ budget watch and the HTTP server. All configuration from the environment
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 # Before torch loads libgomp: OpenMP threads that sleep at a barrier instead of
 # spinning. On a shared or CPU-limited (CFS quota) machine, spinning threads steal
@@ -42,11 +43,16 @@ if TYPE_CHECKING:
     from moeguard_runtime.serving import ServingModel
 
 
-def main() -> int:
+def main(env: Mapping[str, str] | None = None) -> int:
+    """Serve the worker configured by ``env`` (default ``os.environ``): the contract's variables as
+    the operator sets them, and the worker's own knobs (:mod:`moeguard_runtime.config`).
+    Returns the exit status: 0 after a clean shutdown, 2 for a configuration error, 3 when the
+    model or tokenizer cannot be loaded."""
+    env = os.environ if env is None else env
     configure_logging()
     log = RateLimitedLog()
     try:
-        settings = load_settings()
+        settings = load_settings(env)
     except ConfigError as exc:
         _fail(log, "config_error", str(exc))
         return 2
@@ -83,13 +89,13 @@ def main() -> int:
         log.event("tokenizer_error", force=True, error=str(exc)[:1000])
         return 2
     log = RateLimitedLog(settings.log_interval_s)
-    telemetry = Telemetry(worker_labels(), num_experts)
+    telemetry = Telemetry(worker_labels(env), num_experts)
     slot = WorkerSlot(telemetry, settings.served_model_name, max_seq_len, tokenizer=tok,
                       model_aliases=(settings.preset, f"moeguard-{settings.preset}"),
                       model_type=hf_info.model_type if hf_info else "mixtral",
                       chat_template=chat_template)
     failed = threading.Event()
-    loader = threading.Thread(target=_load, args=(settings, args, slot, log, failed),
+    loader = threading.Thread(target=_load, args=(settings, args, slot, log, failed, env),
                               name="model-loader", daemon=True)
     loader.start()  # /healthz answers and /readyz says "loading" meanwhile
     app = create_app(slot, settings.max_body_bytes)
@@ -104,7 +110,7 @@ def main() -> int:
 
 
 def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimitedLog,
-          failed: threading.Event) -> None:
+          failed: threading.Event, env: Mapping[str, str]) -> None:
     """Build (or load) the model, start the engine loop and the budget watch."""
     from moeguard_runtime import presets
     from moeguard_runtime.engine import Engine
@@ -161,7 +167,7 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
               **settings.budgets.model_dump())
     worker.start()
     slot.worker = worker
-    _start_budget_watch(settings, worker, log)
+    _start_budget_watch(settings, worker, log, env)
 
 
 def _fail(log: RateLimitedLog, event: str, error: str) -> None:
@@ -176,14 +182,14 @@ def _stop_on_failure(failed: threading.Event, server: Any) -> None:
     server.should_exit = True
 
 
-def _start_budget_watch(settings: Settings, worker: Worker, log: RateLimitedLog) -> None:
+def _start_budget_watch(settings: Settings, worker: Worker, log: RateLimitedLog, env: Mapping[str, str]) -> None:
     from moeguard_runtime.budget_watch import BudgetWatcher, load_kube_config
 
     if settings.budget_configmap is None:
         log.event("budget_watch_disabled", force=True, reason="MOEGUARD_BUDGET_CONFIGMAP unset")
         return
     try:
-        source = load_kube_config()
+        source = load_kube_config(env)
     except Exception as exc:
         log.event("budget_watch_disabled", force=True, reason=f"kube config: {exc!r}"[:300])
         return

@@ -117,21 +117,25 @@ def test_cli_operator_run_passes_arguments(monkeypatch: pytest.MonkeyPatch) -> N
     assert seen == [["-A", "--standalone", "--log-level", "DEBUG"]]
 
 
-def test_cli_worker_serve_sets_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_worker_serve_passes_its_options_as_settings_not_through_os_environ(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
     import moeguard_runtime.__main__ as rt_main
     from moeguard_runtime import contract
-    env: dict[str, str | None] = {}
+    seen: dict[str, str | None] = {}
 
-    def fake() -> int:
-        import os
-        env.update(preset=os.environ.get(contract.ENV_MODEL_PRESET), port=os.environ.get(contract.ENV_PORT))
+    def fake(env: dict[str, str]) -> int:
+        seen.update(preset=env.get(contract.ENV_MODEL_PRESET), port=env.get(contract.ENV_PORT),
+                    home=env.get("HOME"))
         return 0
     monkeypatch.setattr(rt_main, "main", fake)
     monkeypatch.delenv(contract.ENV_MODEL_PRESET, raising=False)
     monkeypatch.delenv(contract.ENV_PORT, raising=False)
     res = runner.invoke(cli.app, ["worker", "serve", "--preset", "tiny", "--port", "18123"])
     assert res.exit_code == 0, res.output
-    assert env == {"preset": "tiny", "port": "18123"}
+    assert seen == {"preset": "tiny", "port": "18123", "home": os.environ.get("HOME")}
+    assert contract.ENV_MODEL_PRESET not in os.environ and contract.ENV_PORT not in os.environ
 
 
 def test_cli_bench_runs_the_loadgen_from_the_checkout(monkeypatch: pytest.MonkeyPatch) -> None:

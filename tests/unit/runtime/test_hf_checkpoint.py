@@ -220,7 +220,7 @@ def test_worker_start_up_fails_naming_the_file(tmp_path: Path) -> None:
 
     slot = WorkerSlot(Telemetry({"moeis": "s", "namespace": "n", "pod": "p"}, 4), "m", 128)
     failed = threading.Event()
-    _load(settings, model_args(settings), slot, RateLimitedLog(0.0, logger=Logger()), failed)
+    _load(settings, model_args(settings), slot, RateLimitedLog(0.0, logger=Logger()), failed, {})
     assert failed.is_set() and slot.worker is None
     event, fields = lines[-1]
     assert event == "model_load_error"
