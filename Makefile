@@ -46,7 +46,7 @@ cluster-down: ## Stop the local control plane and Prometheus.
 
 .PHONY: operator
 operator: ## Run the operator against KUBECONFIG (default: the local control plane).
-	KUBECONFIG=$${KUBECONFIG:-$(MOEGUARD_RUN_DIR)/kubeconfig} $(PY) -m moeguard_operator -A --standalone --prometheus-url http://127.0.0.1:19090
+	KUBECONFIG=$${KUBECONFIG:-$(MOEGUARD_RUN_DIR)/kubeconfig} $(PY) -m moeguard_operator -A --standalone --prometheus-url http://127.0.0.1:$$((19090 + $${MOEGUARD_PORT_OFFSET:-0}))
 
 .PHONY: lock
 lock: ## Re-resolve requirements.in into the pinned requirements.txt.
