@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.log_level != "DEBUG":
         for handler in logging.getLogger().handlers:
             handler.addFilter(_QuietTimerSuccess())
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per Prometheus query otherwise
     priority = args.priority
     if args.peering and priority is None:
         # kopf pauses *every* operator when two peers share a priority; replicas of one

@@ -8,11 +8,15 @@ a fixed reason, its status is written, and no byte of a remote body reaches its 
 from __future__ import annotations
 
 import json
+import shutil
+import ssl
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -199,3 +203,47 @@ def test_the_operator_reads_hostile_answers_as_no_data_and_reflects_no_body(
     everything = json.dumps(events) + json.dumps(cluster.kubectl_json("-n", ns, "get", "moeis"))
     assert MARKER not in everything
     assert "Bad Gateway" not in everything and "<html" not in everything
+
+
+@pytest.fixture(scope="module")
+def https_prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A fake Prometheus over TLS with a self-signed certificate for 127.0.0.1: ``(base URL, its CA file)``."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is missing")
+    d = tmp_path_factory.mktemp("tls")
+    cert, key = d / "cert.pem", d / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=fake-prom",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    body = _vector([{"metric": {"pod": "p"}, "value": [1, "42"]}])
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *_: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"https://127.0.0.1:{server.server_address[1]}", cert
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_tls_is_verified_against_the_system_store_or_the_given_ca_file(https_prometheus: tuple[str, Path]) -> None:
+    url, ca = https_prometheus
+    assert fetch_all(url, {"memory": "up"}) == {"memory": Answer(problem="PrometheusTLSError", blind=True)}
+    got = fetch_all(url, {"memory": "up"}, ca_file=str(ca))["memory"]
+    assert got == Answer(series=(({"pod": "p"}, 42.0),))

@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import json
+import ssl
 from datetime import UTC, datetime
 from typing import Any
 
+import httpx
 import pytest
 
 from moeguard_operator.observe import (
@@ -20,6 +22,7 @@ from moeguard_operator.observe import (
     read_answer,
     safe_url,
     skew_query,
+    transport_problem,
 )
 
 pytestmark = pytest.mark.unit
@@ -201,3 +204,20 @@ def test_leak_signals_are_the_counted_pods_kinds_and_highest_growth_per_part() -
                     {"metric": {"pod": "young", "part": "rss_anonymous"}, "value": [0, "9e9"]},
                     {"metric": {"pod": "w-1", "part": "malloc_in_use"}, "value": [0, "NaN"]})
     assert leak_signals(kinds, growth, lambda pod: pod != "young") == (("native",), (("rss_anonymous", 3000.0),))
+
+
+def _raised_from(exc: BaseException, cause: BaseException) -> BaseException:
+    exc.__cause__ = cause
+    return exc
+
+
+@pytest.mark.parametrize(("exc", "problem"), [
+    (TimeoutError(), "PrometheusTimeout"),
+    (httpx.ReadTimeout("MARKER"), "PrometheusTimeout"),
+    (httpx.ConnectError("MARKER"), "PrometheusUnreachable"),
+    (_raised_from(httpx.ConnectError("MARKER"), ssl.SSLCertVerificationError("MARKER")), "PrometheusTLSError"),
+    (httpx.RemoteProtocolError("MARKER"), "PrometheusUnreachable"),
+    (OSError("MARKER"), "PrometheusUnreachable"),
+])
+def test_transport_failures_are_fixed_reasons(exc: BaseException, problem: str) -> None:
+    assert transport_problem(exc) == problem
