@@ -217,10 +217,16 @@ def fetch_all(base_url: str, queries: Mapping[str, str], *, deadline_seconds: fl
         verify = tls_context(ca_file)
     except (OSError, ssl.SSLError):
         return {name: failed(TLS_ERROR) for name in queries}
+    # Not asyncio.run: it waits for the loop's executor threads, and a DNS lookup still running there
+    # (getaddrinfo cannot be cancelled) would hold the look past its deadline. close() does not wait.
+    loop = asyncio.new_event_loop()
     try:
-        return asyncio.run(_fetch_all(base_url, queries, deadline_seconds, verify))
+        return loop.run_until_complete(_fetch_all(base_url, queries, deadline_seconds, verify))
     except (httpx.InvalidURL, httpx.UnsupportedProtocol, ValueError):
         return {name: failed(UNREACHABLE) for name in queries}
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
 
 
 @dataclass(frozen=True)
