@@ -3,8 +3,9 @@
 Flags mirror ``kopf run``: ``--namespace`` (repeatable) or ``--all-namespaces``,
 ``--standalone`` (no peering) or ``--peering NAME`` with ``--priority N`` (active/standby
 replicas: the highest live priority works), ``--liveness URL``, ``--metrics-port``, and
-``--prometheus-url`` (the default for resources whose spec names none), ``--allow-secrets`` (let specs
-put Secrets into the worker pods). Every option of
+``--prometheus-url`` (the default for resources whose spec names none), ``--allowed-prometheus-url``
+(repeatable: other URLs a spec may name), ``--prometheus-ca-file`` (verify Prometheus's TLS against this
+bundle), ``--allow-secrets`` (let specs put Secrets into the worker pods). Every option of
 moeguard's own reaches the handlers in one :class:`~moeguard_operator.config.OperatorConfig`.
 """
 
@@ -43,6 +44,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Opera
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
     parser.add_argument("--prometheus-url", default=os.environ.get(PROMETHEUS_URL_ENV),
                         help=f"default Prometheus URL (env {PROMETHEUS_URL_ENV})")
+    parser.add_argument("--allowed-prometheus-url", action="append", default=[], metavar="URL",
+                        help="a Prometheus URL that spec.control.prometheusUrl may name (repeatable; exact match, "
+                             "a trailing / ignored); default: only --prometheus-url. Any other is stalled: the "
+                             "operator would fetch it from inside the cluster")
+    parser.add_argument("--prometheus-ca-file", default=None, metavar="PEM",
+                        help="CA bundle that Prometheus's TLS certificate is verified against (default: the "
+                             "system trust store; verification is always on)")
     peering = parser.add_mutually_exclusive_group()
     peering.add_argument("--standalone", action="store_true", help="no peering (one operator replica)")
     peering.add_argument("--peering", default=None, help="kopf peering object name (several replicas)")
@@ -72,7 +80,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Opera
                                 timer_interval_seconds=args.timer_interval_seconds,
                                 peering_lifetime_seconds=args.peering_lifetime_seconds,
                                 allow_secrets=args.allow_secrets,
-                                allow_host_path_models=args.allow_host_path_models)
+                                allow_host_path_models=args.allow_host_path_models,
+                                prometheus_ca_file=args.prometheus_ca_file or None,
+                                allowed_prometheus_urls=tuple(args.allowed_prometheus_url))
     except ValueError as exc:
         parser.error(str(exc))
     return args, config
@@ -88,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.log_level != "DEBUG":
         for handler in logging.getLogger().handlers:
             handler.addFilter(_QuietTimerSuccess())
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per Prometheus query otherwise
     priority = args.priority
     if args.peering and priority is None:
         # kopf pauses *every* operator when two peers share a priority; replicas of one

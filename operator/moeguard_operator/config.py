@@ -26,6 +26,13 @@ class OperatorConfig:
             (``SecretsNotAllowed``). Flag ``--allow-secrets``, chart value ``operator.allowSecrets``.
         allow_host_path_models: whether a ``spec.model.source.hostPath`` is served (single-node and
             development clusters); off: such a spec is Stalled with reason ``HostPathNotAllowed``.
+        prometheus_ca_file: PEM bundle that Prometheus's TLS certificate is verified against (flag
+            ``--prometheus-ca-file``, chart value ``operator.prometheus.caBundle``); None: the system trust
+            store. Verification is never off.
+        allowed_prometheus_urls: the URLs a ``spec.control.prometheusUrl`` may name besides ``prometheus_url``
+            (flag ``--allowed-prometheus-url``, repeatable; chart value ``operator.prometheus.allowedUrls``),
+            compared exactly after dropping a trailing ``/``; any other is stalled (``PrometheusURLNotAllowed``):
+            the operator fetches that URL from inside the cluster (SSRF).
     """
 
     prometheus_url: str | None = None
@@ -33,6 +40,13 @@ class OperatorConfig:
     peering_lifetime_seconds: int = 60
     allow_secrets: bool = False
     allow_host_path_models: bool = False
+    prometheus_ca_file: str | None = None
+    allowed_prometheus_urls: tuple[str, ...] = ()
+
+    @property
+    def prometheus_urls(self) -> tuple[str, ...]:
+        """Every Prometheus URL a spec may name: the operator's own and the allowed ones."""
+        return tuple(u for u in (self.prometheus_url, *self.allowed_prometheus_urls) if u)
 
     def __post_init__(self) -> None:
         if self.timer_interval_seconds <= 0:

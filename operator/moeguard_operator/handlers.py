@@ -36,7 +36,12 @@ from moeguard_operator.models import MoEInferenceServiceSpec, MoEInferenceServic
 from moeguard_operator.observe import observe_service
 from moeguard_operator.podstate import pod_facts
 from moeguard_operator.policy import decide, floors
-from moeguard_operator.spec_checks import SpecError, check_model_source, parse_spec
+from moeguard_operator.spec_checks import (
+    SpecError,
+    check_model_source,
+    check_prometheus_url,
+    parse_spec,
+)
 from moeguard_runtime.contract import (
     API_GROUP,
     API_VERSION,
@@ -111,6 +116,7 @@ def reconcile(
         config = from_memo(memo)
         parsed = parse_spec(spec, allow_secrets=config.allow_secrets)
         check_model_source(parsed, config.allow_host_path_models)
+        check_prometheus_url(parsed, config.prometheus_urls)
         apply_children(owner, parsed)
     except SpecError as exc:
         _stall(body, patch, prior, exc.reason, str(exc), now, generation, "invalid")
@@ -206,6 +212,7 @@ def control_loop(
         config = from_memo(memo)
         parsed = parse_spec(spec, allow_secrets=config.allow_secrets)
         check_model_source(parsed, config.allow_host_path_models)
+        check_prometheus_url(parsed, config.prometheus_urls)
     except SpecError:
         return  # reported by reconcile; nothing to control
     prior = report.read_status(status)
@@ -228,7 +235,8 @@ def control_loop(
     last_look: datetime | None = memo.get(LAST_LOOK_KEY)
     if new_ooms or last_look is None or (now - last_look).total_seconds() >= parsed.control.query_interval_seconds:
         memo[LAST_LOOK_KEY] = now
-        obs = observe_service(from_memo(memo).prometheus_url, namespace, name, parsed, facts, new_ooms, now)
+        obs = observe_service(config.prometheus_url, namespace, name, parsed, facts, new_ooms, now,
+                              ca_file=config.prometheus_ca_file)
         decision = decide(obs, report.policy_state(new, parsed), parsed, now)
         document = budget_document.for_decision(parsed, new, data, decision, now)
         if document is not None:

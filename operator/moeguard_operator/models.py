@@ -364,7 +364,9 @@ class ControlSpec(_Model):
     ))
 
     prometheus_url: str | None = Field(default=None, max_length=2048, pattern=r"^https?://")
-    """Prometheus base URL. Unset: the operator's ``--prometheus-url`` (env ``MOEGUARD_PROMETHEUS_URL``)."""
+    """Prometheus base URL. Unset: the operator's ``--prometheus-url`` (env ``MOEGUARD_PROMETHEUS_URL``). Set: it must be
+    the operator's own or one it allows (``--allowed-prometheus-url``), else the resource is stalled with
+    ``PrometheusURLNotAllowed``."""
     query_interval_seconds: int = Field(default=10, ge=1, le=3600)
     """Seconds between two looks at Prometheus. OOM kills are acted on at the next tick, without waiting."""
     window_seconds: int = Field(default=30, ge=5, le=3600)

@@ -117,3 +117,27 @@ def check_model_source(spec: MoEInferenceServiceSpec, allow_host_path: bool) -> 
                         f"spec.model.source.hostPath ({source.host_path.path}): this operator serves no node "
                         "directories (it runs without --allow-host-path-models); use a persistentVolumeClaim "
                         "or an image source")
+
+
+PROMETHEUS_URLS_SETTING = "chart value operator.prometheus.allowedUrls, flag --allowed-prometheus-url"
+"""Where an operator's administrator allows more Prometheus URLs, as messages name it."""
+
+
+def check_prometheus_url(spec: MoEInferenceServiceSpec, allowed: tuple[str, ...]) -> None:
+    """Refuse a ``spec.control.prometheusUrl`` that is not one of ``allowed`` (the operator's own
+    ``--prometheus-url`` and its ``--allowed-prometheus-url`` list: ``OperatorConfig.prometheus_urls``).
+
+    Exact match after dropping a trailing ``/``: the operator fetches this URL from inside the cluster, so
+    a spec that could name any would let anyone who may create a MoEInferenceService probe the cluster's
+    network (SSRF). An unset ``prometheusUrl`` (the operator's default) always passes.
+
+    Raises:
+        SpecError: reason ``PrometheusURLNotAllowed``, naming the field and the setting.
+    """
+    url = spec.control.prometheus_url
+    if not url or url.rstrip("/") in {u.rstrip("/") for u in allowed}:
+        return
+    raise SpecError("PrometheusURLNotAllowed",
+                    "spec.control.prometheusUrl: not a Prometheus URL this operator may query (it allows "
+                    f"{len(allowed)} URL{'' if len(allowed) == 1 else 's'}: its own --prometheus-url and "
+                    f"{PROMETHEUS_URLS_SETTING}); unset it to use the operator's Prometheus")

@@ -121,7 +121,37 @@ The operator's command-line arguments (python -m moeguard_operator ...).
 {{- if .Values.operator.allowSecrets }}
 - --allow-secrets
 {{- end }}
+{{- range .Values.operator.prometheus.allowedUrls }}
+- --allowed-prometheus-url={{ . }}
+{{- end }}
+{{- if (include "moeguard.prometheusCaVolume" .) }}
+- --prometheus-ca-file=/etc/moeguard/prometheus-ca/{{ .Values.operator.prometheus.caBundle.key }}
+{{- end }}
 {{- with .Values.operator.extraArgs }}
 {{ toYaml . }}
 {{- end }}
+{{- end }}
+
+{{/*
+The volume holding the Prometheus CA bundle (operator.prometheus.caBundle), or nothing.
+*/}}
+{{- define "moeguard.prometheusCaVolume" -}}
+{{- $ca := .Values.operator.prometheus.caBundle -}}
+{{- if and $ca.configMap $ca.secret -}}
+{{- fail "operator.prometheus.caBundle: set configMap or secret, not both" -}}
+{{- else if $ca.configMap -}}
+- name: prometheus-ca
+  configMap:
+    name: {{ $ca.configMap }}
+    items:
+      - key: {{ $ca.key }}
+        path: {{ $ca.key }}
+{{- else if $ca.secret -}}
+- name: prometheus-ca
+  secret:
+    secretName: {{ $ca.secret }}
+    items:
+      - key: {{ $ca.key }}
+        path: {{ $ca.key }}
+{{- end -}}
 {{- end }}

@@ -32,7 +32,8 @@ from moeguard_operator.crdgen import build_crd
 CHART = ROOT / "charts" / "moeguard"
 CRD_NAME = "moeinferenceservices.moeguard.dev"
 ALL_OPTIONS = ("prometheusRule.enabled=true", "serviceMonitor.enabled=true", "grafanaDashboard.enabled=true",
-               "operator.peering.enabled=true", "replicaCount=2", "operator.allowSecrets=true")
+               "operator.peering.enabled=true", "replicaCount=2", "operator.allowSecrets=true",
+               "operator.prometheus.allowedUrls={https://prom.example}", "operator.prometheus.caBundle.configMap=ca")
 
 
 def _docs(text: str) -> list[dict[str, Any]]:
@@ -372,3 +373,41 @@ def test_rbac_scope_with_and_without_watch_namespaces(cluster: Any, template: An
                         input=yaml.safe_dump_all(docs), check=False)
         for name in (ns, watched, other):
             cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+def test_prometheus_allowlist_and_ca_bundle_reach_the_operator_args(template: Any, helm_bin: Any) -> None:
+    from moeguard_operator.__main__ import parse_args
+
+    def container(*sets: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        dep = _by_kind(_docs(template(*sets)), "Deployment")[0]
+        pod = dep["spec"]["template"]["spec"]
+        return pod, pod["containers"][0]
+
+    pod, c = container()
+    assert not any(a.startswith(("--allowed-prometheus-url", "--prometheus-ca-file")) for a in c["args"])
+    assert [v["name"] for v in pod["volumes"]] == ["tmp"]
+
+    pod, c = container("operator.prometheusUrl=http://prom:9090",
+                       "operator.prometheus.allowedUrls={https://a.example:9090,https://b.example/prom}",
+                       "operator.prometheus.caBundle.configMap=prom-ca")
+    assert "--allowed-prometheus-url=https://a.example:9090" in c["args"]
+    assert "--allowed-prometheus-url=https://b.example/prom" in c["args"]
+    assert "--prometheus-ca-file=/etc/moeguard/prometheus-ca/ca.crt" in c["args"]
+    assert {"name": "prometheus-ca", "mountPath": "/etc/moeguard/prometheus-ca", "readOnly": True} in c["volumeMounts"]
+    assert {"name": "prometheus-ca", "configMap": {"name": "prom-ca", "items": [{"key": "ca.crt", "path": "ca.crt"}]}} \
+        in pod["volumes"]
+    _, config = parse_args(c["args"])  # the operator accepts the rendered args
+    assert config.prometheus_urls == ("http://prom:9090", "https://a.example:9090", "https://b.example/prom")
+    assert config.prometheus_ca_file == "/etc/moeguard/prometheus-ca/ca.crt"
+
+    pod, c = container("operator.prometheus.caBundle.secret=prom-tls", "operator.prometheus.caBundle.key=bundle.pem")
+    assert "--prometheus-ca-file=/etc/moeguard/prometheus-ca/bundle.pem" in c["args"]
+    assert {"name": "prometheus-ca", "secret": {"secretName": "prom-tls",
+                                                "items": [{"key": "bundle.pem", "path": "bundle.pem"}]}} in pod["volumes"]
+
+    both = helm_bin("template", "x", str(CHART), "--kube-version", "1.34.4", "--set",
+                    "operator.prometheus.caBundle.configMap=a,operator.prometheus.caBundle.secret=b", check=False)
+    assert both.returncode != 0 and "not both" in both.stderr
+    bad = helm_bin("template", "x", str(CHART), "--kube-version", "1.34.4", "--set",
+                   "operator.prometheus.allowedUrls={ftp://x}", check=False)
+    assert bad.returncode != 0 and "allowedUrls" in bad.stderr

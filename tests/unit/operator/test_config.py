@@ -42,3 +42,14 @@ def test_from_memo() -> None:
     assert from_memo({MEMO_KEY: config}) is config
     with pytest.raises(LookupError, match="register the handlers"):
         from_memo({})
+
+
+def test_prometheus_security_flags_set_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MOEGUARD_PROMETHEUS_URL", raising=False)
+    _, config = parse_args(["--prometheus-url", "http://prom:9090", "--prometheus-ca-file", "/etc/ca/ca.crt",
+                            "--allowed-prometheus-url", "https://a:9090", "--allowed-prometheus-url", "https://b/"])
+    assert config.prometheus_ca_file == "/etc/ca/ca.crt"
+    assert config.allowed_prometheus_urls == ("https://a:9090", "https://b/")
+    assert config.prometheus_urls == ("http://prom:9090", "https://a:9090", "https://b/")
+    _, default = parse_args([])
+    assert default.prometheus_ca_file is None and default.prometheus_urls == ()

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from moeguard_operator.models import MoEInferenceServiceSpec
-from moeguard_operator.spec_checks import SpecError, parse_spec
+from moeguard_operator.spec_checks import SpecError, check_prometheus_url, parse_spec
 from moeguard_runtime.presets import get_preset, shape_problems
 
 pytestmark = pytest.mark.unit
@@ -74,3 +74,33 @@ def test_specs_without_secrets_are_served_either_way() -> None:
     spec = {"template": {"volumes": SECRET_SPEC["template"]["volumes"][:2],  # type: ignore[index]
                          "extraEnv": [SECRET_SPEC["template"]["extraEnv"][0]]}}  # type: ignore[index]
     assert parse_spec(spec).template.volumes == parse_spec(spec, allow_secrets=True).template.volumes
+
+
+@pytest.mark.parametrize(("url", "allowed"), [
+    (None, ()),
+    (None, ("http://prom:9090",)),
+    ("http://prom:9090", ("http://prom:9090",)),
+    ("http://prom:9090/", ("http://prom:9090",)),
+    ("http://prom:9090", ("http://own:9090", "http://prom:9090/")),
+])
+def test_a_prometheus_url_the_operator_allows_passes(url: str | None, allowed: tuple[str, ...]) -> None:
+    spec = parse_spec({"model": {"preset": "tiny"}, "control": {"prometheusUrl": url} if url else {}})
+    check_prometheus_url(spec, allowed)
+
+
+@pytest.mark.parametrize(("url", "allowed"), [
+    ("http://169.254.169.254/latest/meta-data", ("http://prom:9090",)),
+    ("http://prom:9090.evil.example", ("http://prom:9090",)),
+    ("http://prom:9090/other", ("http://prom:9090",)),
+    ("https://prom:9090", ("http://prom:9090",)),
+    ("http://prom:9090", ()),
+])
+def test_any_other_prometheus_url_is_stalled_naming_the_field_and_the_setting(
+        url: str, allowed: tuple[str, ...]) -> None:
+    spec = parse_spec({"model": {"preset": "tiny"}, "control": {"prometheusUrl": url}})
+    with pytest.raises(SpecError) as info:
+        check_prometheus_url(spec, allowed)
+    assert info.value.reason == "PrometheusURLNotAllowed"
+    message = str(info.value)
+    assert message.startswith("spec.control.prometheusUrl: ")
+    assert "operator.prometheus.allowedUrls" in message and "--allowed-prometheus-url" in message
