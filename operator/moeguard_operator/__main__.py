@@ -15,11 +15,12 @@ import argparse
 import logging
 import os
 import secrets
+import ssl
 
 import kopf
 import prometheus_client
 
-from moeguard_operator import handlers
+from moeguard_operator import handlers, observe
 from moeguard_operator.config import OperatorConfig
 from moeguard_operator.constants import PROMETHEUS_URL_ENV
 
@@ -88,8 +89,26 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Opera
     return args, config
 
 
+def check_ca_file(path: str | None) -> str | None:
+    """Why ``--prometheus-ca-file`` cannot serve (unreadable, or no certificate in it), or None.
+
+    Checked at start-up so that a broken bundle stops the operator with that reason (a crash loop
+    that names the file) instead of making every look blind with ``PrometheusTLSError``.
+    """
+    if path is None:
+        return None
+    try:
+        observe.tls_context(path)
+    except (OSError, ssl.SSLError) as exc:
+        return f"--prometheus-ca-file {path}: {exc}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     args, config = parse_args(argv)
+    problem = check_ca_file(config.prometheus_ca_file)
+    if problem is not None:
+        raise SystemExit(f"moeguard operator: {problem}")
     registry = kopf.OperatorRegistry()
     handlers.register(config, registry)
     if args.metrics_port is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from moeguard_operator.__main__ import parse_args
@@ -53,3 +55,20 @@ def test_prometheus_security_flags_set_the_config(monkeypatch: pytest.MonkeyPatc
     assert config.prometheus_urls == ("http://prom:9090", "https://a:9090", "https://b/")
     _, default = parse_args([])
     assert default.prometheus_ca_file is None and default.prometheus_urls == ()
+
+
+def test_a_broken_prometheus_ca_file_stops_the_operator_at_start_naming_it(tmp_path: Path) -> None:
+    import certifi
+
+    from moeguard_operator.__main__ import check_ca_file, main
+
+    assert check_ca_file(None) is None
+    assert check_ca_file(certifi.where()) is None  # a real PEM bundle
+    missing = tmp_path / "nope.pem"
+    assert check_ca_file(str(missing)) is not None and str(missing) in str(check_ca_file(str(missing)))
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("-----BEGIN CERTIFICATE-----\nnot base64 at all\n-----END CERTIFICATE-----\n")
+    problem = check_ca_file(str(garbage))
+    assert problem is not None and problem.startswith(f"--prometheus-ca-file {garbage}: ")
+    with pytest.raises(SystemExit, match=r"moeguard operator: --prometheus-ca-file .*garbage\.pem"):
+        main(["-A", "--standalone", "--prometheus-ca-file", str(garbage)])
