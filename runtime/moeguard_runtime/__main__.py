@@ -76,7 +76,7 @@ def main(env: Mapping[str, str] | None = None) -> int:
             hf_info = read_checkpoint_info(settings.checkpoint)
             vocab_size = HFConfig.read(Path(settings.checkpoint)).get_int("vocab_size")
         except CheckpointError as exc:
-            log.event("config_error", force=True, error=str(exc))
+            _fail(log, "config_error", str(exc))
             return 2
     num_experts = hf_info.num_experts if hf_info else args.num_experts
     max_seq_len = hf_info.max_seq_len if hf_info else args.max_seq_len
@@ -85,8 +85,8 @@ def main(env: Mapping[str, str] | None = None) -> int:
     try:  # before serving: a bad tokenizer or chat template stops the worker, naming the file
         tok, chat_template = load_tokenizer(settings.checkpoint,
                                             vocab_size if hf_info else args.vocab_size)
-    except TokenizerError as exc:
-        log.event("tokenizer_error", force=True, error=str(exc)[:1000])
+    except TokenizerError as exc:  # the pod's termination message, so the operator's Ready=False names it
+        _fail(log, "tokenizer_error", str(exc)[:1000])
         return 2
     log = RateLimitedLog(settings.log_interval_s)
     telemetry = Telemetry(worker_labels(env), num_experts)
