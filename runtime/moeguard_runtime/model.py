@@ -122,6 +122,26 @@ def attend_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
     return o[0]
 
 
+def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Sequence[Segment],
+                    layer: int) -> torch.Tensor:
+    """Attention of a packed batch: ``q`` [T, H, hd], ``k``/``v`` [T, KvH, hd] (rotated), the tokens of
+    ``segments`` in order → [T, H*hd]. Each segment's keys and values are written into its sequence's
+    cache (``layer``) at its positions, then its queries attend the cache through :func:`attend_gqa`."""
+    h, hd = q.shape[1], q.shape[2]
+    outs = []
+    offset = 0
+    for seg in segments:
+        n, s0, s1 = seg.length, seg.start, seg.start + seg.length
+        cache_k, cache_v = seg.cache.k[layer], seg.cache.v[layer]  # [KvH, cap, hd]
+        cache_k[:, s0:s1] = k[offset:offset + n].transpose(0, 1)
+        cache_v[:, s0:s1] = v[offset:offset + n].transpose(0, 1)
+        qs = q[offset:offset + n].transpose(0, 1)  # [H, n, hd]
+        o = attend_gqa(qs, cache_k[:, :s1], cache_v[:, :s1], s0)  # [H, n, hd], the cache read in place
+        outs.append(o.transpose(0, 1).reshape(n, h * hd))
+        offset += n
+    return torch.cat(outs, dim=0)  # [T, H*hd]
+
+
 class Attention(nn.Module):
     """Causal self-attention with rotary positions and grouped KV heads (GQA, Ainslie
     et al. 2023): query head ``j`` attends with KV head ``j // (n_head // n_kv_head)``,
@@ -144,18 +164,7 @@ class Attention(nn.Module):
         q = apply_rope(q.view(-1, h, hd), angles)  # [T, H, hd]
         k = apply_rope(k.view(-1, kvh, hd), angles)  # [T, KvH, hd]
         v = v.view(-1, kvh, hd)  # [T, KvH, hd]
-        outs = []
-        offset = 0
-        for seg in segments:
-            n, s0, s1 = seg.length, seg.start, seg.start + seg.length
-            cache_k, cache_v = seg.cache.k[self.layer], seg.cache.v[self.layer]  # [KvH, cap, hd]
-            cache_k[:, s0:s1] = k[offset:offset + n].transpose(0, 1)
-            cache_v[:, s0:s1] = v[offset:offset + n].transpose(0, 1)
-            qs = q[offset:offset + n].transpose(0, 1)  # [H, n, hd]
-            o = attend_gqa(qs, cache_k[:, :s1], cache_v[:, :s1], s0)  # [H, n, hd]
-            outs.append(o.transpose(0, 1).reshape(n, h * hd))
-            offset += n
-        out: torch.Tensor = self.wo(torch.cat(outs, dim=0))  # [T, D]
+        out: torch.Tensor = self.wo(attend_segments(q, k, v, segments, self.layer))  # [T, D]
         return out
 
 

@@ -20,7 +20,7 @@ from moeguard_runtime.families.decoder import (
 )
 from moeguard_runtime.families.weights import load_by_name, moe_tensor, to_interleaved
 from moeguard_runtime.hf_checkpoint import HFConfig, TensorSource
-from moeguard_runtime.model import KVCache, RMSNorm, Segment, apply_rope, attend_gqa
+from moeguard_runtime.model import KVCache, RMSNorm, Segment, apply_rope, attend_segments
 
 
 class GQACache(KVCache):
@@ -93,19 +93,7 @@ class GQAAttention(nn.Module):
         q, k = apply_rope(q, angles), apply_rope(k, angles)
         if self.rope_factor != 1.0:  # YaRN's attention factor (HF scales cos and sin)
             q, k = q * self.rope_factor, k * self.rope_factor
-        outs = []
-        offset = 0
-        for seg in segments:
-            n, s0, s1 = seg.length, seg.start, seg.start + seg.length
-            cache_k, cache_v = seg.cache.k[self.layer], seg.cache.v[self.layer]  # [KvH, cap, hd]
-            cache_k[:, s0:s1] = k[offset:offset + n].transpose(0, 1)
-            cache_v[:, s0:s1] = v[offset:offset + n].transpose(0, 1)
-            qs = q[offset:offset + n].transpose(0, 1)  # [H, n, hd]
-            # the cache read in place (no repeat of K/V per layer per step)
-            o = attend_gqa(qs, cache_k[:, :s1], cache_v[:, :s1], s0)  # [H, n, hd]
-            outs.append(o.transpose(0, 1).reshape(n, h * hd))
-            offset += n
-        out: torch.Tensor = self.o_proj(torch.cat(outs, dim=0))  # [T, D]
+        out: torch.Tensor = self.o_proj(attend_segments(q, k, v, segments, self.layer))  # [T, D]
         return out
 
 
