@@ -7,7 +7,7 @@ interleaved repetitions (A, B, A, B, ...), so drift on a shared machine hits
 both sides alike.
 
 * **MoE layer**, D=1024, I=2816, E=8, k=2, the same seeded weights for both:
-  moeguard's grouped dispatch (:func:`moeguard_runtime.moe.grouped_expert_forward`)
+  moeguard's grouped dispatch (:func:`moeguard_runtime.moe.dispatch_experts`)
   against HF's expert loop (:func:`hf_expert_loop`, ``MixtralSparseMoeBlock.forward``
   of transformers 4.4x re-typed; transformers itself is not installed).
   - prefill of 4,096 tokens: throughput ratio (HF time / ours) and peak memory
@@ -56,7 +56,7 @@ import torch
 
 from bench.hf_reference import hf_expert_loop
 from moeguard_runtime import moe
-from moeguard_runtime.moe import MatmulBackend, grouped_expert_forward, route
+from moeguard_runtime.moe import MatmulBackend, dispatch_experts, route
 
 D, I, E, K = 1024, 2816, 8, 2  # noqa: E741 - the field's names for the MoE sizes
 PREFILL_TOKENS, DECODE_TOKENS = 4096, 16
@@ -73,7 +73,7 @@ def weights(device: str, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tenso
 def ours(x: torch.Tensor, gate: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
          w3: torch.Tensor, backend: MatmulBackend = "onednn") -> torch.Tensor:
     w, e = route(x @ gate.T, K)
-    return grouped_expert_forward(x, w, e, w1, w2, w3, backend=backend)[0]
+    return dispatch_experts(x, w, e, w1, w2, w3, backend=backend)[0]
 
 
 def ours_f_linear(x: torch.Tensor, gate: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,

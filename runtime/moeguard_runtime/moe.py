@@ -215,23 +215,6 @@ def swiglu_expert(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     return expert_linear(h, w2, backend)  # [n, D]
 
 
-def grouped_expert_forward(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    experts: torch.Tensor,
-    w1: torch.Tensor,
-    w2: torch.Tensor,
-    w3: torch.Tensor,
-    expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS,
-    capacity: int | None = None,
-    backend: MatmulBackend = "onednn",
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """:func:`dispatch_experts` with the counts as a ``[E]`` int64 CPU tensor."""
-    out, counts, overflow = dispatch_experts(x, weights, experts, w1, w2, w3,
-                                             expert_chunk_tokens, capacity, backend)
-    return out, torch.tensor(counts, dtype=torch.int64), overflow
-
-
 def dispatch_experts(
     x: torch.Tensor,
     weights: torch.Tensor,

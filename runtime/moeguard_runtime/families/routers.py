@@ -3,7 +3,7 @@
 A router takes ``[T, E]`` float32 logits (``x @ gate.T``, computed in float32 as
 HF does) and the optional ``[E]`` score-correction bias, and returns
 ``(weights [T, k] float32, experts [T, k] int64)``, what
-:func:`moeguard_runtime.moe.grouped_expert_forward` consumes. Mixtral's own router
+:func:`moeguard_runtime.moe.dispatch_experts` consumes. Mixtral's own router
 is :func:`moeguard_runtime.moe.route` (softmax top-k, always renormalized).
 """
 

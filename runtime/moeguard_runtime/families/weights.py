@@ -2,7 +2,7 @@
 
 Module names follow HF's, so most tensors are ``model.`` + the parameter name; only
 the experts are restacked (``experts.E.gate_proj`` → ``w1[E]``, feeding
-:func:`moeguard_runtime.moe.grouped_expert_forward`) and the q/k rows permuted to
+:func:`moeguard_runtime.moe.dispatch_experts`) and the q/k rows permuted to
 the interleaved rotary layout of :func:`moeguard_runtime.model.apply_rope`
 (:func:`to_interleaved`).
 """
