@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeguard_runtime.families.rope import RopeScaling, rope_scaling
-from moeguard_runtime.families.routers import Router
+from moeguard_runtime.families.routers import Router, SoftmaxTopK
 from moeguard_runtime.hf_checkpoint import BuildOptions, HFConfig
 from moeguard_runtime.model import KVCache, RMSNorm, Segment
 from moeguard_runtime.moe import (
@@ -261,3 +261,29 @@ def sparse_layers(cfg: HFConfig, n_layer: int) -> set[int]:
     step = cfg.get_int("decoder_sparse_step", default=1)
     dense = set(cfg.int_list("mlp_only_layers"))
     return {i for i in range(n_layer) if i not in dense and step > 0 and (i + 1) % step == 0}
+
+
+def qwen_mlps(cfg: HFConfig, args: DecoderArgs, options: BuildOptions,
+              shared_expert: bool = False) -> Callable[[int], nn.Module]:
+    """The MLP of each layer of a Qwen2-MoE/Qwen3-MoE ``cfg`` (HF ``Qwen2MoeDecoderLayer``,
+    ``Qwen3MoeDecoderLayer``): a :class:`SparseMoE` of ``moe_intermediate_size`` experts with
+    softmax top-k routing (renormalized when ``norm_topk_prob``) on the layers of
+    :func:`sparse_layers`, a :class:`DenseMLP` of ``intermediate_size`` elsewhere; with
+    ``shared_expert`` (Qwen2-MoE) the sparse layers add a shared expert of
+    ``shared_expert_intermediate_size`` scaled by its sigmoid gate.
+
+    Raises:
+        CheckpointError: a missing or bad ``config.json`` key.
+    """
+    sparse = sparse_layers(cfg, args.n_layer)
+    moe_size, dense_size = cfg.get_int("moe_intermediate_size"), cfg.get_int("intermediate_size")
+    shared_size = cfg.get_int("shared_expert_intermediate_size") if shared_expert else 0
+    router = SoftmaxTopK(args.top_k, cfg.get_bool("norm_topk_prob", False))
+
+    def mlp(layer: int) -> nn.Module:
+        if layer in sparse:
+            return SparseMoE(args.dim, moe_size, args.num_experts, router, options,
+                             shared_size=shared_size, shared_gate=shared_expert)
+        return DenseMLP(args.dim, dense_size)
+
+    return mlp

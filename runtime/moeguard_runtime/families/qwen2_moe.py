@@ -10,17 +10,8 @@ renormalized only when ``norm_topk_prob``; fine-grained experts of width
 
 from __future__ import annotations
 
-from torch import nn
-
-from moeguard_runtime.families.decoder import (
-    DenseMLP,
-    HFDecoder,
-    SparseMoE,
-    decoder_args,
-    sparse_layers,
-)
+from moeguard_runtime.families.decoder import HFDecoder, decoder_args, qwen_mlps
 from moeguard_runtime.families.gqa import AttentionSpec, build_gqa_decoder
-from moeguard_runtime.families.routers import SoftmaxTopK
 from moeguard_runtime.hf_checkpoint import BuildOptions, HFConfig, TensorSource
 
 
@@ -31,18 +22,7 @@ def build(cfg: HFConfig, source: TensorSource, options: BuildOptions) -> HFDecod
         CheckpointError: a missing or bad ``config.json`` key, or any tensor problem.
     """
     args = decoder_args(cfg, cfg.get_int("num_experts", "num_local_experts"))
-    sparse = sparse_layers(cfg, args.n_layer)
-    moe_size, dense_size = cfg.get_int("moe_intermediate_size"), cfg.get_int("intermediate_size")
-    shared_size = cfg.get_int("shared_expert_intermediate_size")
-    norm = cfg.get_bool("norm_topk_prob", False)
-
-    def mlp(layer: int) -> nn.Module:
-        if layer in sparse:
-            return SparseMoE(args.dim, moe_size, args.num_experts, SoftmaxTopK(args.top_k, norm),
-                             options, shared_size=shared_size,
-                             shared_gate=True)
-        return DenseMLP(args.dim, dense_size)
-
+    mlp = qwen_mlps(cfg, args, options, shared_expert=True)
     return build_gqa_decoder(cfg, source, args, mlp,
                              AttentionSpec(qkv_bias=cfg.get_bool("qkv_bias", True)),
                              shared_name="shared_expert")

@@ -9,17 +9,8 @@ only when ``norm_topk_prob``; fine-grained experts of width
 
 from __future__ import annotations
 
-from torch import nn
-
-from moeguard_runtime.families.decoder import (
-    DenseMLP,
-    HFDecoder,
-    SparseMoE,
-    decoder_args,
-    sparse_layers,
-)
+from moeguard_runtime.families.decoder import HFDecoder, decoder_args, qwen_mlps
 from moeguard_runtime.families.gqa import AttentionSpec, build_gqa_decoder
-from moeguard_runtime.families.routers import SoftmaxTopK
 from moeguard_runtime.hf_checkpoint import BuildOptions, HFConfig, TensorSource
 
 
@@ -32,14 +23,5 @@ def build(cfg: HFConfig, source: TensorSource, options: BuildOptions) -> HFDecod
     args = decoder_args(cfg, cfg.get_int("num_experts", "num_local_experts"))
     if cfg.get_bool("attention_bias", False):
         raise cfg.error("attention_bias", "true is not supported for qwen3_moe")
-    sparse = sparse_layers(cfg, args.n_layer)
-    moe_size, dense_size = cfg.get_int("moe_intermediate_size"), cfg.get_int("intermediate_size")
-    norm = cfg.get_bool("norm_topk_prob", False)
-
-    def mlp(layer: int) -> nn.Module:
-        if layer in sparse:
-            return SparseMoE(args.dim, moe_size, args.num_experts, SoftmaxTopK(args.top_k, norm),
-                             options)
-        return DenseMLP(args.dim, dense_size)
-
+    mlp = qwen_mlps(cfg, args, options)
     return build_gqa_decoder(cfg, source, args, mlp, AttentionSpec(qk_norm="head"))
