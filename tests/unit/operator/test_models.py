@@ -57,3 +57,9 @@ def test_decrease_factor_must_be_below_one() -> None:
     with pytest.raises(ValidationError) as info:
         MoEInferenceServiceSpec.model_validate({"control": {"decreaseFactor": 1.0}})
     assert info.value.errors()[0]["loc"] == ("control", "decreaseFactor")
+
+
+@pytest.mark.parametrize("horizon", [0, 59, 604_801])
+def test_a_leak_horizon_outside_a_minute_to_a_week_is_refused_naming_the_field(horizon: int) -> None:
+    with pytest.raises(ValidationError, match=r"control\.leakHorizonSeconds|leak_horizon_seconds"):
+        MoEInferenceServiceSpec.model_validate({"control": {"leakHorizonSeconds": horizon}})
