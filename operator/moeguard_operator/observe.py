@@ -26,7 +26,7 @@ import functools
 import json
 import math
 import ssl
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -397,3 +397,37 @@ def observe_service(default_url: str | None, namespace: str, name: str, spec: Mo
                    expected_pods=facts.running, new_oom_kills=new_oom_kills, now=now,
                    slope_pods=facts.running_since(now - timedelta(seconds=control.leak_window_seconds)),
                    ca_file=ca_file)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One MoEInferenceService to look at in a tick, with what the Kubernetes API says of its pods.
+
+    Attributes:
+        namespace, name: the service.
+        spec: its parsed spec (windows, hard limit).
+        running_pods: names of its worker pods that are Running now (only their series count).
+        slope_pods: those running for at least ``control.leakWindowSeconds`` (their RSS slope counts).
+        new_oom_kills: OOMKilled terminations since the previous look.
+    """
+
+    namespace: str
+    name: str
+    spec: MoEInferenceServiceSpec
+    running_pods: tuple[str, ...]
+    slope_pods: tuple[str, ...]
+    new_oom_kills: int = 0
+
+
+def observe_services(url: str, targets: Sequence[Target], now: datetime, *, ca_file: str | None = None,
+                     deadline_seconds: float = QUERY_DEADLINE_SECONDS) -> dict[tuple[str, str], Observation]:
+    """One look at the Prometheus at ``url`` for every target: ``(namespace, name)`` → :class:`Observation`.
+
+    Blocking (runs its own event loop: call it from a thread). Interim implementation: one :func:`observe`
+    per target, in turn; to be replaced by one grouped query per signal for all targets.
+    """
+    return {(t.namespace, t.name): observe(
+        url, t.namespace, t.name, hard_limit_bytes=t.spec.resources.hard_limit_bytes,
+        window_seconds=t.spec.control.window_seconds, leak_window_seconds=t.spec.control.leak_window_seconds,
+        expected_pods=t.running_pods, new_oom_kills=t.new_oom_kills, now=now, slope_pods=t.slope_pods,
+        ca_file=ca_file, deadline_seconds=deadline_seconds) for t in targets}
