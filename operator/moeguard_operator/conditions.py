@@ -96,3 +96,12 @@ def metrics_verdict(obs: Observation, prior: Condition | None, prior_silent: Seq
     if was == "False":
         return Verdict("True", "AllPodsReporting", message + "; normal control resumes", ("Normal", "MetricsAvailable"))
     return Verdict("True", "AllPodsReporting", message)
+
+
+def leak_unknown(obs: Observation) -> tuple[str, str]:
+    """The reason and message of ``MemoryLeakSuspected=Unknown`` after a look without a leak verdict:
+    ``InsufficientHistory`` when some pods' leak window cannot be judged yet (Prometheus restarted or lost
+    samples: never read as a flat slope), else ``NoSlope`` (no pod has run for the leak window yet)."""
+    if obs.slope_unknown is not None:
+        return "InsufficientHistory", f"{obs.slope_unknown}; judged once the leak window fills"
+    return "NoSlope", "RSS slope not yet measurable"

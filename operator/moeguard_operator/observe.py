@@ -1,13 +1,27 @@
 """Observation from Prometheus: PromQL over HTTP (httpx), each query under a hard total deadline.
 
-Every query is an instant query over the service's series (labels ``namespace``
-and ``moeis``, set by the worker itself). Prometheus is an untrusted, unreliable
-dependency:
+One look asks the Prometheus at one URL about *every* service that names it
+(:func:`observe_services`): one query per signal and per distinct pair of windows, whatever the
+number of services, each grouped ``by (namespace, moeis, pod)`` (the labels the worker sets on
+every series itself, ``contract.WORKER_LABELS``); each service gets its slice, and maxima over
+pods, sums and the rest are computed here from the per-pod series. So the queries per tick do
+not grow with the number of services.
+
+Only the series of the pods that are Running now count (``Target.running_pods``, names from
+the Kubernetes API): the series of a deleted service's pods, or of a rollout's old ReplicaSet,
+never steer the pods that replaced them, even under the same service name.
+
+A windowed signal needs a window's worth of history (:data:`MIN_WINDOW_SAMPLES`,
+:func:`history_ok`): until a pod's series reach back to the window's start, its skew, rates,
+quantiles and RSS slope are Unknown, never 0 or flat (Prometheus restarted with its data wiped,
+a pod just born, a scrape gap).
+
+Prometheus is an untrusted, unreliable dependency:
 
 * a query that fails (unreachable, TLS, HTTP error, past its deadline, a malformed
   envelope) makes the whole look *blind* (``error`` set, values None);
 * a malformed series (metric not an object, value not a ``[time, "number"]`` pair,
-  a non-numeric value) is *no data* for that series, and the look says so;
+  a non-numeric value, or without the grouping labels) is *no data* for that series, and the look says so;
 * a non-finite value (``NaN``, ``±Inf``: Prometheus's way to say "nothing to divide") is no
   data for that series;
 * what reaches ``error`` (and so status conditions and Events) is built from fixed text
@@ -16,7 +30,7 @@ dependency:
 
 An empty answer gives None for that value. Never 0 (KEDA #965, AIBrix #1032: missing values read as 0.0).
 
-:func:`read_answer` and the ``parse_*`` functions are pure; :func:`fetch_all` is the I/O.
+:func:`read_answer`, the ``parse_*`` functions and :func:`slice_look` are pure; :func:`fetch_all` is the I/O.
 """
 
 from __future__ import annotations
@@ -25,8 +39,9 @@ import asyncio
 import functools
 import json
 import math
+import re
 import ssl
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -42,19 +57,25 @@ from moeguard_runtime.contract import (
     LABEL_POD,
     LABEL_SERVICE,
     METRIC_E2E_LATENCY_SECONDS,
-    METRIC_EXPERT_SKEW_RATIO,
     METRIC_MEMORY_GROWTH_BYTES_PER_SECOND,
     METRIC_MEMORY_LEAK_SUSPECTED,
     METRIC_MEMORY_USAGE_BYTES,
     METRIC_PROCESS_RSS_BYTES,
     METRIC_REJECTIONS_TOTAL,
+    METRIC_STEP_EXPERT_SKEW_RATIO,
 )
 
 QUERY_DEADLINE_SECONDS = 5.0
 """Hard total deadline of one query, seconds: connect, TLS, request, headers and the whole body.
 The queries of one look run concurrently, so a look's Prometheus part ends within about this."""
 MAX_ANSWER_BYTES = 8 * 2**20
-"""Largest answer read, bytes (one service's series are a few KiB); a longer one is malformed."""
+"""Largest answer read, bytes (a few hundred bytes per pod and signal: 1,000 services of two pods fit); a
+longer one is malformed."""
+MIN_WINDOW_SAMPLES = 3
+"""A pod's windowed signals count only when its RSS series holds at least this many samples in the window
+*and* has a sample at or before the window's start (so windowSeconds must span three scrape intervals)."""
+GROUP_LABELS = (LABEL_NAMESPACE, LABEL_SERVICE, LABEL_POD)
+"""What every grouped query keeps: the worker's own identity labels (``contract.WORKER_LABELS``)."""
 
 UNREACHABLE = "PrometheusUnreachable"
 TLS_ERROR = "PrometheusTLSError"
@@ -231,11 +252,15 @@ def fetch_all(base_url: str, queries: Mapping[str, str], *, deadline_seconds: fl
 
 @dataclass(frozen=True)
 class Queries:
-    """The PromQL the loop runs for one MoEInferenceService."""
+    """The PromQL of one look for a group of services sharing their windows; every answer is per pod
+    (``by (namespace, moeis, pod)``)."""
 
     skew: str
+    skew_steps: str
     memory: str
     rss_slope: str
+    history: str
+    leak_history: str
     leak_kinds: str
     growth: str
     rejection_rate: str
@@ -243,24 +268,55 @@ class Queries:
     reporting_pods: str
 
 
-def queries(namespace: str, name: str, window_seconds: int, leak_window_seconds: int) -> Queries:
-    """PromQL for ``name`` in ``namespace`` over the given windows (seconds)."""
-    sel = f'{LABEL_NAMESPACE}="{namespace}",{LABEL_SERVICE}="{name}"'
+def _matcher(label: str, values: str | Iterable[str]) -> str:
+    """``label="v"`` for one value, else ``label=~"v1|v2"`` with every value a literal (RE2-escaped)."""
+    vals = sorted({values} if isinstance(values, str) else set(values))
+    if not vals:
+        raise ValueError(f"no value for {label}")
+    if len(vals) == 1:
+        return f'{label}="{_promql_string(vals[0])}"'
+    return f'{label}=~"{_promql_string("|".join(re.escape(v) for v in vals))}"'
+
+
+def _promql_string(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def queries(namespaces: str | Iterable[str], names: str | Iterable[str], window_seconds: int,
+            leak_window_seconds: int) -> Queries:
+    """PromQL for the services ``names`` in ``namespaces`` (one of each, or several: the selector is their
+    product, and :func:`slice_look` keeps each service's own series) over the windows (seconds).
+
+    Raises:
+        ValueError: no namespace or no name.
+    """
+    sel = f"{_matcher(LABEL_NAMESPACE, namespaces)},{_matcher(LABEL_SERVICE, names)}"
     w, lw = f"{window_seconds}s", f"{leak_window_seconds}s"
+    by = f"by ({', '.join(GROUP_LABELS)})"
+    buckets, steps = f"{METRIC_STEP_EXPERT_SKEW_RATIO}_bucket{{{sel}}}", f"{METRIC_STEP_EXPERT_SKEW_RATIO}_count{{{sel}}}"
+    rss = f"{METRIC_PROCESS_RSS_BYTES}{{{sel}}}"
     return Queries(
-        skew=f"max(max_over_time({METRIC_EXPERT_SKEW_RATIO}{{{sel}}}[{w}]))",
-        memory=f"max(max_over_time({METRIC_MEMORY_USAGE_BYTES}{{{sel}}}[{w}]))",
-        rss_slope=f"max by ({LABEL_POD}) (deriv({METRIC_PROCESS_RSS_BYTES}{{{sel}}}[{lw}]))",
-        leak_kinds=f"max by ({LABEL_POD}, kind) ({METRIC_MEMORY_LEAK_SUSPECTED}{{{sel}}})",
-        growth=f"max by ({LABEL_POD}, part) ({METRIC_MEMORY_GROWTH_BYTES_PER_SECOND}{{{sel}}})",
-        rejection_rate=f"sum(rate({METRIC_REJECTIONS_TOTAL}{{{sel}}}[{w}]))",
-        p99_latency=f"histogram_quantile(0.99, sum by (le) (rate({METRIC_E2E_LATENCY_SECONDS}_bucket{{{sel}}}[{w}])))",
-        reporting_pods=f"count by ({LABEL_POD}) ({METRIC_PROCESS_RSS_BYTES}{{{sel}}})",
+        # The steps in the window, exactly: counter now minus counter at the window's start (no extrapolation);
+        # absent for a pod without a sample that old, or whose counter reset within the window.
+        skew=f"histogram_quantile(1, sum by ({', '.join(GROUP_LABELS)}, le) ({buckets} - {buckets} offset {w}))",
+        skew_steps=f"sum {by} ({steps} - {steps} offset {w}) unless on ({', '.join(GROUP_LABELS)}) "
+                   f"(resets({steps}[{w}]) > 0)",
+        memory=f"max {by} (max_over_time({METRIC_MEMORY_USAGE_BYTES}{{{sel}}}[{w}]))",
+        rss_slope=f"max {by} (deriv({rss}[{lw}]))",
+        history=f"max {by} (count_over_time({rss}[{w}]) and {rss} offset {w})",
+        leak_history=f"max {by} (count_over_time({rss}[{lw}]) and {rss} offset {lw})",
+        leak_kinds=f"max by ({', '.join(GROUP_LABELS)}, kind) ({METRIC_MEMORY_LEAK_SUSPECTED}{{{sel}}})",
+        growth=f"max by ({', '.join(GROUP_LABELS)}, part) ({METRIC_MEMORY_GROWTH_BYTES_PER_SECOND}{{{sel}}})",
+        rejection_rate=f"sum {by} (rate({METRIC_REJECTIONS_TOTAL}{{{sel}}}[{w}]))",
+        p99_latency=f"histogram_quantile(0.99, sum by ({', '.join(GROUP_LABELS)}, le) "
+                    f"(rate({METRIC_E2E_LATENCY_SECONDS}_bucket{{{sel}}}[{w}])))",
+        reporting_pods=f"count {by} ({rss})",
     )
 
 
 def skew_query(namespace: str, name: str, window_seconds: int) -> str:
-    """PromQL: the highest expert skew ratio among ``name``'s pods over the window."""
+    """PromQL: the upper bound of the skew bucket holding the highest step of each of ``name``'s pods in the
+    window (NaN for a pod with no step in it)."""
     return queries(namespace, name, window_seconds, window_seconds).skew
 
 
@@ -321,6 +377,156 @@ def problems(url: str, answers: Mapping[str, Answer]) -> str | None:
     return f"Prometheus at {safe_url(url)}: {'; '.join(parts)}"
 
 
+# --- one look for many services: the pure slicing ---------------------------------------------------------
+
+def group_answer(answer: Answer) -> Answer:
+    """``answer`` with every series that lacks one of :data:`GROUP_LABELS` left out, and then
+    ``PrometheusMalformedAnswer`` (a grouped query's series always carry them: one that does not belongs
+    to no service)."""
+    kept = tuple((m, v) for m, v in answer.series if all(label in m for label in GROUP_LABELS))
+    if len(kept) == len(answer.series):
+        return answer
+    return Answer(series=kept, problem=answer.problem or MALFORMED, blind=answer.blind)
+
+
+def service_slice(answer: Answer, namespace: str, name: str, pods: Iterable[str]) -> Answer:
+    """The series of ``answer`` that belong to service ``name`` in ``namespace`` and to one of ``pods`` (the
+    Running ones): every other pod's series, a deleted predecessor's included, is left out."""
+    keep = set(pods)
+    return Answer(series=tuple((m, v) for m, v in answer.series
+                               if m.get(LABEL_NAMESPACE) == namespace and m.get(LABEL_SERVICE) == name
+                               and m.get(LABEL_POD) in keep), problem=answer.problem, blind=answer.blind)
+
+
+def history_ok(samples: float | None) -> bool:
+    """A pod's window counts: its RSS series reaches back to the window's start (``samples`` not None: the
+    history query keeps only such pods) and holds at least :data:`MIN_WINDOW_SAMPLES` samples in it."""
+    return samples is not None and samples >= MIN_WINDOW_SAMPLES
+
+
+def _short(pods: Iterable[str], history: Mapping[str, float], window_seconds: int) -> str:
+    def one(pod: str) -> str:
+        n = history.get(pod)
+        return f"{pod} ({'no sample before the window' if n is None else f'{n:.0f} samples'})"
+    return (f"history shorter than {window_seconds}s in Prometheus for {', '.join(one(p) for p in sorted(pods))} "
+            f"(needs a sample before the window and at least {MIN_WINDOW_SAMPLES} in it)")
+
+
+@dataclass(frozen=True)
+class Look:
+    """One service's share of a look: its inputs besides the answers (see :class:`Target`)."""
+
+    namespace: str
+    name: str
+    hard_limit_bytes: int
+    window_seconds: int
+    leak_window_seconds: int
+    running_pods: tuple[str, ...]
+    slope_pods: tuple[str, ...] | None
+    new_oom_kills: int = 0
+
+
+def slice_look(url: str, answers: Mapping[str, Answer], look: Look, now: datetime) -> Observation:
+    """One service's :class:`Observation` from the grouped ``answers`` (query name of :class:`Queries` →
+    :class:`Answer`), pure: only the series of ``look.running_pods`` count.
+
+    * skew: per pod with a full window (:func:`history_ok`), the steps in it (``skew_steps``): 0 is an
+      idle pod (no skew pressure, and seen), more gives its highest step's bucket bound; a pod without a
+      full window, or whose counter reset, leaves skew Unknown (``skew_steps`` None).
+    * memory: the highest over the pods (a single sample is a reading); rejections: summed over the pods;
+      p99 latency: the highest per-pod p99; both None unless every reporting pod has a full window.
+    * RSS slope: the highest among ``slope_pods`` with a full leak window; those without one are named in
+      ``slope_unknown``.
+    Any failed query, or any malformed series, sets ``error`` (blind: budgets hold).
+    """
+    pods = tuple(look.running_pods)
+    grouped = {key: group_answer(a) for key, a in answers.items()}
+    trouble = problems(url, grouped)
+    if any(a.blind for a in grouped.values()):
+        return Observation(time=now, expected_pods=pods, new_oom_kills=look.new_oom_kills, error=trouble)
+    mine = {key: service_slice(a, look.namespace, look.name, pods) for key, a in grouped.items()}
+
+    def per_pod(key: str) -> dict[str, float]:
+        return parse_by_label(mine[key], LABEL_POD)
+
+    reporting = parse_label_values(mine["reporting_pods"], LABEL_POD)
+    history = per_pod("history")
+    full = [p for p in reporting if history_ok(history.get(p))]
+    short = tuple(sorted(set(reporting) - set(full)))
+
+    steps, skews = per_pod("skew_steps"), per_pod("skew")
+    skew_known, skew_values, total_steps = True, [], 0.0
+    for pod in reporting:
+        n = steps.get(pod)
+        if pod in short or n is None or n < 0 or (n > 0 and pod not in skews):
+            skew_known = False
+        elif n > 0:
+            skew_values.append(skews[pod])
+            total_steps += n
+    memory_values = [v for v in per_pod("memory").values()]
+    memory = max(memory_values) if memory_values else None
+    memory_err = None if memory is not None else parse_scalar(mine["memory"])[1]
+
+    def counts(pod: str) -> bool:
+        return look.slope_pods is None or pod in look.slope_pods
+
+    leak_history = per_pod("leak_history")
+    slope_candidates = [p for p in reporting if counts(p)]
+    slope_short = [p for p in slope_candidates if not history_ok(leak_history.get(p))]
+    slopes = per_pod("rss_slope")
+    counted = [slopes[p] for p in slope_candidates if p not in slope_short and p in slopes]
+    leak_kinds, growth = leak_signals(mine["leak_kinds"], mine["growth"], counts)
+    rejections = per_pod("rejection_rate")
+    p99s = per_pod("p99_latency")
+    all_full = not short and bool(reporting)
+    missing = [trouble] if trouble else []
+    if memory_err and memory_err != MALFORMED:
+        missing.append(f"memory: {memory_err}")
+    return Observation(
+        time=now,
+        skew_ratio=max(skew_values) if skew_values else None,
+        skew_steps=total_steps if skew_known and reporting else None,
+        memory_ratio=None if memory is None else memory / look.hard_limit_bytes,
+        rss_slope_bytes_per_second=max(counted) if counted else None,
+        slope_unknown=_short(slope_short, leak_history, look.leak_window_seconds) if slope_short else None,
+        leak_kinds=leak_kinds,
+        growth_bytes_per_second=growth,
+        rejection_rate_per_second=sum(rejections[p] for p in full if p in rejections) if all_full else None,
+        p99_latency_seconds=max((p99s[p] for p in full if p in p99s), default=None) if all_full else None,
+        expected_pods=pods,
+        reporting_pods=reporting,
+        short_history_pods=short,
+        short_history=_short(short, history, look.window_seconds) if short else None,
+        new_oom_kills=look.new_oom_kills,
+        error="; ".join(missing) or None,
+    )
+
+
+def observe_looks(url: str, looks: Sequence[Look], now: datetime, *, ca_file: str | None = None,
+                  deadline_seconds: float = QUERY_DEADLINE_SECONDS) -> dict[tuple[str, str], Observation]:
+    """One look at the Prometheus at ``url`` for every one of ``looks``: one query per signal and per distinct
+    ``(windowSeconds, leakWindowSeconds)``, all concurrent, each under ``deadline_seconds``; returns
+    ``(namespace, name)`` → :class:`Observation`. Blocking (call it from a thread)."""
+    groups: dict[tuple[int, int], list[Look]] = {}
+    for look in looks:
+        groups.setdefault((look.window_seconds, look.leak_window_seconds), []).append(look)
+    plan: dict[str, str] = {}
+    for (w, lw), members in groups.items():
+        q = queries({m.namespace for m in members}, {m.name for m in members}, w, lw)
+        plan.update({_query_key(field, w, lw, len(groups)): getattr(q, field) for field in q.__dataclass_fields__})
+    answers = fetch_all(url, plan, deadline_seconds=deadline_seconds, ca_file=ca_file) if plan else {}
+    out: dict[tuple[str, str], Observation] = {}
+    for (w, lw), members in groups.items():
+        mine = {field: answers[_query_key(field, w, lw, len(groups))] for field in Queries.__dataclass_fields__}
+        for look in members:
+            out[(look.namespace, look.name)] = slice_look(url, mine, look, now)
+    return out
+
+
+def _query_key(field: str, w: int, lw: int, groups: int) -> str:
+    return field if groups == 1 else f"{field}[{w}s/{lw}s]"
+
+
 def observe(
     prometheus_url: str,
     namespace: str,
@@ -336,7 +542,8 @@ def observe(
     ca_file: str | None = None,
     deadline_seconds: float = QUERY_DEADLINE_SECONDS,
 ) -> Observation:
-    """One look at Prometheus for ``name``; Kubernetes facts (pods, OOM kills) are passed in.
+    """One look at Prometheus for ``name`` alone (:func:`observe_looks` with one service); Kubernetes facts
+    (Running pods: ``expected_pods``, OOM kills) are passed in.
 
     ``slope_pods``: the pods whose RSS slope counts — those whose worker has run for at
     least the leak window, so that start-up growth (model load, first batches) is never
@@ -344,59 +551,10 @@ def observe(
     with (None: the system trust store). ``deadline_seconds``: each query's total deadline.
     Any failed query, or any malformed series, sets ``error`` (the look is blind; budgets hold).
     """
-    q = queries(namespace, name, window_seconds, leak_window_seconds)
-    answers = fetch_all(prometheus_url, {field: getattr(q, field) for field in q.__dataclass_fields__},
-                        deadline_seconds=deadline_seconds, ca_file=ca_file)
-    trouble = problems(prometheus_url, answers)
-    if any(a.blind for a in answers.values()):
-        return Observation(time=now, expected_pods=expected_pods, new_oom_kills=new_oom_kills, error=trouble)
-    skew, _ = parse_scalar(answers["skew"])
-    memory, memory_err = parse_scalar(answers["memory"])
-
-    def counts(pod: str) -> bool:
-        return slope_pods is None or pod in slope_pods
-
-    slopes = parse_by_label(answers["rss_slope"], LABEL_POD)
-    counted = [v for pod, v in slopes.items() if counts(pod)]
-    slope = max(counted) if counted else None
-    leak_kinds, growth = leak_signals(answers["leak_kinds"], answers["growth"], counts)
-    rejections, _ = parse_scalar(answers["rejection_rate"])
-    p99, _ = parse_scalar(answers["p99_latency"])
-    missing = [trouble] if trouble else []
-    if memory_err and memory_err != MALFORMED:
-        missing.append(f"memory: {memory_err}")  # skew appears only after large batches
-    return Observation(
-        time=now,
-        skew_ratio=skew,
-        memory_ratio=None if memory is None else memory / hard_limit_bytes,
-        rss_slope_bytes_per_second=slope,
-        leak_kinds=leak_kinds,
-        growth_bytes_per_second=growth,
-        rejection_rate_per_second=rejections,
-        p99_latency_seconds=p99,
-        expected_pods=expected_pods,
-        reporting_pods=parse_label_values(answers["reporting_pods"], LABEL_POD),
-        new_oom_kills=new_oom_kills,
-        error="; ".join(missing) or None,
-    )
-
-
-def observe_service(default_url: str | None, namespace: str, name: str, spec: MoEInferenceServiceSpec,
-                    facts: PodFacts, new_oom_kills: int, now: datetime, ca_file: str | None = None) -> Observation:
-    """One look for a service: at ``spec.control.prometheusUrl`` (checked against the operator's allowlist at
-    reconcile: :func:`spec_checks.check_prometheus_url`), else ``default_url`` (the operator's); with neither,
-    a blind observation that says so. Kubernetes facts (pods, OOM kills) are passed in; ``ca_file``: the
-    operator's ``--prometheus-ca-file``."""
-    url = spec.control.prometheus_url or default_url
-    if not url:
-        return Observation(time=now, expected_pods=facts.running, new_oom_kills=new_oom_kills,
-                           error="no Prometheus URL configured (spec.control.prometheusUrl or --prometheus-url)")
-    control = spec.control
-    return observe(url, namespace, name, hard_limit_bytes=spec.resources.hard_limit_bytes,
-                   window_seconds=control.window_seconds, leak_window_seconds=control.leak_window_seconds,
-                   expected_pods=facts.running, new_oom_kills=new_oom_kills, now=now,
-                   slope_pods=facts.running_since(now - timedelta(seconds=control.leak_window_seconds)),
-                   ca_file=ca_file)
+    look = Look(namespace, name, hard_limit_bytes, window_seconds, leak_window_seconds, tuple(expected_pods),
+                slope_pods, new_oom_kills)
+    return observe_looks(prometheus_url, [look], now, ca_file=ca_file, deadline_seconds=deadline_seconds)[
+        (namespace, name)]
 
 
 @dataclass(frozen=True)
@@ -418,16 +576,34 @@ class Target:
     slope_pods: tuple[str, ...]
     new_oom_kills: int = 0
 
+    def look(self) -> Look:
+        control = self.spec.control
+        return Look(self.namespace, self.name, self.spec.resources.hard_limit_bytes, control.window_seconds,
+                    control.leak_window_seconds, tuple(self.running_pods), tuple(self.slope_pods), self.new_oom_kills)
+
 
 def observe_services(url: str, targets: Sequence[Target], now: datetime, *, ca_file: str | None = None,
                      deadline_seconds: float = QUERY_DEADLINE_SECONDS) -> dict[tuple[str, str], Observation]:
     """One look at the Prometheus at ``url`` for every target: ``(namespace, name)`` → :class:`Observation`.
 
-    Blocking (runs its own event loop: call it from a thread). Interim implementation: one :func:`observe`
-    per target, in turn; to be replaced by one grouped query per signal for all targets.
+    One query per signal and per distinct window pair for all targets (so the queries per look do not grow
+    with the number of services), each under the hard total deadline ``deadline_seconds`` (seconds), all
+    concurrent; each target gets the series of its Running pods only. Never raises for what Prometheus
+    does. Blocking (runs its own event loop: call it from a thread).
     """
-    return {(t.namespace, t.name): observe(
-        url, t.namespace, t.name, hard_limit_bytes=t.spec.resources.hard_limit_bytes,
-        window_seconds=t.spec.control.window_seconds, leak_window_seconds=t.spec.control.leak_window_seconds,
-        expected_pods=t.running_pods, new_oom_kills=t.new_oom_kills, now=now, slope_pods=t.slope_pods,
-        ca_file=ca_file, deadline_seconds=deadline_seconds) for t in targets}
+    return observe_looks(url, [t.look() for t in targets], now, ca_file=ca_file, deadline_seconds=deadline_seconds)
+
+
+def observe_service(default_url: str | None, namespace: str, name: str, spec: MoEInferenceServiceSpec,
+                    facts: PodFacts, new_oom_kills: int, now: datetime, ca_file: str | None = None) -> Observation:
+    """One look for a service: at ``spec.control.prometheusUrl`` (checked against the operator's allowlist at
+    reconcile: :func:`spec_checks.check_prometheus_url`), else ``default_url`` (the operator's); with neither,
+    a blind observation that says so. Kubernetes facts (pods, OOM kills) are passed in; ``ca_file``: the
+    operator's ``--prometheus-ca-file``. The same code as a tick's :func:`observe_services`, with one target."""
+    url = spec.control.prometheus_url or default_url
+    if not url:
+        return Observation(time=now, expected_pods=facts.running, new_oom_kills=new_oom_kills,
+                           error="no Prometheus URL configured (spec.control.prometheusUrl or --prometheus-url)")
+    target = Target(namespace, name, spec, facts.running,
+                    facts.running_since(now - timedelta(seconds=spec.control.leak_window_seconds)), new_oom_kills)
+    return observe_services(url, [target], now, ca_file=ca_file)[(namespace, name)]

@@ -12,9 +12,11 @@ rule TCP congestion control uses):
   Memory and OOM kills drop every budget.
 * Moves are at least ``cooldownSeconds`` apart; an OOM kill does not wait.
 * **Recovery** — after ``stabilizationWindowSeconds`` without pressure *and with
-  every signal visible all along* (no missing series, no silent pod: blind time
-  restarts the window), budgets climb additively (+ ``increaseStep`` × ceiling),
-  never above their ceilings.
+  every signal visible all along* (no missing series, no silent pod, every pod's
+  series spanning the window, the leak window judged: blind time restarts the
+  window), budgets climb additively (+ ``increaseStep`` × ceiling), never above
+  their ceilings. An idle service (no batch in the window: ``skew_steps == 0``)
+  has no skew pressure and counts as seen, so it climbs back after a burst.
 * **No data is never read as healthy**: while blind the loop can tighten on what
   it sees, but never loosens (KEDA #965, AIBrix #1032).
 * **Overload** (mode Auto) turns on when memory passes ``rssHardFraction``, the
@@ -51,16 +53,25 @@ class Observation:
 
     Attributes:
         time: when the look was made.
-        skew_ratio: highest expert skew ratio among the pods over the window.
+        skew_ratio: highest expert skew ratio of the steps in the window among the pods (the upper bound of
+            its histogram bucket); None when no step in the window carried skew data, or unknown.
+        skew_steps: steps with skew data in the window, summed over the pods: 0 is an idle service (no
+            batches: no skew pressure, and skew counts as seen); None: unknown (a pod without a full window
+            of history, a counter reset, or not measured).
         memory_ratio: highest memory in use / hard limit among the pods.
-        rss_slope_bytes_per_second: highest RSS growth among the pods, bytes/s.
+        rss_slope_bytes_per_second: highest RSS growth among the pods with a full leak window, bytes/s.
+        slope_unknown: why the leak window cannot be judged yet (pods whose worker ran for the leak window but
+            whose series in Prometheus do not span it: Prometheus restarted, lost samples), or None.
         leak_kinds: leak kinds the pods flag themselves (``native``, ``python_heap``), sorted.
         growth_bytes_per_second: ``(part, bytes/s)``: highest growth of each memory part among the pods
             (``rss``, ``rss_anonymous``, ``rss_file``, ``malloc_in_use``; the workers' own slopes).
-        rejection_rate_per_second: refusals (429, 503) per second across the pods.
-        p99_latency_seconds: end-to-end p99 latency across the pods, seconds.
+        rejection_rate_per_second: refusals (429, 503) per second across the pods (None unless every
+            reporting pod has a full window).
+        p99_latency_seconds: highest per-pod end-to-end p99 latency, seconds (same condition).
         expected_pods: Running worker pods (from the Kubernetes API).
         reporting_pods: pods with series in Prometheus.
+        short_history_pods: reporting pods whose series do not yet span the window (``windowSeconds``).
+        short_history: the sentence naming them, or None.
         new_oom_kills: OOMKilled terminations since the last look (from the Kubernetes API).
         error: why Prometheus values are missing (unreachable, no series), or None.
     """
@@ -69,12 +80,16 @@ class Observation:
     skew_ratio: float | None = None
     memory_ratio: float | None = None
     rss_slope_bytes_per_second: float | None = None
+    skew_steps: float | None = None
+    slope_unknown: str | None = None
     leak_kinds: tuple[str, ...] = ()
     growth_bytes_per_second: tuple[tuple[str, float], ...] = ()
     rejection_rate_per_second: float | None = None
     p99_latency_seconds: float | None = None
     expected_pods: tuple[str, ...] = ()
     reporting_pods: tuple[str, ...] = ()
+    short_history_pods: tuple[str, ...] = ()
+    short_history: str | None = None
     new_oom_kills: int = 0
     error: str | None = None
 
@@ -89,10 +104,16 @@ class Observation:
         return self.error is None and self.memory_ratio is not None
 
     @property
+    def skew_seen(self) -> bool:
+        """Skew is known for the window: measured, or no batch at all (``skew_steps == 0``: an idle service)."""
+        return self.skew_ratio is not None or self.skew_steps == 0
+
+    @property
     def fully_visible(self) -> bool:
-        """Available, every Running pod reports, and skew has been seen: the only state in which
-        the loop may loosen."""
-        return self.available and not self.silent_pods and self.skew_ratio is not None
+        """Available, every Running pod reports with a full window of history, skew is seen (or the service
+        is idle) and the leak window can be judged: the only state in which the loop may loosen."""
+        return (self.available and not self.silent_pods and not self.short_history_pods and self.skew_seen
+                and self.slope_unknown is None)
 
 
 @dataclass(frozen=True)
@@ -189,7 +210,9 @@ def _duration(seconds: float) -> str:
 
 
 def judge_leak(obs: Observation, spec: MoEInferenceServiceSpec) -> LeakVerdict | None:
-    """The leak verdict of ``obs`` under ``spec.control`` (see the module docstring); None without a slope."""
+    """The leak verdict of ``obs`` under ``spec.control`` (see the module docstring); None (Unknown) without a
+    slope, or when some pods' leak window cannot be judged yet (``slope_unknown``) and the others show no
+    leak: "not suspected" needs every pod."""
     slope, control = obs.rss_slope_bytes_per_second, spec.control
     if slope is None:
         return None
@@ -197,6 +220,8 @@ def judge_leak(obs: Observation, spec: MoEInferenceServiceSpec) -> LeakVerdict |
     legacy = control.leak_slope_bytes_per_second
     suspected = slope > LEAK_NOISE_BYTES_PER_SECOND and (
         eta <= control.leak_horizon_seconds or (legacy is not None and slope > legacy))
+    if not suspected and obs.slope_unknown is not None:
+        return None
     kind = ("+".join(obs.leak_kinds) or "unclassified") if suspected else "none"
     parts = dict(obs.growth_bytes_per_second)
     detail = ", ".join(f"{part} {parts[part] / 2**20 * 60:+.0f} MiB/min" for part in ("rss_anonymous", "malloc_in_use")
@@ -291,8 +316,12 @@ def decide(observation: Observation, state: PolicyState, spec: MoEInferenceServi
         reasons.append(f"metrics unavailable ({obs.error or 'no data'}): not loosening")
     elif obs.silent_pods:
         reasons.append(f"silent pods {', '.join(obs.silent_pods)}: not loosening")
-    elif obs.skew_ratio is None:
+    elif obs.short_history_pods:
+        reasons.append(f"{obs.short_history}: not loosening")
+    elif not obs.skew_seen:
         reasons.append("no expert-skew samples yet (no batch large enough): not loosening")
+    elif obs.slope_unknown is not None:
+        reasons.append(f"leak window not judged ({obs.slope_unknown}): not loosening")
     # Blind time never counts as calm: the stabilization window restarts when sight returns.
     last_blind = state.last_blind if obs.fully_visible else now
 

@@ -14,7 +14,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from moeguard_operator import constants as c
-from moeguard_operator.conditions import Status, find_condition, metrics_verdict, set_condition
+from moeguard_operator.conditions import Status, find_condition, leak_unknown, metrics_verdict, set_condition
 from moeguard_operator.models import (
     Adjustment,
     ControlStatus,
@@ -242,8 +242,8 @@ def looked(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, obs:
 
     leak = decision.leak
     if leak is None:
-        conditions = set_condition(conditions, c.CONDITION_MEMORY_LEAK_SUSPECTED, "Unknown", "NoSlope",
-                                   "RSS slope not yet measurable", now, generation)
+        conditions = set_condition(conditions, c.CONDITION_MEMORY_LEAK_SUSPECTED, "Unknown", *leak_unknown(obs),
+                                   now, generation)
     else:
         leak_was = find_condition(conditions, c.CONDITION_MEMORY_LEAK_SUSPECTED)
         conditions = set_condition(conditions, c.CONDITION_MEMORY_LEAK_SUSPECTED,

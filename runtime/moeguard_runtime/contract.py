@@ -278,7 +278,18 @@ LABEL_POD = "pod"
 WORKER_LABELS = (LABEL_SERVICE, LABEL_NAMESPACE, LABEL_POD)
 
 METRIC_EXPERT_SKEW_RATIO = "moeguard_expert_skew_ratio"
-"""Gauge per ``layer``: top expert tokens / median expert tokens, last batch."""
+"""Gauge per ``layer``: top expert tokens / median expert tokens, last batch (dashboards; the operator reads
+:data:`METRIC_STEP_EXPERT_SKEW_RATIO`, which says when the batches were)."""
+METRIC_STEP_EXPERT_SKEW_RATIO = "moeguard_step_expert_skew_ratio"
+"""Histogram: one observation per engine step that routed enough token-slots, the highest skew ratio among
+its layers (buckets :data:`SKEW_RATIO_BUCKETS`). Its ``_count`` is the number of such steps: no step in a
+window is no skew data, never the last value forever."""
+SKEW_RATIO_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 14.0, 16.0,
+                      20.0, 24.0, 28.0, 32.0, 40.0, 48.0, 56.0, 64.0, 96.0, 128.0, 192.0, 256.0, 384.0, 512.0,
+                      1024.0, 2048.0, 4096.0, 16384.0, 65536.0)
+"""Upper bounds of :data:`METRIC_STEP_EXPERT_SKEW_RATIO`'s buckets: every integer to 8, then about four per
+doubling. The operator's window maximum is the upper bound of the bucket holding the highest step, so a
+``skewThreshold`` that is one of these bounds is judged exactly (and any other one at most one bucket early)."""
 METRIC_PROCESS_RSS_BYTES = "moeguard_process_resident_memory_bytes"
 METRIC_BUDGET_GENERATION = "moeguard_budget_generation"
 METRIC_MEMORY_USAGE_BYTES = "moeguard_memory_usage_bytes"
@@ -310,7 +321,7 @@ METRIC_MODEL_WEIGHT_BYTES = "moeguard_model_weight_bytes"
 operator cannot know at apply time when the weights come from ``spec.model.source``."""
 
 OPERATOR_READS = (
-    METRIC_EXPERT_SKEW_RATIO,
+    METRIC_STEP_EXPERT_SKEW_RATIO,
     METRIC_MEMORY_USAGE_BYTES,
     METRIC_PROCESS_RSS_BYTES,
     METRIC_REJECTIONS_TOTAL,

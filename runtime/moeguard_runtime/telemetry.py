@@ -100,6 +100,11 @@ class Telemetry:
         self.skew = gauge(contract.METRIC_EXPERT_SKEW_RATIO,
                           "Top expert token-slots / median (floored at 1), last step with "
                           ">= 4*num_experts routed token-slots.", ["layer"])
+        self.step_skew = Histogram(contract.METRIC_STEP_EXPERT_SKEW_RATIO,
+                                   "Per engine step with >= 4*num_experts routed token-slots in some layer: the "
+                                   "highest skew ratio among those layers. The operator's skew signal: a window "
+                                   "without steps has no skew data.", base, registry=r,
+                                   buckets=contract.SKEW_RATIO_BUCKETS, unit="ratio")
         self.balancedness = gauge("moeguard_expert_balancedness",
                                   "mean/max expert token-slots (vLLM EPLB balancedness), same steps.",
                                   ["layer"])
@@ -176,6 +181,7 @@ class Telemetry:
         self.budget_shrink.labels(**labels).set(1)
         for phase in ("prefill", "decode"):
             self.batch_tokens.labels(**labels, phase=phase)
+        self.step_skew.labels(**labels)  # 0 steps from the start: an idle worker says so
         for name in ("applied", "rejected", "ignored"):
             self.budget_updates.labels(**labels, result=name)
         for kind in ("native", "python_heap"):
@@ -197,6 +203,7 @@ class Telemetry:
         if decode_tokens:
             self.batch_tokens.labels(**self.l(phase="decode")).observe(decode_tokens)
         self.step_seconds.labels(**self.labels).observe(seconds)
+        step_skew: float | None = None
         for layer, stats in enumerate(routing):
             for expert, n in enumerate(stats.tokens_per_expert):
                 if n:
@@ -206,6 +213,9 @@ class Telemetry:
             if stats.routed_slots >= 4 * self.num_experts:
                 self.skew.labels(**self.l(layer=str(layer))).set(stats.expert_skew_ratio)
                 self.balancedness.labels(**self.l(layer=str(layer))).set(stats.balancedness)
+                step_skew = max(stats.expert_skew_ratio, step_skew or 0.0)
+        if step_skew is not None:
+            self.step_skew.labels(**self.labels).observe(step_skew)
 
     def set_model_weights(self, parameters: Iterable[Any]) -> int:
         """Set ``moeguard_model_weight_bytes`` from the loaded model's ``parameters()`` (torch tensors:

@@ -37,7 +37,9 @@ def answer(*series: Any) -> Answer:
 
 
 def test_query_selects_the_service() -> None:
-    assert skew_query("ns1", "svc", 30) == 'max(max_over_time(moeguard_expert_skew_ratio{namespace="ns1",moeis="svc"}[30s]))'
+    b = 'moeguard_step_expert_skew_ratio_bucket{namespace="ns1",moeis="svc"}'
+    assert skew_query("ns1", "svc", 30) == \
+        f"histogram_quantile(1, sum by (namespace, moeis, pod, le) ({b} - {b} offset 30s))"
 
 
 @pytest.mark.parametrize(
@@ -154,13 +156,29 @@ def test_messages_show_urls_without_credentials(url: str, shown: str) -> None:
     assert safe_url(url) == shown
 
 
-def test_every_query_selects_the_service() -> None:
+def test_every_query_selects_the_service_and_keeps_each_pod() -> None:
     q = queries("ns1", "svc", 30, 600)
-    assert q.memory == 'max(max_over_time(moeguard_memory_usage_bytes{namespace="ns1",moeis="svc"}[30s]))'
-    assert q.rss_slope == 'max by (pod) (deriv(moeguard_process_resident_memory_bytes{namespace="ns1",moeis="svc"}[600s]))'
-    assert q.rejection_rate == 'sum(rate(moeguard_rejections_total{namespace="ns1",moeis="svc"}[30s]))'
-    assert q.reporting_pods == 'count by (pod) (moeguard_process_resident_memory_bytes{namespace="ns1",moeis="svc"})'
-    assert q.p99_latency.startswith("histogram_quantile(0.99, sum by (le) (rate(moeguard_e2e_request_latency_seconds_bucket{")
+    sel, by = '{namespace="ns1",moeis="svc"}', "by (namespace, moeis, pod)"
+    assert q.memory == f"max {by} (max_over_time(moeguard_memory_usage_bytes{sel}[30s]))"
+    assert q.rss_slope == f"max {by} (deriv(moeguard_process_resident_memory_bytes{sel}[600s]))"
+    assert q.rejection_rate == f"sum {by} (rate(moeguard_rejections_total{sel}[30s]))"
+    assert q.reporting_pods == f"count {by} (moeguard_process_resident_memory_bytes{sel})"
+    assert q.history == (f"max {by} (count_over_time(moeguard_process_resident_memory_bytes{sel}[30s]) "
+                         f"and moeguard_process_resident_memory_bytes{sel} offset 30s)")
+    assert q.leak_history.endswith(f"[600s]) and moeguard_process_resident_memory_bytes{sel} offset 600s)")
+    c = f"moeguard_step_expert_skew_ratio_count{sel}"
+    assert q.skew_steps == f"sum {by} ({c} - {c} offset 30s) unless on (namespace, moeis, pod) (resets({c}[30s]) > 0)"
+    assert q.p99_latency.startswith("histogram_quantile(0.99, sum by (namespace, moeis, pod, le) "
+                                    "(rate(moeguard_e2e_request_latency_seconds_bucket{")
+    for promql in vars(q).values():
+        assert sel in promql
+
+
+def test_many_services_share_one_selector_of_literals() -> None:
+    q = queries(["b", "a.x", "a.x"], ["svc.1", "svc-2"], 30, 600)
+    assert 'namespace=~"a\\\\.x|b",moeis=~"svc\\\\-2|svc\\\\.1"' in q.memory
+    with pytest.raises(ValueError, match="no value for namespace"):
+        queries([], ["svc"], 30, 600)
 
 
 def test_label_values() -> None:
