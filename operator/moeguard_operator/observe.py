@@ -455,14 +455,15 @@ def slice_look(url: str, answers: Mapping[str, Answer], look: Look, now: datetim
     short = tuple(sorted(set(reporting) - set(full)))
 
     steps, skews = per_pod("skew_steps"), per_pod("skew")
-    skew_known, skew_values, total_steps = True, [], 0.0
+    skew_unknown, skew_values, known_steps = [], [], []
     for pod in reporting:
         n = steps.get(pod)
         if pod in short or n is None or n < 0 or (n > 0 and pod not in skews):
-            skew_known = False
-        elif n > 0:
+            skew_unknown.append(pod)
+            continue
+        known_steps.append(n)
+        if n > 0:
             skew_values.append(skews[pod])
-            total_steps += n
     memory_values = [v for v in per_pod("memory").values()]
     memory = max(memory_values) if memory_values else None
     memory_err = None if memory is not None else parse_scalar(mine["memory"])[1]
@@ -485,7 +486,8 @@ def slice_look(url: str, answers: Mapping[str, Answer], look: Look, now: datetim
     return Observation(
         time=now,
         skew_ratio=max(skew_values) if skew_values else None,
-        skew_steps=total_steps if skew_known and reporting else None,
+        skew_steps=sum(known_steps) if known_steps else None,
+        skew_unknown_pods=tuple(skew_unknown),
         memory_ratio=None if memory is None else memory / look.hard_limit_bytes,
         rss_slope_bytes_per_second=max(counted) if counted else None,
         slope_unknown=_short(slope_short, leak_history, look.leak_window_seconds) if slope_short else None,

@@ -55,9 +55,10 @@ class Observation:
         time: when the look was made.
         skew_ratio: highest expert skew ratio of the steps in the window among the pods (the upper bound of
             its histogram bucket); None when no step in the window carried skew data, or unknown.
-        skew_steps: steps with skew data in the window, summed over the pods: 0 is an idle service (no
-            batches: no skew pressure, and skew counts as seen); None: unknown (a pod without a full window
-            of history, a counter reset, or not measured).
+        skew_steps: steps with skew data in the window, summed over the pods where it is known: 0 is an idle
+            service (no batches: no skew pressure, and skew counts as seen); None: not measured.
+        skew_unknown_pods: reporting pods whose skew is unknown (no full window of history, a counter
+            reset): skew is not seen while there is one.
         memory_ratio: highest memory in use / hard limit among the pods.
         rss_slope_bytes_per_second: highest RSS growth among the pods with a full leak window, bytes/s.
         slope_unknown: why the leak window cannot be judged yet (pods whose worker ran for the leak window but
@@ -81,6 +82,7 @@ class Observation:
     memory_ratio: float | None = None
     rss_slope_bytes_per_second: float | None = None
     skew_steps: float | None = None
+    skew_unknown_pods: tuple[str, ...] = ()
     slope_unknown: str | None = None
     leak_kinds: tuple[str, ...] = ()
     growth_bytes_per_second: tuple[tuple[str, float], ...] = ()
@@ -106,7 +108,7 @@ class Observation:
     @property
     def skew_seen(self) -> bool:
         """Skew is known for the window: measured, or no batch at all (``skew_steps == 0``: an idle service)."""
-        return self.skew_ratio is not None or self.skew_steps == 0
+        return (self.skew_ratio is not None or self.skew_steps == 0) and not self.skew_unknown_pods
 
     @property
     def fully_visible(self) -> bool:
@@ -318,6 +320,8 @@ def decide(observation: Observation, state: PolicyState, spec: MoEInferenceServi
         reasons.append(f"silent pods {', '.join(obs.silent_pods)}: not loosening")
     elif obs.short_history_pods:
         reasons.append(f"{obs.short_history}: not loosening")
+    elif obs.skew_unknown_pods:
+        reasons.append(f"expert skew unknown for {', '.join(obs.skew_unknown_pods)} (counter reset): not loosening")
     elif not obs.skew_seen:
         reasons.append("no expert-skew samples yet (no batch large enough): not loosening")
     elif obs.slope_unknown is not None:

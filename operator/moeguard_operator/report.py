@@ -14,7 +14,13 @@ from datetime import datetime
 from typing import Any, Literal
 
 from moeguard_operator import constants as c
-from moeguard_operator.conditions import Status, find_condition, leak_unknown, metrics_verdict, set_condition
+from moeguard_operator.conditions import (
+    Status,
+    find_condition,
+    leak_unknown,
+    metrics_verdict,
+    set_condition,
+)
 from moeguard_operator.models import (
     Adjustment,
     ControlStatus,

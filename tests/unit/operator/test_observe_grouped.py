@@ -1,0 +1,199 @@
+"""One look for many services (issue 11 §4) and only the Running pods' series (issue 18 §3–5): the pure
+slicing of grouped answers (:func:`observe.slice_look`)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from moeguard_operator.conditions import leak_unknown
+from moeguard_operator.models import MoEInferenceServiceSpec
+from moeguard_operator.observe import (
+    MALFORMED,
+    MIN_WINDOW_SAMPLES,
+    Answer,
+    Look,
+    Queries,
+    Target,
+    group_answer,
+    history_ok,
+    queries,
+    read_answer,
+    service_slice,
+    slice_look,
+)
+from moeguard_operator.policy import PolicyState, decide, initial_budgets
+
+pytestmark = pytest.mark.unit
+
+NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+URL = "http://prom:9090"
+GIB = 2**30
+
+
+def series(ns: str, svc: str, pod: str, value: float | str, **extra: str) -> dict[str, Any]:
+    return {"metric": {"namespace": ns, "moeis": svc, "pod": pod, **extra}, "value": [1.0, str(value)]}
+
+
+def answer(*entries: dict[str, Any]) -> Answer:
+    body = {"status": "success", "data": {"resultType": "vector", "result": list(entries)}}
+    return read_answer(200, json.dumps(body).encode())
+
+
+def pod_answers(pods: dict[tuple[str, str, str], dict[str, float | str]]) -> dict[str, Answer]:
+    """Answers for every query from ``{(ns, svc, pod): {query: value}}``; a query a pod lacks is absent."""
+    out = {}
+    for field in Queries.__dataclass_fields__:
+        out[field] = answer(*(series(ns, svc, pod, values[field]) for (ns, svc, pod), values in pods.items()
+                              if field in values))
+    return out
+
+
+def healthy(memory: float = GIB / 2, steps: float = 10, skew: float = 2.0, samples: float = 15,
+            slope: float = 0.0) -> dict[str, float | str]:
+    return {"skew": skew, "skew_steps": steps, "memory": memory, "rss_slope": slope, "history": samples,
+            "leak_history": samples * 20, "rejection_rate": 0.5, "p99_latency": 1.5, "reporting_pods": 1}
+
+
+def look(name: str = "svc", pods: tuple[str, ...] = ("svc-a",), ns: str = "ns", slope_pods: Any = None) -> Look:
+    return Look(ns, name, GIB, 30, 600, pods, slope_pods)
+
+
+def test_each_service_gets_its_own_pods_series_only() -> None:
+    answers = pod_answers({
+        ("ns", "svc", "svc-a"): healthy(memory=GIB * 0.5, skew=3.0),
+        ("ns", "svc", "svc-b"): healthy(memory=GIB * 0.6, skew=5.0, steps=4),
+        ("ns", "other", "other-a"): healthy(memory=GIB * 0.9, skew=200.0),
+        ("ns2", "svc", "svc-a"): healthy(memory=GIB * 0.95, skew=100.0),  # same names, another namespace
+    })
+    obs = slice_look(URL, answers, look(pods=("svc-a", "svc-b")), NOW)
+    assert (obs.skew_ratio, obs.skew_steps, obs.memory_ratio) == (5.0, 14, 0.6)
+    assert obs.reporting_pods == ("svc-a", "svc-b") and obs.rejection_rate_per_second == 1.0
+    assert obs.p99_latency_seconds == 1.5 and obs.error is None and obs.fully_visible
+    other = slice_look(URL, answers, look("other", ("other-a",)), NOW)
+    assert (other.skew_ratio, other.memory_ratio) == (200.0, 0.9)
+
+
+def test_series_of_pods_not_running_now_are_ignored_entirely() -> None:
+    """A service re-created under the same name, or a rollout: the old pods' series are still in Prometheus
+    (stale or still scraped while they terminate); only the pods the API lists as Running count."""
+    answers = pod_answers({
+        ("ns", "svc", "svc-old"): healthy(memory=GIB * 0.99, skew=204.0, slope=9e9) | {"leak_history": 999},
+        ("ns", "svc", "svc-new"): {"memory": GIB * 0.2, "reporting_pods": 1, "history": 1, "skew_steps": 0,
+                                   "skew": "NaN"},
+    })
+    obs = slice_look(URL, answers, look(pods=("svc-new",)), NOW)
+    assert obs.reporting_pods == ("svc-new",) and obs.memory_ratio == 0.2
+    assert obs.skew_ratio is None and obs.skew_steps is None  # the new pod's window is not full yet: unknown
+    assert obs.skew_unknown_pods == ("svc-new",)
+    assert obs.short_history_pods == ("svc-new",) and obs.rss_slope_bytes_per_second is None
+    assert not obs.fully_visible
+    spec = MoEInferenceServiceSpec.model_validate({})
+    d = decide(obs, PolicyState(initial_budgets(spec.batching)), spec, NOW)
+    assert d.direction == "hold" and d.pressure == ()  # not tightened at birth by the old pod
+    assert "history shorter than 30s in Prometheus for svc-new (1 samples)" in d.reason
+
+
+def test_an_idle_service_has_no_skew_pressure_and_is_seen() -> None:
+    answers = pod_answers({("ns", "svc", "svc-a"): healthy(steps=0, skew="NaN")})
+    obs = slice_look(URL, answers, look(), NOW)
+    assert obs.skew_ratio is None and obs.skew_steps == 0 and obs.skew_seen and obs.fully_visible
+
+
+@pytest.mark.parametrize(("steps", "skew"), [(-3, 5.0), (None, 5.0), (7, None)], ids=["reset", "absent", "no-bound"])
+def test_skew_of_a_pod_that_cannot_be_counted_is_unknown(steps: float | None, skew: float | None) -> None:
+    values = healthy()
+    values.pop("skew_steps")
+    values.pop("skew")
+    values |= ({} if steps is None else {"skew_steps": steps}) | ({} if skew is None else {"skew": skew})
+    answers = pod_answers({("ns", "svc", "svc-a"): values, ("ns", "svc", "svc-b"): healthy(skew=9.0)})
+    obs = slice_look(URL, answers, look(pods=("svc-a", "svc-b")), NOW)
+    assert obs.skew_unknown_pods == ("svc-a",) and obs.skew_ratio == 9.0  # the other pod still tightens
+    assert obs.skew_steps == 10 and not obs.skew_seen and not obs.fully_visible
+
+
+def test_too_little_history_leaves_the_leak_unknown_never_flat() -> None:
+    """9 s after Prometheus restarted with its data wiped: 4 samples in a 30 s window, none before it."""
+    answers = pod_answers({("ns", "svc", "svc-a"): healthy() | {"leak_history": "NaN", "rss_slope": 0.0}})
+    obs = slice_look(URL, answers, look(slope_pods=("svc-a",)), NOW)
+    assert obs.rss_slope_bytes_per_second is None
+    assert obs.slope_unknown == ("history shorter than 600s in Prometheus for svc-a (no sample before the window) "
+                                 f"(needs a sample before the window and at least {MIN_WINDOW_SAMPLES} in it)")
+    assert leak_unknown(obs)[0] == "InsufficientHistory" and not obs.fully_visible
+    spec = MoEInferenceServiceSpec.model_validate({})
+    d = decide(obs, PolicyState(initial_budgets(spec.batching)), spec, NOW)
+    assert d.leak is None and d.leak_suspected is None
+
+
+def test_a_young_pod_out_of_slope_pods_does_not_block() -> None:
+    answers = pod_answers({("ns", "svc", "svc-a"): healthy(), ("ns", "svc", "svc-young"): healthy() | {"leak_history": 2}})
+    obs = slice_look(URL, answers, look(pods=("svc-a", "svc-young"), slope_pods=("svc-a",)), NOW)
+    assert obs.slope_unknown is None and obs.rss_slope_bytes_per_second == 0.0 and obs.fully_visible
+
+
+def test_windowed_rates_need_every_pod_with_a_full_window() -> None:
+    answers = pod_answers({("ns", "svc", "svc-a"): healthy(), ("ns", "svc", "svc-b"): healthy(samples=2)})
+    obs = slice_look(URL, answers, look(pods=("svc-a", "svc-b")), NOW)
+    assert obs.rejection_rate_per_second is None and obs.p99_latency_seconds is None
+    assert obs.short_history_pods == ("svc-b",) and obs.memory_ratio == 0.5
+
+
+def test_a_series_without_the_grouping_labels_belongs_to_nobody_and_is_named() -> None:
+    raw = answer(series("ns", "svc", "svc-a", 1.0), {"metric": {}, "value": [1, "NaN"]})
+    got = group_answer(raw)
+    assert got.series == (({"namespace": "ns", "moeis": "svc", "pod": "svc-a"}, 1.0),) and got.problem == MALFORMED
+    answers = pod_answers({("ns", "svc", "svc-a"): healthy()}) | {"memory": answer({"metric": {}, "value": [1, "NaN"]})}
+    obs = slice_look(URL, answers, look(), NOW)
+    assert obs.error == "Prometheus at http://prom:9090: PrometheusMalformedAnswer (memory)"
+    assert not obs.available
+
+
+def test_a_blind_query_blinds_the_look() -> None:
+    answers = pod_answers({("ns", "svc", "svc-a"): healthy()}) | {"skew": Answer(problem="PrometheusTimeout", blind=True)}
+    obs = slice_look(URL, answers, look(), NOW)
+    assert obs.error == "Prometheus at http://prom:9090: PrometheusTimeout (skew)"
+    assert obs.skew_ratio is None and obs.memory_ratio is None and obs.silent_pods == ("svc-a",)
+
+
+def test_a_non_finite_memory_is_named() -> None:
+    answers = pod_answers({("ns", "svc", "svc-a"): healthy() | {"memory": "NaN"}})
+    obs = slice_look(URL, answers, look(), NOW)
+    assert obs.memory_ratio is None and obs.error == "memory: non-finite value"
+
+
+def test_history_rule() -> None:
+    assert not history_ok(None) and not history_ok(MIN_WINDOW_SAMPLES - 1) and history_ok(MIN_WINDOW_SAMPLES)
+
+
+NAMES = st.from_regex(r"[a-z0-9]([a-z0-9.-]{0,10}[a-z0-9])?", fullmatch=True)
+
+
+@given(st.lists(st.tuples(NAMES, NAMES), min_size=1, max_size=200), st.integers(5, 3600), st.integers(30, 86400))
+def test_the_queries_of_a_look_do_not_grow_with_the_services(services: list[tuple[str, str]], w: int, lw: int) -> None:
+    """Issue 11 §4: 200 services cost the same number of queries as one (per distinct window pair)."""
+    one = queries(services[0][0], services[0][1], w, lw)
+    many = queries({ns for ns, _ in services}, {n for _, n in services}, w, lw)
+    assert len(vars(many)) == len(vars(one)) == len(Queries.__dataclass_fields__)
+
+
+@given(st.dictionaries(st.tuples(st.sampled_from(["ns", "ns2"]), st.sampled_from(["svc", "x"]),
+                                 st.sampled_from(["p0", "p1", "p2", "p3"])),
+                       st.floats(0, 1e12, allow_nan=False), max_size=16),
+       st.sets(st.sampled_from(["p0", "p1", "p2", "p3"])))
+def test_a_slice_is_exactly_the_service_and_running_pods(values: dict[tuple[str, str, str], float],
+                                                         running: set[str]) -> None:
+    got = service_slice(answer(*(series(*k, v) for k, v in values.items())), "ns", "svc", running)
+    assert {m["pod"]: v for m, v in got.series} == {p: v for (ns, s, p), v in values.items()
+                                                     if ns == "ns" and s == "svc" and p in running}
+
+
+def test_a_target_looks_with_its_spec_windows() -> None:
+    spec = MoEInferenceServiceSpec.model_validate({"control": {"windowSeconds": 20, "leakWindowSeconds": 120},
+                                                   "resources": {"hardLimit": "2Gi", "softLimit": "1Gi"}})
+    t = Target("ns", "svc", spec, ("p0",), (), 2)
+    assert t.look() == Look("ns", "svc", 2 * GIB, 20, 120, ("p0",), (), 2)
