@@ -435,8 +435,8 @@ def slice_look(url: str, answers: Mapping[str, Answer], look: Look, now: datetim
       full window, or whose counter reset, leaves skew Unknown (``skew_steps`` None).
     * memory: the highest over the pods (a single sample is a reading); rejections: summed over the pods;
       p99 latency: the highest per-pod p99; both None unless every reporting pod has a full window.
-    * RSS slope: the highest among ``slope_pods`` with a full leak window; those without one are named in
-      ``slope_unknown``.
+    * RSS slope: the highest among the Running ``slope_pods`` with a full leak window; those without one
+      (silent ones included) are named in ``slope_unknown``.
     Any failed query, or any malformed series, sets ``error`` (blind: budgets hold).
     """
     pods = tuple(look.running_pods)
@@ -472,7 +472,7 @@ def slice_look(url: str, answers: Mapping[str, Answer], look: Look, now: datetim
         return look.slope_pods is None or pod in look.slope_pods
 
     leak_history = per_pod("leak_history")
-    slope_candidates = [p for p in reporting if counts(p)]
+    slope_candidates = [p for p in pods if counts(p)]  # a silent one's leak window is not judged either
     slope_short = [p for p in slope_candidates if not history_ok(leak_history.get(p))]
     slopes = per_pod("rss_slope")
     counted = [slopes[p] for p in slope_candidates if p not in slope_short and p in slopes]

@@ -1,0 +1,276 @@
+"""The outer loop's signals against the real Prometheus (issue 11 §4, issue 18 §3–5).
+
+Worker pods are stood in for by real worker registries (``moeguard_runtime.telemetry.Telemetry``, the
+worker's own metric definitions) served over HTTP in this process, each registered as a Prometheus target
+as the pod harness registers a worker (file_sd, labels ``namespace``/``moeis``/``pod``); so the series,
+their scrapes, staleness and windows are Prometheus's own. Each test looks through
+:func:`observe.observe_looks` (the code of a tick's :func:`observe.observe_services`) and decides with
+:func:`policy.decide`.
+
+Scale: windows of 8 s (4 scrapes of 2 s) and a leak window of 12 s stand for 30 s and 600 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import httpx
+import pytest
+from hack import stack
+from prometheus_client import generate_latest
+from tests.integration.conftest import Cluster
+
+from moeguard_operator.conditions import leak_unknown
+from moeguard_operator.models import MoEInferenceServiceSpec
+from moeguard_operator.observe import Look, observe_looks
+from moeguard_operator.policy import (
+    Observation,
+    PolicyState,
+    ceilings,
+    decide,
+    initial_budgets,
+    judge_leak,
+)
+from moeguard_runtime.telemetry import Telemetry
+
+W, LW, SCRAPE = 8, 12, 2.0
+GIB = 2**30
+SPEC = MoEInferenceServiceSpec.model_validate({
+    "batching": {"maxPrefillTokens": 2048, "floors": {"maxPrefillTokens": 256}},
+    "resources": {"gpus": 1, "softLimit": "3Gi", "hardLimit": "4Gi"},
+    "control": {"skewThreshold": 8, "cooldownSeconds": 2, "stabilizationWindowSeconds": 6, "increaseStep": 0.25,
+                "windowSeconds": W, "queryIntervalSeconds": 2, "leakWindowSeconds": 30, "leakHorizonSeconds": 60},
+})
+
+
+@dataclass
+class Pod:
+    namespace: str
+    moeis: str
+    name: str
+    telemetry: Telemetry = field(init=False)
+    server: ThreadingHTTPServer = field(init=False)
+
+    def __post_init__(self) -> None:
+        labels = {"moeis": self.moeis, "namespace": self.namespace, "pod": self.name}
+        self.telemetry = Telemetry(labels, num_experts=8)
+        self.telemetry.memory_usage.labels(**labels, source="rss").set(GIB // 2)
+        registry = self.telemetry.registry
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = generate_latest(registry)
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *_: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def steps(self, skew: float, n: int) -> None:
+        """``n`` engine steps whose highest layer skew was ``skew``."""
+        for _ in range(n):
+            self.telemetry.step_skew.labels(**self.telemetry.labels).observe(skew)
+
+
+class Pods:
+    """Stand-in worker pods registered with the cluster's Prometheus."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.targets = cluster.run_dir / "prometheus" / "targets"
+        self.namespace = f"sig-{uuid.uuid4().hex[:8]}"
+        self.pods: dict[str, Pod] = {}
+
+    def start(self, moeis: str, name: str) -> Pod:
+        pod = Pod(self.namespace, moeis, name)
+        self.pods[name] = pod
+        target = [{"targets": [f"127.0.0.1:{pod.server.server_address[1]}"],
+                   "labels": {"namespace": self.namespace, "pod": name, "moeis": moeis}}]
+        tmp = self.targets / f".{self.namespace}_{name}.tmp"
+        tmp.write_text(json.dumps(target))
+        tmp.rename(self.targets / f"{self.namespace}_{name}.json")
+        return pod
+
+    def stop(self, name: str) -> None:
+        """The pod is gone: its target leaves Prometheus (its series go stale) and its server stops."""
+        (self.targets / f"{self.namespace}_{name}.json").unlink(missing_ok=True)
+        pod = self.pods.pop(name)
+        pod.server.shutdown()
+        pod.server.server_close()
+
+    def stop_all(self) -> None:
+        for name in list(self.pods):
+            self.stop(name)
+
+    def scraped(self, *names: str, samples: int = 1) -> None:
+        """Wait until Prometheus holds at least ``samples`` samples of each pod's RSS in the last window."""
+        sel = f'moeguard_process_resident_memory_bytes{{namespace="{self.namespace}"}}'
+
+        def ready() -> bool:
+            got = {r["metric"]["pod"]: float(r["value"][1]) for r in stack.prom_results(
+                f"count_over_time({sel}[{W}s])")} if samples > 1 else {
+                r["metric"]["pod"]: 1.0 for r in stack.prom_results(sel)}
+            return all(got.get(n, 0) >= samples for n in names)
+
+        stack.wait_for(ready, 60, f"Prometheus to scrape {names}", interval=0.5)
+
+
+@pytest.fixture
+def pods(cluster: Cluster) -> Iterator[Pods]:
+    p = Pods(cluster)
+    yield p
+    p.stop_all()
+
+
+def look(pods: Pods, moeis: str, running: tuple[str, ...], slope_pods: tuple[str, ...] | None = None) -> Look:
+    return Look(pods.namespace, moeis, SPEC.resources.hard_limit_bytes, W, LW, running, slope_pods)
+
+
+def observe_one(lk: Look) -> Observation:
+    return observe_looks(stack.PROMETHEUS_URL, [lk], datetime.now(UTC))[(lk.namespace, lk.name)]
+
+
+def query_requests() -> float:
+    """Instant queries Prometheus has answered (its own counter, read from its /metrics)."""
+    text = httpx.get(f"{stack.PROMETHEUS_URL}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("prometheus_http_requests_total{") and 'handler="/api/v1/query"' in line)
+
+
+def test_one_grouped_look_serves_every_service_with_the_same_queries(pods: Pods) -> None:
+    a0, a1, b0 = pods.start("alpha", "alpha-0"), pods.start("alpha", "alpha-1"), pods.start("beta", "beta-0")
+    pods.scraped("alpha-0", "alpha-1", "beta-0")
+    time.sleep(W + SCRAPE)  # a full window of history behind every pod
+    a0.steps(12.0, 5)
+    b0.steps(3.0, 7)
+    a1.telemetry.memory_usage.labels(**a1.telemetry.labels, source="rss").set(3 * GIB)
+    time.sleep(2 * SCRAPE)
+    looks = [look(pods, "alpha", ("alpha-0", "alpha-1")), look(pods, "beta", ("beta-0",))]
+    before = query_requests()
+    got = observe_looks(stack.PROMETHEUS_URL, looks, datetime.now(UTC))
+    asked = query_requests() - before
+    alpha, beta = got[(pods.namespace, "alpha")], got[(pods.namespace, "beta")]
+    assert (alpha.skew_ratio, alpha.skew_steps, alpha.memory_ratio) == (12.0, 5, 0.75)
+    assert alpha.reporting_pods == ("alpha-0", "alpha-1") and alpha.fully_visible, alpha
+    assert (beta.skew_ratio, beta.skew_steps, beta.memory_ratio) == (3.0, 7, 0.125) and beta.fully_visible, beta
+
+    # The queries of a look do not grow with the services: 1, 2 and 200 services ask the same number.
+    many = looks + [look(pods, f"svc-{i}", (f"svc-{i}-0",)) for i in range(198)]
+    counts = []
+    for batch in (looks[:1], looks, many):
+        before = query_requests()
+        observe_looks(stack.PROMETHEUS_URL, batch, datetime.now(UTC))
+        counts.append(query_requests() - before)
+    print(f"\nqueries per look: 1 service {counts[0]:.0f}, 2 services {counts[1]:.0f}, 200 services {counts[2]:.0f}")
+    assert counts[0] == counts[1] == counts[2] == asked == 11
+
+
+def test_old_pods_series_never_steer_a_recreated_service_or_a_rollout(pods: Pods) -> None:
+    """Deleted and re-created under the same name (old pod gone, series stale), and a rollout (an old pod
+    still scraped while it terminates): the new pod, silent at birth, is not tightened by them."""
+    gone, old = pods.start("svc", "svc-5d8f-gone"), pods.start("svc", "svc-5d8f-old")
+    pods.scraped("svc-5d8f-gone", "svc-5d8f-old")
+    time.sleep(W + SCRAPE)
+    gone.steps(204.0, 30)
+    old.steps(170.0, 30)
+    time.sleep(2 * SCRAPE)
+    before = observe_one(look(pods, "svc", ("svc-5d8f-gone", "svc-5d8f-old")))
+    assert before.skew_ratio == 256.0 and decide(before, PolicyState(initial_budgets(SPEC.batching)), SPEC,
+                                                  before.time).direction == "down"  # they would steer
+    pods.stop("svc-5d8f-gone")
+    pods.start("svc", "svc-7c9a-new")
+    state, seen = PolicyState(initial_budgets(SPEC.batching)), []
+    deadline = time.monotonic() + W + 6 * SCRAPE
+    while time.monotonic() < deadline:
+        old.steps(170.0, 5)  # the rollout's old pod keeps serving skewed batches until it is gone
+        obs = observe_one(look(pods, "svc", ("svc-7c9a-new",)))
+        d = decide(obs, state, SPEC, obs.time)
+        state = d.state
+        seen.append((obs.reporting_pods, obs.skew_ratio, obs.skew_steps, d.direction))
+        assert obs.skew_ratio is None and d.direction != "down" and d.pressure == (), seen
+        time.sleep(1)
+    assert state.budgets == initial_budgets(SPEC.batching)
+    assert seen[-1] == (("svc-7c9a-new",), None, 0, "hold"), seen  # then a full window: idle, and seen
+    assert obs.fully_visible
+
+
+def test_an_idle_service_after_a_burst_climbs_back(pods: Pods) -> None:
+    pod = pods.start("idle", "idle-0")
+    pods.scraped("idle-0")
+    time.sleep(W + SCRAPE)
+    pod.steps(170.0, 50)
+    time.sleep(2 * SCRAPE)
+    state, moves, t0 = PolicyState(initial_budgets(SPEC.batching)), [], time.monotonic()
+    while time.monotonic() - t0 < 90 and not (moves and state.budgets == ceilings(SPEC.batching)):
+        obs = observe_one(look(pods, "idle", ("idle-0",)))
+        d = decide(obs, state, SPEC, obs.time)
+        state = d.state
+        moves.append((round(time.monotonic() - t0), obs.skew_ratio, obs.skew_steps, d.direction))
+        time.sleep(1)
+    print(f"\nlooks (s, skew, steps, move): {moves}")
+    assert moves[0][1] == 192.0 and moves[0][3] == "down"  # the burst: bucket (170, 192]
+    idle = next(i for i, m in enumerate(moves) if m[2] == 0)
+    assert moves[idle][0] <= W + 2 * SCRAPE, moves  # the burst leaves the window: not the last value forever
+    assert all(m[1] is None and m[2] == 0 and m[3] != "down" for m in moves[idle:]), moves  # no step: no skew data
+    first_up = next(m[0] for m in moves if m[3] == "up")
+    assert first_up >= moves[idle - 1][0] + SPEC.control.stabilization_window_seconds - 1, moves
+    assert state.budgets == ceilings(SPEC.batching), moves  # ... and it climbed all the way back
+
+
+def _restart_prometheus_wiped(cluster: Cluster) -> float:
+    pid = int((cluster.run_dir / "pids" / "prometheus.pid").read_text())
+    os.kill(pid, signal.SIGTERM)
+    stack.wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 30, "Prometheus to exit", interval=0.2)
+    shutil.rmtree(cluster.run_dir / "prometheus" / "data")
+    (cluster.run_dir / "prometheus" / "data").mkdir()
+    subprocess.run([str(stack.ROOT / "hack" / "cluster-up.sh")],
+                   env={**os.environ, "MOEGUARD_RUN_DIR": str(cluster.run_dir)}, check=True, capture_output=True,
+                   timeout=300)
+    return time.monotonic()
+
+
+def test_after_prometheus_restarts_with_wiped_data_the_leak_is_unknown_until_the_window_fills(
+        cluster: Cluster, pods: Pods) -> None:
+    pods.start("leak", "leak-0")
+    pods.scraped("leak-0")
+    lk = look(pods, "leak", ("leak-0",), slope_pods=("leak-0",))
+    stack.wait_for(lambda: judge_leak(observe_one(lk), SPEC) is not None, 60, "a full leak window", interval=1)
+    restarted = _restart_prometheus_wiped(cluster)
+    # Budgets below their ceilings, the last pressure long ago: only blindness may hold them.
+    low = initial_budgets(SPEC.batching).model_copy(update={"max_prefill_tokens": 512})
+    long_ago = datetime.now(UTC) - timedelta(hours=1)
+    state = PolicyState(low, last_change=long_ago, last_pressure=long_ago, last_blind=long_ago)
+    looks: list[tuple[float, str, str, str]] = []
+    while time.monotonic() - restarted < LW + 30 and state.budgets.max_prefill_tokens == 512:
+        obs = observe_one(lk)
+        d = decide(obs, state, SPEC, obs.time)
+        state = d.state
+        verdict = "Unknown" if d.leak is None else str(d.leak.suspected)
+        looks.append((round(time.monotonic() - restarted, 1), verdict,
+                      leak_unknown(obs)[0] if d.leak is None else d.leak.reason, d.direction))
+        time.sleep(1)
+    print(f"\nlooks after the restart (s, MemoryLeakSuspected, reason, move): {looks}")
+    assert all(reason == "InsufficientHistory" for _, verdict, reason, _ in looks if verdict == "Unknown"), looks
+    for t, verdict, _, move in looks:
+        if t < LW - SCRAPE:
+            assert verdict == "Unknown" and move == "hold", looks  # no conclusion, no loosening
+    first_known = next(t for t, verdict, _, _ in looks if verdict != "Unknown")
+    first_up = next(t for t, _, _, move in looks if move == "up")
+    assert first_known >= LW - SCRAPE and first_up >= first_known, looks
