@@ -485,6 +485,7 @@ class ControlLoop:
         patch = report.status_patch(prior, status)
         if patch:
             stored = kube.patch_status(owner.namespace, owner.name, patch, meta.get("resourceVersion"))
+        if writes.document is not None:
             self._pause("after-status")
         for event in writes.events:
             self._event(svc, event, now)
@@ -501,7 +502,8 @@ class ControlLoop:
                         event.reason, exc.status)
 
     def _pause(self, point: str) -> None:
-        """Test only (``MOEGUARD_TEST_PAUSE_AT``): block this write here, for a test to ``kill -9`` the operator."""
+        """Test only (``MOEGUARD_TEST_PAUSE_AT``): block this decision's writes here, for a test to ``kill -9``
+        the operator (only writes that carry a budget document pause)."""
         if self.config.test_pause_at == point:
             log.warning("MOEGUARD_TEST_PAUSE_AT=%s: paused here until killed", point)
             self._paused.wait()
