@@ -5,7 +5,9 @@ Flags mirror ``kopf run``: ``--namespace`` (repeatable) or ``--all-namespaces``,
 replicas: the highest live priority works), ``--liveness URL``, ``--metrics-port``, and
 ``--prometheus-url`` (the default for resources whose spec names none), ``--allowed-prometheus-url``
 (repeatable: other URLs a spec may name), ``--prometheus-ca-file`` (verify Prometheus's TLS against this
-bundle), ``--allow-secrets`` (let specs put Secrets into the worker pods). Every option of
+bundle), ``--allow-secrets`` (let specs put Secrets into the worker pods), ``--timer-interval-seconds`` (the control
+loop's tick), ``--look-deadline-seconds`` (one look at one Prometheus). Test only: the environment variable
+``MOEGUARD_TEST_PAUSE_AT`` (``after-configmap``, ``after-status``) blocks a decision's writes there. Every option of
 moeguard's own reaches the handlers in one :class:`~moeguard_operator.config.OperatorConfig`.
 """
 
@@ -21,15 +23,17 @@ import kopf
 import prometheus_client
 
 from moeguard_operator import handlers, observe
-from moeguard_operator.config import OperatorConfig
+from moeguard_operator.config import TEST_PAUSE_ENV, OperatorConfig
 from moeguard_operator.constants import PROMETHEUS_URL_ENV
 
 
-class _QuietTimerSuccess(logging.Filter):
-    """Drop kopf's INFO line for every successful timer tick (one per resource every few seconds)."""
+class _QuietRoutine(logging.Filter):
+    """Drop kopf's INFO line for every watch event handed to the control loop (one per pod, ConfigMap,
+    Deployment and service change)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno == logging.INFO and record.getMessage().startswith("Timer ")
+        return not (record.levelno == logging.INFO
+                    and record.getMessage().startswith(f"Handler '{handlers.WATCH_PREFIX}")
                     and record.getMessage().endswith(" succeeded."))
 
 
@@ -65,8 +69,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Opera
                         help="seconds after which a standby replica takes over from a silent active one "
                              "(default: %(default)s)")
     parser.add_argument("--timer-interval-seconds", type=float, default=OperatorConfig.timer_interval_seconds,
-                        help="seconds between two timer ticks per resource (default: %(default)s); "
-                             "for tests, which shorten it")
+                        help="the control loop's tick: the longest it sleeps between two passes, seconds "
+                             "(default: %(default)s; a watch event wakes it at once)")
+    parser.add_argument("--look-deadline-seconds", type=float, default=OperatorConfig.look_deadline_seconds,
+                        help="deadline of one look at one Prometheus URL, seconds (default: %(default)s); past it "
+                             "the look is blind for the services due there")
     parser.add_argument("--allow-secrets", action="store_true",
                         help="serve specs that mount Secrets or read them into env (template.volumes[].secret, "
                              "template.extraEnv[].valueFrom.secretKeyRef); default: refuse them")
@@ -83,7 +90,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Opera
                                 allow_secrets=args.allow_secrets,
                                 allow_host_path_models=args.allow_host_path_models,
                                 prometheus_ca_file=args.prometheus_ca_file or None,
-                                allowed_prometheus_urls=tuple(args.allowed_prometheus_url))
+                                allowed_prometheus_urls=tuple(args.allowed_prometheus_url),
+                                look_deadline_seconds=args.look_deadline_seconds,
+                                test_pause_at=os.environ.get(TEST_PAUSE_ENV) or None)
     except ValueError as exc:
         parser.error(str(exc))
     return args, config
@@ -116,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     kopf.configure(verbose=args.log_level == "DEBUG", quiet=args.log_level in ("WARNING", "ERROR"))
     if args.log_level != "DEBUG":
         for handler in logging.getLogger().handlers:
-            handler.addFilter(_QuietTimerSuccess())
+            handler.addFilter(_QuietRoutine())
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per Prometheus query otherwise
     priority = args.priority
     if args.peering and priority is None:

@@ -6,10 +6,17 @@
   overload mode stay), at the next generation;
 * :func:`in_effect` — the document of the budgets in effect, for a ConfigMap deleted by hand;
 * :func:`to_apply` — the one rule for writing it: nothing when the ConfigMap already holds it,
-  else the document with a generation newer than anything found there.
+  else the document with a generation newer than anything found there;
+* :func:`caught_up` — the status with the budgets of a ConfigMap that is ahead of it.
 
 A worker ignores a generation that is not newer than the one it applied, so every document the
 operator writes carries a generation above both ``status.budgetGeneration`` and the ConfigMap's.
+
+**The ConfigMap is where a decision becomes durable.** The operator writes it first, then
+``status``: a process killed between the two leaves a ConfigMap ahead of ``status``. So the budgets
+in effect are the ConfigMap's whenever its generation is at least ``status.budgetGeneration``
+(:func:`caught_up`), and a reconcile (create, update, resume) never writes back the older budgets of
+a lagging status (issue 18, fault 6).
 """
 
 from __future__ import annotations
@@ -74,6 +81,24 @@ def overload_in_effect(status: MoEInferenceServiceStatus) -> OverloadMode:
     return "On" if status.overload_mode == "On" else "Off"
 
 
+def caught_up(status: MoEInferenceServiceStatus, data: dict[str, str] | None) -> MoEInferenceServiceStatus:
+    """``status`` with the budgets, overload mode and generation of the budget ConfigMap's valid document in
+    ``data`` when that document is ahead of (or at) ``status.budgetGeneration``; ``status`` unchanged otherwise
+    (no ConfigMap, an invalid document, one behind status, or no budgets recorded yet: the first reconcile).
+
+    A ConfigMap at the same generation with other budgets (edited by hand) is what the workers run: its
+    budgets count too.
+    """
+    current = _parsed(data)
+    if status.budgets is None or current is None or current.generation < (status.budget_generation or 0):
+        return status
+    update: dict[str, object] = {"budgets": current.budgets, "budget_generation": current.generation,
+                                 "overload_mode": current.overload_mode}
+    if all(getattr(status, k) == v for k, v in update.items()):
+        return status
+    return status.model_copy(update=update)
+
+
 def for_budgets(spec: MoEInferenceServiceSpec, budgets: Budgets, overload: OverloadMode, generation: int,
                 reason: str, now: datetime) -> BudgetDocument:
     """The document for ``budgets`` and ``overload`` at ``generation`` (``reason`` cut to 1024 characters)."""
@@ -87,10 +112,12 @@ def for_spec(spec: MoEInferenceServiceSpec, status: MoEInferenceServiceStatus, d
     """The document a reconcile of ``spec`` writes, given the prior ``status`` and the ConfigMap's ``data``.
 
     The budgets in effect stay unless the spec's initial budgets changed (or none are in effect
-    yet); a forced ``overload.mode`` applies at once; a new overload context cap
+    yet), the budgets in effect being the ConfigMap's when it is ahead of ``status`` (:func:`caught_up`);
+    a forced ``overload.mode`` applies at once; a new overload context cap
     (``overload.maxContextTokens``, or the model's context it defaults from) too. Each change takes
     the next generation (the workers ignore a generation they have applied).
     """
+    status = caught_up(status, data)
     initial = initial_budgets(spec.batching)
     generation = generation_in_effect(status, data)
     overload = overload_in_effect(status) if spec.overload.mode == "Auto" else spec.overload.mode

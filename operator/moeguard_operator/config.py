@@ -6,6 +6,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+TEST_PAUSE_POINTS = ("after-configmap", "after-status")
+"""Where a decision's writes may be paused by a test (``MOEGUARD_TEST_PAUSE_AT``): after the budget ConfigMap,
+after the status patch."""
+TEST_PAUSE_ENV = "MOEGUARD_TEST_PAUSE_AT"
 MEMO_KEY = "config"
 """Key of the :class:`OperatorConfig` in kopf's operator-wide memo (each resource's memo copies it)."""
 
@@ -17,8 +21,15 @@ class OperatorConfig:
     Attributes:
         prometheus_url: Prometheus base URL for resources whose ``spec.control.prometheusUrl`` is
             unset; None: no default (those resources report MetricsAvailable=False).
-        timer_interval_seconds: seconds between two ticks of each resource's timer (readiness,
-            OOM kills; Prometheus is asked only every ``control.queryIntervalSeconds``).
+        timer_interval_seconds: the control loop's tick: the longest it sleeps between two passes over the
+            services, seconds (a watch event wakes it at once; Prometheus is asked only every
+            ``control.queryIntervalSeconds``). Flag ``--timer-interval-seconds``.
+        look_deadline_seconds: the deadline of one look at one Prometheus URL (all the services due there),
+            seconds: past it, the look is blind for those services, and that URL gets no new look until the
+            late one returns. Flag ``--look-deadline-seconds``.
+        test_pause_at: test only: a point of a decision's writes (``after-configmap``, ``after-status``) where
+            the write blocks, for a test to ``kill -9`` the operator there (environment variable
+            ``MOEGUARD_TEST_PAUSE_AT``); None in production.
         peering_lifetime_seconds: seconds after which a standby replica takes over from an
             active one that stopped renewing its peering lease (kopf's default: 60).
         allow_secrets: whether a spec may put Secrets into the worker pods (``template.volumes[].secret``,
@@ -36,12 +47,14 @@ class OperatorConfig:
     """
 
     prometheus_url: str | None = None
-    timer_interval_seconds: float = 5.0
+    timer_interval_seconds: float = 1.0
+    look_deadline_seconds: float = 10.0
     peering_lifetime_seconds: int = 60
     allow_secrets: bool = False
     allow_host_path_models: bool = False
     prometheus_ca_file: str | None = None
     allowed_prometheus_urls: tuple[str, ...] = ()
+    test_pause_at: str | None = None
 
     @property
     def prometheus_urls(self) -> tuple[str, ...]:
@@ -51,6 +64,11 @@ class OperatorConfig:
     def __post_init__(self) -> None:
         if self.timer_interval_seconds <= 0:
             raise ValueError(f"timer_interval_seconds must be above 0 (got {self.timer_interval_seconds})")
+        if self.look_deadline_seconds <= 0:
+            raise ValueError(f"look_deadline_seconds must be above 0 (got {self.look_deadline_seconds})")
+        if self.test_pause_at not in (None, *TEST_PAUSE_POINTS):
+            raise ValueError(f"test pause point must be one of {', '.join(TEST_PAUSE_POINTS)} "
+                             f"(got {self.test_pause_at!r})")
         if self.peering_lifetime_seconds <= 0:
             raise ValueError(f"peering_lifetime_seconds must be above 0 (got {self.peering_lifetime_seconds})")
 

@@ -1,8 +1,12 @@
-"""The operator's Kubernetes I/O: server-side apply and a few reads.
+"""The operator's Kubernetes I/O: server-side apply, the control loop's status patch and Events, a few reads.
 
-Every write is a server-side apply under one field manager
+Every child is written by server-side apply under one field manager
 (:data:`~moeguard_operator.constants.FIELD_MANAGER`), with ``force`` so that the
 operator owns the fields it sets; the spec of a MoEInferenceService is never written.
+The control loop's status writes are merge patches guarded by the ``resourceVersion`` it
+computed them from (:func:`patch_status`). Every call here is under :data:`REQUEST_TIMEOUT`,
+so that a hung API server costs a bounded time, and none is retried here: the control loop
+retries at its own pace.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import functools
 import json
 import logging
 import os
+from datetime import datetime
 from typing import Any
 
 import urllib3
@@ -19,6 +24,10 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
 
 from moeguard_operator.constants import FIELD_MANAGER
+from moeguard_runtime.contract import API_GROUP, API_VERSION, PLURAL
+
+REQUEST_TIMEOUT = (3.0, 10.0)
+"""(connect, read) timeout of every request, seconds."""
 
 
 def load_config() -> None:
@@ -58,26 +67,15 @@ def apply(manifest: dict[str, Any]) -> dict[str, Any]:
         namespace=meta.get("namespace"),
         field_manager=FIELD_MANAGER,
         force_conflicts=True,
+        _request_timeout=REQUEST_TIMEOUT,
     )
     return result.to_dict()
-
-
-def read_deployment_status(namespace: str, name: str) -> dict[str, Any] | None:
-    """The Deployment's ``status`` as a dict, or None when it does not exist."""
-    try:
-        # A plain GET carries the status too, and needs only `get deployments` (not deployments/status).
-        dep = client.AppsV1Api().read_namespaced_deployment(name, namespace)
-    except ApiException as exc:
-        if exc.status == 404:
-            return None
-        raise
-    return client.ApiClient().sanitize_for_serialization(dep.status) or {}
 
 
 def read_configmap_data(namespace: str, name: str) -> dict[str, str] | None:
     """A ConfigMap's ``data``, or None when it does not exist."""
     try:
-        cm = client.CoreV1Api().read_namespaced_config_map(name, namespace)
+        cm = client.CoreV1Api().read_namespaced_config_map(name, namespace, _request_timeout=REQUEST_TIMEOUT)
     except ApiException as exc:
         if exc.status == 404:
             return None
@@ -85,25 +83,64 @@ def read_configmap_data(namespace: str, name: str) -> dict[str, str] | None:
     return dict(cm.data or {})
 
 
-def list_pods(namespace: str, selector: str) -> list[dict[str, Any]]:
-    """Pods matching ``selector`` in ``namespace``, as JSON-style dicts (camelCase keys)."""
-    pods = client.CoreV1Api().list_namespaced_pod(namespace, label_selector=selector)
-    return [client.ApiClient().sanitize_for_serialization(p) for p in pods.items]
-
-
 def patch_deployment(namespace: str, name: str, body: dict[str, Any]) -> None:
     """Strategic-merge patch a Deployment (used for the rolling restart annotation only)."""
-    client.AppsV1Api().patch_namespaced_deployment(name, namespace, body)
+    client.AppsV1Api().patch_namespaced_deployment(name, namespace, body, _request_timeout=REQUEST_TIMEOUT)
 
 
 def crd_exists(name: str) -> bool:
     """Whether the CustomResourceDefinition ``name`` (e.g. ``podmonitors.monitoring.coreos.com``) is installed."""
     try:
-        client.ApiextensionsV1Api().read_custom_resource_definition(name)
+        client.ApiextensionsV1Api().read_custom_resource_definition(name, _request_timeout=REQUEST_TIMEOUT)
     except ApiException as exc:
         if exc.status in (403, 404):
             return False
         raise
+    return True
+
+
+def patch_status(namespace: str, name: str, status: dict[str, Any], resource_version: str | None) -> dict[str, Any]:
+    """Merge-patch the ``status`` of MoEInferenceService ``name`` with ``status`` (camelCase keys); returns the
+    object as stored. With ``resource_version``, the patch applies only to that version of the object
+    (optimistic concurrency: a status computed from an older view is refused with 409, never written).
+
+    Raises:
+        kubernetes.client.exceptions.ApiException: refused (409: the object changed since that version;
+            404: it is gone).
+    """
+    body: dict[str, Any] = {"status": status}
+    if resource_version:
+        body["metadata"] = {"resourceVersion": resource_version}
+    stored = client.CustomObjectsApi().patch_namespaced_custom_object_status(
+        API_GROUP, API_VERSION, namespace, PLURAL, name, body,
+        _content_type="application/merge-patch+json", _request_timeout=REQUEST_TIMEOUT)
+    return dict(stored) if isinstance(stored, dict) else {}
+
+
+def post_event(involved: dict[str, Any], type_: str, reason: str, message: str, now: datetime) -> None:
+    """Create a core/v1 Event about the object ``involved`` (its ``apiVersion``, ``kind`` and ``metadata``),
+    from component ``moeguard`` (``message`` cut to 1024 characters).
+
+    Raises:
+        kubernetes.client.exceptions.ApiException: the API server refused it.
+    """
+    meta = involved["metadata"]
+    event = client.CoreV1Event(
+        metadata=client.V1ObjectMeta(generate_name=f"{meta['name']}.", namespace=meta["namespace"]),
+        involved_object=client.V1ObjectReference(
+            api_version=involved.get("apiVersion"), kind=involved.get("kind"), name=meta["name"],
+            namespace=meta["namespace"], uid=meta.get("uid"), resource_version=meta.get("resourceVersion")),
+        type=type_, reason=reason, message=message[:1024], first_timestamp=now, last_timestamp=now, count=1,
+        source=client.V1EventSource(component=FIELD_MANAGER), reporting_component=FIELD_MANAGER)
+    client.CoreV1Api().create_namespaced_event(meta["namespace"], event, _request_timeout=REQUEST_TIMEOUT)
+
+
+def api_reachable(timeout_seconds: float = 2.0) -> bool:
+    """Whether the API server answers ``GET /version`` within ``timeout_seconds`` (any error: False)."""
+    try:
+        client.VersionApi().get_code(_request_timeout=timeout_seconds)
+    except Exception:
+        return False
     return True
 
 

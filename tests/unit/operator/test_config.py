@@ -14,8 +14,10 @@ pytestmark = pytest.mark.unit
 
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MOEGUARD_PROMETHEUS_URL", raising=False)
+    monkeypatch.delenv("MOEGUARD_TEST_PAUSE_AT", raising=False)
     args, config = parse_args(["-A", "--standalone"])
-    assert config == OperatorConfig(prometheus_url=None, timer_interval_seconds=5.0, peering_lifetime_seconds=60)
+    assert config == OperatorConfig(prometheus_url=None, timer_interval_seconds=1.0, peering_lifetime_seconds=60,
+                                    look_deadline_seconds=10.0, test_pause_at=None)
     assert config.allow_host_path_models is False
     assert args.all_namespaces and args.standalone
 
@@ -32,11 +34,22 @@ def test_the_prometheus_url_flag_defaults_to_its_documented_variable(monkeypatch
     assert parse_args([])[1].prometheus_url == "http://from-env:9090"
 
 
-@pytest.mark.parametrize("argv", [["--timer-interval-seconds", "0"], ["--peering-lifetime-seconds", "-1"]])
+@pytest.mark.parametrize("argv", [["--timer-interval-seconds", "0"], ["--peering-lifetime-seconds", "-1"],
+                                  ["--look-deadline-seconds", "0"]])
 def test_invalid_values_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         parse_args(argv)
     assert "must be above 0" in capsys.readouterr().err
+
+
+def test_the_test_pause_point_comes_from_its_variable_and_must_be_known(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("MOEGUARD_TEST_PAUSE_AT", "after-configmap")
+    assert parse_args([])[1].test_pause_at == "after-configmap"
+    monkeypatch.setenv("MOEGUARD_TEST_PAUSE_AT", "after-lunch")
+    with pytest.raises(SystemExit):
+        parse_args([])
+    assert "test pause point must be one of after-configmap, after-status (got 'after-lunch')" in capsys.readouterr().err
 
 
 def test_from_memo() -> None:

@@ -1,0 +1,150 @@
+"""One service's step of the control loop, pure: from what the watches hold (the service's status, its
+worker pods, its budget ConfigMap) and, every ``control.queryIntervalSeconds``, one look at Prometheus,
+to what must be written (:class:`Writes`).
+
+No I/O and no clock: :mod:`control_loop` passes ``now`` and the loop's own memory (the *blind floor*)
+in, and writes what comes back, ConfigMap first.
+
+* **Readiness** (:func:`readiness_step`) comes from the pod watch at once: the worker pods whose
+  ``Ready`` condition is True (not the Deployment's ``readyReplicas``, which lags behind the
+  controller-manager and froze at 0 after an API-server outage: issue 18, fault 7).
+* **A look** (:func:`look_step`) adds OOM kills, the policy decision and the budget document.
+* **The ConfigMap is the source of truth** for the budgets in effect
+  (:func:`budget_document.caught_up`): a status that lags behind it is brought up to it, never the
+  other way round.
+* **Blind floor**: the latest moment the running process could not see the service (its own start,
+  an API-server outage, a look that failed, a gap between looks): the policy's ``last_blind`` is never
+  older than it, so a climb needs a full ``stabilizationWindowSeconds`` of fully visible looks made
+  by this process (issue 18, fault 1).
+* **No idle writes** (:func:`stable`): ``status.observed.time`` changes only when an observed value
+  changes, and ``control.lastBlindTime`` only when sight returns; the time of each look lives in the
+  loop's memory (and the operator's metrics), not in status.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from datetime import datetime
+from typing import Any
+
+from moeguard_operator import budget_document, report
+from moeguard_operator.models import (
+    ControlStatus,
+    MoEInferenceServiceSpec,
+    MoEInferenceServiceStatus,
+)
+from moeguard_operator.podstate import pod_facts
+from moeguard_operator.policy import Decision, Observation, PolicyState, decide
+from moeguard_runtime.contract import (
+    BudgetDocument,
+    BudgetDocumentError,
+    parse_budget_configmap_data,
+)
+
+Pod = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Writes:
+    """What one step asks to be written for a service, in this order.
+
+    Attributes:
+        status: the status the service should have (written as a merge patch of what differs from the
+            stored one; nothing when equal).
+        events: Events to post after the status (transitions only).
+        document: the budget document to write to the ConfigMap first (None: none); the decision is
+            durable once it is there.
+        restart: roll the workers (leak action Restart) after the ConfigMap.
+        decision: the policy decision of a look (None for a readiness step).
+    """
+
+    status: MoEInferenceServiceStatus
+    events: tuple[report.Event, ...] = ()
+    document: BudgetDocument | None = None
+    restart: bool = False
+    decision: Decision | None = None
+
+
+def is_ready(pod: Pod) -> bool:
+    """A pod counts as a ready worker: its ``Ready`` condition is True and it is not being deleted."""
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def ready_pods(pods: Iterable[Pod]) -> int:
+    """How many of ``pods`` are ready workers (:func:`is_ready`)."""
+    return sum(1 for pod in pods if is_ready(pod))
+
+
+def document_in(data: Mapping[str, str] | None) -> BudgetDocument | None:
+    """The valid budget document in a ConfigMap's ``data``, or None."""
+    if data is None:
+        return None
+    try:
+        return parse_budget_configmap_data(dict(data))
+    except BudgetDocumentError:
+        return None
+
+
+def readiness_step(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, pods: list[dict[str, Any]],
+                   data: Mapping[str, str] | None, now: datetime, generation: int | None) -> Writes:
+    """Ready/Reconciling from the pods, and the budgets of a ConfigMap ahead of ``prior``; no look."""
+    status = budget_document.caught_up(prior, None if data is None else dict(data))
+    facts = pod_facts(pods)
+    new = report.readiness(status, spec, ready_pods(pods), now, generation, facts.startup_failures)
+    return Writes(new, tuple(report.readiness_events(status, new)))
+
+
+def policy_state(status: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, data: Mapping[str, str] | None,
+                 blind_floor: datetime) -> PolicyState:
+    """The policy's state: what ``status`` persists (:func:`report.policy_state`), with ``last_blind`` no
+    older than ``blind_floor`` (this process's memory of when it could not see) and ``last_change`` no
+    older than the ConfigMap's document when that document is the newer decision (a kill between the
+    ConfigMap and the status)."""
+    state = report.policy_state(status, spec)
+    last_blind = max(t for t in (state.last_blind, blind_floor) if t is not None)
+    last_change = state.last_change
+    doc = document_in(data)
+    if doc is not None and doc.generation > (status.budget_generation or 0):
+        last_change = doc.updated_at if last_change is None else max(last_change, doc.updated_at)
+    return replace(state, last_blind=last_blind, last_change=last_change)
+
+
+def look_step(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, pods: list[dict[str, Any]],
+              data: Mapping[str, str] | None, obs: Observation, blind_floor: datetime, now: datetime,
+              generation: int | None) -> Writes:
+    """Readiness, OOM kills (counted from the pods now: ``obs.new_oom_kills`` is replaced), the decision on
+    ``obs`` and what it asks to write."""
+    raw = None if data is None else dict(data)
+    status = budget_document.caught_up(prior, raw)
+    facts = pod_facts(pods)
+    new = report.readiness(status, spec, ready_pods(pods), now, generation, facts.startup_failures)
+    events = report.readiness_events(status, new)
+    new, new_ooms = report.oom_check(new, facts, now)
+    obs = replace(obs, new_oom_kills=new_ooms)
+    state = policy_state(prior, spec, data, blind_floor)
+    state = replace(state, budgets=new.budgets or state.budgets,
+                    overload="On" if new.overload_mode == "On" else "Off")
+    decision = decide(obs, state, spec, now)
+    document = budget_document.for_decision(spec, new, raw, decision, now)
+    looked, look_events = report.looked(new, spec, obs, decision, document, facts.restarts, now, generation)
+    return Writes(stable(new, looked, obs), (*events, *look_events), document, decision.restart, decision)
+
+
+def stable(prior: MoEInferenceServiceStatus, new: MoEInferenceServiceStatus,
+           obs: Observation) -> MoEInferenceServiceStatus:
+    """``new`` without the changes that only say "a look happened": ``observed.time`` stays when no observed
+    value changed, and ``control.lastBlindTime`` stays while the look was not fully visible (the loop keeps
+    the blind time in memory; status records the start of the current visible stretch once)."""
+    observed = new.observed
+    if observed is not None and prior.observed is not None and prior.observed.time is not None:
+        same = observed.model_copy(update={"time": prior.observed.time})
+        if same == prior.observed:
+            observed = prior.observed
+    control = new.control
+    if control is not None and not obs.fully_visible:
+        control = control.model_copy(update={"last_blind_time": (prior.control or ControlStatus()).last_blind_time})
+    return new.model_copy(update={"observed": observed, "control": control})

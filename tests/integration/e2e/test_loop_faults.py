@@ -1,0 +1,268 @@
+"""The outer loop's memory across its own faults (issue 18, faults 1, 2 and 6), against the local control plane,
+real workers (hack/pod_workers.py), the real Prometheus and the operator as a process that is ``kill -9``-ed:
+
+* a kill at each step of a decision (after the budget ConfigMap, after the status: ``MOEGUARD_TEST_PAUSE_AT``)
+  never undoes a tightening: the ConfigMap, the status and the workers' budget generation agree afterwards;
+* a kill during calm, restarted later: no budget rises before a full stabilization window of looks made by
+  the new process;
+* an API-server outage: no budget rises before a full window after the API returns, and the first status
+  update after it comes within two query intervals.
+
+Scale: query interval 2 s, window 10 s, stabilization 8 s, cooldown 2 s. Pressure comes from the memory signal:
+``control.rssSoftFraction`` set below what any worker uses (every look tightens), then raised (calm).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from bench.loadgen.text import prompt_of_length
+from hack import stack
+from tests.integration.conftest import Cluster, PodWorkers
+from tests.integration.e2e.helpers import PORT_OFFSET, get, moeis, wait, wait_cr
+
+from moeguard_runtime.contract import METRIC_BUDGET_GENERATION, parse_budget_configmap_data
+
+LIVENESS_PORT = 18087 + PORT_OFFSET
+WINDOW = 8
+INTERVAL = 2
+SPEC: dict[str, Any] = {
+    "model": {"preset": "tiny"},
+    "replicas": 1,
+    "resources": {"gpus": 1, "softLimit": "3Gi", "hardLimit": "4Gi"},
+    "batching": {"maxPrefillTokens": 2048, "maxDecodeTokens": 64, "maxBatchRequests": 16, "maxConcurrentBatches": 2,
+                 "floors": {"maxPrefillTokens": 64}},
+    "control": {"queryIntervalSeconds": INTERVAL, "windowSeconds": 10, "skewThreshold": 8, "cooldownSeconds": 2,
+                "stabilizationWindowSeconds": WINDOW, "rssSoftFraction": 0.001, "increaseStep": 0.25},
+}
+CALM = 0.8
+"""rssSoftFraction that no worker here reaches (calm)."""
+
+
+class Operator:
+    """The operator as a process of its own: start it (optionally paused at a step), ``kill -9`` it."""
+
+    def __init__(self, cluster: Cluster, namespace: str, name: str) -> None:
+        self.cluster, self.namespace, self.log_dir = cluster, namespace, cluster.run_dir / "logs"
+        self.name, self.runs = name, 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = Path()
+
+    def start(self, pause_at: str | None = None) -> float:
+        """Start it; returns when its startup handlers have run (the wall time of that moment)."""
+        self.runs += 1
+        self.log = self.log_dir / f"operator-{self.name}-{self.runs}.log"
+        self.log.unlink(missing_ok=True)
+        env = {"MOEGUARD_TEST_PAUSE_AT": pause_at} if pause_at else {}
+        proc = self.proc = stack.start_operator(self.log, run_dir=self.cluster.run_dir, extra_env=env, args=(
+            "-n", self.namespace, "--standalone", "--liveness", f"http://127.0.0.1:{LIVENESS_PORT}/healthz"))
+
+        def up() -> bool:
+            assert proc.poll() is None, f"operator exited: see {self.log}"
+            try:
+                return httpx.get(f"http://127.0.0.1:{LIVENESS_PORT}/healthz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait(up, 120, "the operator's liveness endpoint")
+        return time.time()
+
+    def wait_paused(self, timeout: float = 90) -> None:
+        wait(lambda: "paused here until killed" in self.log.read_text(), timeout, f"the pause line in {self.log}")
+
+    def kill9(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            stack.stop_process(self.proc)
+
+
+@pytest.fixture
+def operator_process(cluster: Cluster, namespace: str, request: pytest.FixtureRequest) -> Iterator[Operator]:
+    stack.apply_crds(run_dir=cluster.run_dir)
+    op = Operator(cluster, namespace, request.node.name[:40])
+    yield op
+    op.kill9()
+
+
+def configmap(cluster: Cluster, ns: str, name: str) -> tuple[int, int]:
+    """(generation, maxPrefillTokens) of the budget ConfigMap."""
+    doc = parse_budget_configmap_data(cluster.kubectl_json("-n", ns, "get", "configmap", f"{name}-budget")["data"])
+    return doc.generation, doc.budgets.max_prefill_tokens
+
+
+def worker_generation(url: str) -> int | None:
+    value = stack.scrape_one(url, METRIC_BUDGET_GENERATION)
+    return None if value is None else int(value)
+
+
+def start_service(cluster: Cluster, ns: str, name: str, pod_workers: PodWorkers, **control: Any) -> str:
+    cluster.kubectl("-n", ns, "apply", "-f", "-", input=moeis(name, **(SPEC | {"control": SPEC["control"] | control})))
+    wait_cr(cluster, ns, name, lambda o: (stack.condition(o, "Ready") or {}).get("status") == "True", 180, "Ready")
+    (pod,) = cluster.kubectl_json("-n", ns, "get", "pods", "-l", f"app.kubernetes.io/instance={name}")["items"]
+    url = str(pod_workers.wait_for(f"{ns}/{pod['metadata']['name']}", 60)["url"])
+    wait(lambda: stack.healthy(url), 120, "worker ready")
+    return url
+
+
+def set_soft_fraction(cluster: Cluster, ns: str, name: str, value: float) -> None:
+    cluster.kubectl("-n", ns, "patch", "moeis", name, "--type=merge", "-p",
+                    f'{{"spec": {{"control": {{"rssSoftFraction": {value}}}}}}}')
+
+
+class Traffic:
+    """Ordinary prompts in the background (skew stays low and visible: the only state a budget may climb in)."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.stopping = url, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        i = 0
+        while not self.stopping.is_set():
+            try:
+                httpx.post(f"{self.url}/v1/completions", json={"model": "tiny", "max_tokens": 2,
+                                                               "prompt": prompt_of_length(300, offset=5000 + i)},
+                           timeout=60)
+            except httpx.HTTPError:
+                pass
+            i += 1
+            self.stopping.wait(0.3)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=70)
+
+
+def relaxed_at(obj: dict[str, Any], after: float) -> float | None:
+    """Wall time of the last budget climb recorded in status (``lastAdjustment``), if it is after ``after``."""
+    adj = obj["status"].get("lastAdjustment") or {}
+    if not adj or adj["to"]["maxPrefillTokens"] <= adj["from"]["maxPrefillTokens"]:
+        return None
+    t = datetime.fromisoformat(adj["time"]).timestamp()
+    return t if t > after else None
+
+
+def reconciled(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
+    return wait_cr(cluster, ns, name, lambda o: o["status"].get("observedGeneration") == o["metadata"]["generation"],
+                   60, "the spec change reconciled")
+
+
+def test_a_kill_at_each_step_of_a_decision_never_undoes_a_tightening(
+        cluster: Cluster, namespace: str, pod_workers: PodWorkers, operator_process: Operator) -> None:
+    ns, name, op = namespace, "killed", operator_process
+    op.start(pause_at="after-configmap")
+    url = start_service(cluster, ns, name, pod_workers)
+    op.wait_paused()
+    gen1, prefill1 = configmap(cluster, ns, name)
+    status = get(cluster, ns, name)["status"]
+    assert prefill1 < 2048 and status["budgetGeneration"] < gen1, (gen1, prefill1, status["budgetGeneration"])
+    wait(lambda: worker_generation(url) == gen1, 30, f"the worker on budget generation {gen1}")
+    op.kill9()  # the decision is in the ConfigMap only
+
+    # A spec change while the operator is down: the next process reconciles it (the loop waits for that)
+    # from a status that lags behind the ConfigMap. The ConfigMap's budgets stay; status catches up.
+    set_soft_fraction(cluster, ns, name, CALM)
+    op.start(pause_at="after-status")
+    obj = wait_cr(cluster, ns, name, lambda o: o["status"].get("observedGeneration") == o["metadata"]["generation"]
+                  and o["status"]["budgetGeneration"] == gen1, 60, "reconciled and caught up")
+    assert obj["status"]["budgets"]["maxPrefillTokens"] == prefill1
+    assert configmap(cluster, ns, name) == (gen1, prefill1) and worker_generation(url) == gen1
+
+    # Pressure again: the next tightening starts from the ConfigMap's budgets; killed after its status patch.
+    set_soft_fraction(cluster, ns, name, SPEC["control"]["rssSoftFraction"])
+    op.wait_paused()
+    gen2, prefill2 = configmap(cluster, ns, name)
+    status = get(cluster, ns, name)["status"]
+    assert gen2 > gen1 and prefill2 == prefill1 // 2, (gen1, prefill1, gen2, prefill2)
+    assert (status["budgetGeneration"], status["budgets"]["maxPrefillTokens"]) == (gen2, prefill2)
+    op.kill9()  # the Events of that decision are lost, nothing else
+
+    set_soft_fraction(cluster, ns, name, CALM)
+    op.start()
+    obj = reconciled(cluster, ns, name)
+    assert configmap(cluster, ns, name) == (gen2, prefill2)
+    assert (obj["status"]["budgetGeneration"], obj["status"]["budgets"]["maxPrefillTokens"]) == (gen2, prefill2)
+    wait(lambda: worker_generation(url) == gen2, 30, f"the worker on budget generation {gen2}")
+
+
+def test_a_restart_after_calm_waits_a_full_window_before_a_climb(
+        cluster: Cluster, namespace: str, pod_workers: PodWorkers, operator_process: Operator) -> None:
+    ns, name, op = namespace, "restarted", operator_process
+    op.start()
+    url = start_service(cluster, ns, name, pod_workers)
+    traffic = Traffic(url)
+    try:
+        wait_cr(cluster, ns, name, lambda o: o["status"]["budgets"]["maxPrefillTokens"] <= 512, 90, "tightened")
+        set_soft_fraction(cluster, ns, name, CALM)
+        wait_cr(cluster, ns, name, lambda o: o["status"].get("observedGeneration") == o["metadata"]["generation"]
+                and (stack.condition(o, "MetricsAvailable") or {}).get("status") == "True", 90, "calm and visible")
+        time.sleep(3)  # some calm seen by this process (less than the window: no climb yet)
+        op.kill9()
+        before = get(cluster, ns, name)["status"]["budgets"]["maxPrefillTokens"]
+        time.sleep(20)  # down for longer than the window: the old loop counted this as calm
+        restarted = op.start()
+        climbed = wait_cr(cluster, ns, name, lambda o: relaxed_at(o, restarted - 60) is not None, 90, "a climb")
+        at = relaxed_at(climbed, restarted - 60)
+        assert at is not None and at >= restarted + WINDOW - 1, (
+            f"climbed {at - restarted:.1f} s after the restart (window {WINDOW} s); budgets were {before}")
+    finally:
+        traffic.stop()
+
+
+def _apiserver_pid(cluster: Cluster) -> int:
+    return int((cluster.run_dir / "pids" / "kube-apiserver.pid").read_text())
+
+
+def test_an_api_server_outage_is_blind_time_and_control_resumes_at_its_own_pace(
+        cluster: Cluster, namespace: str, pod_workers: PodWorkers, operator_process: Operator) -> None:
+    ns, name, op = namespace, "outage", operator_process
+    op.start()
+    url = start_service(cluster, ns, name, pod_workers)
+    traffic = Traffic(url)
+    try:
+        wait_cr(cluster, ns, name, lambda o: o["status"]["budgets"]["maxPrefillTokens"] <= 512, 90, "tightened")
+        set_soft_fraction(cluster, ns, name, CALM)
+        wait_cr(cluster, ns, name, lambda o: o["status"].get("observedGeneration") == o["metadata"]["generation"]
+                and (stack.condition(o, "MetricsAvailable") or {}).get("status") == "True", 90, "calm and visible")
+        os.kill(_apiserver_pid(cluster), signal.SIGTERM)
+        wait(lambda: cluster.kubectl("get", "--raw", "/readyz", check=False, timeout=5).returncode != 0, 30,
+             "the API server down")
+        time.sleep(35)
+        subprocess.run([str(stack.ROOT / "hack" / "cluster-up.sh")], env={**os.environ, "MOEGUARD_RUN_DIR": str(cluster.run_dir)},
+                       check=True, capture_output=True, timeout=300)
+        back = time.time()
+        # The first status update after the return: a look's observed values (traffic changes them).
+        def updated() -> float | None:
+            observed = get(cluster, ns, name)["status"].get("observed") or {}
+            t = datetime.fromisoformat(observed["time"]).timestamp() if observed.get("time") else 0
+            return t if t > back else None
+        first = wait(updated, 60, "a status update after the API server returned")
+        assert first - back <= 2 * INTERVAL + 1, f"first status update {first - back:.1f} s after the return"
+        climbed = wait_cr(cluster, ns, name, lambda o: relaxed_at(o, back - 120) is not None, 90, "a climb")
+        at = relaxed_at(climbed, back - 120)
+        assert at is not None and at >= back + WINDOW - 1, f"climbed {at - back:.1f} s after the API server returned"
+        # Fault 7: readiness follows the pods after the outage (not a Deployment status that may lag behind).
+        obj = wait_cr(cluster, ns, name, lambda o: (stack.condition(o, "Ready") or {}).get("status") == "True", 30,
+                      "Ready after the outage")
+        assert obj["status"]["readyReplicas"] == 1
+    finally:
+        traffic.stop()
+        if cluster.kubectl("get", "--raw", "/readyz", check=False, timeout=5).returncode != 0:
+            subprocess.run([str(stack.ROOT / "hack" / "cluster-up.sh")],
+                           env={**os.environ, "MOEGUARD_RUN_DIR": str(cluster.run_dir)}, check=False,
+                           capture_output=True, timeout=300)

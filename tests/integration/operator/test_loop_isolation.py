@@ -1,0 +1,155 @@
+"""The one control loop isolates services from each other's Prometheus, and holds no finalizer (issue 12 §3
+and §6, issue 11 §4), against the local API server, the real Prometheus and a real HTTP server that trickles
+one byte every 4 s:
+
+* 10 services whose ``spec.control.prometheusUrl`` is the trickling server (allowed with
+  ``--allowed-prometheus-url``) and 1 healthy service: the healthy one gets its Deployment within seconds,
+  is Ready, and its loop keeps looking every query interval (the operator's own metrics count the looks);
+  the hung ones report ``PrometheusTimeout``; deleting a hung one completes at once;
+* a resource that carries the finalizer of earlier versions (``moeguard.dev/finalizer``) loses it;
+* nothing is written while nothing changes: the healthy service's resourceVersion stays put over idle
+  query intervals.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import httpx
+import pytest
+from hack import stack
+from tests.integration.conftest import Cluster
+from tests.integration.e2e.helpers import PORT_OFFSET, get, moeis, wait, wait_cr
+
+from moeguard_operator.constants import FINALIZER
+
+METRICS_PORT = 18085 + PORT_OFFSET
+LIVENESS_PORT = 18086 + PORT_OFFSET
+HUNG = 10
+SPEC: dict[str, Any] = {
+    "model": {"preset": "tiny"}, "replicas": 1,
+    "resources": {"softLimit": "3Gi", "hardLimit": "4Gi"},
+    "control": {"queryIntervalSeconds": 2, "windowSeconds": 10},
+}
+
+
+class Trickle:
+    """``http://127.0.0.1:PORT/``: headers, then one byte every 4 s, forever."""
+
+    def __init__(self) -> None:
+        stopping = self.stopping = threading.Event()
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *_: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", "100000")
+                self.end_headers()
+                try:
+                    while not stopping.wait(4.0):
+                        self.wfile.write(b" ")
+                        self.wfile.flush()
+                except OSError:
+                    pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def trickle() -> Iterator[Trickle]:
+    t = Trickle()
+    yield t
+    t.close()
+
+
+def started(exit_code: int | None, port: int) -> bool:
+    """The operator runs and answers on its liveness port (its startup handlers have run)."""
+    assert exit_code is None, f"the operator exited with {exit_code}"
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def looks(namespace: str, name: str) -> float:
+    """Looks at Prometheus the operator made for a service (its own metrics), or 0."""
+    text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("moeguard_operator_prometheus_looks_total{") and f'moeis="{name}"' in line \
+                and f'namespace="{namespace}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_hung_prometheus_stalls_no_other_service_and_no_deletion(
+        cluster: Cluster, namespace: str, trickle: Trickle) -> None:
+    ns = namespace
+    stack.apply_crds(run_dir=cluster.run_dir)
+    # A resource from an earlier version, with the finalizer its timer needed, before the operator starts.
+    legacy = moeis("legacy", **(SPEC | {"replicas": 0}))
+    legacy = legacy.replace('"metadata": {"name": "legacy"}', f'"metadata": {{"name": "legacy", "finalizers": ["{FINALIZER}"]}}')
+    cluster.kubectl("-n", ns, "apply", "-f", "-", input=legacy)
+    log = cluster.run_dir / "logs" / "operator-loop-isolation.log"
+    proc = stack.start_operator(log, run_dir=cluster.run_dir, args=(
+        "-n", ns, "--standalone", "--metrics-port", str(METRICS_PORT),
+        "--liveness", f"http://127.0.0.1:{LIVENESS_PORT}/healthz", "--allowed-prometheus-url", trickle.url,
+        "--look-deadline-seconds", "6"))
+    try:
+        wait(lambda: started(proc.poll(), LIVENESS_PORT), 120, "the operator's liveness endpoint")
+        # kopf removes the finalizer no handler needs any more.
+        wait_cr(cluster, ns, "legacy", lambda o: FINALIZER not in (o["metadata"].get("finalizers") or []), 30,
+                "the old finalizer removed")
+
+        hung = [f"hung-{i}" for i in range(HUNG)]
+        for name in hung:
+            cluster.kubectl("-n", ns, "apply", "-f", "-", input=moeis(
+                name, **(SPEC | {"replicas": 0, "control": SPEC["control"] | {"prometheusUrl": trickle.url}})))
+        for name in hung:
+            wait_cr(cluster, ns, name, lambda o: "PrometheusTimeout" in ((stack.condition(o, "MetricsAvailable") or {})
+                                                                          .get("message") or ""),
+                    60, f"{name}: a look past its deadline reported")
+
+        # While every hung look is in flight, a new service is reconciled and looked at as if alone.
+        created = time.monotonic()
+        cluster.kubectl("-n", ns, "apply", "-f", "-", input=moeis("healthy", **SPEC))
+        wait(lambda: cluster.kubectl("-n", ns, "get", "deployment", "healthy-worker", check=False).returncode == 0,
+             20, "the healthy service's Deployment")
+        deployed = time.monotonic() - created
+        wait_cr(cluster, ns, "healthy", lambda o: (stack.condition(o, "Ready") or {}).get("status") == "True",
+                30, "healthy Ready=True")
+        first = wait(lambda: looks(ns, "healthy") or None, 20, "a first look at the healthy service")
+        time.sleep(8)  # four query intervals: the count below must have grown with them
+        later = looks(ns, "healthy")
+        assert later >= first + 3, f"the healthy service's loop looked {later - first:g} times in 8 s"
+        assert deployed < 10, f"the healthy service's Deployment took {deployed:.1f} s"
+
+        # Deleting a hung service completes at once: no finalizer waits for its look.
+        start = time.monotonic()
+        cluster.kubectl("-n", ns, "delete", "moeis", "hung-0", "--wait=true", "--timeout=20s", timeout=30)
+        assert time.monotonic() - start < 5
+
+        # Idle: nothing changes, so nothing is written (no look time, no heartbeat in status).
+        rv = get(cluster, ns, "healthy")["metadata"]["resourceVersion"]
+        time.sleep(6)
+        assert get(cluster, ns, "healthy")["metadata"]["resourceVersion"] == rv
+        text = log.read_text()
+        assert not re.search(r"Traceback", text), text[-3000:]
+    finally:
+        stack.stop_process(proc)

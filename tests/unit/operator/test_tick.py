@@ -1,0 +1,133 @@
+"""One service's step of the control loop (tick.py), pure: readiness from the pods, the ConfigMap as the source
+of truth, the blind floor (downtime, outages and gaps are blind), and no write when nothing changed."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from moeguard_operator import budget_document, report, tick
+from moeguard_operator.models import ControlStatus, MoEInferenceServiceSpec, MoEInferenceServiceStatus
+from moeguard_operator.policy import Observation, initial_budgets
+from moeguard_runtime.contract import BudgetDocument
+
+pytestmark = pytest.mark.unit
+
+NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+SPEC = MoEInferenceServiceSpec.model_validate({
+    "replicas": 1,
+    "batching": {"maxPrefillTokens": 2048, "maxDecodeTokens": 64, "maxBatchRequests": 16, "maxConcurrentBatches": 2},
+    "control": {"skewThreshold": 8, "cooldownSeconds": 2, "windowSeconds": 10, "queryIntervalSeconds": 2,
+                "stabilizationWindowSeconds": 30},
+})
+START = initial_budgets(SPEC.batching)
+TIGHT = START.model_copy(update={"max_prefill_tokens": 1024})
+
+
+def pod(name: str, ready: bool = True, deleting: bool = False) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name}
+    if deleting:
+        meta["deletionTimestamp"] = NOW.isoformat()
+    return {"metadata": meta, "status": {"phase": "Running", "startTime": (NOW - timedelta(hours=1)).isoformat(),
+                                         "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
+def status(budgets: Any = TIGHT, generation: int = 3, last_pressure: datetime | None = None,
+           last_blind: datetime | None = None) -> MoEInferenceServiceStatus:
+    doc = BudgetDocument(generation=generation, budgets=budgets)
+    base = report.reconciled(MoEInferenceServiceStatus(), SPEC, doc, "a=b", NOW - timedelta(hours=1), 1)
+    ready = report.readiness(base, SPEC, 1, NOW - timedelta(hours=1), 1)
+    return ready.model_copy(update={"control": ControlStatus(
+        last_change_time=NOW - timedelta(hours=1), last_pressure_time=last_pressure, last_blind_time=last_blind,
+        oom_checked_time=NOW - timedelta(hours=1))})
+
+
+def data(budgets: Any, generation: int) -> dict[str, str]:
+    return budget_document.for_budgets(SPEC, budgets, "Off", generation, "test", NOW - timedelta(seconds=5)
+                                       ).to_configmap_data()
+
+
+def calm(when: datetime = NOW) -> Observation:
+    return Observation(time=when, skew_ratio=1.5, memory_ratio=0.3, expected_pods=("w-0",), reporting_pods=("w-0",))
+
+
+def test_ready_pods_count_the_ready_condition_of_pods_not_being_deleted() -> None:
+    pods = [pod("a"), pod("b", ready=False), pod("c", deleting=True), {"metadata": {"name": "d"}}]
+    assert tick.ready_pods(pods) == 1
+
+
+def test_readiness_comes_from_the_pods_not_a_deployment() -> None:
+    prior = status()
+    lost = tick.readiness_step(prior, SPEC, [pod("w-0", ready=False)], data(TIGHT, 3), NOW, 1)
+    ready = report.find_condition(lost.status.conditions, "Ready")
+    assert ready is not None and (ready.status, ready.message) == ("False", "0/1 worker pods ready")
+    back = tick.readiness_step(lost.status, SPEC, [pod("w-0")], data(TIGHT, 3), NOW, 1)
+    assert back.status == prior.model_copy(update={"conditions": back.status.conditions})
+    assert report.status_patch(prior, tick.readiness_step(prior, SPEC, [pod("w-0")], data(TIGHT, 3), NOW, 1).status) == {}
+
+
+def test_a_configmap_ahead_of_status_is_the_truth_and_status_catches_up() -> None:
+    # Killed between the ConfigMap (generation 4, tighter) and the status (still generation 3).
+    prior = status(TIGHT, 3)
+    tighter = TIGHT.model_copy(update={"max_prefill_tokens": 512})
+    step = tick.readiness_step(prior, SPEC, [pod("w-0")], data(tighter, 4), NOW, 1)
+    assert (step.status.budgets, step.status.budget_generation) == (tighter, 4)
+    assert report.status_patch(prior, step.status)["budgetGeneration"] == 4
+    # A ConfigMap behind status (an old document) changes nothing.
+    assert tick.readiness_step(prior, SPEC, [pod("w-0")], data(START, 2), NOW, 1).status == prior
+
+
+def test_a_reconcile_never_writes_back_the_budgets_of_a_lagging_status() -> None:
+    prior, tighter = status(TIGHT, 3), TIGHT.model_copy(update={"max_prefill_tokens": 512})
+    doc = budget_document.for_spec(SPEC, prior, data(tighter, 4), NOW)
+    assert (doc.budgets, doc.generation) == (tighter, 4)
+    assert budget_document.to_apply(data(tighter, 4), doc) is None  # nothing to write: the ConfigMap holds it
+
+
+@pytest.mark.parametrize("blind_floor_age, climbs", [(5, False), (29, False), (31, True)])
+def test_a_climb_needs_a_full_window_since_the_blind_floor(blind_floor_age: int, climbs: bool) -> None:
+    # Pressure ended an hour ago (persisted); the process started, or the API came back, blind_floor_age s ago.
+    prior = status(TIGHT, 3, last_pressure=NOW - timedelta(hours=1), last_blind=NOW - timedelta(hours=1))
+    floor = NOW - timedelta(seconds=blind_floor_age)
+    step = tick.look_step(prior, SPEC, [pod("w-0")], data(TIGHT, 3), calm(), floor, NOW, 1)
+    assert step.decision is not None and (step.decision.direction == "up") is climbs
+    assert (step.document is not None) is climbs
+    if not climbs:
+        assert step.status.budgets == TIGHT and "waiting for the stabilization window" in step.decision.reason
+
+
+def test_the_last_change_of_a_configmap_ahead_of_status_counts_for_the_cooldown() -> None:
+    # A tightening reached the ConfigMap 5 s ago, its status did not: the loop must not move again in cooldown.
+    spec = SPEC.model_copy(update={"control": SPEC.control.model_copy(update={"cooldown_seconds": 30})})
+    prior = status(TIGHT, 3)
+    tighter = TIGHT.model_copy(update={"max_prefill_tokens": 512})
+    skewed = Observation(time=NOW, skew_ratio=20.0, memory_ratio=0.3, expected_pods=("w-0",), reporting_pods=("w-0",))
+    step = tick.look_step(prior, spec, [pod("w-0")], data(tighter, 4), skewed, NOW - timedelta(hours=1), NOW, 1)
+    assert step.decision is not None and step.decision.direction == "hold" and step.document is None
+    assert step.status.budgets == tighter and step.status.budget_generation == 4
+
+
+def test_an_unchanged_look_writes_nothing() -> None:
+    prior = status(TIGHT, 3, last_pressure=NOW - timedelta(hours=1), last_blind=NOW - timedelta(hours=1))
+    floor = NOW - timedelta(seconds=5)
+    first = tick.look_step(prior, SPEC, [pod("w-0")], data(TIGHT, 3), calm(), floor, NOW, 1).status
+    later = NOW + timedelta(seconds=2)
+    second = tick.look_step(first, SPEC, [pod("w-0")], data(TIGHT, 3), calm(later), floor, later, 1).status
+    assert report.status_patch(first, second) == {}
+    assert second.observed is not None and second.observed.time == NOW
+    moved = Observation(time=later, skew_ratio=2.5, memory_ratio=0.3, expected_pods=("w-0",), reporting_pods=("w-0",))
+    third = tick.look_step(first, SPEC, [pod("w-0")], data(TIGHT, 3), moved, floor, later, 1).status
+    assert sorted(report.status_patch(first, third)) == ["observed"]
+    assert third.observed is not None and third.observed.time == later
+
+
+def test_blind_looks_do_not_rewrite_the_blind_time() -> None:
+    prior = status(TIGHT, 3, last_blind=NOW - timedelta(hours=1))
+    blind = Observation(time=NOW, error="Prometheus at http://p: PrometheusTimeout", expected_pods=("w-0",))
+    first = tick.look_step(prior, SPEC, [pod("w-0")], data(TIGHT, 3), blind, NOW, NOW, 1).status
+    assert first.control is not None and first.control.last_blind_time == NOW - timedelta(hours=1)
+    later = NOW + timedelta(seconds=2)
+    second = tick.look_step(first, SPEC, [pod("w-0")], data(TIGHT, 3), blind, later, later, 1).status
+    assert report.status_patch(first, second) == {}
