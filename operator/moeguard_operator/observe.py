@@ -63,6 +63,7 @@ from moeguard_runtime.contract import (
     METRIC_PROCESS_RSS_BYTES,
     METRIC_REJECTIONS_TOTAL,
     METRIC_STEP_EXPERT_SKEW_RATIO,
+    METRIC_WORKER_START_TIME_SECONDS,
 )
 
 QUERY_DEADLINE_SECONDS = 5.0
@@ -257,6 +258,9 @@ class Queries:
 
     skew: str
     skew_steps: str
+    skew_all: str
+    skew_steps_all: str
+    worker_age: str
     memory: str
     rss_slope: str
     history: str
@@ -301,6 +305,10 @@ def queries(namespaces: str | Iterable[str], names: str | Iterable[str], window_
         skew=f"histogram_quantile(1, sum by ({', '.join(GROUP_LABELS)}, le) ({buckets} - {buckets} offset {w}))",
         skew_steps=f"sum {by} ({steps} - {steps} offset {w}) unless on ({', '.join(GROUP_LABELS)}) "
                    f"(resets({steps}[{w}]) > 0)",
+        # A worker younger than the window: all its counts are in it (a new pod, a restarted container).
+        skew_all=f"histogram_quantile(1, sum by ({', '.join(GROUP_LABELS)}, le) ({buckets}))",
+        skew_steps_all=f"sum {by} ({steps})",
+        worker_age=f"max {by} (time() - {METRIC_WORKER_START_TIME_SECONDS}{{{sel}}})",
         memory=f"max {by} (max_over_time({METRIC_MEMORY_USAGE_BYTES}{{{sel}}}[{w}]))",
         rss_slope=f"max {by} (deriv({rss}[{lw}]))",
         history=f"max {by} (count_over_time({rss}[{w}]) and {rss} offset {w})",
@@ -430,9 +438,10 @@ def slice_look(url: str, answers: Mapping[str, Answer], look: Look, now: datetim
     """One service's :class:`Observation` from the grouped ``answers`` (query name of :class:`Queries` →
     :class:`Answer`), pure: only the series of ``look.running_pods`` count.
 
-    * skew: per pod with a full window (:func:`history_ok`), the steps in it (``skew_steps``): 0 is an
-      idle pod (no skew pressure, and seen), more gives its highest step's bucket bound; a pod without a
-      full window, or whose counter reset, leaves skew Unknown (``skew_steps`` None).
+    * skew: per pod with a full window (:func:`history_ok`), the steps in it (``skew_steps``); per pod
+      whose worker is younger than the window (``worker_age``), all its steps (its counters started from 0
+      inside the window). 0 is an idle pod (no skew pressure, and seen), more gives its highest step's
+      bucket bound; any other pod (a short history, a counter reset) leaves skew Unknown.
     * memory: the highest over the pods (a single sample is a reading); rejections: summed over the pods;
       p99 latency: the highest per-pod p99; both None unless every reporting pod has a full window.
     * RSS slope: the highest among the Running ``slope_pods`` with a full leak window; those without one
@@ -454,11 +463,15 @@ def slice_look(url: str, answers: Mapping[str, Answer], look: Look, now: datetim
     full = [p for p in reporting if history_ok(history.get(p))]
     short = tuple(sorted(set(reporting) - set(full)))
 
-    steps, skews = per_pod("skew_steps"), per_pod("skew")
+    ages = per_pod("worker_age")
+    young = {p for p in reporting if p in ages and ages[p] < look.window_seconds}
+    window_steps, window_skews = per_pod("skew_steps"), per_pod("skew")
+    all_steps, all_skews = per_pod("skew_steps_all"), per_pod("skew_all")
     skew_unknown, skew_values, known_steps = [], [], []
     for pod in reporting:
+        steps, skews = (all_steps, all_skews) if pod in young else (window_steps, window_skews)
         n = steps.get(pod)
-        if pod in short or n is None or n < 0 or (n > 0 and pod not in skews):
+        if (pod in short and pod not in young) or n is None or n < 0 or (n > 0 and pod not in skews):
             skew_unknown.append(pod)
             continue
         known_steps.append(n)

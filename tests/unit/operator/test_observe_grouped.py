@@ -197,3 +197,18 @@ def test_a_target_looks_with_its_spec_windows() -> None:
                                                    "resources": {"hardLimit": "2Gi", "softLimit": "1Gi"}})
     t = Target("ns", "svc", spec, ("p0",), (), 2)
     assert t.look() == Look("ns", "svc", 2 * GIB, 20, 120, ("p0",), (), 2)
+
+
+def test_a_worker_younger_than_the_window_is_read_from_all_its_counts() -> None:
+    """A new pod's first skewed batches (no window of history yet), and a restarted container (its counters
+    reset inside the window): both are counted from their whole values, at once."""
+    new = {"reporting_pods": 1, "memory": GIB / 4, "history": 1, "worker_age": 6.0, "skew_steps_all": 4,
+           "skew_all": 64.0}
+    restarted = healthy() | {"worker_age": 12.0, "skew_steps": -40, "skew": 3.0, "skew_steps_all": 9,
+                             "skew_all": 10.0}
+    answers = pod_answers({("ns", "svc", "svc-new"): new, ("ns", "svc", "svc-b"): restarted})
+    obs = slice_look(URL, answers, look(pods=("svc-new", "svc-b")), NOW)
+    assert (obs.skew_ratio, obs.skew_steps, obs.skew_unknown_pods) == (64.0, 13, ())
+    assert obs.short_history_pods == ("svc-new",) and not obs.fully_visible  # rates still need their window
+    old = healthy() | {"worker_age": 31.0, "skew_steps_all": 9, "skew_all": 10.0}  # older than the window
+    assert slice_look(URL, pod_answers({("ns", "svc", "svc-a"): old}), look(), NOW).skew_ratio == 2.0
