@@ -323,9 +323,10 @@ def queries(namespaces: str | Iterable[str], names: str | Iterable[str], window_
 
 
 def skew_query(namespace: str, name: str, window_seconds: int) -> str:
-    """PromQL: the upper bound of the skew bucket holding the highest step of each of ``name``'s pods in the
-    window (NaN for a pod with no step in it)."""
-    return queries(namespace, name, window_seconds, window_seconds).skew
+    """PromQL for people (the demo, dashboards): the upper bound of the skew bucket holding the highest step among
+    ``name``'s pods in the window (no value when no pod ran a step in it; pods younger than the window are not
+    counted: the operator reads those from :attr:`Queries.skew_all`)."""
+    return f"max({queries(namespace, name, window_seconds, window_seconds).skew})"
 
 
 def parse_scalar(answer: Answer) -> tuple[float | None, str | None]:

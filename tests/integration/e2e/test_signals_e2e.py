@@ -1,0 +1,69 @@
+"""Issue 18 §3–4 with the operator in the loop, real workers and the real Prometheus: a service re-created
+under the same name is not tightened at birth by its predecessor's series, and an idle service climbs back
+to its ceilings after a skew burst (no batches: no skew data, not the last value forever).
+
+Scale as in test_control_loop: query interval 2 s, window 10 s, stabilization 6 s.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from bench.loadgen.text import repetitive_prompt
+from tests.integration.conftest import Cluster, PodWorkers
+from tests.integration.e2e.helpers import get, wait, wait_cr
+from tests.integration.e2e.test_control_loop import SPEC, complete, start
+
+DEADLINE = 120
+
+
+def prefill(obj: dict[str, Any]) -> int:
+    return int(obj["status"]["budgets"]["maxPrefillTokens"])
+
+
+def burst(url: str) -> None:
+    for i in range(4):
+        complete(url, repetitive_prompt(512, 0), max_tokens=1 + i % 2)
+
+
+def test_a_service_recreated_under_the_same_name_is_not_tightened_at_birth(
+        cluster: Cluster, operator: None, pod_workers: PodWorkers, namespace: str) -> None:
+    ns, name = namespace, "again"
+    control = SPEC["control"] | {"windowSeconds": 60}  # the old pod's samples stay in the window throughout
+    (url,) = start(cluster, ns, name, pod_workers, control=control)
+    burst(url)
+    wait_cr(cluster, ns, name, lambda o: prefill(o) < 2048, 60, "the first service tightened")
+    burst(url)  # its pod keeps serving skewed batches until the very end
+    old_pods = {p["metadata"]["name"] for p in cluster.kubectl_json("-n", ns, "get", "pods")["items"]}
+    cluster.kubectl("-n", ns, "delete", "moeis", name, "--wait=true", timeout=120)
+    wait(lambda: not cluster.kubectl_json("-n", ns, "get", "pods")["items"], 60, "the old pods gone")
+    deleted = time.monotonic()
+    (url,) = start(cluster, ns, name, pod_workers, control=control)
+    new_pods = {p["metadata"]["name"] for p in cluster.kubectl_json("-n", ns, "get", "pods")["items"]}
+    assert not new_pods & old_pods
+    # Within the old pod's skew window (60 s): the new service keeps its initial budgets.
+    seen = []
+    while time.monotonic() - deleted < 45:
+        obj = get(cluster, ns, name)
+        seen.append((prefill(obj), (obj["status"].get("observed") or {}).get("skewRatio")))
+        assert prefill(obj) == 2048, seen
+        time.sleep(1)
+    events = cluster.kubectl_json("-n", ns, "get", "events", "--field-selector",
+                                  f"involvedObject.name={name},reason=BudgetTightened")["items"]
+    assert all(e["metadata"]["creationTimestamp"] < obj["metadata"]["creationTimestamp"] for e in events), events
+
+
+def test_an_idle_service_climbs_back_after_a_burst(
+        cluster: Cluster, operator: None, pod_workers: PodWorkers, namespace: str) -> None:
+    ns, name = namespace, "idle"
+    (url,) = start(cluster, ns, name, pod_workers)
+    burst(url)
+    tight = wait_cr(cluster, ns, name, lambda o: prefill(o) < 2048, 60, "tightened")
+    # No traffic at all from here: the burst leaves the window, and the budgets climb back to their ceilings.
+    back = wait_cr(cluster, ns, name, lambda o: prefill(o) == 2048, DEADLINE, "back at the ceilings")
+    assert prefill(tight) < 2048 and back["status"]["observed"].get("skewRatio") is None
+    reasons = [e["reason"] for e in cluster.kubectl_json("-n", ns, "get", "events", "--field-selector",
+                                                         f"involvedObject.name={name}")["items"]]
+    assert "BudgetRelaxed" in reasons
+    assert SPEC["batching"]["maxPrefillTokens"] == 2048
