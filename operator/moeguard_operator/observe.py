@@ -523,13 +523,8 @@ def observe_looks(url: str, looks: Sequence[Look], now: datetime, *, ca_file: st
     """One look at the Prometheus at ``url`` for every one of ``looks``: one query per signal and per distinct
     ``(windowSeconds, leakWindowSeconds)``, all concurrent, each under ``deadline_seconds``; returns
     ``(namespace, name)`` → :class:`Observation`. Blocking (call it from a thread)."""
-    groups: dict[tuple[int, int], list[Look]] = {}
-    for look in looks:
-        groups.setdefault((look.window_seconds, look.leak_window_seconds), []).append(look)
-    plan: dict[str, str] = {}
-    for (w, lw), members in groups.items():
-        q = queries({m.namespace for m in members}, {m.name for m in members}, w, lw)
-        plan.update({_query_key(field, w, lw, len(groups)): getattr(q, field) for field in q.__dataclass_fields__})
+    groups = _groups(looks)
+    plan = query_plan(looks)
     answers = fetch_all(url, plan, deadline_seconds=deadline_seconds, ca_file=ca_file) if plan else {}
     out: dict[tuple[str, str], Observation] = {}
     for (w, lw), members in groups.items():
@@ -537,6 +532,25 @@ def observe_looks(url: str, looks: Sequence[Look], now: datetime, *, ca_file: st
         for look in members:
             out[(look.namespace, look.name)] = slice_look(url, mine, look, now)
     return out
+
+
+def _groups(looks: Sequence[Look]) -> dict[tuple[int, int], list[Look]]:
+    groups: dict[tuple[int, int], list[Look]] = {}
+    for look in looks:
+        groups.setdefault((look.window_seconds, look.leak_window_seconds), []).append(look)
+    return groups
+
+
+def query_plan(looks: Sequence[Look]) -> dict[str, str]:
+    """The queries of one look for ``looks`` (name → PromQL), pure: one per :class:`Queries` field and per
+    distinct ``(windowSeconds, leakWindowSeconds)``, whatever the number of services; names carry the
+    windows (``skew[30s/600s]``) when there is more than one pair."""
+    groups = _groups(looks)
+    plan: dict[str, str] = {}
+    for (w, lw), members in groups.items():
+        q = queries({m.namespace for m in members}, {m.name for m in members}, w, lw)
+        plan.update({_query_key(field, w, lw, len(groups)): getattr(q, field) for field in q.__dataclass_fields__})
+    return plan
 
 
 def _query_key(field: str, w: int, lw: int, groups: int) -> str:
