@@ -7,6 +7,7 @@ Scale as in test_control_loop: query interval 2 s, window 10 s, stabilization 6 
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -67,3 +68,35 @@ def test_an_idle_service_climbs_back_after_a_burst(
                                                          f"involvedObject.name={name}")["items"]]
     assert "BudgetRelaxed" in reasons
     assert SPEC["batching"]["maxPrefillTokens"] == 2048
+
+
+def test_a_rollout_under_skew_is_not_tightened_by_the_old_pods_series(
+        cluster: Cluster, operator: None, pod_workers: PodWorkers, namespace: str) -> None:
+    """The old ReplicaSet's pod serves skewed batches until it goes; once it is no longer Running, its series
+    (still inside the 60 s window) never tighten the new pod's service again."""
+    ns, name = namespace, "roll"
+    control = SPEC["control"] | {"windowSeconds": 60}
+    (url,) = start(cluster, ns, name, pod_workers, control=control)
+    (old_pod,) = [p["metadata"]["name"] for p in cluster.kubectl_json("-n", ns, "get", "pods")["items"]]
+    burst(url)
+    wait_cr(cluster, ns, name, lambda o: prefill(o) < 2048, 60, "tightened under skew")
+    burst(url)
+    cluster.kubectl("-n", ns, "patch", "moeis", name, "--type=merge", "-p",
+                    json.dumps({"spec": {"ucx": {"mode": "rcache"}}}))  # rolls the workers
+
+    def old_gone() -> bool:
+        pods = cluster.kubectl_json("-n", ns, "get", "pods")["items"]
+        return all(p["metadata"]["name"] != old_pod or p["metadata"].get("deletionTimestamp") for p in pods)
+
+    wait(old_gone, 60, f"{old_pod} leaving")
+    time.sleep(3)  # one look in flight may still have counted it while it was Running
+    held = prefill(get(cluster, ns, name))
+    seen = []
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 40:
+        obj = get(cluster, ns, name)
+        seen.append((prefill(obj), (obj["status"].get("observed") or {}).get("skewRatio")))
+        assert prefill(obj) >= held, seen
+        time.sleep(1)
+    assert old_pod not in {p["metadata"]["name"] for p in cluster.kubectl_json("-n", ns, "get", "pods")["items"]
+                           if not p["metadata"].get("deletionTimestamp")}
