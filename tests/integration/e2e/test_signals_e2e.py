@@ -8,13 +8,24 @@ Scale as in test_control_loop: query interval 2 s, window 10 s, stabilization 6 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import subprocess
 import time
 from typing import Any
 
 from bench.loadgen.text import repetitive_prompt
+from hack import stack
 from tests.integration.conftest import Cluster, PodWorkers
 from tests.integration.e2e.helpers import get, wait, wait_cr
-from tests.integration.e2e.test_control_loop import SPEC, complete, start
+from tests.integration.e2e.test_control_loop import (  # noqa: F401 - restore_prometheus is a fixture
+    SPEC,
+    complete,
+    prometheus_pid,
+    restore_prometheus,
+    start,
+)
 
 DEADLINE = 120
 
@@ -103,3 +114,42 @@ def test_a_rollout_under_skew_is_not_tightened_by_the_old_pods_series(
         time.sleep(1)
     assert old_pod not in {p["metadata"]["name"] for p in cluster.kubectl_json("-n", ns, "get", "pods")["items"]
                            if not p["metadata"].get("deletionTimestamp")}
+
+
+def test_after_prometheus_restarts_with_wiped_data_nothing_is_concluded_or_loosened_until_the_windows_fill(
+        cluster: Cluster, operator: None, pod_workers: PodWorkers, namespace: str,
+        restore_prometheus: None) -> None:  # noqa: F811 - the fixture imported above
+    """Issue 18 §5: with its data wiped, Prometheus holds seconds of history; the leak is Unknown
+    (InsufficientHistory), never RSSFlat from a few samples, and budgets hold until the leak window (30 s)
+    has filled again."""
+    ns, name = namespace, "wiped"
+    lw = 30
+    control = SPEC["control"] | {"leakWindowSeconds": lw, "leakHorizonSeconds": 60}
+    (url,) = start(cluster, ns, name, pod_workers, control=control)
+    wait_cr(cluster, ns, name, lambda o: (stack.condition(o, "MemoryLeakSuspected") or {}).get("reason") == "RSSFlat",
+            DEADLINE, "a judged leak window (RSSFlat)")
+    burst(url)
+    tight = prefill(wait_cr(cluster, ns, name, lambda o: prefill(o) < 2048, 60, "tightened"))
+    pid = prometheus_pid(cluster)
+    os.kill(pid, signal.SIGTERM)
+    wait(lambda: not os.path.exists(f"/proc/{pid}"), 30, "Prometheus to exit")
+    data = cluster.run_dir / "prometheus" / "data"
+    shutil.rmtree(data)
+    data.mkdir()
+    subprocess.run([str(stack.ROOT / "hack" / "cluster-up.sh")], env={**os.environ, "MOEGUARD_RUN_DIR": str(cluster.run_dir)},
+                   check=True, capture_output=True, timeout=300)
+    back = time.monotonic()
+    seen: list[tuple[float, str, str, int]] = []
+    while time.monotonic() - back < lw + 30:
+        obj = get(cluster, ns, name)
+        leak = stack.condition(obj, "MemoryLeakSuspected") or {}
+        seen.append((round(time.monotonic() - back, 1), leak.get("status", ""), leak.get("reason", ""), prefill(obj)))
+        if prefill(obj) > tight:
+            break
+        time.sleep(1)
+    print(f"\nafter the wiped restart (s, MemoryLeakSuspected, reason, maxPrefillTokens): {seen}")
+    assert any(reason == "InsufficientHistory" for _, _, reason, _ in seen), seen
+    early = [s for s in seen if s[0] < lw - 4]
+    assert all(status == "Unknown" and budget == tight for _, status, _, budget in early), seen
+    rose = next((t for t, _, _, budget in seen if budget > tight), None)
+    assert rose is not None and rose >= lw - 4, seen  # and then control resumes
