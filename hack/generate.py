@@ -275,6 +275,10 @@ ADVICE: dict[str, str] = {
         "per engine step that routed enough token-slots, the highest skew among its layers. `_count` not "
         "moving: no batches, so no skew pressure. `histogram_quantile(1, ...)` over a window's increase is the "
         "upper bound of the bucket that holds the window's worst step."),
+    "moeguard_worker_start_time_seconds": (
+        "When the worker's counters started from 0. The operator reads a worker younger than its window "
+        "from its counters' whole values (a new pod, a restarted container), without waiting for a window of "
+        "history. Jumping: the container restarted (see the pod's restartCount and lastState)."),
     "moeguard_expert_balancedness": (
         "Falling toward 1/num_experts: the same imbalance as the skew ratio, seen as vLLM EPLB reports it. "
         "Read the two together; skew reacts to one hot expert, balancedness to the spread."),
@@ -499,7 +503,9 @@ def operator_reads() -> list[str]:
         "the upper bound of its bucket (`histogram_quantile(1, ...)` of the same differences). The buckets "
         "hold every integer to 8, then about four per doubling to 65536: a `skewThreshold` that is a bucket "
         "bound is judged exactly, any other one at most one bucket early. A histogram sees every step, where "
-        "a gauge sampled at each scrape sees only the last step before it.",
+        "a gauge sampled at each scrape sees only the last step before it. A worker younger than the window "
+        "(`moeguard_worker_start_time_seconds`: a new pod, a restarted container) is read from its counters' "
+        "whole values, which all fall inside the window: its first batches count at once.",
         "",
         "**An idle service climbs back.** No step in the window (the count did not move) means no skew "
         "data, no skew pressure, and skew counts as *seen*: with memory and every Running pod reporting, "

@@ -63,6 +63,7 @@ from moeguard_runtime.contract import (
     METRIC_PROCESS_RSS_BYTES,
     METRIC_REJECTIONS_TOTAL,
     METRIC_STEP_EXPERT_SKEW_RATIO,
+    METRIC_WORKER_START_TIME_SECONDS,
 )
 
 QUERY_DEADLINE_SECONDS = 5.0
@@ -257,6 +258,9 @@ class Queries:
 
     skew: str
     skew_steps: str
+    skew_all: str
+    skew_steps_all: str
+    worker_age: str
     memory: str
     rss_slope: str
     history: str
@@ -301,6 +305,10 @@ def queries(namespaces: str | Iterable[str], names: str | Iterable[str], window_
         skew=f"histogram_quantile(1, sum by ({', '.join(GROUP_LABELS)}, le) ({buckets} - {buckets} offset {w}))",
         skew_steps=f"sum {by} ({steps} - {steps} offset {w}) unless on ({', '.join(GROUP_LABELS)}) "
                    f"(resets({steps}[{w}]) > 0)",
+        # A worker younger than the window: all its counts are in it (a new pod, a restarted container).
+        skew_all=f"histogram_quantile(1, sum by ({', '.join(GROUP_LABELS)}, le) ({buckets}))",
+        skew_steps_all=f"sum {by} ({steps})",
+        worker_age=f"max {by} (time() - {METRIC_WORKER_START_TIME_SECONDS}{{{sel}}})",
         memory=f"max {by} (max_over_time({METRIC_MEMORY_USAGE_BYTES}{{{sel}}}[{w}]))",
         rss_slope=f"max {by} (deriv({rss}[{lw}]))",
         history=f"max {by} (count_over_time({rss}[{w}]) and {rss} offset {w})",
@@ -315,9 +323,10 @@ def queries(namespaces: str | Iterable[str], names: str | Iterable[str], window_
 
 
 def skew_query(namespace: str, name: str, window_seconds: int) -> str:
-    """PromQL: the upper bound of the skew bucket holding the highest step of each of ``name``'s pods in the
-    window (NaN for a pod with no step in it)."""
-    return queries(namespace, name, window_seconds, window_seconds).skew
+    """PromQL for people (the demo, dashboards): the upper bound of the skew bucket holding the highest step among
+    ``name``'s pods in the window (no value when no pod ran a step in it; pods younger than the window are not
+    counted: the operator reads those from :attr:`Queries.skew_all`)."""
+    return f"max({queries(namespace, name, window_seconds, window_seconds).skew})"
 
 
 def parse_scalar(answer: Answer) -> tuple[float | None, str | None]:
@@ -430,9 +439,10 @@ def slice_look(url: str, answers: Mapping[str, Answer], look: Look, now: datetim
     """One service's :class:`Observation` from the grouped ``answers`` (query name of :class:`Queries` →
     :class:`Answer`), pure: only the series of ``look.running_pods`` count.
 
-    * skew: per pod with a full window (:func:`history_ok`), the steps in it (``skew_steps``): 0 is an
-      idle pod (no skew pressure, and seen), more gives its highest step's bucket bound; a pod without a
-      full window, or whose counter reset, leaves skew Unknown (``skew_steps`` None).
+    * skew: per pod with a full window (:func:`history_ok`), the steps in it (``skew_steps``); per pod
+      whose worker is younger than the window (``worker_age``), all its steps (its counters started from 0
+      inside the window). 0 is an idle pod (no skew pressure, and seen), more gives its highest step's
+      bucket bound; any other pod (a short history, a counter reset) leaves skew Unknown.
     * memory: the highest over the pods (a single sample is a reading); rejections: summed over the pods;
       p99 latency: the highest per-pod p99; both None unless every reporting pod has a full window.
     * RSS slope: the highest among the Running ``slope_pods`` with a full leak window; those without one
@@ -454,11 +464,15 @@ def slice_look(url: str, answers: Mapping[str, Answer], look: Look, now: datetim
     full = [p for p in reporting if history_ok(history.get(p))]
     short = tuple(sorted(set(reporting) - set(full)))
 
-    steps, skews = per_pod("skew_steps"), per_pod("skew")
+    ages = per_pod("worker_age")
+    young = {p for p in reporting if p in ages and ages[p] < look.window_seconds}
+    window_steps, window_skews = per_pod("skew_steps"), per_pod("skew")
+    all_steps, all_skews = per_pod("skew_steps_all"), per_pod("skew_all")
     skew_unknown, skew_values, known_steps = [], [], []
     for pod in reporting:
+        steps, skews = (all_steps, all_skews) if pod in young else (window_steps, window_skews)
         n = steps.get(pod)
-        if pod in short or n is None or n < 0 or (n > 0 and pod not in skews):
+        if (pod in short and pod not in young) or n is None or n < 0 or (n > 0 and pod not in skews):
             skew_unknown.append(pod)
             continue
         known_steps.append(n)
@@ -509,13 +523,8 @@ def observe_looks(url: str, looks: Sequence[Look], now: datetime, *, ca_file: st
     """One look at the Prometheus at ``url`` for every one of ``looks``: one query per signal and per distinct
     ``(windowSeconds, leakWindowSeconds)``, all concurrent, each under ``deadline_seconds``; returns
     ``(namespace, name)`` → :class:`Observation`. Blocking (call it from a thread)."""
-    groups: dict[tuple[int, int], list[Look]] = {}
-    for look in looks:
-        groups.setdefault((look.window_seconds, look.leak_window_seconds), []).append(look)
-    plan: dict[str, str] = {}
-    for (w, lw), members in groups.items():
-        q = queries({m.namespace for m in members}, {m.name for m in members}, w, lw)
-        plan.update({_query_key(field, w, lw, len(groups)): getattr(q, field) for field in q.__dataclass_fields__})
+    groups = _groups(looks)
+    plan = query_plan(looks)
     answers = fetch_all(url, plan, deadline_seconds=deadline_seconds, ca_file=ca_file) if plan else {}
     out: dict[tuple[str, str], Observation] = {}
     for (w, lw), members in groups.items():
@@ -523,6 +532,25 @@ def observe_looks(url: str, looks: Sequence[Look], now: datetime, *, ca_file: st
         for look in members:
             out[(look.namespace, look.name)] = slice_look(url, mine, look, now)
     return out
+
+
+def _groups(looks: Sequence[Look]) -> dict[tuple[int, int], list[Look]]:
+    groups: dict[tuple[int, int], list[Look]] = {}
+    for look in looks:
+        groups.setdefault((look.window_seconds, look.leak_window_seconds), []).append(look)
+    return groups
+
+
+def query_plan(looks: Sequence[Look]) -> dict[str, str]:
+    """The queries of one look for ``looks`` (name → PromQL), pure: one per :class:`Queries` field and per
+    distinct ``(windowSeconds, leakWindowSeconds)``, whatever the number of services; names carry the
+    windows (``skew[30s/600s]``) when there is more than one pair."""
+    groups = _groups(looks)
+    plan: dict[str, str] = {}
+    for (w, lw), members in groups.items():
+        q = queries({m.namespace for m in members}, {m.name for m in members}, w, lw)
+        plan.update({_query_key(field, w, lw, len(groups)): getattr(q, field) for field in q.__dataclass_fields__})
+    return plan
 
 
 def _query_key(field: str, w: int, lw: int, groups: int) -> str:

@@ -284,6 +284,9 @@ METRIC_STEP_EXPERT_SKEW_RATIO = "moeguard_step_expert_skew_ratio"
 """Histogram: one observation per engine step that routed enough token-slots, the highest skew ratio among
 its layers (buckets :data:`SKEW_RATIO_BUCKETS`). Its ``_count`` is the number of such steps: no step in a
 window is no skew data, never the last value forever."""
+METRIC_WORKER_START_TIME_SECONDS = "moeguard_worker_start_time_seconds"
+"""Gauge: when the worker process started its telemetry (Unix time, seconds), where its counters start from 0.
+A worker younger than a window has all its counts inside it (a new pod, a restarted container)."""
 SKEW_RATIO_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 14.0, 16.0,
                       20.0, 24.0, 28.0, 32.0, 40.0, 48.0, 56.0, 64.0, 96.0, 128.0, 192.0, 256.0, 384.0, 512.0,
                       1024.0, 2048.0, 4096.0, 16384.0, 65536.0)
@@ -322,6 +325,7 @@ operator cannot know at apply time when the weights come from ``spec.model.sourc
 
 OPERATOR_READS = (
     METRIC_STEP_EXPERT_SKEW_RATIO,
+    METRIC_WORKER_START_TIME_SECONDS,
     METRIC_MEMORY_USAGE_BYTES,
     METRIC_PROCESS_RSS_BYTES,
     METRIC_REJECTIONS_TOTAL,

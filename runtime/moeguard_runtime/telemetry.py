@@ -176,6 +176,9 @@ class Telemetry:
         self.oom = Counter(contract.METRIC_OOM_ERRORS_TOTAL.removesuffix("_total"),
                            "Batches failed by an out-of-memory error the worker survived.",
                            [*base, "kind"], registry=r)
+        self.start_time = gauge(contract.METRIC_WORKER_START_TIME_SECONDS,
+                                "When this worker's counters started from 0 (Unix time).", unit="seconds")
+        self.start_time.labels(**labels).set(time.time())
         r.register(_ProcessMemoryCollector(labels))
         self.budget_generation.labels(**labels).set(-1)
         self.budget_shrink.labels(**labels).set(1)

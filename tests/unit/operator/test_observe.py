@@ -39,7 +39,7 @@ def answer(*series: Any) -> Answer:
 def test_query_selects_the_service() -> None:
     b = 'moeguard_step_expert_skew_ratio_bucket{namespace="ns1",moeis="svc"}'
     assert skew_query("ns1", "svc", 30) == \
-        f"histogram_quantile(1, sum by (namespace, moeis, pod, le) ({b} - {b} offset 30s))"
+        f"max(histogram_quantile(1, sum by (namespace, moeis, pod, le) ({b} - {b} offset 30s)))"
 
 
 @pytest.mark.parametrize(

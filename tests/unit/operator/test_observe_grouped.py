@@ -22,7 +22,9 @@ from moeguard_operator.observe import (
     Target,
     group_answer,
     history_ok,
+    observe_looks,
     queries,
+    query_plan,
     read_answer,
     service_slice,
     slice_look,
@@ -197,3 +199,38 @@ def test_a_target_looks_with_its_spec_windows() -> None:
                                                    "resources": {"hardLimit": "2Gi", "softLimit": "1Gi"}})
     t = Target("ns", "svc", spec, ("p0",), (), 2)
     assert t.look() == Look("ns", "svc", 2 * GIB, 20, 120, ("p0",), (), 2)
+
+
+def test_a_worker_younger_than_the_window_is_read_from_all_its_counts() -> None:
+    """A new pod's first skewed batches (no window of history yet), and a restarted container (its counters
+    reset inside the window): both are counted from their whole values, at once."""
+    new = {"reporting_pods": 1, "memory": GIB / 4, "history": 1, "worker_age": 6.0, "skew_steps_all": 4,
+           "skew_all": 64.0}
+    restarted = healthy() | {"worker_age": 12.0, "skew_steps": -40, "skew": 3.0, "skew_steps_all": 9,
+                             "skew_all": 10.0}
+    answers = pod_answers({("ns", "svc", "svc-new"): new, ("ns", "svc", "svc-b"): restarted})
+    obs = slice_look(URL, answers, look(pods=("svc-new", "svc-b")), NOW)
+    assert (obs.skew_ratio, obs.skew_steps, obs.skew_unknown_pods) == (64.0, 13, ())
+    assert obs.short_history_pods == ("svc-new",) and not obs.fully_visible  # rates still need their window
+    old = healthy() | {"worker_age": 31.0, "skew_steps_all": 9, "skew_all": 10.0}  # older than the window
+    assert slice_look(URL, pod_answers({("ns", "svc", "svc-a"): old}), look(), NOW).skew_ratio == 2.0
+
+
+def test_the_plan_is_one_set_of_queries_per_window_pair() -> None:
+    same = [Look(f"ns{i % 7}", f"svc{i}", GIB, 30, 600, (f"svc{i}-0",), None) for i in range(200)]
+    assert len(query_plan(same[:1])) == len(query_plan(same)) == len(Queries.__dataclass_fields__)
+    mixed = [*same, Look("ns", "fast", GIB, 10, 60, ("fast-0",), None)]
+    plan = query_plan(mixed)
+    assert len(plan) == 2 * len(Queries.__dataclass_fields__)
+    assert 'moeis="fast"' in plan["memory[10s/60s]"] and "[10s]" in plan["memory[10s/60s]"]
+    assert 'moeis=~"svc0|svc1|svc10|' in plan["memory[30s/600s]"]
+    assert query_plan([]) == {}
+
+
+def test_every_look_of_an_unreachable_prometheus_is_blind() -> None:
+    looks = [Look("ns", "a", GIB, 30, 600, ("a-0",), None), Look("ns", "b", GIB, 10, 60, ("b-0",), None)]
+    got = observe_looks("http://127.0.0.1:1", looks, NOW)
+    assert set(got) == {("ns", "a"), ("ns", "b")}
+    for obs in got.values():
+        assert obs.error == "Prometheus at http://127.0.0.1:1: PrometheusUnreachable" and not obs.available
+    assert observe_looks("http://127.0.0.1:1", [], NOW) == {}

@@ -96,3 +96,25 @@ def test_termination_message_written_only_where_the_kubelet_made_the_file(tmp_pa
     assert path.read_text() == "model_load_error: missing shard model-00002-of-00002.safetensors"
     assert write_termination_message("é" * 3000, str(path))  # 6000 bytes: cut at 4096, never half a character
     assert path.read_text() == "é" * 2048
+
+
+def test_each_step_with_enough_slots_is_one_skew_observation_at_its_worst_layer() -> None:
+    """The operator's skew signal: ``_count`` moves only with steps that carry skew data, so a window
+    without such steps has none (issue 18 §3); the observation is the step's highest layer skew."""
+    t = Telemetry(LABELS, num_experts=8)
+    key = lambda **kw: tuple(sorted({**LABELS, **kw}.items()))  # noqa: E731
+    got = samples(t)
+    assert got[("moeguard_step_expert_skew_ratio_count", key())] == 0  # declared from the start: idle, not absent
+    assert got[("moeguard_worker_start_time_seconds", key())] > 1.7e9
+    small = routing_stats(torch.tensor([2, 2, 0, 0, 0, 0, 0, 0]))  # 4 slots < 32: no skew data
+    t.observe_step(0, 2, [small, small], 0.001)
+    assert samples(t)[("moeguard_step_expert_skew_ratio_count", key())] == 0
+    even = routing_stats(torch.tensor([4] * 8))  # skew 1
+    hot = routing_stats(torch.tensor([30, 2, 0, 0, 0, 0, 0, 0]))  # skew 30
+    t.observe_step(16, 0, [even, hot, small], 0.001)
+    t.observe_step(16, 0, [even], 0.001)
+    got = samples(t)
+    assert got[("moeguard_step_expert_skew_ratio_count", key())] == 2
+    assert got[("moeguard_step_expert_skew_ratio_sum", key())] == 31.0
+    assert got[("moeguard_step_expert_skew_ratio_bucket", key(le="28.0"))] == 1
+    assert got[("moeguard_step_expert_skew_ratio_bucket", key(le="32.0"))] == 2
