@@ -102,6 +102,9 @@ class Memory:
     spec_key: tuple[str, int | None] | None = None
     spec: MoEInferenceServiceSpec | SpecError | None = None
     status_rv: str | None = None
+    retry_at: float = 0.0
+    """Monotonic time before which a failed write is not retried (one tick after the failure)."""
+    failing: bool = False
     status: MoEInferenceServiceStatus | None = None
 
     def status_of(self, svc: dict[str, Any]) -> MoEInferenceServiceStatus:
@@ -257,7 +260,7 @@ class ControlLoop:
 
     def step(self, now: datetime, mono: float) -> None:
         """One pass: finish the writes and looks that ended, then act on the services that changed or are due."""
-        self._collect_writes()
+        self._collect_writes(mono)
         self._collect_looks(now, mono)
         due_by_url: dict[str, list[tuple[Key, Target]]] = {}
         blind_now: list[tuple[Key, Observation]] = []
@@ -303,6 +306,8 @@ class ControlLoop:
                 else:
                     mem.looking = True
                     due_by_url.setdefault(url, []).append((key, target))
+            elif changed and mono < mem.retry_at:
+                self.dirty.add(key)  # the last write failed: retried at the next tick, not at once
             elif changed:
                 self._readiness(key, svc, spec, pods, now)
         for key, obs in blind_now:
@@ -396,25 +401,31 @@ class ControlLoop:
             self._write, svc, spec, prior, writes, frozenset(missing), self.views.configmaps.get(key))
         self._writes[key].add_done_callback(self._wake_from_thread)
 
-    def _collect_writes(self) -> None:
+    def _collect_writes(self, mono: float) -> None:
         for key, future in list(self._writes.items()):
             if not future.done():
                 continue
             del self._writes[key]
             mem = self.memory.get(key)
-            if mem is not None:
-                mem.writing = False
+            if mem is None:
+                continue
+            mem.writing = False
             try:
                 stored = future.result()
-            except ApiException as exc:
-                if exc.status != 404:
-                    log.warning("%s/%s: write failed (%s %s); retrying at the next pass", *key, exc.status, exc.reason)
-                self.dirty.add(key)
-                continue
             except Exception as exc:
-                log.warning("%s/%s: write failed (%s); retrying at the next pass", *key, exc)
                 self.dirty.add(key)
+                if isinstance(exc, ApiException) and exc.status in (404, 409):
+                    continue  # gone, or changed since: the watch brings the news
+                mem.retry_at = mono + self.config.timer_interval_seconds
+                (log.debug if mem.failing else log.warning)(
+                    "%s/%s: write failed (%s); retried every %gs", *key,
+                    f"{exc.status} {exc.reason}" if isinstance(exc, ApiException) else type(exc).__name__,
+                    self.config.timer_interval_seconds)
+                mem.failing = True
                 continue
+            if mem.failing:
+                log.info("%s/%s: written again", *key)
+            mem.failing = False
             if stored:
                 self.on_service("MODIFIED", stored)
 
