@@ -9,7 +9,11 @@ from typing import Any
 import pytest
 
 from moeguard_operator import budget_document, report, tick
-from moeguard_operator.models import ControlStatus, MoEInferenceServiceSpec, MoEInferenceServiceStatus
+from moeguard_operator.models import (
+    ControlStatus,
+    MoEInferenceServiceSpec,
+    MoEInferenceServiceStatus,
+)
 from moeguard_operator.policy import Observation, initial_budgets
 from moeguard_runtime.contract import BudgetDocument
 
