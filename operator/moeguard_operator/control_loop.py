@@ -40,6 +40,7 @@ from moeguard_operator import budget_document, children, kube, metrics, report, 
 from moeguard_operator import constants as c
 from moeguard_operator.builders import Owner, restart_patch, worker_name
 from moeguard_operator.config import OperatorConfig
+from moeguard_operator.constants import FIELD_MANAGER
 from moeguard_operator.models import MoEInferenceServiceSpec, MoEInferenceServiceStatus
 from moeguard_operator.observe import (
     QUERY_DEADLINE_SECONDS,
@@ -85,6 +86,8 @@ class Views:
     services: dict[Key, dict[str, Any]] = field(default_factory=dict)
     pods: dict[Key, dict[str, dict[str, Any]]] = field(default_factory=dict)
     configmaps: dict[Key, dict[str, str]] = field(default_factory=dict)
+    hand_edited: set[Key] = field(default_factory=set)
+    """Budget ConfigMaps whose document is not the operator's (edited by hand)."""
     deployments: set[Key] = field(default_factory=set)
     missing: dict[Key, set[str]] = field(default_factory=dict)
     """Children seen deleted while their service lives: applied again."""
@@ -193,9 +196,14 @@ class ControlLoop:
             return
         if event_type == "DELETED":
             self.views.configmaps.pop(key, None)
+            self.views.hand_edited.discard(key)
             self._child_gone(key, "budget ConfigMap")
         else:
             self.views.configmaps[key] = dict(obj.get("data") or {})
+            if budget_document.written_by(obj["metadata"].get("managedFields"), FIELD_MANAGER):
+                self.views.hand_edited.discard(key)
+            else:
+                self.views.hand_edited.add(key)
         self._touch(key)
 
     def on_deployment(self, event_type: str | None, obj: dict[str, Any]) -> None:
@@ -366,7 +374,7 @@ class ControlLoop:
                    now: datetime) -> None:
         prior = self.memory[key].status_of(svc)
         writes = tick.readiness_step(prior, spec, pods, self.views.configmaps.get(key), now,
-                                     (svc.get("metadata") or {}).get("generation"))
+                                     (svc.get("metadata") or {}).get("generation"), key not in self.views.hand_edited)
         missing = self.views.missing.get(key, set())
         if missing or writes.events or report.status_patch(prior, writes.status):
             self._submit(key, svc, spec, prior, writes, missing)
@@ -380,7 +388,7 @@ class ControlLoop:
         prior = mem.status_of(svc)
         pods = list(self.views.pods.get(key, {}).values())
         writes = tick.look_step(prior, spec, pods, self.views.configmaps.get(key), obs, mem.blind_floor, now,
-                                (svc.get("metadata") or {}).get("generation"))
+                                (svc.get("metadata") or {}).get("generation"), key not in self.views.hand_edited)
         if not obs.fully_visible:
             mem.blind_floor = max(mem.blind_floor, now)
         decision = writes.decision
