@@ -88,6 +88,10 @@ bench-headline: ## Headline: request-count vs token budgets vs moeguard, same tr
 	$(PY) -m bench.headline --reps 3
 	$(PY) -m bench.headline_report
 
+.PHONY: bench-scale
+bench-scale: deps ## The operator with 1, 200 and 1,000 services (kwok pods, no workers): Ready time, RSS, idle API writes, Prometheus queries -> bench/results/operator_scale.md (~25 min).
+	$(PY) -m bench.operator_scale $(SCALE_ARGS)
+
 .PHONY: bench-families
 bench-families: ## Per family (mixtral, qwen2_moe, qwen3_moe, deepseek_v3, olmoe): prefill, decode and peak memory vs transformers, same weights -> bench/results/families.md (~10 min).
 	$(PY) -m bench.families_bench

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
 from moeguard_operator.models import MoEInferenceServiceSpec, MoEInferenceServiceStatus
 from moeguard_operator.policy import Decision, initial_budgets
@@ -81,16 +81,29 @@ def overload_in_effect(status: MoEInferenceServiceStatus) -> OverloadMode:
     return "On" if status.overload_mode == "On" else "Off"
 
 
-def caught_up(status: MoEInferenceServiceStatus, data: dict[str, str] | None) -> MoEInferenceServiceStatus:
-    """``status`` with the budgets, overload mode and generation of the budget ConfigMap's valid document in
-    ``data`` when that document is ahead of (or at) ``status.budgetGeneration``; ``status`` unchanged otherwise
-    (no ConfigMap, an invalid document, one behind status, or no budgets recorded yet: the first reconcile).
+def written_by(managed_fields: list[dict[str, Any]] | None, manager: str) -> bool:
+    """Whether field manager ``manager`` owns the budget document (``data.budget.json``) of a ConfigMap, from its
+    ``metadata.managedFields``: False after a hand edit (``kubectl edit``/``patch`` take the field over)."""
+    for entry in managed_fields or []:
+        fields = (entry.get("fieldsV1") or {}).get("f:data") or {}
+        if f"f:{BUDGET_KEY}" in fields:
+            return bool(entry.get("manager") == manager)
+    return False
 
-    A ConfigMap at the same generation with other budgets (edited by hand) is what the workers run: its
-    budgets count too.
+
+def caught_up(status: MoEInferenceServiceStatus, data: dict[str, str] | None, ours: bool = True
+              ) -> MoEInferenceServiceStatus:
+    """``status`` with the budgets, overload mode and generation of the budget ConfigMap's valid document in
+    ``data`` when that document is the operator's own (``ours``: :func:`written_by`) and ahead of (or at)
+    ``status.budgetGeneration``; ``status`` unchanged otherwise (no ConfigMap, an invalid document, one behind
+    status, a document edited by hand, or no budgets recorded yet: the first reconcile).
+
+    A hand-edited document never pins the budgets: its generation is respected (the next document is newer,
+    :func:`to_apply`), its budgets are not adopted.
     """
     current = _parsed(data)
-    if status.budgets is None or current is None or current.generation < (status.budget_generation or 0):
+    if (not ours or status.budgets is None or current is None
+            or current.generation < (status.budget_generation or 0)):
         return status
     update: dict[str, object] = {"budgets": current.budgets, "budget_generation": current.generation,
                                  "overload_mode": current.overload_mode}
@@ -108,16 +121,17 @@ def for_budgets(spec: MoEInferenceServiceSpec, budgets: Budgets, overload: Overl
 
 
 def for_spec(spec: MoEInferenceServiceSpec, status: MoEInferenceServiceStatus, data: dict[str, str] | None,
-             now: datetime) -> BudgetDocument:
+             now: datetime, ours: bool = True) -> BudgetDocument:
     """The document a reconcile of ``spec`` writes, given the prior ``status`` and the ConfigMap's ``data``.
 
     The budgets in effect stay unless the spec's initial budgets changed (or none are in effect
-    yet), the budgets in effect being the ConfigMap's when it is ahead of ``status`` (:func:`caught_up`);
+    yet), the budgets in effect being the ConfigMap's when it is ahead of ``status`` and ``ours`` (the
+    operator wrote it: :func:`caught_up`);
     a forced ``overload.mode`` applies at once; a new overload context cap
     (``overload.maxContextTokens``, or the model's context it defaults from) too. Each change takes
     the next generation (the workers ignore a generation they have applied).
     """
-    status = caught_up(status, data)
+    status = caught_up(status, data, ours)
     initial = initial_budgets(spec.batching)
     generation = generation_in_effect(status, data)
     overload = overload_in_effect(status) if spec.overload.mode == "Auto" else spec.overload.mode

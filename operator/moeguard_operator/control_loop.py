@@ -40,6 +40,7 @@ from moeguard_operator import budget_document, children, kube, metrics, report, 
 from moeguard_operator import constants as c
 from moeguard_operator.builders import Owner, restart_patch, worker_name
 from moeguard_operator.config import OperatorConfig
+from moeguard_operator.constants import FIELD_MANAGER
 from moeguard_operator.models import MoEInferenceServiceSpec, MoEInferenceServiceStatus
 from moeguard_operator.observe import (
     QUERY_DEADLINE_SECONDS,
@@ -85,6 +86,8 @@ class Views:
     services: dict[Key, dict[str, Any]] = field(default_factory=dict)
     pods: dict[Key, dict[str, dict[str, Any]]] = field(default_factory=dict)
     configmaps: dict[Key, dict[str, str]] = field(default_factory=dict)
+    hand_edited: set[Key] = field(default_factory=set)
+    """Budget ConfigMaps whose document is not the operator's (edited by hand)."""
     deployments: set[Key] = field(default_factory=set)
     missing: dict[Key, set[str]] = field(default_factory=dict)
     """Children seen deleted while their service lives: applied again."""
@@ -102,6 +105,9 @@ class Memory:
     spec_key: tuple[str, int | None] | None = None
     spec: MoEInferenceServiceSpec | SpecError | None = None
     status_rv: str | None = None
+    retry_at: float = 0.0
+    """Monotonic time before which a failed write is not retried (one tick after the failure)."""
+    failing: bool = False
     status: MoEInferenceServiceStatus | None = None
 
     def status_of(self, svc: dict[str, Any]) -> MoEInferenceServiceStatus:
@@ -190,9 +196,14 @@ class ControlLoop:
             return
         if event_type == "DELETED":
             self.views.configmaps.pop(key, None)
+            self.views.hand_edited.discard(key)
             self._child_gone(key, "budget ConfigMap")
         else:
             self.views.configmaps[key] = dict(obj.get("data") or {})
+            if budget_document.written_by(obj["metadata"].get("managedFields"), FIELD_MANAGER):
+                self.views.hand_edited.discard(key)
+            else:
+                self.views.hand_edited.add(key)
         self._touch(key)
 
     def on_deployment(self, event_type: str | None, obj: dict[str, Any]) -> None:
@@ -257,7 +268,7 @@ class ControlLoop:
 
     def step(self, now: datetime, mono: float) -> None:
         """One pass: finish the writes and looks that ended, then act on the services that changed or are due."""
-        self._collect_writes()
+        self._collect_writes(mono)
         self._collect_looks(now, mono)
         due_by_url: dict[str, list[tuple[Key, Target]]] = {}
         blind_now: list[tuple[Key, Observation]] = []
@@ -303,6 +314,8 @@ class ControlLoop:
                 else:
                     mem.looking = True
                     due_by_url.setdefault(url, []).append((key, target))
+            elif changed and mono < mem.retry_at:
+                self.dirty.add(key)  # the last write failed: retried at the next tick, not at once
             elif changed:
                 self._readiness(key, svc, spec, pods, now)
         for key, obs in blind_now:
@@ -361,7 +374,7 @@ class ControlLoop:
                    now: datetime) -> None:
         prior = self.memory[key].status_of(svc)
         writes = tick.readiness_step(prior, spec, pods, self.views.configmaps.get(key), now,
-                                     (svc.get("metadata") or {}).get("generation"))
+                                     (svc.get("metadata") or {}).get("generation"), key not in self.views.hand_edited)
         missing = self.views.missing.get(key, set())
         if missing or writes.events or report.status_patch(prior, writes.status):
             self._submit(key, svc, spec, prior, writes, missing)
@@ -375,7 +388,7 @@ class ControlLoop:
         prior = mem.status_of(svc)
         pods = list(self.views.pods.get(key, {}).values())
         writes = tick.look_step(prior, spec, pods, self.views.configmaps.get(key), obs, mem.blind_floor, now,
-                                (svc.get("metadata") or {}).get("generation"))
+                                (svc.get("metadata") or {}).get("generation"), key not in self.views.hand_edited)
         if not obs.fully_visible:
             mem.blind_floor = max(mem.blind_floor, now)
         decision = writes.decision
@@ -396,25 +409,31 @@ class ControlLoop:
             self._write, svc, spec, prior, writes, frozenset(missing), self.views.configmaps.get(key))
         self._writes[key].add_done_callback(self._wake_from_thread)
 
-    def _collect_writes(self) -> None:
+    def _collect_writes(self, mono: float) -> None:
         for key, future in list(self._writes.items()):
             if not future.done():
                 continue
             del self._writes[key]
             mem = self.memory.get(key)
-            if mem is not None:
-                mem.writing = False
+            if mem is None:
+                continue
+            mem.writing = False
             try:
                 stored = future.result()
-            except ApiException as exc:
-                if exc.status != 404:
-                    log.warning("%s/%s: write failed (%s %s); retrying at the next pass", *key, exc.status, exc.reason)
-                self.dirty.add(key)
-                continue
             except Exception as exc:
-                log.warning("%s/%s: write failed (%s); retrying at the next pass", *key, exc)
                 self.dirty.add(key)
+                if isinstance(exc, ApiException) and exc.status in (404, 409):
+                    continue  # gone, or changed since: the watch brings the news
+                mem.retry_at = mono + self.config.timer_interval_seconds
+                (log.debug if mem.failing else log.warning)(
+                    "%s/%s: write failed (%s); retried every %gs", *key,
+                    f"{exc.status} {exc.reason}" if isinstance(exc, ApiException) else type(exc).__name__,
+                    self.config.timer_interval_seconds)
+                mem.failing = True
                 continue
+            if mem.failing:
+                log.info("%s/%s: written again", *key)
+            mem.failing = False
             if stored:
                 self.on_service("MODIFIED", stored)
 

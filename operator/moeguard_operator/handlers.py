@@ -160,8 +160,11 @@ def reconcile(
             raise kopf.TemporaryError(verdict.message, delay=apply_errors.RETRY_DELAY_SECONDS) from exc
         _stall(body, patch, prior, verdict.reason, verdict.message, now, generation, "refused")
 
-    data = kube.read_configmap_data(namespace, budget_configmap_name(name))
-    document = children.apply_budget_document(owner, data, budget_document.for_spec(parsed, prior, data, now))
+    cm = kube.read_configmap(namespace, budget_configmap_name(name))
+    data = None if cm is None else dict(cm.get("data") or {})
+    ours = cm is not None and budget_document.written_by((cm.get("metadata") or {}).get("managedFields"),
+                                                         c.FIELD_MANAGER)
+    document = children.apply_budget_document(owner, data, budget_document.for_spec(parsed, prior, data, now, ours))
     patch.status.update(report.status_patch(
         prior, report.reconciled(prior, parsed, document, selector_string(owner), now, generation)))
 

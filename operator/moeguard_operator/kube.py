@@ -72,15 +72,16 @@ def apply(manifest: dict[str, Any]) -> dict[str, Any]:
     return result.to_dict()
 
 
-def read_configmap_data(namespace: str, name: str) -> dict[str, str] | None:
-    """A ConfigMap's ``data``, or None when it does not exist."""
+def read_configmap(namespace: str, name: str) -> dict[str, Any] | None:
+    """A ConfigMap as a JSON-style dict (camelCase keys, ``metadata.managedFields`` included), or None when it
+    does not exist."""
     try:
         cm = client.CoreV1Api().read_namespaced_config_map(name, namespace, _request_timeout=REQUEST_TIMEOUT)
     except ApiException as exc:
         if exc.status == 404:
             return None
         raise
-    return dict(cm.data or {})
+    return dict(client.ApiClient().sanitize_for_serialization(cm))
 
 
 def patch_deployment(namespace: str, name: str, body: dict[str, Any]) -> None:

@@ -90,16 +90,17 @@ def document_in(data: Mapping[str, str] | None) -> BudgetDocument | None:
 
 
 def readiness_step(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, pods: list[dict[str, Any]],
-                   data: Mapping[str, str] | None, now: datetime, generation: int | None) -> Writes:
-    """Ready/Reconciling from the pods, and the budgets of a ConfigMap ahead of ``prior``; no look."""
-    status = budget_document.caught_up(prior, None if data is None else dict(data))
+                   data: Mapping[str, str] | None, now: datetime, generation: int | None, ours: bool = True) -> Writes:
+    """Ready/Reconciling from the pods, and the budgets of a ConfigMap of the operator's (``ours``) ahead of
+    ``prior``; no look."""
+    status = budget_document.caught_up(prior, None if data is None else dict(data), ours)
     facts = pod_facts(pods)
     new = report.readiness(status, spec, ready_pods(pods), now, generation, facts.startup_failures)
     return Writes(new, tuple(report.readiness_events(status, new)))
 
 
 def policy_state(status: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, data: Mapping[str, str] | None,
-                 blind_floor: datetime) -> PolicyState:
+                 blind_floor: datetime, ours: bool = True) -> PolicyState:
     """The policy's state: what ``status`` persists (:func:`report.policy_state`), with ``last_blind`` no
     older than ``blind_floor`` (this process's memory of when it could not see) and ``last_change`` no
     older than the ConfigMap's document when that document is the newer decision (a kill between the
@@ -107,7 +108,7 @@ def policy_state(status: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpe
     state = report.policy_state(status, spec)
     last_blind = max(t for t in (state.last_blind, blind_floor) if t is not None)
     last_change = state.last_change
-    doc = document_in(data)
+    doc = document_in(data) if ours else None
     if doc is not None and doc.generation > (status.budget_generation or 0):
         last_change = doc.updated_at if last_change is None else max(last_change, doc.updated_at)
     return replace(state, last_blind=last_blind, last_change=last_change)
@@ -115,17 +116,17 @@ def policy_state(status: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpe
 
 def look_step(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, pods: list[dict[str, Any]],
               data: Mapping[str, str] | None, obs: Observation, blind_floor: datetime, now: datetime,
-              generation: int | None) -> Writes:
+              generation: int | None, ours: bool = True) -> Writes:
     """Readiness, OOM kills (counted from the pods now: ``obs.new_oom_kills`` is replaced), the decision on
-    ``obs`` and what it asks to write."""
+    ``obs`` and what it asks to write; ``ours``: the ConfigMap's document is the operator's (not a hand edit)."""
     raw = None if data is None else dict(data)
-    status = budget_document.caught_up(prior, raw)
+    status = budget_document.caught_up(prior, raw, ours)
     facts = pod_facts(pods)
     new = report.readiness(status, spec, ready_pods(pods), now, generation, facts.startup_failures)
     events = report.readiness_events(status, new)
     new, new_ooms = report.oom_check(new, facts, now)
     obs = replace(obs, new_oom_kills=new_ooms)
-    state = policy_state(prior, spec, data, blind_floor)
+    state = policy_state(prior, spec, data, blind_floor, ours)
     state = replace(state, budgets=new.budgets or state.budgets,
                     overload="On" if new.overload_mode == "On" else "Off")
     decision = decide(obs, state, spec, now)

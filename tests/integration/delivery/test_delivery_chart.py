@@ -284,7 +284,6 @@ def test_install_reconcile_upgrade_uninstall(cluster: Any, helm: Any, tmp_path: 
             cluster.kubectl("-n", watched, "get", kind, name)
         forbidden = [line for line in log.read_text().splitlines() if "403" in line or "forbidden" in line.lower()]
         assert not forbidden, "the chart's RBAC is missing a permission:\n" + "\n".join(forbidden[:5])
-        # kopf holds a finalizer while a timer tick runs; give a loaded machine time to finish it
         cluster.kubectl("-n", watched, "delete", "moeis", "mixtral-tiny", "--wait=true", timeout=120)
         _stop(proc)
 

@@ -6,6 +6,7 @@ import json
 import os
 from typing import Any
 
+import httpx
 from hack import stack
 from tests.integration.conftest import Cluster
 
@@ -13,6 +14,23 @@ PORT_OFFSET = int(os.environ.get("MOEGUARD_PORT_OFFSET", "0"))
 """hack/cluster-up.sh shifts every port by it (a second cluster beside the first); so do the operator's."""
 OPERATOR_METRICS_PORT = 18081 + PORT_OFFSET
 OPERATOR_LIVENESS_PORT = 18082 + PORT_OFFSET
+
+
+def operator_looks(namespace: str, name: str, result: str | None = None, port: int = OPERATOR_METRICS_PORT) -> float:
+    """Looks at Prometheus the operator made for a service (``moeguard_operator_prometheus_looks_total`` on its
+    ``--metrics-port``), of one ``result`` (``ok``, ``blind``) or all; 0 when none. The time of each look lives
+    in the operator's memory and metrics, not in status (status changes only when what it says changes).
+
+    Raises:
+        httpx.HTTPError: the operator's metrics endpoint does not answer.
+    """
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    total = 0.0
+    for line in text.splitlines():
+        if (line.startswith("moeguard_operator_prometheus_looks_total{") and f'moeis="{name}"' in line
+                and f'namespace="{namespace}"' in line and (result is None or f'result="{result}"' in line)):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 def moeis(name: str, **spec: Any) -> str:

@@ -14,13 +14,14 @@ Scale: query interval 2 s, window 10 s, stabilization 8 s, cooldown 2 s. Pressur
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -134,12 +135,10 @@ class Traffic:
     def _run(self) -> None:
         i = 0
         while not self.stopping.is_set():
-            try:
+            with contextlib.suppress(httpx.HTTPError):
                 httpx.post(f"{self.url}/v1/completions", json={"model": "tiny", "max_tokens": 2,
                                                                "prompt": prompt_of_length(300, offset=5000 + i)},
                            timeout=60)
-            except httpx.HTTPError:
-                pass
             i += 1
             self.stopping.wait(0.3)
 
@@ -239,13 +238,16 @@ def test_an_api_server_outage_is_blind_time_and_control_resumes_at_its_own_pace(
         set_soft_fraction(cluster, ns, name, CALM)
         wait_cr(cluster, ns, name, lambda o: o["status"].get("observedGeneration") == o["metadata"]["generation"]
                 and (stack.condition(o, "MetricsAvailable") or {}).get("status") == "True", 90, "calm and visible")
-        os.kill(_apiserver_pid(cluster), signal.SIGTERM)
-        wait(lambda: cluster.kubectl("get", "--raw", "/readyz", check=False, timeout=5).returncode != 0, 30,
-             "the API server down")
+        # SIGKILL: a graceful kube-apiserver shutdown drains its watches for tens of seconds.
+        os.kill(_apiserver_pid(cluster), signal.SIGKILL)
         time.sleep(35)
-        subprocess.run([str(stack.ROOT / "hack" / "cluster-up.sh")], env={**os.environ, "MOEGUARD_RUN_DIR": str(cluster.run_dir)},
-                       check=True, capture_output=True, timeout=300)
+        up = subprocess.Popen([str(stack.ROOT / "hack" / "cluster-up.sh")], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "MOEGUARD_RUN_DIR": str(cluster.run_dir)})
+        wait(lambda: cluster.kubectl("get", "--raw", "/readyz", check=False, timeout=5).returncode == 0, 120,
+             "the API server back")
         back = time.time()
+        _, err = up.communicate(timeout=300)
+        assert up.returncode == 0, err[-3000:]
         # The first status update after the return: a look's observed values (traffic changes them).
         def updated() -> float | None:
             observed = get(cluster, ns, name)["status"].get("observed") or {}
@@ -266,3 +268,29 @@ def test_an_api_server_outage_is_blind_time_and_control_resumes_at_its_own_pace(
             subprocess.run([str(stack.ROOT / "hack" / "cluster-up.sh")],
                            env={**os.environ, "MOEGUARD_RUN_DIR": str(cluster.run_dir)}, check=False,
                            capture_output=True, timeout=300)
+        controller_manager_caught_up(cluster)
+
+
+def controller_manager_caught_up(cluster: Cluster) -> None:
+    """After an outage, the local kube-controller-manager may keep stale informers for minutes (its Deployment
+    statuses then lag: issue 18, fault 7, a harness matter, not the operator's, which reads readiness from the
+    pods). The next tests need it: restart it (and the scheduler and kwok) if a new namespace gets no
+    ServiceAccount within 20 s."""
+    probe = f"mg-kcm-{int(time.time())}"
+    cluster.kubectl("create", "namespace", probe)
+
+    def has_sa() -> bool:
+        return cluster.kubectl("-n", probe, "get", "serviceaccount", "default", check=False).returncode == 0
+
+    try:
+        try:
+            wait(has_sa, 20, "the controller-manager working after the outage")
+        except TimeoutError:
+            for part in ("kube-controller-manager", "kube-scheduler", "kwok"):
+                pid = int((cluster.run_dir / "pids" / f"{part}.pid").read_text())
+                os.kill(pid, signal.SIGKILL)
+            subprocess.run([str(stack.ROOT / "hack" / "cluster-up.sh")], check=True, capture_output=True, timeout=300,
+                           env={**os.environ, "MOEGUARD_RUN_DIR": str(cluster.run_dir)})
+            wait(has_sa, 120, "the restarted controller-manager")
+    finally:
+        cluster.kubectl("delete", "namespace", probe, "--wait=false", check=False)

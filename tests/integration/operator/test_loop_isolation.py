@@ -24,7 +24,7 @@ import httpx
 import pytest
 from hack import stack
 from tests.integration.conftest import Cluster
-from tests.integration.e2e.helpers import PORT_OFFSET, get, moeis, wait, wait_cr
+from tests.integration.e2e.helpers import PORT_OFFSET, get, moeis, operator_looks, wait, wait_cr
 
 from moeguard_operator.constants import FINALIZER
 
@@ -89,13 +89,7 @@ def started(exit_code: int | None, port: int) -> bool:
 
 def looks(namespace: str, name: str) -> float:
     """Looks at Prometheus the operator made for a service (its own metrics), or 0."""
-    text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("moeguard_operator_prometheus_looks_total{") and f'moeis="{name}"' in line \
-                and f'namespace="{namespace}"' in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return operator_looks(namespace, name, port=METRICS_PORT)
 
 
 def test_hung_prometheus_stalls_no_other_service_and_no_deletion(
@@ -153,3 +147,6 @@ def test_hung_prometheus_stalls_no_other_service_and_no_deletion(
         assert not re.search(r"Traceback", text), text[-3000:]
     finally:
         stack.stop_process(proc)
+        # A failed run must not leave the old finalizer behind (nothing would remove it).
+        cluster.kubectl("-n", ns, "patch", "moeis", "legacy", "--type=merge", "-p", '{"metadata":{"finalizers":null}}',
+                        check=False)

@@ -9,7 +9,11 @@ from typing import Any
 import pytest
 
 from moeguard_operator import budget_document, report, tick
-from moeguard_operator.models import ControlStatus, MoEInferenceServiceSpec, MoEInferenceServiceStatus
+from moeguard_operator.models import (
+    ControlStatus,
+    MoEInferenceServiceSpec,
+    MoEInferenceServiceStatus,
+)
 from moeguard_operator.policy import Observation, initial_budgets
 from moeguard_runtime.contract import BudgetDocument
 
@@ -131,3 +135,25 @@ def test_blind_looks_do_not_rewrite_the_blind_time() -> None:
     later = NOW + timedelta(seconds=2)
     second = tick.look_step(first, SPEC, [pod("w-0")], data(TIGHT, 3), blind, later, later, 1).status
     assert report.status_patch(first, second) == {}
+
+
+def test_a_hand_edited_configmap_is_not_adopted_but_its_generation_is_respected() -> None:
+    prior = status(TIGHT, 3)
+    edited = START.model_copy(update={"max_prefill_tokens": 700})
+    step = tick.readiness_step(prior, SPEC, [pod("w-0")], data(edited, 50), NOW, 1, ours=False)
+    assert (step.status.budgets, step.status.budget_generation) == (TIGHT, 3)
+    skewed = Observation(time=NOW, skew_ratio=20.0, memory_ratio=0.3, expected_pods=("w-0",), reporting_pods=("w-0",))
+    look = tick.look_step(prior, SPEC, [pod("w-0")], data(edited, 50), skewed, NOW - timedelta(hours=1), NOW, 1,
+                          ours=False)
+    assert look.document is not None and look.document.generation == 51
+    assert look.document.budgets.max_prefill_tokens == TIGHT.max_prefill_tokens // 2
+
+
+@pytest.mark.parametrize("managed, ours", [
+    ([{"manager": "moeguard", "operation": "Apply", "fieldsV1": {"f:data": {"f:budget.json": {}}}}], True),
+    ([{"manager": "moeguard", "operation": "Apply", "fieldsV1": {"f:metadata": {}}},
+      {"manager": "kubectl-patch", "operation": "Update", "fieldsV1": {"f:data": {"f:budget.json": {}}}}], False),
+    (None, False),
+])
+def test_whose_document_a_configmap_holds_comes_from_its_managed_fields(managed: Any, ours: bool) -> None:
+    assert budget_document.written_by(managed, "moeguard") is ours
