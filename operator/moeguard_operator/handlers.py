@@ -243,7 +243,8 @@ def control_loop(
             document = apply_budget_document(owner, data, document)
         if decision.restart:
             kube.patch_deployment(namespace, worker_name(owner), restart_patch(now.isoformat()))
-        new, events = report.looked(new, parsed, obs, decision, document, facts.restarts, now, generation)
+        new, events = report.looked(new, parsed, obs, decision, document, facts.restarts, now, generation,
+                                    facts.crash_looping)
         _post(body, events)
         metrics.record_look(namespace, name, obs, decision, floors(parsed.batching))
         if decision.changed:
