@@ -19,6 +19,9 @@ worker pods) and acts as their kubelet for what moeguard depends on:
   pod: real RBAC), in its own memory cgroup (:mod:`hack.memcg`) whose limit is
   ``resources.limits.memory``: the kernel OOM-kills it where a node would. No writable memory cgroup:
   the harness refuses to start, saying why.
+* **Test-only env**: the JSON object in the pod annotation ``harness.moeguard.dev/test-env`` is added to
+  the process env (e.g. the worker's fault switches, ``MOEGUARD_TEST_FAULTS=1`` and a leak rate, which the
+  CRD refuses in ``template.extraEnv``; set it through ``spec.template.annotations``).
 * **Status** (:mod:`hack.kubelet_status`): ``state.running`` / ``lastState.terminated`` (``OOMKilled``,
   exit 137, when the cgroup counted a kill; else ``Error``), ``restartCount``, ``CrashLoopBackOff``
   during the kubelet's back-off (10 s doubling to 5 min; ``--backoff-initial-seconds`` /
@@ -67,7 +70,9 @@ quantity: Callable[[str], Decimal] = parse_quantity
 
 
 def log(msg: str) -> None:
-    print(f"[pod-workers {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    """One line on stderr, written at once (pod worker threads log concurrently)."""
+    sys.stderr.write(f"[pod-workers {time.strftime('%H:%M:%S')}] {msg}\n")
+    sys.stderr.flush()
 
 
 def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
@@ -78,6 +83,26 @@ def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
 
 ANNOTATION = "harness.moeguard.dev/instance"
 """The pods a harness manages carry this annotation (value: its ``--instance``); kwok's stages key on it."""
+TEST_ENV_ANNOTATION = "harness.moeguard.dev/test-env"
+"""A JSON object of extra env for the pod's process (tests: the worker's fault switches)."""
+
+
+def test_env(annotations: dict[str, str] | None, key: str) -> dict[str, str]:
+    """The env in :data:`TEST_ENV_ANNOTATION`.
+
+    Raises:
+        ValueError: not a JSON object of strings (names the pod).
+    """
+    raw = (annotations or {}).get(TEST_ENV_ANNOTATION)
+    if raw is None:
+        return {}
+    try:
+        env = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{key}: annotation {TEST_ENV_ANNOTATION} is not JSON: {exc}") from None
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise ValueError(f"{key}: annotation {TEST_ENV_ANNOTATION} must be a JSON object of strings, given {raw!r}")
+    return env
 
 
 class Harness:
@@ -152,8 +177,8 @@ class Harness:
             port = int(s.getsockname()[1])
         ns, name = pod.metadata.namespace, pod.metadata.name
         pythonpath = os.pathsep.join(filter(None, [str(ROOT / "runtime"), os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, **self.resolve_env(pod), "MOEGUARD_PORT": str(port), "PYTHONPATH": pythonpath,
-               "KUBECONFIG": self.pod_kubeconfig(pod, key)}
+        env = {**os.environ, **self.resolve_env(pod), **test_env(pod.metadata.annotations, key),
+               "MOEGUARD_PORT": str(port), "PYTHONPATH": pythonpath, "KUBECONFIG": self.pod_kubeconfig(pod, key)}
         pc = PodContainer(key, client.ApiClient().sanitize_for_serialization(pod), env, port,
                           self.workers_dir / f"{ns}_{name}.log", self.options, client.CoreV1Api(),
                           self.changed, log)
