@@ -177,6 +177,11 @@ def test_a_real_oom_kill_tightens_at_once_scale_and_rollout(
     pod_name = cluster.kubectl_json("-n", ns, "get", "pods", "-l", f"app.kubernetes.io/instance={name}")["items"][0][
         "metadata"]["name"]
     first = pod_workers.state()[f"{ns}/{pod_name}"]
+    # The worker's memory guard reads the figure the kernel compares: its own cgroup's usage and limit.
+    log = (cluster.run_dir / "workers" / f"{ns}_{pod_name}.log").read_text()
+    assert f"cgroup_limit_bytes={1 << 30} cgroup_path={first['cgroup']} " in log, log[-2000:]
+    (usage,) = [(lbl, v) for lbl, v in stack.scrape(url, "moeguard_memory_usage_bytes")]
+    assert usage[0]["source"] in ("cgroup_v1", "cgroup_v2") and 100 << 20 < usage[1] < 1 << 30, usage
 
     def killed() -> dict[str, Any] | None:
         pod = cluster.kubectl_json("-n", ns, "get", "pod", pod_name)
