@@ -23,8 +23,8 @@ worker pods) and acts as their kubelet for what moeguard depends on:
   the process env (e.g. the worker's fault switches, ``MOEGUARD_TEST_FAULTS=1`` and a leak rate, which the
   CRD refuses in ``template.extraEnv``; set it through ``spec.template.annotations``).
 * **Status** (:mod:`hack.kubelet_status`): ``state.running`` / ``lastState.terminated`` (``OOMKilled``,
-  exit 137, when the cgroup counted a kill; else ``Error``), ``restartCount``, ``CrashLoopBackOff``
-  during the kubelet's back-off (10 s doubling to 5 min; ``--backoff-initial-seconds`` /
+  exit 137, when the cgroup counted a kill; else ``Error``), ``restartCount`` (every exit is restarted:
+  worker pods come from Deployments, restartPolicy Always), ``CrashLoopBackOff`` during the kubelet's back-off (10 s doubling to 5 min; ``--backoff-initial-seconds`` /
   ``--backoff-max-seconds`` shorten it for tests), ``Ready`` from the container's HTTP readinessProbe
   (path, period, thresholds from the pod spec, sent to the local port).
 * **Deletion** (``kubectl delete pod``, a rollout): SIGTERM, SIGKILL after the pod's grace period, then
@@ -35,6 +35,8 @@ Each worker is a Prometheus file_sd target 127.0.0.1:<port>; <run dir>/workers.j
 namespace/pod -> port, pid, url, moeis, uid, cgroup, restarts.
 
     hack/pod_workers.py run | start | stop   # foreground | background (<run dir>/pids/pod-workers.pid)
+
+More in docs/local-cluster.md (what is and is not done as a kubelet would).
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
-"""hack/kubelet_status.py: the kubelet's back-off, termination reasons, readiness (pure)."""
+"""hack/kubelet_status.py (the kubelet's back-off, termination reasons, readiness) and hack/memcg.py's
+pure parts."""
 
 from __future__ import annotations
 
 import signal
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 from hack import kubelet_status as ks
@@ -86,9 +88,25 @@ def test_find_hierarchies_v1_and_v2() -> None:
               "cgroup /sys/fs/cgroup/memory cgroup rw,relatime,memory 0 0\n"
               "cgroup2 /sys/fs/cgroup/unified cgroup2 rw 0 0\n"
               "cgroup2 /sys/fs/cgroup2 cgroup2 rw 0 0\n")
-    from pathlib import Path
     found = find_hierarchies(mounts, {Path("/sys/fs/cgroup/unified"): "cpu io",
                                       Path("/sys/fs/cgroup2"): "cpu memory pids"})
     assert found == [Hierarchy(1, Path("/sys/fs/cgroup/memory")), Hierarchy(2, Path("/sys/fs/cgroup2"))]
     assert [h.limit_file for h in found] == ["memory.limit_in_bytes", "memory.max"]
     assert find_hierarchies("", {}) == []
+
+
+def test_no_writable_memory_cgroup_is_said_loudly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hack import memcg
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text("cgroup /sys/fs/cgroup/cpu cgroup rw,cpu 0 0\n")
+    monkeypatch.setattr(memcg, "PROC_MOUNTS", mounts)
+    with pytest.raises(memcg.MemcgUnavailable, match="neither a cgroup v1 'memory' mount nor a cgroup2 mount"):
+        memcg.memory_hierarchy()
+    mounts.write_text(f"cgroup {tmp_path}/absent cgroup rw,memory 0 0\n")
+    with pytest.raises(memcg.MemcgUnavailable, match=rf"cgroup v1 at {tmp_path}/absent: No such file or directory"):
+        memcg.memory_hierarchy()
+    with pytest.raises(ValueError, match="must be a relative path"):
+        memcg.MemoryCgroup.create("../escape", 1 << 20, memcg.Hierarchy(1, tmp_path))
+    with pytest.raises(ValueError, match="must be > 0 bytes"):
+        memcg.MemoryCgroup.create("x", 0, memcg.Hierarchy(1, tmp_path))
