@@ -181,7 +181,8 @@ class Harness:
         pythonpath = os.pathsep.join(filter(None, [str(ROOT / "runtime"), os.environ.get("PYTHONPATH")]))
         env = {**os.environ, **self.resolve_env(pod), **test_env(pod.metadata.annotations, key),
                "MOEGUARD_PORT": str(port), "PYTHONPATH": pythonpath, "KUBECONFIG": self.pod_kubeconfig(pod, key)}
-        pc = PodContainer(key, client.ApiClient().sanitize_for_serialization(pod), env, port,
+        as_json = client.ApiClient().sanitize_for_serialization(pod)  # type: ignore[no-untyped-call]
+        pc = PodContainer(key, as_json, env, port,
                           self.workers_dir / f"{ns}_{name}.log", self.options, client.CoreV1Api(),
                           self.changed, log)
         pc.limit_bytes()  # no memory limit: refused here, before anything runs
