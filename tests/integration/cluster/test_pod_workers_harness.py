@@ -180,8 +180,9 @@ def test_harness_stops_its_workers_on_sigterm(cluster: Cluster, namespace: str,
 def standin_pod(name: str, memory: str = "256Mi", env: dict[str, str] | None = None, probe_period: int = 1,
                 grace: int = 30, standin: bool = True) -> str:
     """A stand-in worker pod (JSON) with an HTTP readinessProbe on /readyz."""
+    # standin=False: no worker labels, so that no harness (not even the e2e tests' default one) takes it
     labels = {"app.kubernetes.io/managed-by": "moeguard", "app.kubernetes.io/component": "worker",
-              "app.kubernetes.io/instance": "svc", **({"harness.moeguard.dev/stand-in": "true"} if standin else {})}
+              "app.kubernetes.io/instance": "svc", "harness.moeguard.dev/stand-in": "true"} if standin else {"app": "plain"}
     return json.dumps({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels}, "spec": {
         "terminationGracePeriodSeconds": grace,
         "containers": [{
@@ -246,6 +247,7 @@ def test_a_crash_loop_backs_off_as_the_kubelet_does(cluster: Cluster, namespace:
     gaps = [b - a - 0.3 for a, b in itertools.pairwise(times)][:5]
     # kubelet: the first restart at once, then 1, 2, 4, 4 (capped) seconds after each exit; the rest is
     # the stand-in's own start-up and the harness noticing the exit (every 0.2 s).
+    print(f"\nmeasured waits between exit and restart (s): {[round(g, 2) for g in gaps]} (kubelet's shape: 0 1 2 4 4)")
     for gap, expected in zip(gaps, [0, 1, 2, 4, 4], strict=True):
         assert expected <= gap + 0.05 and gap < expected + 1.5, (gaps, times)
     assert {"CrashLoopBackOff: back-off 1s", "CrashLoopBackOff: back-off 4s"} <= seen, seen
@@ -298,6 +300,7 @@ def test_delete_stops_the_worker_with_sigterm_then_sigkill_after_the_grace_perio
     while proc.exists() and time.monotonic() - t0 < 10:
         time.sleep(0.05)
     took = time.monotonic() - t0
+    print(f"\nworker gone {took:.2f} s after the delete (SIGTERM {'ignored' if ignore else 'obeyed'}, grace 3 s)")
     assert low <= took < high, f"worker gone {took:.1f} s after the delete (grace 3 s, SIGTERM " \
                                f"{'ignored' if ignore else 'obeyed'})"
     wait("the pod gone", lambda: cluster.kubectl("-n", namespace, "get", "pod", "term", check=False).returncode != 0,

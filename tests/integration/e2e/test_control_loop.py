@@ -199,6 +199,9 @@ def test_a_real_oom_kill_tightens_at_once_scale_and_rollout(
     b = obj["status"]["budgets"]
     assert (b["maxPrefillTokens"], b["maxDecodeTokens"], b["maxBatchRequests"]) == (1024, 32, 8)
     assert "OOM kill(s)" in obj["status"]["lastAdjustment"]["reason"]
+    tightened = datetime.fromisoformat(obj["status"]["lastAdjustment"]["time"])
+    print(f"\nkernel kill (finishedAt {term['finishedAt']}) to the operator's tightening: "
+          f"{(tightened - datetime.fromisoformat(term['finishedAt'])).total_seconds():.1f} s (whole-second finishedAt)")
     assert obj["status"]["overloadMode"] == "On" and cond(obj, "Overloaded")["status"] == "True"
     assert ("Warning", "OOMKilled") in [(t, r) for t, r, _ in reasons(cluster, ns, name)]
     cm = cluster.kubectl_json("-n", ns, "get", "configmap", f"{name}-budget")
