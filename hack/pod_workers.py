@@ -63,7 +63,7 @@ from kubernetes.utils import parse_quantity
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: `hack` importable
 from hack.kubelet_status import KUBELET_BACKOFF_INITIAL_S, KUBELET_BACKOFF_MAX_S
-from hack.memcg import MemcgUnavailable, memory_hierarchy, remove_tree
+from hack.memcg import MemcgUnavailable, MemoryCgroup, memory_hierarchy, remove_tree
 from hack.pod_container import Options, PodContainer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,6 +127,11 @@ class Harness:
         run_id = hashlib.sha256(str(self.run_dir.resolve()).encode()).hexdigest()[:8]
         self.cgroup_parent = f"moeguard-pods-{run_id}-{self.instance}"
         remove_tree(hierarchy.mount / self.cgroup_parent)  # left by a harness that was killed
+        try:  # the whole path works (v2: the memory controller delegated down; a limit accepted), or say so now
+            MemoryCgroup.create(f"{self.cgroup_parent}/probe", 1 << 30, hierarchy).remove()
+        except OSError as exc:
+            raise MemcgUnavailable(f"cannot make a limited memory cgroup under {hierarchy.mount}/"
+                                   f"{self.cgroup_parent}: {exc}") from exc
         self.options = Options(
             cmd=shlex.split(args.worker_cmd.replace("{python}", shlex.quote(sys.executable))),
             hierarchy=hierarchy, cgroup_parent=self.cgroup_parent, backoff_initial_s=args.backoff_initial_seconds,
