@@ -21,7 +21,8 @@ SLOW = {"MOEGUARD_TEST_FAULTS": "1", "MOEGUARD_FAULT_STEP_DELAY_SECONDS": "0.2"}
 
 
 def complete(url: str, max_tokens: int, out: list[Any], stream: bool = False) -> None:
-    body = {"model": "tiny", "prompt": "hello there", "max_tokens": max_tokens, "stream": stream}
+    # greedy: this prompt's greedy continuation has no end-of-sequence in 200 tokens (no early finish)
+    body = {"model": "tiny", "prompt": "hello there", "max_tokens": max_tokens, "stream": stream, "temperature": 0}
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
             text = r.read().decode()
