@@ -58,6 +58,15 @@ for f in "$RUN"/workers*.json; do
     fi
   done
 done
+# Memory cgroups of the harness's workers (hack/pod_workers.py names them after the run dir); a harness
+# stopped normally removed its own.
+run_id=$(printf '%s' "$(realpath -m "$RUN")" | sha256sum | cut -c1-8)
+for d in /sys/fs/cgroup/memory/moeguard-pods-"$run_id"-* /sys/fs/cgroup/unified/moeguard-pods-"$run_id"-* \
+  /sys/fs/cgroup/moeguard-pods-"$run_id"-*; do
+  [ -d "$d" ] || continue
+  for p in $(cat "$d"/*/cgroup.procs 2>/dev/null); do log "stopping worker left in $d (pid $p)"; stop "$p"; done
+  find "$d" -depth -type d -exec rmdir {} \; 2>/dev/null || log "could not remove cgroup $d"
+done
 stop_named kwok kube-scheduler kube-controller-manager prometheus
 stop_named kube-apiserver
 stop_named etcd

@@ -173,13 +173,17 @@ start kube-controller-manager "$K8S/kube-controller-manager" "${common[@]}" \
   --service-account-private-key-file="$RUN/pki/sa.key" --use-service-account-credentials=true \
   --root-ca-file="$RUN/pki/apiserver/apiserver.crt"
 start kube-scheduler "$K8S/kube-scheduler" "${common[@]}" --secure-port="$SCHED_PORT" --cert-dir="$RUN/pki/scheduler"
+# kwok's own node stages and pod-complete; kwok's pod-ready and pod-delete are replaced by
+# hack/cluster/stages/: pods annotated harness.moeguard.dev/instance (taken by hack/pod_workers.py)
+# get their containers' states and readiness from that harness, all others are made Ready by kwok.
 stages=(node/fast/node-initialize.yaml node/heartbeat-with-lease/node-heartbeat-with-lease.yaml
-  pod/fast/pod-ready.yaml pod/fast/pod-complete.yaml pod/fast/pod-delete.yaml)
+  pod/fast/pod-complete.yaml)
 kwok_cfg=(--config="$HERE/cluster/kwok.yaml")
 for s in "${stages[@]}"; do
   [ -f "$KWOK_DIR/stage/$s" ] || die "kwok stage file $KWOK_DIR/stage/$s is missing (rebuild kwok)"
   kwok_cfg+=(--config="$KWOK_DIR/stage/$s")
 done
+for s in "$HERE"/cluster/stages/*.yaml; do kwok_cfg+=(--config="$s"); done
 start kwok "$KWOK_DIR/kwok" --kubeconfig="$RUN/kubeconfig" \
   --manage-all-nodes=false --manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake \
   --node-ip=127.0.0.1 --cidr=10.244.0.0/16 "${kwok_cfg[@]}"

@@ -1,19 +1,48 @@
 #!/usr/bin/env python3
-"""Test/demo harness, not product: one local worker process per Running moeguard worker pod.
+"""Test/demo harness, not product: each worker pod's container runs here as a process, as a kubelet
+would run it.
 
-kwok runs no containers. For each worker pod kwok marks Running, this starts
-``python -m moeguard_runtime`` here with the env of the pod's first container (values,
-downward API, resource limits), MOEGUARD_PORT = a free loopback port, and KUBECONFIG =
-a token of the pod's ServiceAccount (TokenRequest, bound to the pod: real RBAC). Each
-worker is a Prometheus file_sd target 127.0.0.1:<port>; <run dir>/workers.json maps
-namespace/pod -> port, pid, url, moeis. Pod gone or not Running: worker stopped.
+kwok runs no containers. This harness takes the pods its label selector matches (default: moeguard
+worker pods) and acts as their kubelet for what moeguard depends on:
+
+* **Which pods are the harness's.** On first sight it annotates a pod
+  ``harness.moeguard.dev/instance=<instance>``. The kwok stages in ``hack/cluster/stages/`` split on that
+  annotation: an annotated pod gets from kwok only what a node does before containers run (pod IP, start
+  time, ``ContainerCreating``; ``pod-start-harness.yaml``) and its Ready condition only from this
+  harness; every other pod (no harness running, e.g. the scale benchmark) is made Running and Ready by
+  kwok itself (``pod-ready-unmanaged.yaml``, kwok's ``pod-ready`` with one more selector line). A pod
+  that kwok already made Ready before the annotation landed (a lost race, logged) is taken over: its
+  status is rewritten by the harness from then on.
+* **The container** (:mod:`hack.pod_container`): ``python -m moeguard_runtime`` with the env of the
+  pod's first container (values, downward API, resource limits), MOEGUARD_PORT = a free loopback port
+  (kept across restarts), KUBECONFIG = a token of the pod's ServiceAccount (TokenRequest, bound to the
+  pod: real RBAC), in its own memory cgroup (:mod:`hack.memcg`) whose limit is
+  ``resources.limits.memory``: the kernel OOM-kills it where a node would. No writable memory cgroup:
+  the harness refuses to start, saying why.
+* **Test-only env**: the JSON object in the pod annotation ``harness.moeguard.dev/test-env`` is added to
+  the process env (e.g. the worker's fault switches, ``MOEGUARD_TEST_FAULTS=1`` and a leak rate, which the
+  CRD refuses in ``template.extraEnv``; set it through ``spec.template.annotations``).
+* **Status** (:mod:`hack.kubelet_status`): ``state.running`` / ``lastState.terminated`` (``OOMKilled``,
+  exit 137, when the cgroup counted a kill; else ``Error``), ``restartCount`` (every exit is restarted:
+  worker pods come from Deployments, restartPolicy Always), ``CrashLoopBackOff`` during the kubelet's back-off (10 s doubling to 5 min; ``--backoff-initial-seconds`` /
+  ``--backoff-max-seconds`` shorten it for tests), ``Ready`` from the container's HTTP readinessProbe
+  (path, period, thresholds from the pod spec, sent to the local port).
+* **Deletion** (``kubectl delete pod``, a rollout): SIGTERM, SIGKILL after the pod's grace period, then
+  the pod object is removed (grace 0). Without a harness kwok removes an annotated pod when its grace
+  period ends (``pod-delete-harness.yaml``).
+
+Each worker is a Prometheus file_sd target 127.0.0.1:<port>; <run dir>/workers.json maps
+namespace/pod -> port, pid, url, moeis, uid, cgroup, restarts.
 
     hack/pod_workers.py run | start | stop   # foreground | background (<run dir>/pids/pod-workers.pid)
+
+More in docs/local-cluster.md (what is and is not done as a kubelet would).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shlex
@@ -21,6 +50,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from decimal import Decimal
@@ -31,19 +61,50 @@ import urllib3
 from kubernetes import client, config, watch
 from kubernetes.utils import parse_quantity
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: `hack` importable
+from hack.kubelet_status import KUBELET_BACKOFF_INITIAL_S, KUBELET_BACKOFF_MAX_S
+from hack.memcg import MemcgUnavailable, MemoryCgroup, memory_hierarchy, remove_tree
+from hack.pod_container import Options, PodContainer
+
 ROOT = Path(__file__).resolve().parent.parent
 SELECTOR = "app.kubernetes.io/managed-by=moeguard,app.kubernetes.io/component=worker"  # stand-ins: own tests
 quantity: Callable[[str], Decimal] = parse_quantity
 
 
 def log(msg: str) -> None:
-    print(f"[pod-workers {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    """One line on stderr, written at once (pod worker threads log concurrently)."""
+    sys.stderr.write(f"[pod-workers {time.strftime('%H:%M:%S')}] {msg}\n")
+    sys.stderr.flush()
 
 
 def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
     (tmp := path.with_name(f".{path.name}.tmp")).write_text(text)
     tmp.chmod(mode)
     tmp.replace(path)
+
+
+ANNOTATION = "harness.moeguard.dev/instance"
+"""The pods a harness manages carry this annotation (value: its ``--instance``); kwok's stages key on it."""
+TEST_ENV_ANNOTATION = "harness.moeguard.dev/test-env"
+"""A JSON object of extra env for the pod's process (tests: the worker's fault switches)."""
+
+
+def test_env(annotations: dict[str, str] | None, key: str) -> dict[str, str]:
+    """The env in :data:`TEST_ENV_ANNOTATION`.
+
+    Raises:
+        ValueError: not a JSON object of strings (names the pod).
+    """
+    raw = (annotations or {}).get(TEST_ENV_ANNOTATION)
+    if raw is None:
+        return {}
+    try:
+        env = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{key}: annotation {TEST_ENV_ANNOTATION} is not JSON: {exc}") from None
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise ValueError(f"{key}: annotation {TEST_ENV_ANNOTATION} must be a JSON object of strings, given {raw!r}")
+    return env
 
 
 class Harness:
@@ -55,12 +116,28 @@ class Harness:
         self.api = client.CoreV1Api()
         self.namespace: str | None = args.namespace
         self.selector: str = args.selector
-        self.cmd = shlex.split(args.worker_cmd.replace("{python}", shlex.quote(sys.executable)))
+        self.instance: str = args.instance
         self.state_file = self.run_dir / f"workers{args.sfx}.json"
         self.targets, self.workers_dir = self.run_dir / "prometheus" / "targets", self.run_dir / "workers"
-        self.procs: dict[str, tuple[subprocess.Popen[bytes], dict[str, Any]]] = {}
+        self.pods: dict[str, PodContainer] = {}
+        self.lock = threading.Lock()
         self.targets.mkdir(parents=True, exist_ok=True)
         self.workers_dir.mkdir(parents=True, exist_ok=True)
+        hierarchy = memory_hierarchy()  # raises MemcgUnavailable, naming what it tried
+        run_id = hashlib.sha256(str(self.run_dir.resolve()).encode()).hexdigest()[:8]
+        self.cgroup_parent = f"moeguard-pods-{run_id}-{self.instance}"
+        remove_tree(hierarchy.mount / self.cgroup_parent)  # left by a harness that was killed
+        try:  # the whole path works (v2: the memory controller delegated down; a limit accepted), or say so now
+            MemoryCgroup.create(f"{self.cgroup_parent}/probe", 1 << 30, hierarchy).remove()
+        except OSError as exc:
+            raise MemcgUnavailable(f"cannot make a limited memory cgroup under {hierarchy.mount}/"
+                                   f"{self.cgroup_parent}: {exc}") from exc
+        self.options = Options(
+            cmd=shlex.split(args.worker_cmd.replace("{python}", shlex.quote(sys.executable))),
+            hierarchy=hierarchy, cgroup_parent=self.cgroup_parent, backoff_initial_s=args.backoff_initial_seconds,
+            backoff_max_s=args.backoff_max_seconds, cwd=ROOT)
+        log(f"memory cgroups: v{hierarchy.version} at {hierarchy.mount}/{self.cgroup_parent}; "
+            f"back-off {args.backoff_initial_seconds:g} s doubling to {args.backoff_max_seconds:g} s")
 
     def resolve_env(self, pod: Any) -> dict[str, str]:
         ctr, env = pod.spec.containers[0], {}
@@ -101,55 +178,78 @@ class Harness:
             "contexts": [{"name": "pod", "context": {"cluster": "c", "namespace": ns, "user": user}}]}), 0o600)
         return str(path)
 
-    def start_worker(self, pod: Any, key: str) -> None:
+    def start_pod(self, pod: Any, key: str) -> None:
         with socket.socket() as s:  # a free loopback port
             s.bind(("127.0.0.1", 0))
             port = int(s.getsockname()[1])
         ns, name = pod.metadata.namespace, pod.metadata.name
         pythonpath = os.pathsep.join(filter(None, [str(ROOT / "runtime"), os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, **self.resolve_env(pod), "MOEGUARD_PORT": str(port), "PYTHONPATH": pythonpath,
-               "KUBECONFIG": self.pod_kubeconfig(pod, key)}
-        with open(self.workers_dir / f"{ns}_{name}.log", "ab") as logf:
-            proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        env = {**os.environ, **self.resolve_env(pod), **test_env(pod.metadata.annotations, key),
+               "MOEGUARD_PORT": str(port), "PYTHONPATH": pythonpath, "KUBECONFIG": self.pod_kubeconfig(pod, key)}
+        as_json = client.ApiClient().sanitize_for_serialization(pod)  # type: ignore[no-untyped-call]
+        pc = PodContainer(key, as_json, env, port,
+                          self.workers_dir / f"{ns}_{name}.log", self.options, client.CoreV1Api(),
+                          self.changed, log)
+        pc.limit_bytes()  # no memory limit: refused here, before anything runs
         moeis = (pod.metadata.labels or {}).get("app.kubernetes.io/instance", "")
-        self.procs[key] = (proc, {"port": port, "pid": proc.pid, "url": f"http://127.0.0.1:{port}",
-                                  "moeis": moeis, "uid": pod.metadata.uid})
         target = [{"targets": [f"127.0.0.1:{port}"], "labels": {"namespace": ns, "pod": name, "moeis": moeis}}]
         write_atomic(self.targets / f"{ns}_{name}.json", json.dumps(target))
-        self.save()
-        log(f"{key}: worker pid {proc.pid} on 127.0.0.1:{port}")
+        with self.lock:
+            self.pods[key] = pc
+        pc.start()
 
-    def stop_worker(self, key: str, why: str) -> None:
-        proc, _ = self.procs.pop(key)
-        for f in (self.targets / f"{key.replace('/', '_')}.json",
-                  self.workers_dir / f"{key.replace('/', '_')}.kubeconfig"):
-            f.unlink(missing_ok=True)
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=10)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        self.save()  # after the process is reaped: the state file never lists a worker that is gone
-        log(f"{key}: worker pid {proc.pid} stopped ({why}, exit {proc.returncode})")
+    def changed(self, pc: PodContainer) -> None:
+        """A pod worker started a process or ended (called from its thread)."""
+        with self.lock:
+            if not pc.alive and self.pods.get(pc.key) is pc:
+                del self.pods[pc.key]
+                for f in (self.targets / f"{pc.key.replace('/', '_')}.json",
+                          self.workers_dir / f"{pc.key.replace('/', '_')}.kubeconfig"):
+                    f.unlink(missing_ok=True)
+            self.save()
 
     def save(self) -> None:
-        write_atomic(self.state_file, json.dumps({k: i for k, (_, i) in sorted(self.procs.items())}, indent=1))
+        state = {}
+        for key, pc in sorted(self.pods.items()):
+            if pc.proc is None:
+                continue
+            moeis = (pc.pod["metadata"].get("labels") or {}).get("app.kubernetes.io/instance", "")
+            state[key] = {"port": pc.port, "pid": pc.proc.pid, "url": f"http://127.0.0.1:{pc.port}", "moeis": moeis,
+                          "uid": pc.pod["metadata"]["uid"], "restarts": pc.restarts,
+                          "cgroup": str(pc.cgroup.path) if pc.cgroup else None}
+        write_atomic(self.state_file, json.dumps(state, indent=1))
 
     def reconcile(self, pod: Any, deleted: bool = False) -> None:
         key = f"{pod.metadata.namespace}/{pod.metadata.name}"
+        owner = (pod.metadata.annotations or {}).get(ANNOTATION)
         gone = deleted or pod.metadata.deletion_timestamp is not None
-        running = not gone and pod.status.phase == "Running"
-        if key in self.procs and (not running or self.procs[key][1]["uid"] != pod.metadata.uid):
-            self.stop_worker(key, "pod deleted" if gone else f"pod {pod.status.phase}")
-        if running and key not in self.procs:
+        with self.lock:
+            current = self.pods.get(key)
+        if current is not None and (gone or current.pod["metadata"]["uid"] != pod.metadata.uid):
+            grace = pod.metadata.deletion_grace_period_seconds
+            if grace is None:
+                grace = pod.spec.termination_grace_period_seconds if pod.spec.termination_grace_period_seconds \
+                    is not None else 30
+            current.terminate(float(grace), delete_pod=current.pod["metadata"]["uid"] == pod.metadata.uid)
+            return
+        if gone or current is not None:
+            return
+        if owner is None:  # take it: from now on kwok leaves its containers and readiness to us
+            ready = any(c.type == "Ready" and c.status == "True" for c in (pod.status.conditions or []))
+            if ready:
+                log(f"{key}: kwok made the pod Ready before the harness took it; the harness takes over")
             try:
-                self.start_worker(pod, key)
-            except Exception as exc:  # one bad pod must not stop the harness
-                log(f"{key}: cannot start a worker: {exc!r}")
+                self.api.patch_namespaced_pod(pod.metadata.name, pod.metadata.namespace,
+                                              {"metadata": {"annotations": {ANNOTATION: self.instance}}})
+            except client.ApiException as exc:
+                log(f"{key}: cannot annotate ({exc.status} {exc.reason})")
+            return
+        if owner != self.instance or not pod.status.pod_ip:
+            return  # another harness's, or kwok has not "started" the pod yet
+        try:
+            self.start_pod(pod, key)
+        except Exception as exc:  # one bad pod must not stop the harness
+            log(f"{key}: cannot start a worker: {exc!r}")
 
     def run(self, ready_file: Path) -> None:
         # watch.stream reads the return type from the docstring of the API's own list function
@@ -159,8 +259,10 @@ class Harness:
             try:
                 pods = fn(*fn_args, label_selector=self.selector)
                 seen = {f"{p.metadata.namespace}/{p.metadata.name}" for p in pods.items}
-                for key in [k for k in self.procs if k not in seen]:
-                    self.stop_worker(key, "pod gone")
+                with self.lock:
+                    vanished = [pc for k, pc in self.pods.items() if k not in seen]
+                for pc in vanished:
+                    pc.terminate(0, delete_pod=False)
                 for p in pods.items:
                     self.reconcile(p)
                 if not ready_file.exists():  # `start` waits for this file
@@ -177,8 +279,14 @@ class Harness:
                 time.sleep(1)
 
     def stop_all(self) -> None:
-        for key in list(self.procs):
-            self.stop_worker(key, "harness stopping")
+        """Stop every worker (SIGTERM, up to 10 s); the pods stay (the harness, not the pods, goes)."""
+        with self.lock:
+            pods = list(self.pods.values())
+        for pc in pods:
+            pc.terminate(10.0, delete_pod=False)
+        for pc in pods:
+            pc.join(30)
+        remove_tree(self.options.hierarchy.mount / self.cgroup_parent)
         self.state_file.unlink(missing_ok=True)
 
 
@@ -189,8 +297,15 @@ def main() -> int:
     p.add_argument("--namespace", "-n", default=None, help="watch one namespace (default: all)")
     p.add_argument("--selector", default=f"{SELECTOR},!harness.moeguard.dev/stand-in", help="label selector")
     p.add_argument("--worker-cmd", default="{python} -m moeguard_runtime", help="{python}: this interpreter")
-    p.add_argument("--instance", default="default", help="names this harness's pid, state and log files")
+    p.add_argument("--instance", default="default", help="names this harness's pid, state and log files, "
+                   f"and is the value of the {ANNOTATION} annotation on the pods it takes")
+    p.add_argument("--backoff-initial-seconds", type=float, default=KUBELET_BACKOFF_INITIAL_S,
+                   help="the crash-loop back-off's first wait (kubelet: 10)")
+    p.add_argument("--backoff-max-seconds", type=float, default=KUBELET_BACKOFF_MAX_S,
+                   help="the crash-loop back-off's cap (kubelet: 300); it resets after 2x this running")
     args = p.parse_args()
+    if not 0 < args.backoff_initial_seconds <= args.backoff_max_seconds:
+        p.error("need 0 < --backoff-initial-seconds <= --backoff-max-seconds")
     run_dir, sfx = Path(args.run_dir), ("" if args.instance == "default" else f"-{args.instance}")
     pid_file, log_file = run_dir / "pids" / f"pod-workers{sfx}.pid", run_dir / "logs" / f"pod-workers{sfx}.log"
     pid = pid_file.read_text().strip() if pid_file.exists() else ""
@@ -215,6 +330,8 @@ def main() -> int:
         log_file.parent.mkdir(parents=True, exist_ok=True)
         pid_file.unlink(missing_ok=True)
         argv = ["--selector", args.selector, "--worker-cmd", args.worker_cmd, "--instance", args.instance,
+                "--backoff-initial-seconds", str(args.backoff_initial_seconds),
+                "--backoff-max-seconds", str(args.backoff_max_seconds),
                 *(["--namespace", args.namespace] if args.namespace else []),
                 "--run-dir", f"{run_dir}/"]  # the "/" lets cluster-down.sh see it is the run dir's
         with open(log_file, "ab") as logf:
@@ -223,7 +340,8 @@ def main() -> int:
         deadline = time.monotonic() + 30
         while not pid_file.exists():
             if child.poll() is not None or time.monotonic() > deadline:
-                log(f"did not start (exit {child.poll()}); see {log_file}")
+                tail = log_file.read_text(errors="replace").strip().splitlines()[-5:]
+                log(f"did not start (exit {child.poll()}); see {log_file}:\n" + "\n".join(tail))
                 return 1
             time.sleep(0.1)
         log(f"started (pid {child.pid}, log {log_file})")
@@ -233,7 +351,11 @@ def main() -> int:
         log(f"already running (pid {pid})")
         return 1
     args.sfx = sfx
-    harness = Harness(args)
+    try:
+        harness = Harness(args)
+    except MemcgUnavailable as exc:
+        log(f"ERROR: {exc}: the harness confines each worker like a container and cannot run without it")
+        return 1
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: sys.exit(0))
     try:

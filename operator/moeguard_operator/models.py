@@ -680,6 +680,9 @@ class Observed(_Model):
     """Worker container restarts, summed over the current pods."""
     silent_pods: list[str] = Field(default_factory=list)
     """Running worker pods with no metrics in Prometheus."""
+    crash_looping_pods: list[str] = Field(default_factory=list)
+    """Worker pods in the kubelet's crash-loop back-off (``CrashLoopBackOff``, or restarted after one and
+    not ready since); budgets do not loosen while any is."""
 
 
 class ControlStatus(_Model):

@@ -1,6 +1,10 @@
 """Pure reading of worker pods (as the API returns them, in JSON form): which are
-Running, how often they restarted, which containers were OOM-killed when, and why
-containers that are not ready failed to start."""
+Running, how often they restarted, which containers were OOM-killed when, which pods are
+crash-looping, and why containers that are not ready failed to start.
+
+The fields read are those the kubelet writes (``containerStatuses[]``: ``state``,
+``lastState.terminated`` with ``reason`` ``OOMKilled`` / ``Error`` and ``exitCode``,
+``restartCount``, ``ready``; ``state.waiting.reason: CrashLoopBackOff`` during its back-off)."""
 
 from __future__ import annotations
 
@@ -21,6 +25,11 @@ class PodFacts:
         startup_failures: (pod, what the kubelet says) for each container that is not ready and failed:
             exited non-zero (its termination message: the worker writes why there, e.g. a bad
             checkpoint) or waits in an error state (CrashLoopBackOff, ImagePullBackOff, …).
+        crash_looping: pods (not being deleted) with a container in the kubelet's crash-loop back-off:
+            ``state.waiting.reason: CrashLoopBackOff``, or restarted again after one (``restartCount``
+            >= 2, the kubelet backs off from the second restart on) and not ready since, with a failed
+            last termination; so the name does not flicker while the container runs between back-offs.
+            The outer loop must not loosen budgets while this is non-empty.
     """
 
     running: tuple[str, ...]
@@ -28,6 +37,7 @@ class PodFacts:
     oom_kills: tuple[tuple[str, str, datetime], ...]
     started: tuple[tuple[str, datetime], ...] = ()
     startup_failures: tuple[tuple[str, str], ...] = ()
+    crash_looping: tuple[str, ...] = ()
 
     def running_since(self, before: datetime) -> tuple[str, ...]:
         """Running pods whose worker started no later than ``before``."""
@@ -96,9 +106,19 @@ def container_failure(cs: dict[str, Any]) -> str | None:
     return f"container {name} {waiting['reason']}" + (f": {message}" if message else "")
 
 
+def crash_looping(cs: dict[str, Any]) -> bool:
+    """Whether a container (one ``containerStatuses[]`` entry) is in a crash loop (see
+    :attr:`PodFacts.crash_looping`)."""
+    state, last = cs.get("state") or {}, (cs.get("lastState") or {}).get("terminated") or {}
+    if ((state.get("waiting") or {}).get("reason")) == "CrashLoopBackOff":
+        return True
+    failed = bool(last) and (last.get("exitCode") not in (None, 0) or last.get("reason") == "OOMKilled")
+    return failed and not cs.get("ready") and int(cs.get("restartCount") or 0) >= 2
+
+
 def pod_facts(pods: list[dict[str, Any]]) -> PodFacts:
     """Summarize pods (``kubectl get pods -o json``'s items) into :class:`PodFacts`."""
-    running, restarts, ooms, started, failures = [], 0, [], [], []
+    running, restarts, ooms, started, failures, looping = [], 0, [], [], [], set()
     for pod in pods:
         meta, status = pod.get("metadata", {}), pod.get("status", {}) or {}
         name = meta.get("name", "")
@@ -112,6 +132,8 @@ def pod_facts(pods: list[dict[str, Any]]) -> PodFacts:
             started.append((name, max(since_known)))
         for cs in status.get("containerStatuses") or []:
             restarts += int(cs.get("restartCount") or 0)
+            if not meta.get("deletionTimestamp") and crash_looping(cs):
+                looping.add(name)
             failure = None if meta.get("deletionTimestamp") else container_failure(cs)
             if failure is not None:
                 failures.append((name, failure))
@@ -121,4 +143,4 @@ def pod_facts(pods: list[dict[str, Any]]) -> PodFacts:
                 if term.get("reason") == "OOMKilled" and finished is not None:
                     ooms.append((name, cs.get("name", ""), finished))
     return PodFacts(tuple(sorted(running)), restarts, tuple(sorted(set(ooms))), tuple(sorted(started)),
-                    tuple(sorted(failures)))
+                    tuple(sorted(failures)), tuple(sorted(looping)))

@@ -184,9 +184,10 @@ def _round(value: float | None, digits: int) -> float | None:
 
 
 def observed(prior: Observed | None, obs: Observation, restarts: int, now: datetime,
-             eta: float | None = None) -> Observed:
+             eta: float | None = None, crash_looping: tuple[str, ...] = ()) -> Observed:
     """``status.observed`` after one look: missing values stay null; OOM kills add up; ``eta``: the
-    projected seconds to the hard limit (:attr:`policy.LeakVerdict.seconds_to_limit`; inf or None: null)."""
+    projected seconds to the hard limit (:attr:`policy.LeakVerdict.seconds_to_limit`; inf or None: null);
+    ``crash_looping``: :attr:`podstate.PodFacts.crash_looping`."""
     mem = obs.memory_ratio
     return Observed(
         time=now,
@@ -201,12 +202,13 @@ def observed(prior: Observed | None, obs: Observation, restarts: int, now: datet
         oom_kills=(prior.oom_kills if prior else 0) + obs.new_oom_kills,
         restarts=restarts,
         silent_pods=list(obs.silent_pods),
+        crash_looping_pods=list(crash_looping),
     )
 
 
 def looked(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, obs: Observation, decision: Decision,
            document: BudgetDocument | None, restarts: int, now: datetime,
-           generation: int | None) -> tuple[MoEInferenceServiceStatus, list[Event]]:
+           generation: int | None, crash_looping: tuple[str, ...] = ()) -> tuple[MoEInferenceServiceStatus, list[Event]]:
     """The status and Events after one look and its decision; ``document``: the budget document
     written for it (None when budgets and overload mode stayed)."""
     control, nxt, events = spec.control, decision.state, []
@@ -268,6 +270,7 @@ def looked(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, obs:
         "last_blind_time": nxt.last_blind,
     })
     status = prior.model_copy(update={**update, "observed": observed(prior.observed, obs, restarts, now,
-                                                            None if decision.leak is None else decision.leak.seconds_to_limit),
+                                                            None if decision.leak is None else decision.leak.seconds_to_limit,
+                                                            crash_looping),
                                       "conditions": conditions, "control": loop})
     return status, events

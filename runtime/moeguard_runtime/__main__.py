@@ -14,6 +14,7 @@ from collections.abc import Mapping
 # Set OMP_WAIT_POLICY=ACTIVE in the environment to override.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import signal
 import sys
 import threading
 import time
@@ -101,7 +102,7 @@ def main(env: Mapping[str, str] | None = None) -> int:
     app = create_app(slot, settings.max_body_bytes)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                             access_log=False, timeout_graceful_shutdown=2)
-    server = uvicorn.Server(config)
+    server = _draining_server(uvicorn, config, slot, settings.drain_s, log)
     threading.Thread(target=_stop_on_failure, args=(failed, server), daemon=True).start()
     server.run()
     if slot.worker is not None:
@@ -175,6 +176,42 @@ def _fail(log: RateLimitedLog, event: str, error: str) -> None:
     ``lastState.terminated.message``, which the operator puts in its Ready condition)."""
     log.event(event, force=True, error=error)
     write_termination_message(f"{event}: {error}")
+
+
+DRAIN_POLL_S = 0.1
+
+
+def _draining_server(uvicorn: Any, config: Any, slot: WorkerSlot, drain_s: float, log: RateLimitedLog) -> Any:
+    """A uvicorn server whose first SIGTERM drains (Kubernetes stops a pod with SIGTERM, then SIGKILL
+    after ``terminationGracePeriodSeconds``): the worker stops admitting (new requests get 503
+    ``shutting_down`` with Retry-After, ``/readyz`` 503) while it keeps serving; the requests it accepted
+    finish, or after ``drain_s`` seconds are ended with a 503 error (an SSE error event for a stream
+    already answering): none is lost silently. Then the server stops and the process exits 0. A second
+    SIGTERM, or SIGINT, stops at once (uvicorn's own handling)."""
+
+    class DrainingServer(uvicorn.Server):  # type: ignore[misc]
+        draining = False
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if sig == signal.SIGTERM and not self.draining:
+                self.draining = True
+                threading.Thread(target=self._drain, name="drain", daemon=True).start()
+                return
+            super().handle_exit(sig, frame)
+
+        def _drain(self) -> None:
+            worker, t0 = slot.worker, time.monotonic()
+            if worker is not None:
+                worker.drain()
+                while worker.in_flight() and time.monotonic() - t0 < drain_s:
+                    time.sleep(DRAIN_POLL_S)
+                if worker.in_flight():
+                    worker.cut(f"the worker is shutting down (SIGTERM) and the request did not finish within "
+                               f"the drain period of {drain_s:g} s; retry on another replica")
+            log.event("drain_done", force=True, seconds=round(time.monotonic() - t0, 3))
+            self.should_exit = True
+
+    return DrainingServer(config)
 
 
 def _stop_on_failure(failed: threading.Event, server: Any) -> None:

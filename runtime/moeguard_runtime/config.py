@@ -60,6 +60,10 @@ ENV_OVERLOAD_MAX_CONTEXT_TOKENS = "MOEGUARD_OVERLOAD_MAX_CONTEXT_TOKENS"
 """Context cap while overload is on, when the budget document sets none (default: half the model's)."""
 ENV_MAX_BODY_BYTES = "MOEGUARD_MAX_BODY_BYTES"
 """Largest request body accepted (default 1 MiB); beyond it, HTTP 413."""
+ENV_DRAIN_SECONDS = "MOEGUARD_DRAIN_SECONDS"
+"""On SIGTERM, how long accepted requests may finish before the rest are cut with an error (default 25 s:
+under Kubernetes' default terminationGracePeriodSeconds of 30, after which the kubelet sends SIGKILL)."""
+DEFAULT_DRAIN_SECONDS = 25.0
 ENV_SERVED_MODEL_NAME = "MOEGUARD_SERVED_MODEL_NAME"
 """The model name GET /v1/models reports and requests must name (default: the preset's name,
 which stays accepted as an alias)."""
@@ -113,6 +117,8 @@ class Settings:
     """Resolved dtype name (``float32``, ``bfloat16`` or ``float16``)."""
     served_model_name: str = ""
     """``ENV_SERVED_MODEL_NAME``, or the preset's name when unset."""
+    drain_s: float = DEFAULT_DRAIN_SECONDS
+    """``ENV_DRAIN_SECONDS``: seconds accepted requests may take to finish after SIGTERM."""
 
     @property
     def torch_device(self) -> torch.device:
@@ -318,4 +324,12 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         device=device,
         dtype=dtype,
         served_model_name=(env.get(ENV_SERVED_MODEL_NAME) or "").strip() or preset,
+        drain_s=_drain_seconds(env),
     )
+
+
+def _drain_seconds(env: Mapping[str, str]) -> float:
+    value = _float(env, ENV_DRAIN_SECONDS, DEFAULT_DRAIN_SECONDS)
+    if not 0 <= value <= 3600:
+        raise ConfigError(f"{ENV_DRAIN_SECONDS}={value:g} must be between 0 and 3600 seconds")
+    return value

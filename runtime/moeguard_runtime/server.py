@@ -18,7 +18,8 @@ Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``:
 * 429 with ``Retry-After``: over ``max_concurrent_requests`` or a queue bound
   (TGI: "Model is overloaded"); the message names the cap;
 * 503 with ``Retry-After``: above the hard memory limit, queue timeout, a
-  context over the overload threshold, out of memory, or the model still loading.
+  context over the overload threshold, out of memory, the model still loading, or
+  shutting down (``shutting_down``: after SIGTERM, see ``__main__._draining_server``).
 
 Fields: those of OpenAI ``POST /v1/completions`` and ``POST /v1/chat/completions``
 that the worker honours (:mod:`moeguard_runtime.openai_schema`), plus

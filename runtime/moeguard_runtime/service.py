@@ -36,7 +36,7 @@ from moeguard_runtime.procmem import (
     read_device_memory,
     read_process_memory,
 )
-from moeguard_runtime.scheduler import OverloadPolicy, Scheduler
+from moeguard_runtime.scheduler import OverloadPolicy, Rejected, Scheduler
 from moeguard_runtime.step_loop import IDLE_WAIT_S, StepLoop
 from moeguard_runtime.step_telemetry import log_memory_snapshot
 from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
@@ -68,6 +68,7 @@ class Worker:
         self.budget_generation = NO_GENERATION
         self._leaker = FaultLeaker.from_faults(settings.faults)
         self._stop = threading.Event()
+        self._draining = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         telemetry.set_budgets(settings.budgets)
         self.overload_trigger.apply(self.scheduler)
@@ -89,11 +90,36 @@ class Worker:
         self._leaker.start()
 
     def stop(self) -> None:
+        """Stop the engine thread (after a drain: nothing is in flight)."""
         self._leaker.stop()
         self._stop.set()
         with self.loop.cond:
             self.loop.cond.notify_all()
         self._thread.join(timeout=5)
+
+    def drain(self) -> None:
+        """Stop admitting (SIGTERM): :meth:`submit` refuses with 503 ``shutting_down``, readiness fails;
+        what was accepted runs on (:meth:`in_flight`) until it ends or :meth:`cut` ends it."""
+        self._draining = True
+        self.log.event("drain_start", force=True, in_flight=len(self.loop.in_flight()))
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def in_flight(self) -> int:
+        """Requests accepted and not yet ended."""
+        return len(self.loop.in_flight())
+
+    def cut(self, message: str) -> int:
+        """End every request still in flight with a 503 ``shutting_down`` error (a JSON 503 with
+        Retry-After, or an SSE error event for a stream already answering); returns how many."""
+        ids = self.loop.in_flight()
+        if ids:
+            self.telemetry.rejections.labels(**self.telemetry.l(reason="shutting_down")).inc(len(ids))
+            self.loop.fail(ids, 503, "shutting_down", message)
+        self.log.event("drain_cut", force=True, requests=len(ids))
+        return len(ids)
 
     @property
     def alive(self) -> bool:
@@ -108,6 +134,8 @@ class Worker:
         """Why ``/readyz`` answers 503, or None when ready: the engine loop stopped, memory above
         the hard limit, or, with a budget ConfigMap named (``MOEGUARD_BUDGET_CONFIGMAP``), no valid
         budget document applied yet (the env's defaults are never served in place of the spec's)."""
+        if self._draining:
+            return "shutting down (SIGTERM): draining the requests in flight"
         if not self.alive:
             return "engine loop stopped"
         if self.memory.state == MemoryState.HARD:
@@ -136,7 +164,10 @@ class Worker:
     # --- called from HTTP handlers ------------------------------------------------
     def submit(self, request: GenerationRequest, sink: Sink) -> None:
         """Queue ``request``; raises :class:`scheduler.Rejected` (reason ``memory_hard_limit``
-        above the hard limit, else the scheduler's caps and queue bounds)."""
+        above the hard limit, ``shutting_down`` after SIGTERM, else the scheduler's caps and queue bounds)."""
+        if self._draining:
+            raise Rejected("shutting_down", "the worker is shutting down (SIGTERM); retry on another replica",
+                           retry_after_s=1, status=503)
         self.memory.refuse_above_hard()
         self.loop.submit(request, sink)
 

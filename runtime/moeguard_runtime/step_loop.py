@@ -78,6 +78,11 @@ class StepLoop:
                 self._to_release.append(req_id)
                 self.update_queue_gauges()
 
+    def in_flight(self) -> list[str]:
+        """Ids of the requests accepted and not yet ended (queued or running)."""
+        with self.cond:
+            return list(self._active)
+
     def update_queue_gauges(self) -> None:
         """Call with the lock held."""
         self.telemetry.set_queue(self.scheduler.queue_requests, self.scheduler.queue_tokens,

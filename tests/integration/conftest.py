@@ -3,9 +3,12 @@
 * ``cluster`` (session): reuses a healthy cluster in the run dir
   (``$MOEGUARD_RUN_DIR``, default /tmp/moeguard-run) or starts one, and stops it
   at the end only if it started it (``MOEGUARD_KEEP_CLUSTER=1`` keeps it).
-* ``pod_workers`` (session): hack/pod_workers.py in the background, so every
-  Running worker pod gets a local worker process (``MOEGUARD_WORKER_CMD``
-  overrides the command, default ``{python} -m moeguard_runtime``).
+* ``pod_workers`` (session): hack/pod_workers.py in the background, the kubelet of
+  the worker pods: each runs as a local worker process in a memory cgroup with the
+  pod's limit, its kills, restarts and readiness written to the pod status
+  (docs/local-cluster.md; ``MOEGUARD_WORKER_CMD`` overrides the command, default
+  ``{python} -m moeguard_runtime``). Without a writable memory cgroup it fails to
+  start, and the tests that use it fail with its message.
 * ``namespace`` (function): a fresh namespace, deleted afterwards.
 """
 

@@ -1,5 +1,6 @@
 """The outer loop against real failures: Prometheus going away (C7), a silent pod (C8),
-an OOM kill, scaling, and what rolls the workers and what does not.
+an OOM kill (a real one: the kernel kills a leaking worker in its memory cgroup, hack/pod_workers.py
+writes the pod status as the kubelet does), scaling, and what rolls the workers and what does not.
 
 Scale: the scenarios' minutes become seconds here (query interval 2 s, window 10 s,
 stabilization 6 s); the shapes are kept.
@@ -13,7 +14,8 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -148,34 +150,72 @@ def test_c8_one_silent_pod_is_named_and_never_read_as_healthy(
     wait_cr(cluster, ns, name, lambda o: o["status"]["observed"]["silentPods"] == [], 60, "silent pod back")
 
 
-def test_oom_kill_tightens_at_once_scale_and_rollout(
+LEAK_RATE_BYTES_PER_SECOND = 32 << 20
+"""The worker (about 400 MiB once loaded) reaches its 1 GiB limit about 20 s after it starts."""
+LEAKING: dict[str, Any] = {
+    "resources": {"gpus": 1, "softLimit": "960Mi", "hardLimit": "1Gi"},
+    # the harness adds this env to the worker process (the CRD refuses MOEGUARD_* in template.extraEnv)
+    "template": {"annotations": {"harness.moeguard.dev/test-env": json.dumps({
+        "MOEGUARD_TEST_FAULTS": "1", "MOEGUARD_FAULT_LEAK_ANON_BYTES_PER_SECOND": str(LEAK_RATE_BYTES_PER_SECOND)})}},
+}
+
+
+def cgroup_oom_kills(cgroup: str) -> int:
+    """The kernel's count of OOM kills in a worker's cgroup (v1 ``memory.oom_control``, v2 ``memory.events``)."""
+    path = Path(cgroup)
+    text = (path / "memory.oom_control" if (path / "memory.oom_control").exists() else path / "memory.events").read_text()
+    return int(text.split("oom_kill ")[1].split()[0])
+
+
+def test_a_real_oom_kill_tightens_at_once_scale_and_rollout(
         cluster: Cluster, operator: None, pod_workers: PodWorkers, namespace: str) -> None:
+    """A worker that leaks past its memory limit (1 GiB, the pod's container limit = hardLimit) is killed
+    by the kernel in its cgroup; the harness writes the pod status as the kubelet does and restarts it."""
     ns, name = namespace, "oom"
-    (url,) = start(cluster, ns, name, pod_workers, control=SPEC["control"] | {"queryIntervalSeconds": 3600, "windowSeconds": 3600})
+    (url,) = start(cluster, ns, name, pod_workers, **LEAKING,
+                   control=SPEC["control"] | {"queryIntervalSeconds": 3600, "windowSeconds": 3600})
     dep_gen = cluster.kubectl_json("-n", ns, "get", "deployment", f"{name}-worker")["metadata"]["generation"]
-    pod = cluster.kubectl_json("-n", ns, "get", "pods", "-l", f"app.kubernetes.io/instance={name}")["items"][0]
-    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    status = {"status": {"containerStatuses": [{
-        "name": "worker", "ready": True, "restartCount": 1, "image": pod["spec"]["containers"][0]["image"],
-        "imageID": "", "started": True, "state": {"running": {"startedAt": now}},
-        "lastState": {"terminated": {"reason": "OOMKilled", "exitCode": 137, "startedAt": now, "finishedAt": now}},
-    }]}}
-    cluster.kubectl("-n", ns, "patch", "pod", pod["metadata"]["name"], "--subresource=status", "--type=merge",
-                    "-p", json.dumps(status))
+    pod_name = cluster.kubectl_json("-n", ns, "get", "pods", "-l", f"app.kubernetes.io/instance={name}")["items"][0][
+        "metadata"]["name"]
+    first = pod_workers.state()[f"{ns}/{pod_name}"]
+    # The worker's memory guard reads the figure the kernel compares: its own cgroup's usage and limit.
+    log = (cluster.run_dir / "workers" / f"{ns}_{pod_name}.log").read_text()
+    assert f"cgroup_limit_bytes={1 << 30} cgroup_path={first['cgroup']} " in log, log[-2000:]
+    (usage,) = [(lbl, v) for lbl, v in stack.scrape(url, "moeguard_memory_usage_bytes")]
+    assert usage[0]["source"] in ("cgroup_v1", "cgroup_v2") and 100 << 20 < usage[1] < 1 << 30, usage
+
+    def killed() -> dict[str, Any] | None:
+        pod = cluster.kubectl_json("-n", ns, "get", "pod", pod_name)
+        cs = (pod["status"].get("containerStatuses") or [{}])[0]
+        return cs if (cs.get("lastState") or {}).get("terminated") else None
+
+    cs = wait(killed, DEADLINE, "the kernel's OOM kill in the pod status")
+    term = cs["lastState"]["terminated"]
+    assert (term["reason"], term["exitCode"]) == ("OOMKilled", 137), cs
+    assert term["startedAt"] <= term["finishedAt"] and cs["restartCount"] == 1
+    assert cgroup_oom_kills(first["cgroup"]) >= 1, "the kernel, not a status patch, killed it"
     # queryIntervalSeconds is an hour: only the OOM kill can make this move, and it must not wait for it.
-    obj = wait_cr(cluster, ns, name, lambda o: o["status"].get("observed", {}).get("oomKills") == 1, DEADLINE,
+    obj = wait_cr(cluster, ns, name, lambda o: o["status"].get("observed", {}).get("oomKills", 0) >= 1, DEADLINE,
                   "OOM kill seen")
     b = obj["status"]["budgets"]
     assert (b["maxPrefillTokens"], b["maxDecodeTokens"], b["maxBatchRequests"]) == (1024, 32, 8)
-    assert "1 OOM kill(s)" in obj["status"]["lastAdjustment"]["reason"]
+    assert "OOM kill(s)" in obj["status"]["lastAdjustment"]["reason"]
+    tightened = datetime.fromisoformat(obj["status"]["lastAdjustment"]["time"])
+    print(f"\nkernel kill (finishedAt {term['finishedAt']}) to the operator's tightening: "
+          f"{(tightened - datetime.fromisoformat(term['finishedAt'])).total_seconds():.1f} s (whole-second finishedAt)")
     assert obj["status"]["overloadMode"] == "On" and cond(obj, "Overloaded")["status"] == "True"
     assert ("Warning", "OOMKilled") in [(t, r) for t, r, _ in reasons(cluster, ns, name)]
     cm = cluster.kubectl_json("-n", ns, "get", "configmap", f"{name}-budget")
     doc = json.loads(cm["data"]["budget.json"])
     assert doc["overloadMode"] == "On" and doc["budgets"]["maxDecodeTokens"] == 32
-    # ... and the worker applies both from its ConfigMap.
+    # ... and the restarted worker (same pod, same port, a new process) applies both from its ConfigMap.
+    wait(lambda: pod_workers.state().get(f"{ns}/{pod_name}", first)["pid"] != first["pid"], DEADLINE,
+         "the restarted worker")
     def worker_overloaded() -> bool:
-        samples = stack.scrape(url, "moeguard_overload_active")
+        try:  # the restarted worker listens once its model is loaded
+            samples = stack.scrape(url, "moeguard_overload_active")
+        except httpx.HTTPError:
+            return False
         return any(lbl.get("source") == "operator" and v == 1.0 for lbl, v in samples)
 
     wait(worker_overloaded, DEADLINE, "the worker to enter overload mode")
@@ -186,21 +226,35 @@ def test_oom_kill_tightens_at_once_scale_and_rollout(
     # A budget change travels through the ConfigMap: the workers do not roll.
     assert cluster.kubectl_json("-n", ns, "get", "deployment", f"{name}-worker")["metadata"]["generation"] == dep_gen
 
+    def rolled(after: int) -> dict[str, Any] | None:
+        d: dict[str, Any] = cluster.kubectl_json("-n", ns, "get", "deployment", f"{name}-worker")
+        return d if d["metadata"]["generation"] > after else None
+
+    # The leak removed: a spec change rolls the workers (the old pod gets SIGTERM from the harness).
+    cluster.kubectl("-n", ns, "patch", "moeis", name, "--type=merge", "-p",
+                    json.dumps({"spec": {"template": {"annotations": None}}}))
+    dep = wait(lambda: rolled(dep_gen), 30, "Deployment rolled")
+    dep_gen = dep["metadata"]["generation"]
+
+    def rolled_out() -> bool:
+        st = cluster.kubectl_json("-n", ns, "get", "deployment", f"{name}-worker")["status"]
+        return bool(st.get("observedGeneration", 0) >= dep_gen and st.get("updatedReplicas") == 1
+                    and st.get("readyReplicas") == 1 and st.get("replicas") == 1)
+    wait(rolled_out, 120, "the rollout done: the new worker ready, the old pod gone")
+
     # The scale subresource: kubectl scale works on the resource itself.
     cluster.kubectl("-n", ns, "scale", "moeis", name, "--replicas=2")
     wait(lambda: cluster.kubectl_json("-n", ns, "get", "deployment", f"{name}-worker")["spec"]["replicas"] == 2,
          30, "Deployment scaled to 2")
     wait_cr(cluster, ns, name, lambda o: o["status"].get("readyReplicas") == 2, 120, "2 ready replicas")
+    dep_gen = cluster.kubectl_json("-n", ns, "get", "deployment", f"{name}-worker")["metadata"]["generation"]
 
     # A spec change rolls the workers.
     cluster.kubectl("-n", ns, "patch", "moeis", name, "--type=merge", "-p", json.dumps({"spec": {"ucx": {"mode": "rcache"}}}))
-    def rolled() -> dict[str, Any] | None:
-        d: dict[str, Any] = cluster.kubectl_json("-n", ns, "get", "deployment", f"{name}-worker")
-        return d if d["metadata"]["generation"] > dep_gen + 1 else None
-
-    dep = wait(rolled, 30, "Deployment rolled")
+    dep = wait(lambda: rolled(dep_gen), 30, "Deployment rolled")
     env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert "UCX_MEM_MMAP_HOOK_MODE" not in env and env["UCX_RCACHE_MAX_UNRELEASED"] == "1024"
+    assert "harness.moeguard.dev/test-env" not in (dep["spec"]["template"]["metadata"].get("annotations") or {})
     # Nothing the operator wrote touched the spec (GitOps sees no drift).
     final = cluster.kubectl_json("-n", ns, "get", "moeis", name, "--show-managed-fields")
     managers = {m["manager"] for m in final["metadata"]["managedFields"] if "f:spec" in json.dumps(m.get("fieldsV1", {}))}

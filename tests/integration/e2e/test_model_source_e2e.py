@@ -1,11 +1,12 @@
 """spec.model.source with the operator running against the real local control plane.
 
-* A worker that cannot load its checkpoint: its pod status, as the kubelet writes it, becomes the
-  service's Ready=False condition (reason WorkerStartupFailed) with the worker's own message, and one
-  Warning Event. kwok runs no containers and the pod-workers harness cannot yet crash a worker, so the
-  test writes that pod status through the API (the status subresource, which is what the kubelet
-  writes): a crash loop whose last termination carries the message the worker leaves in
-  /dev/termination-log (``telemetry.write_termination_message``) before it exits 3.
+* A worker that cannot load its checkpoint: the worker really runs (hack/pod_workers.py) and exits 3,
+  its checkpoint folder (the claim's mount path) being absent here; the harness restarts it and backs
+  off as the kubelet does, and writes the pod status as the kubelet does: a crash loop whose last
+  termination carries the log's tail (``terminationMessagePolicy: FallbackToLogsOnError``: outside a
+  container there is no /dev/termination-log). That status becomes the service's Ready=False condition
+  (reason WorkerStartupFailed) with the worker's own message, one Warning Event, and the pod named in
+  ``status.observed.crashLoopingPods``.
 * A hostPath source on an operator run without ``--allow-host-path-models``: Stalled, HostPathNotAllowed.
 * An image source on this API server (1.34, ImageVolume feature gate off): Stalled, VolumeDropped.
 """
@@ -19,12 +20,12 @@ from typing import Any
 
 import pytest
 from hack import stack
-from tests.integration.conftest import Cluster
-from tests.integration.e2e.helpers import moeis, ready_status, wait, wait_cr
+from tests.integration.conftest import Cluster, PodWorkers
+from tests.integration.e2e.helpers import moeis, wait, wait_cr
 
 RESOURCES = {"gpus": 1, "softLimit": "3Gi", "hardLimit": "4Gi"}
-MESSAGE = ("model_load_error: /moeguard/model/tiny/model-00002-of-00002.safetensors: missing shard "
-           "(named by model.safetensors.index.json)")
+MISSING = "/moeguard/model/tiny"
+"""The checkpoint folder the worker is given (the claim's mount path + subPath): absent on this machine."""
 
 
 @pytest.fixture
@@ -49,33 +50,14 @@ def bound_claim(cluster: Cluster, namespace: str) -> Iterator[str]:
         cluster.kubectl("delete", "pv", pv, "--wait=false", check=False)
 
 
-def _crash_loop_status(pod: dict[str, Any]) -> dict[str, Any]:
-    """The pod status the kubelet writes for a worker that exited 3 with ``MESSAGE`` and is backing off."""
-    started = pod["status"].get("startTime", "2026-11-30T10:00:00Z")
-    waiting = {"reason": "CrashLoopBackOff",
-               "message": f"back-off 40s restarting failed container=worker pod={pod['metadata']['name']}"}
-    return {"status": {
-        "phase": "Running",
-        "conditions": [{"type": t, "status": "False", "reason": "ContainersNotReady",
-                        "lastTransitionTime": started} for t in ("Ready", "ContainersReady")]
-                      + [{"type": "PodScheduled", "status": "True", "lastTransitionTime": started}],
-        "containerStatuses": [{
-            "name": "worker", "ready": False, "started": False, "restartCount": 3,
-            "image": pod["spec"]["containers"][0]["image"], "imageID": "",
-            "state": {"waiting": waiting},
-            "lastState": {"terminated": {"exitCode": 3, "reason": "Error", "message": MESSAGE,
-                                         "startedAt": started, "finishedAt": started}},
-        }],
-    }}
-
-
 def test_a_worker_start_up_failure_is_the_ready_condition(cluster: Cluster, operator: None, namespace: str,
-                                                          bound_claim: str) -> None:
+                                                          bound_claim: str, pod_workers: PodWorkers) -> None:
     source = {"persistentVolumeClaim": {"claimName": bound_claim}, "subPath": "tiny"}
     cluster.kubectl("-n", namespace, "apply", "-f", "-", input=moeis(
         "broken", model={"source": source, "servedModelName": "tiny-moe"}, replicas=1, resources=RESOURCES))
-    wait_cr(cluster, namespace, "broken", lambda o: ready_status(o) == "True", 90, "Ready while kwok runs the pod")
-    deployment = cluster.kubectl_json("-n", namespace, "get", "deployment", "broken-worker")
+    deployment = wait(lambda: (r := cluster.kubectl("-n", namespace, "get", "deployment", "broken-worker", "-o",
+                                                    "json", check=False)).returncode == 0 and json.loads(r.stdout),
+                      60, "the worker Deployment")
     pod_spec = deployment["spec"]["template"]["spec"]
     assert {"name": "moeguard-model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} \
         in pod_spec["volumes"]
@@ -84,22 +66,36 @@ def test_a_worker_start_up_failure_is_the_ready_condition(cluster: Cluster, oper
     assert env["MOEGUARD_SERVED_MODEL_NAME"] == "tiny-moe"
 
     pod = cluster.kubectl_json("-n", namespace, "get", "pods", "-l", "app.kubernetes.io/instance=broken")["items"][0]
-    cluster.kubectl("-n", namespace, "patch", "pod", pod["metadata"]["name"], "--subresource=status",
-                    "--type=merge", "-p", json.dumps(_crash_loop_status(pod)))
+    name = pod["metadata"]["name"]
+
+    def crash_looping() -> dict[str, Any] | None:
+        cs = (cluster.kubectl_json("-n", namespace, "get", "pod", name)["status"].get("containerStatuses") or [{}])[0]
+        return cs if (cs.get("state", {}).get("waiting") or {}).get("reason") == "CrashLoopBackOff" else None
+
+    cs = wait(crash_looping, 90, "the kubelet's back-off (the second exit)")
+    term = cs["lastState"]["terminated"]
+    assert (term["exitCode"], term["reason"]) == (3, "Error") and cs["restartCount"] >= 1 and not cs["ready"]
+    assert "event=model_load_error" in term["message"] and MISSING in term["message"]
+    assert cs["state"]["waiting"]["message"].startswith("back-off 10s restarting failed container=worker")
 
     obj = wait_cr(cluster, namespace, "broken",
                   lambda o: (stack.condition(o, "Ready") or {}).get("reason") == "WorkerStartupFailed", 60,
                   "Ready=False WorkerStartupFailed")
     ready = stack.condition(obj, "Ready")
     assert ready is not None and ready["status"] == "False"
-    assert ready["message"] == (f"0/1 worker pods ready; pod {pod['metadata']['name']}: container worker exited 3 "
-                                f"(Error): {MESSAGE} (CrashLoopBackOff)")
+    assert ready["message"].startswith(f"0/1 worker pods ready; pod {name}: container worker exited 3 (Error): ")
+    assert MISSING in ready["message"]
     assert stack.condition(obj, "Stalled")["status"] == "False"  # type: ignore[index]
+    looping = wait_cr(cluster, namespace, "broken",
+                      lambda o: (o["status"].get("observed") or {}).get("crashLoopingPods") == [name], 120,
+                      f"{name} named crash-looping")
+    assert looping["status"]["observed"]["restarts"] >= 1
 
     def warned() -> bool:
         events = cluster.kubectl_json("-n", namespace, "get", "events",
                                       "--field-selector", "involvedObject.name=broken")["items"]
-        return [e["message"] for e in events if e["reason"] == "WorkerStartupFailed"] == [ready["message"]]
+        messages = [e["message"] for e in events if e["reason"] == "WorkerStartupFailed"]
+        return len(messages) == 1 and MISSING in messages[0]
     wait(warned, 30, "one WorkerStartupFailed Event")
 
 

@@ -100,3 +100,18 @@ def test_a_log_tail_message_is_clipped_to_its_end() -> None:
     (_, failure), = pod_facts([_pod_with("p", cs)]).startup_failures
     assert failure.endswith("model_load_error: truncated file (CrashLoopBackOff)")
     assert len(failure) == len("container worker exited 3 (Error): ") + 2048 + len(" (CrashLoopBackOff)")
+
+
+def test_crash_looping_pods_are_named_while_they_loop() -> None:
+    """Named in the back-off, still named while the restarted container runs not ready, no longer once
+    it is ready; one restart after an OOM kill (no back-off yet) is not a crash loop."""
+    between = {**CRASH_LOOP, "state": {"running": {"startedAt": "2026-11-30T10:02:30Z"}}, "restartCount": 5}
+    recovered = {**between, "ready": True}
+    once = {"name": "worker", "ready": False, "restartCount": 1, "state": {"running": {"startedAt": "2026-11-30T10:00:01Z"}},
+            "lastState": {"terminated": {"exitCode": 137, "reason": "OOMKilled", "finishedAt": "2026-11-30T10:00:00Z"}}}
+    deleting = _pod_with("e", CRASH_LOOP)
+    deleting["metadata"]["deletionTimestamp"] = "2026-11-30T10:00:00Z"
+    facts = pod_facts([_pod_with("a", CRASH_LOOP), _pod_with("b", between), _pod_with("c", recovered),
+                       _pod_with("d", once), deleting])
+    assert facts.crash_looping == ("a", "b")
+    assert pod_facts([_pod_with("c", recovered)]).crash_looping == ()
