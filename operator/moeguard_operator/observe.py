@@ -478,7 +478,7 @@ def slice_look(url: str, answers: Mapping[str, Answer], look: Look, now: datetim
         known_steps.append(n)
         if n > 0:
             skew_values.append(skews[pod])
-    memory_values = [v for v in per_pod("memory").values()]
+    memory_values = list(per_pod("memory").values())
     memory = max(memory_values) if memory_values else None
     memory_err = None if memory is not None else parse_scalar(mine["memory"])[1]
 
