@@ -252,6 +252,7 @@ class ControlLoop:
         self._write_pool.shutdown(wait=False, cancel_futures=True)
 
     async def _probe_api(self) -> None:
+        await asyncio.sleep(API_PROBE_SECONDS)  # after kopf's login and the configure handler
         while True:
             up = await asyncio.get_running_loop().run_in_executor(None, kube.api_reachable)
             now = datetime.now(UTC)
