@@ -73,6 +73,16 @@ def _rv(obj: dict[str, Any]) -> int:
         return 0
 
 
+KEPT_METADATA = ("name", "namespace", "uid", "resourceVersion", "generation", "deletionTimestamp", "labels")
+"""What the views keep of an object's metadata (not managedFields, nor kopf's annotations: memory at scale)."""
+
+
+def slim(obj: dict[str, Any], *keys: str) -> dict[str, Any]:
+    """``obj`` with only :data:`KEPT_METADATA` of its metadata and the top-level ``keys``."""
+    meta = obj.get("metadata") or {}
+    return {"metadata": {k: meta[k] for k in KEPT_METADATA if k in meta}, **{k: obj[k] for k in keys if k in obj}}
+
+
 def _owner_key(obj: dict[str, Any]) -> Key | None:
     meta = obj.get("metadata") or {}
     instance = (meta.get("labels") or {}).get(c.LABEL_INSTANCE)
@@ -173,7 +183,7 @@ class ControlLoop:
             return  # an older event than the object a write of ours returned
         if not same_object:
             self.memory.pop(key, None)
-        self.views.services[key] = obj
+        self.views.services[key] = slim(obj, "apiVersion", "kind", "spec", "status")
         self._touch(key)
 
     def on_pod(self, event_type: str | None, obj: dict[str, Any]) -> None:
@@ -186,7 +196,7 @@ class ControlLoop:
         if event_type == "DELETED":
             pods.pop(name, None)
         else:
-            pods[name] = obj
+            pods[name] = slim(obj, "status")
         self._touch(key)
 
     def on_configmap(self, event_type: str | None, obj: dict[str, Any]) -> None:
@@ -252,6 +262,7 @@ class ControlLoop:
         self._write_pool.shutdown(wait=False, cancel_futures=True)
 
     async def _probe_api(self) -> None:
+        await asyncio.sleep(API_PROBE_SECONDS)  # after kopf's login and the configure handler
         while True:
             up = await asyncio.get_running_loop().run_in_executor(None, kube.api_reachable)
             now = datetime.now(UTC)
