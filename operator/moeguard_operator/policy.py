@@ -74,6 +74,8 @@ class Observation:
         short_history_pods: reporting pods whose series do not yet span the window (``windowSeconds``).
         short_history: the sentence naming them, or None.
         new_oom_kills: OOMKilled terminations since the last look (from the Kubernetes API).
+        crash_looping_pods: pods in the kubelet's crash-loop back-off (from the Kubernetes API:
+            :attr:`podstate.PodFacts.crash_looping`); never loosen while there is one.
         error: why Prometheus values are missing (unreachable, no series), or None.
     """
 
@@ -93,6 +95,7 @@ class Observation:
     short_history_pods: tuple[str, ...] = ()
     short_history: str | None = None
     new_oom_kills: int = 0
+    crash_looping_pods: tuple[str, ...] = ()
     error: str | None = None
 
     @property
@@ -115,7 +118,7 @@ class Observation:
         """Available, every Running pod reports with a full window of history, skew is seen (or the service
         is idle) and the leak window can be judged: the only state in which the loop may loosen."""
         return (self.available and not self.silent_pods and not self.short_history_pods and self.skew_seen
-                and self.slope_unknown is None)
+                and self.slope_unknown is None and not self.crash_looping_pods)
 
 
 @dataclass(frozen=True)
@@ -318,6 +321,8 @@ def decide(observation: Observation, state: PolicyState, spec: MoEInferenceServi
         reasons.append(f"metrics unavailable ({obs.error or 'no data'}): not loosening")
     elif obs.silent_pods:
         reasons.append(f"silent pods {', '.join(obs.silent_pods)}: not loosening")
+    elif obs.crash_looping_pods:
+        reasons.append(f"crash-looping pods {', '.join(obs.crash_looping_pods)}: not loosening")
     elif obs.short_history_pods:
         reasons.append(f"{obs.short_history}: not loosening")
     elif obs.skew_unknown_pods:

@@ -125,13 +125,14 @@ def look_step(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, p
     new = report.readiness(status, spec, ready_pods(pods), now, generation, facts.startup_failures)
     events = report.readiness_events(status, new)
     new, new_ooms = report.oom_check(new, facts, now)
-    obs = replace(obs, new_oom_kills=new_ooms)
+    obs = replace(obs, new_oom_kills=new_ooms, crash_looping_pods=facts.crash_looping)
     state = policy_state(prior, spec, data, blind_floor, ours)
     state = replace(state, budgets=new.budgets or state.budgets,
                     overload="On" if new.overload_mode == "On" else "Off")
     decision = decide(obs, state, spec, now)
     document = budget_document.for_decision(spec, new, raw, decision, now)
-    looked, look_events = report.looked(new, spec, obs, decision, document, facts.restarts, now, generation)
+    looked, look_events = report.looked(new, spec, obs, decision, document, facts.restarts, now, generation,
+                                               facts.crash_looping)
     return Writes(stable(new, looked, obs), (*events, *look_events), document, decision.restart, decision)
 
 

@@ -55,7 +55,8 @@ def test_an_idle_service_after_a_burst_climbs_back_to_its_ceilings() -> None:
     {"slope_unknown": "history shorter than 600s in Prometheus for w-0 (no sample before the window)"},
     {"skew_unknown_pods": PODS},
     {"skew_steps": None},
-], ids=["short-window", "leak-window", "skew-reset", "skew-never-seen"])
+    {"crash_looping_pods": PODS},
+], ids=["short-window", "leak-window", "skew-reset", "skew-never-seen", "crash-loop"])
 def test_budgets_never_rise_without_a_full_window(blind: dict[str, Any]) -> None:
     start = initial_budgets(SPEC.batching).model_copy(update={"max_prefill_tokens": 512})
     state = PolicyState(start, last_change=T0 - timedelta(hours=1), last_pressure=T0 - timedelta(hours=1))

@@ -102,6 +102,22 @@ def test_a_climb_needs_a_full_window_since_the_blind_floor(blind_floor_age: int,
         assert step.status.budgets == TIGHT and "waiting for the stabilization window" in step.decision.reason
 
 
+def test_a_crash_looping_pod_is_named_in_status_and_holds_the_budgets() -> None:
+    # Calm for an hour, but w-1 is in the kubelet's back-off (as the harness writes it): no climb, named.
+    prior = status(TIGHT, 3, last_pressure=NOW - timedelta(hours=1), last_blind=NOW - timedelta(hours=1))
+    looping = pod("w-1", ready=False)
+    looping["status"]["containerStatuses"] = [{
+        "name": "worker", "ready": False, "restartCount": 3,
+        "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s restarting failed container"}},
+        "lastState": {"terminated": {"reason": "Error", "exitCode": 3}}}]
+    step = tick.look_step(prior, SPEC, [pod("w-0"), looping], data(TIGHT, 3), calm(), NOW - timedelta(hours=1),
+                          NOW, 1)
+    assert step.decision is not None and step.decision.direction == "hold"
+    assert "crash-looping pods w-1: not loosening" in step.decision.reason
+    assert step.status.budgets == TIGHT and step.document is None
+    assert step.status.observed is not None and step.status.observed.crash_looping_pods == ["w-1"]
+
+
 def test_the_last_change_of_a_configmap_ahead_of_status_counts_for_the_cooldown() -> None:
     # A tightening reached the ConfigMap 5 s ago, its status did not: the loop must not move again in cooldown.
     spec = SPEC.model_copy(update={"control": SPEC.control.model_copy(update={"cooldown_seconds": 30})})
