@@ -226,8 +226,9 @@ def report(results: dict[str, Any]) -> str:
     lines += ["", "Writes while settling (after all Ready, before idle; transitions such as WaitingForMetrics -> "
               "MetricsUnavailable):", ""]
     for r in results["runs"]:
-        lines.append(f"- {r['services']} services: " + (", ".join(
-            f"{k} {v:g}" for k, v in (r.get("settle_writes_by_resource") or {}).items()) or "none"))
+        settle = r.get("settle_writes_by_resource")
+        lines.append(f"- {r['services']} services: " + ("not measured (a run before the settle phase)" if settle is None
+                                                        else ", ".join(f"{k} {v:g}" for k, v in settle.items()) or "none"))
     lines += ["", "## Notes", "", *(f"- {n}" for n in results.get("notes", [])), ""]
     return "\n".join(lines)
 
