@@ -139,6 +139,7 @@ class _Look:
     keys: list[Key]
     started: float
     now: datetime
+    running: dict[Key, tuple[str, ...]] = field(default_factory=dict)
     answered: bool = False
 
 
@@ -321,7 +322,7 @@ class ControlLoop:
                     blind_now.append((key, Observation(time=now, expected_pods=facts.running, error=(
                         "no Prometheus URL configured (spec.control.prometheusUrl or --prometheus-url)"))))
                 elif url in busy_urls:
-                    blind_now.append((key, self._timed_out(url, now, facts.running, "still running")))
+                    blind_now.append((key, self._timed_out(url, now, facts.running)))
                 else:
                     mem.looking = True
                     due_by_url.setdefault(url, []).append((key, target))
@@ -336,7 +337,8 @@ class ControlLoop:
             targets = [t for _, t in group]
             future = self._look_pool.submit(observe_services, url, targets, now, ca_file=self.config.prometheus_ca_file,
                                             deadline_seconds=min(QUERY_DEADLINE_SECONDS, self.config.look_deadline_seconds))
-            self._looks[url] = _Look(url, future, [k for k, _ in group], mono, now)
+            self._looks[url] = _Look(url, future, [k for k, _ in group], mono, now,
+                                     {k: t.running_pods for k, t in group})
             future.add_done_callback(self._wake_from_thread)
 
     # --- one service -----------------------------------------------------------------------------------
@@ -460,12 +462,12 @@ class ControlLoop:
                     log.exception("look at %s failed", safe_url(url))
                     results = {}
                 for key in look.keys:
-                    obs = results.get(key) or self._timed_out(url, look.now, (), "failed")
+                    obs = results.get(key) or self._timed_out(url, look.now, look.running.get(key, ()))
                     self._look_done(key, obs, now)
             elif not look.answered and mono - look.started > self.config.look_deadline_seconds:
                 look.answered = True  # blind now; the URL stays busy until the call returns
                 for key in look.keys:
-                    self._look_done(key, self._timed_out(url, look.now, (), "past its deadline"), now)
+                    self._look_done(key, self._timed_out(url, look.now, look.running.get(key, ())), now)
 
     def _look_done(self, key: Key, obs: Observation, now: datetime) -> None:
         svc, mem = self.views.services.get(key), self.memory.get(key)
@@ -477,9 +479,11 @@ class ControlLoop:
             return
         self._after_look(key, svc, spec, mem, obs, now)
 
-    def _timed_out(self, url: str, now: datetime, running: tuple[str, ...], why: str) -> Observation:
+    def _timed_out(self, url: str, now: datetime, running: tuple[str, ...]) -> Observation:
+        """A blind look: the look at ``url`` did not answer within the deadline (one fixed message, whether the
+        call is past its deadline, still running, or failed: status does not flap between them)."""
         return Observation(time=now, expected_pods=running, error=(
-            f"Prometheus at {safe_url(url)}: {TIMEOUT} (a look {why}; deadline "
+            f"Prometheus at {safe_url(url)}: {TIMEOUT} (no answer within the look deadline of "
             f"{self.config.look_deadline_seconds:g}s)"))
 
     # --- the writes (in a thread) ----------------------------------------------------------------------
