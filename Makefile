@@ -91,3 +91,7 @@ bench-headline: ## Headline: request-count vs token budgets vs moeguard, same tr
 .PHONY: bench-families
 bench-families: ## Per family (mixtral, qwen2_moe, qwen3_moe, deepseek_v3, olmoe): prefill, decode and peak memory vs transformers, same weights -> bench/results/families.md (~10 min).
 	$(PY) -m bench.families_bench
+
+.PHONY: bench-control
+bench-control: deps ## Control latency on the local control plane: skew step x10, recovery, OOM kill -> bench/results/control_latency.md (~25 min).
+	$(PY) -m bench.control_latency $(BENCH_ARGS)
