@@ -9,6 +9,8 @@ import pytest
 
 from moeguard_runtime.faults import FaultLeaker, Faults, load_faults
 
+pytestmark = pytest.mark.unit
+
 
 def test_no_claim_before_the_file_exists_then_one_owner_writes_its_pid(tmp_path: Path) -> None:
     path = tmp_path / "leak.lock"
