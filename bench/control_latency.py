@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import platform
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +41,7 @@ from hack import stack
 
 from bench import control_plane as cp
 from bench.control_stats import all_reached, direction_changes, steps, summary
+from bench.headline import machine
 from bench.steady_traffic import SteadyTraffic
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,9 +161,6 @@ def skew_rep(i: int, recovery: bool) -> dict[str, Any]:
             seq = {p: steps([(t, v) for t, v in s if t >= t_switch]) for p, s in poller.of("max_prefill_tokens", pods).items()}
             out["prefill_steps"] = seq
             out["direction_changes"] = {p: direction_changes(v) for p, v in seq.items()}
-            out["direction_changes_after_skew"] = {
-                p: direction_changes(steps([(t, v) for t, v in s if t_end is not None and t >= t_end]))
-                for p, s in poller.of("max_prefill_tokens", pods).items()}
         else:
             traffic.skewed = False
         out["traffic_statuses"] = dict(traffic.statuses)
@@ -294,7 +291,8 @@ def report(res: dict[str, Any]) -> str:
         "",
         "## Setup",
         "",
-        f"- Machine: {res['machine']}; shared with other jobs (absolute times carry their noise).",
+        f"- Machine: {res['machine']}; shared with other jobs (absolute times carry their noise)."
+        + (f" {res['note']}" if res.get("note") else ""),
         f"- Local control plane (`hack/cluster-up.sh`), Prometheus scrape interval {SCRAPE_S} s, the operator as `make operator` "
         f"runs it, kwok pods backed by `hack/pod_workers.py` workers. Each repetition applies a fresh MoEInferenceService "
         f"(`{json.dumps(SPEC)}`, every other `control` and `batching` field at its default: query interval 10 s, window 30 s, "
@@ -319,15 +317,17 @@ def report(res: dict[str, Any]) -> str:
         "",
         "### Recovery (skew stopped 10 s after the budgets tightened; real text continues)",
         "",
-        "| rep | last skewed request → all budgets back at their ceilings, s | maxPrefillTokens steps per worker | direction changes (whole step / after the skew) |",
+        "| rep | last skewed request → all budgets back at their ceilings, s | maxPrefillTokens steps per worker | direction changes per worker |",
         "|---|---|---|---|",
     ]
     for r in rec:
         seqs = "; ".join(f"{' → '.join(f'{v:g}' for v in seq)}" for seq in r.get("prefill_steps", {}).values())
-        dc = ", ".join(f"{r['direction_changes'][p]} / {r['direction_changes_after_skew'][p]}" for p in r.get("direction_changes", {}))
+        dc = ", ".join(str(n) for n in r.get("direction_changes", {}).values())
         lines.append(f"| {r['rep']} | {f(r.get('recovery_s'))} | {seqs} | {dc} |")
-    lines += ["", "A step down followed by a monotone climb is 1 direction change over the step and 0 after the skew; "
-              "more would be oscillation.", "", "### OOM kills", ""]
+    lines += ["", "Direction changes: flips between moving down and moving up along a worker's maxPrefillTokens from the "
+              "first skewed request until it is back at its ceiling. One descent (the skew may still be in the 30 s window "
+              "after it stops, so there can be a second halving) followed by one monotone climb is 1; more is oscillation.",
+              "", "### OOM kills", ""]
     for r in res["oom"]:
         if r.get("skipped") or r.get("error"):
             lines.append(f"- rep {r['rep']}: {r.get('skipped') or r.get('error')}")
@@ -340,6 +340,11 @@ def report(res: dict[str, Any]) -> str:
                      f"the operator's lastAdjustment: {adj.get('reason', 'n/a')!s}")
     lines += ["", f"Whole run: {res['elapsed_s'] / 60:.1f} min.", ""]
     return "\n".join(lines)
+
+
+def machine_line() -> str:
+    m = machine()
+    return f"{m['cpu']}, {m['cores']} cores, {m['memory_bytes'] / 2**30:.0f} GiB, Linux {m['kernel']}, torch {m['torch']}"
 
 
 def verdict(median: float | None, target: float) -> str:
@@ -357,7 +362,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--pilot", action="store_true", help="label the results as a pilot run (control_latency_pilot.*)")
     ap.add_argument("--keep-cluster", action="store_true", help="leave the cluster up afterwards")
+    ap.add_argument("--note", default="", help="a line for the report's setup (e.g. which branches a pilot ran on)")
+    ap.add_argument("--render", type=Path, default=None, help="only rewrite the .md of this JSON result (with --note)")
     args = ap.parse_args(argv)
+    if args.render is not None:
+        res = json.loads(args.render.read_text())
+        res["note"] = args.note or res.get("note", "")
+        args.render.write_text(json.dumps(res, indent=1))
+        args.render.with_suffix(".md").write_text(report(res))
+        return 0
     t_start = time.monotonic()
     cp.cluster_up()
     cp.set_scrape_interval(SCRAPE_S)
@@ -366,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     cp.delete_namespace(NAMESPACE)  # a previous run's leftovers (the operator removes its finalizers)
     cp.create_namespace(NAMESPACE)
     res: dict[str, Any] = {"pilot": args.pilot, "spec": SPEC, "scrape_s": SCRAPE_S, "rps": RPS,
-                           "machine": f"{platform.processor() or platform.machine()}, {platform.release()}",
+                           "machine": machine_line(), "note": args.note,
                            "skew": [], "oom": [], "started_unix": time.time()}
     try:
         for i in range(args.skew_reps):
