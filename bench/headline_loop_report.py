@@ -32,14 +32,14 @@ def outcome(r: dict[str, Any]) -> str:
     if succeeded(r):
         return "ok"
     status, err = r.get("status"), str(r.get("error") or "")
+    if err.startswith(("not sent", "cancelled")):  # the loadgen's own: the run's end came first
+        return "deadline"
     if status in (429, 503):
         return "refused"
     if status is not None and 200 <= status < 300:
         return "in-stream"
     if status is not None:
         return f"status-{status}"
-    if err.startswith(("not sent", "cancelled")):
-        return "deadline"
     if err.startswith("ConnectError"):
         return "no-endpoint"
     if "Timeout" in err:
@@ -80,7 +80,7 @@ def refusals(runs: list[dict[str, Any]]) -> list[str]:
     c: Counter[tuple[Any, bool, str]] = Counter()
     for run in runs:
         for r in run["results"]:
-            if r.get("status") in (429, 503) or outcome(r) == "in-stream":
+            if outcome(r) in ("refused", "in-stream"):
                 c[(r.get("status"), r.get("retry_after") is not None, str(r.get("error") or "")[:90])] += 1
     return [f"{n} × {st}, Retry-After {'yes' if ra else '**no**'}: {why}" for (st, ra, why), n in c.most_common()]
 
@@ -151,8 +151,8 @@ def render(meta: dict[str, Any], runs: dict[str, list[dict[str, Any]]], pilot: b
         "## Results (medians of the repetitions)",
         "",
         "| arm | SLO goodput req/s | met SLO / ok / all | TTFT p50 / p99 s | TPOT p50 / p99 s | OOM kills | restarts | pods replaced "
-        "| cut by a kill | no endpoint | 429/503 | in-stream | timeout | peak memory MiB (soft / hard) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| cut by a kill | no endpoint | 429/503 | in-stream | timeout | open at the end | peak memory MiB (soft / hard) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for a in ARMS:
         if a not in figs:
@@ -166,7 +166,7 @@ def render(meta: dict[str, Any], runs: dict[str, list[dict[str, Any]]], pilot: b
             f"| {a} | {f(m(a, 'slo_goodput'))} | {f(m(a, 'meets'), 0)} / {f(m(a, 'ok'), 0)} / {fs[0]['n']} | "
             f"{f(m(a, 'ttft_p50'))} / {f(m(a, 'ttft_p99'))} | {f(m(a, 'tpot_p50'), 3)} / {f(m(a, 'tpot_p99'), 3)} | "
             f"{sum(x['oom_kills'] for x in fs)} | {sum(x['restarts'] for x in fs)} | {sum(x['pods_replaced'] for x in fs)} | "
-            f"{k('cut')} | {k('no-endpoint')} | {k('refused')} | {k('in-stream')} | {k('timeout')} | "
+            f"{k('cut')} | {k('no-endpoint')} | {k('refused')} | {k('in-stream')} | {k('timeout')} | {k('deadline')} | "
             f"{max(x['peak_mib'] for x in fs):,.0f} ({meta['soft_limit'] // MiB:,} / {meta['hard_limit'] // MiB:,}) |")
     lines += ["", "SLO goodput per repetition (req/s), side by side:", "",
               "| arm | " + " | ".join(f"rep {i}" for i in range(meta["reps"])) + " |",

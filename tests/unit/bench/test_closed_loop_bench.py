@@ -104,3 +104,7 @@ def test_the_full_arm_spec_is_valid_and_matches_the_inner_loop_arm() -> None:
     assert b.floors.max_prefill_tokens == 64 < b.max_prefill_tokens  # room for the outer loop to tighten
     assert spec.control.leak_action == "Restart" and spec.control.query_interval_seconds == 10
     assert spec.resources.hard_limit_bytes == 1152 * 2**20 and spec.resources.gpus == 0
+
+
+def test_a_stream_the_run_cancelled_is_open_at_the_end_not_a_refusal() -> None:
+    assert outcome({"status": 200, "error": "cancelled: run deadline reached", "end_s": 90.0}) == "deadline"
