@@ -223,6 +223,13 @@ def bare_arm(arm: str, env: dict[str, str], items: list[Labeled], duration: floa
             "pods_replaced": 0, "memory_series": [[(x["t"], x.get("cgroup")) for x in s.samples[::5]] for s in samplers]}
 
 
+def _state() -> dict[str, Any]:
+    """The harness's state file (pod -> url, pid, cgroup...), {} when unreadable."""
+    with contextlib.suppress(OSError, ValueError):
+        return dict(json.loads((stack.RUN_DIR / "workers.json").read_text()))
+    return {}
+
+
 class PodWatch(threading.Thread):
     """The full arm's pods every 0.5 s: terminations (``lastState.terminated`` with ``restartCount``),
     pod names seen, and each worker's memory (its cgroup's usage where the harness names the cgroup,
@@ -238,10 +245,7 @@ class PodWatch(threading.Thread):
         self._halt = threading.Event()
 
     def _memory(self, client: httpx.Client) -> None:
-        state: dict[str, Any] = {}
-        with contextlib.suppress(OSError, ValueError):
-            state = json.loads((stack.RUN_DIR / "workers.json").read_text())
-        for key, w in state.items():
+        for key, w in _state().items():
             if not key.startswith(f"{NAMESPACE}/") or w.get("moeis") != self.name:
                 continue
             v: float | None = None
@@ -280,7 +284,15 @@ def full_arm(spec: dict[str, Any], items: list[Labeled], duration: float, cfg: L
     lock = out / f"leak-full-rep{rep}.lock"
     lock.unlink(missing_ok=True)
     t0 = time.monotonic()
-    cp.start_service(NAMESPACE, name, spec, leak_env(lock), timeout_s=300)
+    try:
+        cp.start_service(NAMESPACE, name, spec, leak_env(lock), timeout_s=240)
+    except TimeoutError as exc:
+        confined = any(w.get("cgroup") for k, w in _state().items() if k.startswith(f"{NAMESPACE}/"))
+        cp.stop_service(NAMESPACE, name)
+        raise RuntimeError(f"{exc}" + ("" if confined else
+                           "; the harness runs the workers without a memory cgroup, so a worker compares its RSS "
+                           "(with ~500 MiB of file-backed torch libraries) with hardLimit and never becomes ready: "
+                           "this arm needs the harness's memory cgroups")) from exc
     watch = PodWatch(name)
     watch.start()
     router = ReadyRouter(lambda: list(cp.workers(NAMESPACE, name).values()))
@@ -354,8 +366,13 @@ def main(argv: list[str] | None = None) -> int:
             order = arms[rep % len(arms):] + arms[:rep % len(arms)]
             for j, arm in enumerate(order):
                 t = time.monotonic()
-                res = (full_arm(spec, items, duration, cfg, rep, args.out) if arm == "full-moeguard"
-                       else bare_arm(arm, envs[arm], items, duration, cfg, rep, j, use_cgroup, args.out))
+                try:
+                    res = (full_arm(spec, items, duration, cfg, rep, args.out) if arm == "full-moeguard"
+                           else bare_arm(arm, envs[arm], items, duration, cfg, rep, j, use_cgroup, args.out))
+                except (RuntimeError, TimeoutError) as exc:  # one arm that cannot run must not lose the others
+                    (args.out / f"{arm}-rep{rep}.json").write_text(json.dumps({"arm": arm, "rep": rep, "error": str(exc)}))
+                    print(f"rep {rep} {arm:<15} FAILED: {exc}", flush=True)
+                    continue
                 (args.out / f"{arm}-rep{rep}.json").write_text(json.dumps(res))
                 ok = sum(1 for r in res["results"] if r["status"] == 200 and r["error"] is None)
                 print(f"rep {rep} {arm:<15} {time.monotonic() - t:6.1f}s ok={ok}/{len(items)} "

@@ -225,12 +225,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     meta = json.loads((args.raw / "meta.json").read_text())
     runs: dict[str, list[dict[str, Any]]] = {}
+    failed: list[str] = []
     for a in ARMS:
         for rep in range(meta["reps"]):
             p = args.raw / f"{a}-rep{rep}.json"
             if p.exists():
-                runs.setdefault(a, []).append(json.loads(p.read_text()))
+                run = json.loads(p.read_text())
+                if "error" in run:
+                    failed.append(f"{a} rep {rep}: {run['error']}")
+                else:
+                    runs.setdefault(a, []).append(run)
     text = render(meta, runs, args.pilot, args.note)
+    if failed:
+        text += "\n## Runs that failed (left out above)\n\n" + "\n".join(f"- {x}" for x in failed) + "\n"
     out = ROOT / "bench" / "results" / "headline_loop_pilot.md" if args.pilot else ROOT / "bench" / "RESULTS.md"
     out.write_text(text)
     print(text)
