@@ -53,7 +53,10 @@ def arm_figures(run: dict[str, Any], duration: float) -> dict[str, Any]:
     t1 = [v for r in ok if (v := ttft(r)) is not None]
     t2 = [v for r in ok if (v := tpot(r)) is not None]
     kinds = Counter(outcome(r) for r in rs)
+    lat = [float(r["end_s"]) - float(r["send_s"]) for r in ok if r.get("send_s") is not None]
     return {"slo_goodput": slo_goodput(rs, SLO, duration), "meets": sum(1 for r in rs if meets(r, SLO)),
+            "tok_s": sum(int(r.get("completion_tokens") or 0) for r in ok) / duration,
+            "lat_p50": percentile(lat, 50), "lat_p99": percentile(lat, 99),
             "ok": len(ok), "n": len(rs), "ttft_p50": percentile(t1, 50), "ttft_p99": percentile(t1, 99),
             "tpot_p50": percentile(t2, 50), "tpot_p99": percentile(t2, 99), "kinds": dict(kinds),
             "oom_kills": run["oom_kills"], "restarts": run["restarts"], "pods_replaced": run.get("pods_replaced", 0),
@@ -125,7 +128,10 @@ def render(meta: dict[str, Any], runs: dict[str, list[dict[str, Any]]], pilot: b
         f"file; when it dies the next worker to look takes it over); at {cfg['skew_at']:.0%} ({cfg['skew_at'] * duration:.1f} s) "
         f"a tenant switches to repetitive prompts: every {cfg['skew_every']}nd request from then on ({meta['n_skewed']} requests).",
         f"- **SLOs (fixed across arms):** TTFT ≤ {SLO.ttft_s:g} s and TPOT ≤ {SLO.tpot_s:g} s. **SLO goodput** = requests that "
-        f"succeeded and met both, per second of the schedule ({duration:g} s): DistServe's definition.",
+        f"succeeded and met both, per second of the schedule ({duration:g} s): DistServe's definition. Goodput tok/s: "
+        "completion tokens of successful requests per second of the schedule (the earlier headline's figure). \"Cut by a "
+        "kill\": accepted, then the connection broke (a kill or a restart's SIGTERM); \"no endpoint\": connection refused; "
+        "\"open at the end\": still streaming when the run ended.",
         f"- **Repetitions:** {meta['reps']}; tables quote medians over repetitions (OOM kills and restarts: the sum; peaks: the "
         f"maximum). Whole run: {meta.get('elapsed_s', 0) / 60:.1f} min.",
         "",
@@ -150,9 +156,10 @@ def render(meta: dict[str, Any], runs: dict[str, list[dict[str, Any]]], pilot: b
         "",
         "## Results (medians of the repetitions)",
         "",
-        "| arm | SLO goodput req/s | met SLO / ok / all | TTFT p50 / p99 s | TPOT p50 / p99 s | OOM kills | restarts | pods replaced "
+        "| arm | SLO goodput req/s | met SLO / ok / all | goodput tok/s | latency (successful) p50 / p99 s "
+        "| TTFT p50 / p99 s | TPOT p50 / p99 s | OOM kills | restarts | pods replaced "
         "| cut by a kill | no endpoint | 429/503 | in-stream | timeout | open at the end | peak memory MiB (soft / hard) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for a in ARMS:
         if a not in figs:
@@ -164,6 +171,7 @@ def render(meta: dict[str, Any], runs: dict[str, list[dict[str, Any]]], pilot: b
 
         lines.append(
             f"| {a} | {f(m(a, 'slo_goodput'))} | {f(m(a, 'meets'), 0)} / {f(m(a, 'ok'), 0)} / {fs[0]['n']} | "
+            f"{f(m(a, 'tok_s'), 1)} | {f(m(a, 'lat_p50'))} / {f(m(a, 'lat_p99'))} | "
             f"{f(m(a, 'ttft_p50'))} / {f(m(a, 'ttft_p99'))} | {f(m(a, 'tpot_p50'), 3)} / {f(m(a, 'tpot_p99'), 3)} | "
             f"{sum(x['oom_kills'] for x in fs)} | {sum(x['restarts'] for x in fs)} | {sum(x['pods_replaced'] for x in fs)} | "
             f"{k('cut')} | {k('no-endpoint')} | {k('refused')} | {k('in-stream')} | {k('timeout')} | {k('deadline')} | "
