@@ -84,9 +84,13 @@ bench-memory-families: ## The same, re-measuring only the HF families' 25 config
 	$(PY) -m bench.memory_validate
 
 .PHONY: bench-headline
-bench-headline: ## Headline: request-count vs token budgets vs moeguard, same traffic and memory limit, 3 reps -> bench/RESULTS.md + plots (~20 min).
+bench-headline: deps ## Headline, 4 arms (request-count, static budgets, inner loop, operator in the loop), 2 replicas, trace + skew + leak, 3 reps -> bench/RESULTS.md (~25 min).
+	$(PY) -m bench.headline_loop --reps 3 $(BENCH_ARGS)
+	$(PY) -m bench.headline_loop_report
+
+.PHONY: bench-headline-workers
+bench-headline-workers: ## The earlier headline: one worker process, 3 policies, no control plane -> bench/results/headline/ (raw runs only).
 	$(PY) -m bench.headline --reps 3
-	$(PY) -m bench.headline_report
 
 .PHONY: bench-scale
 bench-scale: deps ## The operator with 1, 200 and 1,000 services (kwok pods, no workers): Ready time, RSS, idle API writes, Prometheus queries -> bench/results/operator_scale.md (~25 min).
@@ -95,3 +99,7 @@ bench-scale: deps ## The operator with 1, 200 and 1,000 services (kwok pods, no 
 .PHONY: bench-families
 bench-families: ## Per family (mixtral, qwen2_moe, qwen3_moe, deepseek_v3, olmoe): prefill, decode and peak memory vs transformers, same weights -> bench/results/families.md (~10 min).
 	$(PY) -m bench.families_bench
+
+.PHONY: bench-control
+bench-control: deps ## Control latency on the local control plane: skew step x10, recovery, OOM kill -> bench/results/control_latency.md (~25 min).
+	$(PY) -m bench.control_latency $(BENCH_ARGS)

@@ -248,6 +248,7 @@ async def run_requests(
     stream: bool = False,
     progress: bool = True,
     meta: dict[str, Any] | None = None,
+    route: Callable[[int], str] | None = None,
 ) -> RunResult:
     """Send ``specs`` (each at its ``at_s``) and record what happened.
 
@@ -266,6 +267,8 @@ async def run_requests(
             ``first_byte_s`` is then the first token chunk.
         progress: show a rich progress bar on stderr (only if it is a TTY).
         meta: extra entries for ``RunResult.meta``.
+        route: when given, request ``i`` goes to ``route(i)``, asked at its send time (a
+            load balancer over the endpoints ready then), instead of round-robin over ``urls``.
 
     Raises:
         ValueError: a non-loopback URL, or ``max_in_flight < 1``.
@@ -315,6 +318,8 @@ async def run_requests(
                     body["stream"] = True
                     body["stream_options"] = {"include_usage": True}
                 async with sem:
+                    if route is not None:
+                        results[i].url = check_loopback_url(route(i))
                     await _send(client, results[i], body, stream, now)
                 bar.advance()
 

@@ -15,11 +15,19 @@ switched on by a stray environment variable alone.
   this rate (about 133 bytes of heap each).
 * ``MOEGUARD_FAULT_STEP_DELAY_SECONDS``: sleep this long before every engine
   step (a slow model, for timeout tests).
+* ``MOEGUARD_FAULT_LEAK_LOCK_FILE``: the leaks above run only in the one process
+  that holds an exclusive ``flock`` on this file. The file must exist (the test
+  creates it when the leak should start); every leak tick a process that does
+  not hold it tries once, without waiting, and the winner writes its pid into
+  it. Of several workers given the same file, one leaks at a time; when it
+  dies the lock is free again. Removing the file stops new claims.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -30,7 +38,8 @@ ENV_TEST_FAULTS = "MOEGUARD_TEST_FAULTS"
 ENV_FAULT_LEAK_ANON = "MOEGUARD_FAULT_LEAK_ANON_BYTES_PER_SECOND"
 ENV_FAULT_LEAK_PYTHON = "MOEGUARD_FAULT_LEAK_PYTHON_BYTES_PER_SECOND"
 ENV_FAULT_STEP_DELAY = "MOEGUARD_FAULT_STEP_DELAY_SECONDS"
-FAULT_VARIABLES = (ENV_FAULT_LEAK_ANON, ENV_FAULT_LEAK_PYTHON, ENV_FAULT_STEP_DELAY)
+ENV_FAULT_LEAK_LOCK_FILE = "MOEGUARD_FAULT_LEAK_LOCK_FILE"
+FAULT_VARIABLES = (ENV_FAULT_LEAK_ANON, ENV_FAULT_LEAK_PYTHON, ENV_FAULT_STEP_DELAY, ENV_FAULT_LEAK_LOCK_FILE)
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,8 @@ class Faults:
     leak_anon_bps: int = 0
     leak_python_bps: int = 0
     step_delay_s: float = 0.0
+    leak_lock_file: str = ""
+    """Empty: the leaks always run; else only while this process holds the file's lock."""
 
     @property
     def leaks(self) -> bool:
@@ -71,7 +82,7 @@ def load_faults(env: Mapping[str, str]) -> Faults:
         return value
 
     return Faults(int(number(ENV_FAULT_LEAK_ANON)), int(number(ENV_FAULT_LEAK_PYTHON)),
-                  number(ENV_FAULT_STEP_DELAY))
+                  number(ENV_FAULT_STEP_DELAY), env.get(ENV_FAULT_LEAK_LOCK_FILE, "").strip())
 
 
 def delay_step(faults: Faults, sleep: Callable[[float], None] = time.sleep) -> None:
@@ -91,8 +102,9 @@ class FaultLeaker:
 
     TICK_S = 0.1
 
-    def __init__(self, anon_bps: int, python_bps: int) -> None:
-        self.anon_bps, self.python_bps = anon_bps, python_bps
+    def __init__(self, anon_bps: int, python_bps: int, lock_file: str = "") -> None:
+        self.anon_bps, self.python_bps, self.lock_file = anon_bps, python_bps, lock_file
+        self._lock_fd: int | None = None
         self._maps: list[mmap.mmap] = []
         self._objects: list[bytes] = []
         self._stop = threading.Event()
@@ -100,7 +112,7 @@ class FaultLeaker:
 
     @classmethod
     def from_faults(cls, faults: Faults) -> FaultLeaker:
-        return cls(faults.leak_anon_bps, faults.leak_python_bps)
+        return cls(faults.leak_anon_bps, faults.leak_python_bps, faults.leak_lock_file)
 
     @property
     def enabled(self) -> bool:
@@ -126,6 +138,26 @@ class FaultLeaker:
         for i in range(int(self.python_bps * self.TICK_S / 133)):
             self._objects.append(i.to_bytes(8, "little") * 12 + b"leak")
 
+    def holds_lock(self) -> bool:
+        """Whether this process may leak: no lock file asked for, or it holds the file's
+        ``flock`` (tried once, without waiting, when not held yet; the winner writes its pid)."""
+        if not self.lock_file or self._lock_fd is not None:
+            return True
+        try:
+            fd = os.open(self.lock_file, os.O_RDWR)
+        except OSError:  # not created yet, or removed: no claim
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # another process leaks
+            os.close(fd)
+            return False
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+        return True
+
     def _run(self) -> None:
         while not self._stop.wait(self.TICK_S):
-            self.tick()
+            if self.holds_lock():
+                self.tick()
