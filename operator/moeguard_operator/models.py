@@ -657,7 +657,8 @@ class Observed(_Model):
     """What the control loop last saw. A missing value is absent (null), never 0."""
 
     time: datetime | None = None
-    """When the loop last looked."""
+    """When the loop last saw these values change: a look that sees the same values keeps the earlier time, so
+    an idle service's status is not rewritten every tick (see ``tick.stable``)."""
     skew_ratio: float | None = None
     """Highest expert skew ratio among the service's pods over the window."""
     memory_ratio: float | None = None
