@@ -225,17 +225,24 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(timeout=5)
 
 
-def _adopt_existing_crds(cluster: Any, release: str, namespace: str) -> None:
+def _adopt_existing_crds(cluster: Any, release: str, namespace: str, *, keep: bool = True,
+                         peering: bool = True) -> None:
     """The chart's CRDs may already be in this shared cluster: applied from crds/ by other tests, or kept
     (crds.keep) by an earlier release. Helm adopts an existing object that carries its ownership
     metadata — the documented path from `kubectl apply -f crds/`, or from an uninstalled release, to a
-    new release."""
-    for name in (CRD_NAME, "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"):
+    new release. Adoption does not remove an annotation the new manifest lacks, and `helm uninstall` obeys
+    the live object's `helm.sh/resource-policy: keep`: a release installed with ``crds.keep=false`` over
+    kept CRDs must drop it first (docs/gitops.md). kopf's peering CRDs are the release's only with
+    ``peering``."""
+    names = (CRD_NAME, "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev") if peering else (CRD_NAME,)
+    for name in names:
         if cluster.kubectl("get", "crd", name, check=False).returncode != 0:
             continue
         cluster.kubectl("label", "--overwrite", "crd", name, "app.kubernetes.io/managed-by=Helm")
         cluster.kubectl("annotate", "--overwrite", "crd", name, f"meta.helm.sh/release-name={release}",
                         f"meta.helm.sh/release-namespace={namespace}")
+        if not keep:
+            cluster.kubectl("annotate", "crd", name, "helm.sh/resource-policy-")
 
 
 def test_install_reconcile_upgrade_uninstall(cluster: Any, helm: Any, tmp_path: Path) -> None:
