@@ -123,13 +123,30 @@ class PodWorkers:
                               f"a worker for {key} (see {self.run_dir}/logs/)", interval=0.2)
 
 
+def _pod_workers_args() -> list[str]:
+    return ["--worker-cmd", os.environ["MOEGUARD_WORKER_CMD"]] if "MOEGUARD_WORKER_CMD" in os.environ else []
+
+
 @pytest.fixture(scope="session")
 def pod_workers(cluster: Cluster) -> Iterator[PodWorkers]:
-    args = ["--worker-cmd", os.environ["MOEGUARD_WORKER_CMD"]] if "MOEGUARD_WORKER_CMD" in os.environ else []
-    pw = PodWorkers(cluster.run_dir, extra_args=args)
+    pw = PodWorkers(cluster.run_dir, extra_args=_pod_workers_args())
     pw.start()
     yield pw
     pw.stop()
+
+
+@pytest.fixture
+def no_pod_workers(cluster: Cluster) -> Iterator[None]:
+    """Pods without workers (kwok makes them Ready, nothing exports metrics), whatever ran before: the
+    session's harness, if an earlier test started it, is stopped for this test and started again after."""
+    pid_file = cluster.run_dir / "pids" / "pod-workers.pid"
+    running = pid_file.exists() and Path(f"/proc/{pid_file.read_text().strip()}").exists()
+    pw = PodWorkers(cluster.run_dir, extra_args=_pod_workers_args())
+    if running:
+        pw.stop()
+    yield
+    if running:
+        pw.start()
 
 
 @pytest.fixture

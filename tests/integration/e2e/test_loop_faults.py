@@ -110,10 +110,16 @@ def worker_generation(url: str) -> int | None:
     return None if value is None else int(value)
 
 
-def start_service(cluster: Cluster, ns: str, name: str, pod_workers: PodWorkers, **control: Any) -> str:
+def start_service(cluster: Cluster, ns: str, name: str, pod_workers: PodWorkers, *, until_ready: bool = True,
+                  **control: Any) -> str:
+    """Create the service and return its worker's URL once the worker answers; with ``until_ready`` also
+    wait for ``Ready=True`` in status (not when the operator may pause before it writes that status)."""
     cluster.kubectl("-n", ns, "apply", "-f", "-", input=moeis(name, **(SPEC | {"control": SPEC["control"] | control})))
-    wait_cr(cluster, ns, name, lambda o: (stack.condition(o, "Ready") or {}).get("status") == "True", 180, "Ready")
-    (pod,) = cluster.kubectl_json("-n", ns, "get", "pods", "-l", f"app.kubernetes.io/instance={name}")["items"]
+    if until_ready:
+        wait_cr(cluster, ns, name, lambda o: (stack.condition(o, "Ready") or {}).get("status") == "True", 180,
+                "Ready")
+    (pod,) = wait(lambda: cluster.kubectl_json("-n", ns, "get", "pods", "-l",
+                                               f"app.kubernetes.io/instance={name}")["items"], 60, "the pod")
     url = str(pod_workers.wait_for(f"{ns}/{pod['metadata']['name']}", 60)["url"])
     wait(lambda: stack.healthy(url), 120, "worker ready")
     return url
@@ -165,7 +171,9 @@ def test_a_kill_at_each_step_of_a_decision_never_undoes_a_tightening(
         cluster: Cluster, namespace: str, pod_workers: PodWorkers, operator_process: Operator) -> None:
     ns, name, op = namespace, "killed", operator_process
     op.start(pause_at="after-configmap")
-    url = start_service(cluster, ns, name, pod_workers)
+    # With rssSoftFraction 0.001 the first look that sees the worker's memory tightens: that may come before
+    # the pod is Ready, and so before any status says Ready (the operator pauses after the ConfigMap).
+    url = start_service(cluster, ns, name, pod_workers, until_ready=False)
     op.wait_paused()
     gen1, prefill1 = configmap(cluster, ns, name)
     status = get(cluster, ns, name)["status"]

@@ -13,6 +13,7 @@ one byte every 4 s:
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -93,7 +94,7 @@ def looks(namespace: str, name: str) -> float:
 
 
 def test_hung_prometheus_stalls_no_other_service_and_no_deletion(
-        cluster: Cluster, namespace: str, trickle: Trickle) -> None:
+        cluster: Cluster, namespace: str, trickle: Trickle, no_pod_workers: None) -> None:
     ns = namespace
     stack.apply_crds(run_dir=cluster.run_dir)
     # A resource from an earlier version, with the finalizer its timer needed, before the operator starts.
@@ -140,9 +141,12 @@ def test_hung_prometheus_stalls_no_other_service_and_no_deletion(
         assert time.monotonic() - start < 5
 
         # Idle: nothing changes, so nothing is written (no look time, no heartbeat in status).
-        rv = get(cluster, ns, "healthy")["metadata"]["resourceVersion"]
+        before = get(cluster, ns, "healthy")
         time.sleep(6)
-        assert get(cluster, ns, "healthy")["metadata"]["resourceVersion"] == rv
+        after = get(cluster, ns, "healthy")
+        assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"], (
+            f"status rewritten while idle:\nbefore {json.dumps(before.get('status'), sort_keys=True)}\n"
+            f"after  {json.dumps(after.get('status'), sort_keys=True)}")
         text = log.read_text()
         assert not re.search(r"Traceback", text), text[-3000:]
     finally:
