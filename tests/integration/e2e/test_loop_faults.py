@@ -214,10 +214,7 @@ def test_a_restart_after_calm_waits_a_full_window_before_a_climb(
     url = start_service(cluster, ns, name, pod_workers)
     traffic = Traffic(url)
     try:
-        wait_cr(cluster, ns, name, lambda o: o["status"]["budgets"]["maxPrefillTokens"] <= 512, 90, "tightened")
-        set_soft_fraction(cluster, ns, name, CALM)
-        wait_cr(cluster, ns, name, lambda o: o["status"].get("observedGeneration") == o["metadata"]["generation"]
-                and (stack.condition(o, "MetricsAvailable") or {}).get("status") == "True", 90, "calm and visible")
+        tighten_then_calm(cluster, ns, name)
         time.sleep(3)  # some calm seen by this process (less than the window: no climb yet)
         op.kill9()
         before = get(cluster, ns, name)["status"]["budgets"]["maxPrefillTokens"]
@@ -231,6 +228,15 @@ def test_a_restart_after_calm_waits_a_full_window_before_a_climb(
         traffic.stop()
 
 
+def tighten_then_calm(cluster: Cluster, ns: str, name: str) -> None:
+    """Wait for the memory pressure of SPEC to tighten maxPrefillTokens to 512 or less, then make it calm
+    (rssSoftFraction CALM) and wait until that spec is reconciled and the look is visible again."""
+    wait_cr(cluster, ns, name, lambda o: o["status"]["budgets"]["maxPrefillTokens"] <= 512, 90, "tightened")
+    set_soft_fraction(cluster, ns, name, CALM)
+    wait_cr(cluster, ns, name, lambda o: o["status"].get("observedGeneration") == o["metadata"]["generation"]
+            and (stack.condition(o, "MetricsAvailable") or {}).get("status") == "True", 90, "calm and visible")
+
+
 def _apiserver_pid(cluster: Cluster) -> int:
     return int((cluster.run_dir / "pids" / "kube-apiserver.pid").read_text())
 
@@ -242,10 +248,7 @@ def test_an_api_server_outage_is_blind_time_and_control_resumes_at_its_own_pace(
     url = start_service(cluster, ns, name, pod_workers)
     traffic = Traffic(url)
     try:
-        wait_cr(cluster, ns, name, lambda o: o["status"]["budgets"]["maxPrefillTokens"] <= 512, 90, "tightened")
-        set_soft_fraction(cluster, ns, name, CALM)
-        wait_cr(cluster, ns, name, lambda o: o["status"].get("observedGeneration") == o["metadata"]["generation"]
-                and (stack.condition(o, "MetricsAvailable") or {}).get("status") == "True", 90, "calm and visible")
+        tighten_then_calm(cluster, ns, name)
         # SIGKILL: a graceful kube-apiserver shutdown drains its watches for tens of seconds.
         os.kill(_apiserver_pid(cluster), signal.SIGKILL)
         time.sleep(35)
