@@ -372,8 +372,19 @@ ADVICE: dict[str, str] = {
         "Compare it with `resources.hardLimit` (and set `spec.model.weightBytes` to it, so that the next "
         "apply checks the limit)."),
     "moeguard_oom_errors": (
-        "Batches that hit an out-of-memory error the worker survived (label `kind`: GPU). Rising: the "
-        "budgets are too high for the device; the worker already shrinks them."),
+        "Batches that failed to allocate memory and that the worker survived (label `kind`: `cuda` for the "
+        "device's allocator, `host` for the CPU's allocator, oneDNN or `MemoryError`); their requests got 503 "
+        "`out_of_memory` with Retry-After. The worker already drops its budgets as above the soft limit; three "
+        "in a row make `/readyz` 503 until a probe step runs, and a minute with no step running makes "
+        "`/healthz` 503 (a restart). Rising: the budgets are too high for the memory the process can get."),
+    "moeguard_expert_split_steps": (
+        "Steps whose expert work ran in more than one chunk: an expert got more token-slots than "
+        "`MOEGUARD_EXPERT_CHUNK_TOKENS` (256 on the CPU's oneDNN path). Chunking bounds the per-expert "
+        "buffers at the price of more, smaller matmuls. Rising with the skew ratio: hot experts at large "
+        "prefills; `rate()` against `moeguard_step_expert_chunks_count` gives the share of split steps."),
+    "moeguard_step_expert_chunks": (
+        "Per step, the most chunks any layer split its expert work into (1: not split). A high tail at "
+        "modest prefill budgets means heavy skew: the top expert's slice is many chunks long."),
     "moeguard_process_memory_mappings": "Count of memory mappings (/proc/self/maps).",
     "moeguard_python_allocated_blocks": "Live blocks of the Python object allocator.",
     "moeguard_malloc_in_use_bytes": (

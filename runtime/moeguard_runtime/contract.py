@@ -319,6 +319,14 @@ METRIC_QUEUE_REQUESTS = "moeguard_queue_requests"
 """Gauge: requests waiting in the queue."""
 METRIC_OOM_ERRORS_TOTAL = "moeguard_oom_errors_total"
 """Counter, label ``kind`` (cuda | host): batches failed by an out-of-memory error the worker survived."""
+METRIC_EXPERT_SPLIT_STEPS_TOTAL = "moeguard_expert_split_steps_total"
+"""Counter: engine steps in which some MoE layer ran its expert work in more than one chunk (an expert's
+token-slots over ``MOEGUARD_EXPERT_CHUNK_TOKENS``, 256 on the CPU's oneDNN path; the vLLM fused-MoE fix)."""
+METRIC_STEP_EXPERT_CHUNKS = "moeguard_step_expert_chunks"
+"""Histogram: one observation per engine step that routed token-slots, the most chunks any MoE layer split
+its expert work into (1: not split; buckets :data:`EXPERT_CHUNK_BUCKETS`)."""
+EXPERT_CHUNK_BUCKETS = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0, 128.0, 256.0)
+"""Upper bounds of :data:`METRIC_STEP_EXPERT_CHUNKS`' buckets."""
 METRIC_MODEL_WEIGHT_BYTES = "moeguard_model_weight_bytes"
 """Bytes of the loaded model's parameters (set once at start-up): the checkpoint's real size, which the
 operator cannot know at apply time when the weights come from ``spec.model.source``."""

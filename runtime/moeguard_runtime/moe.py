@@ -82,6 +82,11 @@ class RoutingStats:
         marks: :func:`timing.mark` before the router, after it, and after the
             experts; read them (:attr:`routing_seconds`, :attr:`expert_seconds`)
             after the step has synchronised.
+        expert_chunks: how many chunks the layer's expert work was split into: with
+            the host dispatch the most chunks of any one expert's token-slots
+            (:func:`host_expert_chunks`), with the device dispatch the grouped
+            matmuls over all slots (:func:`device_expert_chunks`). 1: not split;
+            0: no slot routed.
     """
 
     tokens_per_expert: tuple[int, ...]
@@ -92,6 +97,7 @@ class RoutingStats:
     balancedness: float
     overflow_tokens: int = 0
     marks: tuple[Mark, Mark, Mark] = (0.0, 0.0, 0.0)
+    expert_chunks: int = 1
 
     @property
     def routing_seconds(self) -> float:
@@ -105,7 +111,8 @@ class RoutingStats:
 
 
 def routing_stats(tokens_per_expert: Sequence[int] | torch.Tensor, overflow_tokens: int = 0,
-                  marks: tuple[Mark, Mark, Mark] = (0.0, 0.0, 0.0)) -> RoutingStats:
+                  marks: tuple[Mark, Mark, Mark] = (0.0, 0.0, 0.0),
+                  expert_chunks: int = 1) -> RoutingStats:
     """Statistics of ``E`` token-slot counts (see :class:`RoutingStats`); a tensor is
     read with one ``tolist()``, a sequence of ints costs no device access."""
     counts = [int(c) for c in (tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor)
@@ -117,7 +124,7 @@ def routing_stats(tokens_per_expert: Sequence[int] | torch.Tensor, overflow_toke
     skew = top / max(median, 1.0)
     balancedness = mean / top if top > 0 else 1.0
     return RoutingStats(tuple(counts), total, top, median, skew, balancedness, overflow_tokens,
-                        marks)
+                        marks, expert_chunks if total else 0)
 
 
 def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,6 +220,25 @@ def swiglu_expert(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     F.silu(h, inplace=True)
     h.mul_(expert_linear(x, w3, backend))  # in place: one [n, I] buffer fewer at the peak
     return expert_linear(h, w2, backend)  # [n, D]
+
+
+def host_expert_chunks(x: torch.Tensor, tokens_per_expert: Sequence[int], expert_chunk_tokens: int,
+                       capacity: int | None = None, backend: MatmulBackend = "onednn") -> int:
+    """The most chunks :func:`dispatch_experts` splits one expert's token-slots into, for ``x`` and
+    the layer's counts: ``ceil(kept / chunk)`` of the busiest expert, where ``chunk`` is
+    ``expert_chunk_tokens``, at most :data:`ONEDNN_CHUNK_TOKENS` on the oneDNN path, and
+    ``kept`` the slots under ``capacity``. 0 when nothing was routed."""
+    chunk = min(expert_chunk_tokens, ONEDNN_CHUNK_TOKENS) if _onednn(x, backend) else expert_chunk_tokens
+    top = max(tokens_per_expert, default=0)
+    if capacity is not None:
+        top = min(top, capacity)
+    return -(-top // chunk)
+
+
+def device_expert_chunks(slots: int, expert_chunk_tokens: int) -> int:
+    """The grouped matmuls :func:`moe_device.device_dispatch` runs over ``slots`` token-slots:
+    ``ceil(slots / expert_chunk_tokens)`` (no host read: ``slots`` is ``T * k``)."""
+    return -(-slots // expert_chunk_tokens)
 
 
 def dispatch_experts(
@@ -336,12 +362,14 @@ class MOEFeedForward(nn.Module):
         if self.dispatch == "device" or (self.dispatch == "auto" and grouped_mm_available(x)):
             out, pending, dropped = device_dispatch(x, weights, experts, self.w1, self.w2, self.w3,
                                                     self.expert_chunk_tokens, capacity)
-            return out, PendingRouting(pending, dropped, (t0, t1, mark(x.device)))
+            return out, PendingRouting(pending, dropped, (t0, t1, mark(x.device)),
+                                       device_expert_chunks(experts.numel(), self.expert_chunk_tokens))
         out, counts, overflow = dispatch_experts(
             x, weights, experts, self.w1, self.w2, self.w3, self.expert_chunk_tokens, capacity,
             self.matmul_backend)
         t2 = mark(x.device)
-        return out, routing_stats(counts, overflow, (t0, t1, t2))
+        return out, routing_stats(counts, overflow, (t0, t1, t2), host_expert_chunks(
+            x, counts, self.expert_chunk_tokens, capacity, self.matmul_backend))
 
 
 def read_back(records: list[RoutingStats | PendingRouting],
@@ -365,6 +393,7 @@ def read_back(records: list[RoutingStats | PendingRouting],
         counts.append(host[at:at + p.counts.numel()])
         at += p.counts.numel()
     overflow, at = host[at:at + len(pending)], at + len(pending)
-    resolved = iter(routing_stats(c, o, p.marks) for c, o, p in zip(counts, overflow, pending, strict=True))
+    resolved = iter(routing_stats(c, o, p.marks, p.chunks)
+                    for c, o, p in zip(counts, overflow, pending, strict=True))
     stats = [r if isinstance(r, RoutingStats) else next(resolved) for r in records]
     return stats, host[at:]

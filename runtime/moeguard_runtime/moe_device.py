@@ -34,11 +34,13 @@ class PendingRouting:
         counts: ``[E]`` int64, token-slots routed to each expert.
         overflow: 0-d int64, slots dropped over capacity.
         marks: as :attr:`moe.RoutingStats.marks`.
+        chunks: grouped matmuls the slots were split into (:attr:`moe.RoutingStats.expert_chunks`).
     """
 
     counts: torch.Tensor
     overflow: torch.Tensor
     marks: tuple[Mark, Mark, Mark]
+    chunks: int = 1
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:

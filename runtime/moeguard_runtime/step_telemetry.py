@@ -41,7 +41,8 @@ def record_step(tel: Telemetry, log: RateLimitedLog, plan: StepPlan, out: StepOu
                   top_expert_tokens=",".join(str(r.top_expert_tokens) for r in out.routing),
                   median_expert_tokens=",".join(f"{r.median_expert_tokens:g}" for r in out.routing),
                   skew_ratio=",".join(f"{r.expert_skew_ratio:.2f}" for r in out.routing),
-                  overflow_tokens=",".join(str(r.overflow_tokens) for r in out.routing))
+                  overflow_tokens=",".join(str(r.overflow_tokens) for r in out.routing),
+                  expert_chunks=",".join(str(r.expert_chunks) for r in out.routing))
 
 
 def log_memory_snapshot(log: RateLimitedLog, stage: str, m: ProcessMemory, d: DeviceMemory | None,

@@ -113,6 +113,14 @@ class Telemetry:
         self.overflow = Counter("moeguard_expert_overflow_tokens",
                                 "Token-slots over expert capacity (dropped; 0 when dropless).",
                                 [*base, "layer"], registry=r)
+        self.expert_split_steps = Counter(
+            contract.METRIC_EXPERT_SPLIT_STEPS_TOTAL.removesuffix("_total"),
+            "Engine steps in which some MoE layer ran its expert work in more than one chunk "
+            "(expert_chunk_tokens; 256 token-slots on the CPU's oneDNN path).", base, registry=r)
+        self.step_expert_chunks = Histogram(
+            contract.METRIC_STEP_EXPERT_CHUNKS,
+            "Per engine step that routed token-slots: the most chunks any MoE layer split its expert "
+            "work into (1: not split).", base, registry=r, buckets=contract.EXPERT_CHUNK_BUCKETS)
         self.budget = {name: gauge(f"moeguard_budget_{name}", f"Budget in effect: {name}.")
                        for name in BUDGET_NAMES}
         self.budget_generation = gauge(contract.METRIC_BUDGET_GENERATION,
@@ -185,6 +193,8 @@ class Telemetry:
         for phase in ("prefill", "decode"):
             self.batch_tokens.labels(**labels, phase=phase)
         self.step_skew.labels(**labels)  # 0 steps from the start: an idle worker says so
+        self.step_expert_chunks.labels(**labels)
+        self.expert_split_steps.labels(**labels)
         for name in ("applied", "rejected", "ignored"):
             self.budget_updates.labels(**labels, result=name)
         for kind in ("native", "python_heap"):
@@ -200,7 +210,9 @@ class Telemetry:
         """Record one engine step. Skew/balancedness gauges are set only from steps
         that routed at least ``4 * num_experts`` token-slots: below that (e.g. a
         decode step of two sequences routes 4 slots over 8 experts) the ratio is
-        dominated by the floor of the median and says nothing about the router."""
+        dominated by the floor of the median and says nothing about the router.
+        Expert chunking (:attr:`moe.RoutingStats.expert_chunks`): the step's most
+        chunks in any layer, and a split step counted when that is above 1."""
         if prefill_tokens:
             self.batch_tokens.labels(**self.l(phase="prefill")).observe(prefill_tokens)
         if decode_tokens:
@@ -219,6 +231,11 @@ class Telemetry:
                 step_skew = max(stats.expert_skew_ratio, step_skew or 0.0)
         if step_skew is not None:
             self.step_skew.labels(**self.labels).observe(step_skew)
+        chunks = max((stats.expert_chunks for stats in routing), default=0)
+        if chunks:
+            self.step_expert_chunks.labels(**self.labels).observe(chunks)
+        if chunks > 1:
+            self.expert_split_steps.labels(**self.labels).inc()
 
     def set_model_weights(self, parameters: Iterable[Any]) -> int:
         """Set ``moeguard_model_weight_bytes`` from the loaded model's ``parameters()`` (torch tensors:

@@ -27,8 +27,10 @@ from moeguard_runtime.moe import (
     MatmulBackend,
     MoeDispatch,
     RoutingStats,
+    device_expert_chunks,
     dispatch_experts,
     expert_capacity,
+    host_expert_chunks,
     routing_stats,
     swiglu_expert,
 )
@@ -159,12 +161,14 @@ class SparseMoE(nn.Module):
         if self.dispatch == "device" or (self.dispatch == "auto" and grouped_mm_available(x)):
             out, pending, dropped = device_dispatch(x, weights, experts, self.w1, self.w2, self.w3,
                                                     self.expert_chunk_tokens, capacity)
-            routing = PendingRouting(pending, dropped, (t0, t1, mark(x.device)))
+            routing = PendingRouting(pending, dropped, (t0, t1, mark(x.device)),
+                                     device_expert_chunks(experts.numel(), self.expert_chunk_tokens))
         else:
             out, counts, overflow = dispatch_experts(x, weights, experts, self.w1, self.w2, self.w3,
                                                      self.expert_chunk_tokens, capacity,
                                                      self.matmul_backend)
-            routing = routing_stats(counts, overflow, (t0, t1, mark(x.device)))
+            routing = routing_stats(counts, overflow, (t0, t1, mark(x.device)), host_expert_chunks(
+                x, counts, self.expert_chunk_tokens, capacity, self.matmul_backend))
         if self.shared is not None:
             shared = self.shared(x)  # [T, D]
             if self.shared_gate is not None:
