@@ -208,7 +208,8 @@ def prompt_ids(prompt: Prompt, vocab_size: int) -> list[int] | str:
                              "prompt")
     bad = next((i for i in value if not 0 <= i < vocab_size), None)
     if bad is not None:
-        raise InvalidRequest(f"invalid field 'prompt': token id {bad} is outside the vocabulary "
+        shown = str(bad) if len(str(bad)) <= 40 else f"{str(bad)[:20]}...({len(str(bad))} digits)"
+        raise InvalidRequest(f"invalid field 'prompt': token id {shown} is outside the vocabulary "
                              f"(limit: 0 <= id < {vocab_size})", "prompt")
     return list(value)
 

@@ -49,6 +49,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -116,6 +118,39 @@ class _Job:
     stops: list[str]
     model: str
     echo: str = ""
+
+
+def _finite_float(text: str) -> float:
+    """``json.loads``' ``parse_float``: a JSON number with a fraction or an exponent.
+
+    Raises:
+        ValueError: it overflows a double (``1e999`` would otherwise become ``inf``).
+    """
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is out of range (limit: a finite 64-bit float, "
+                         f"|x| < 1.8e308)")
+    return value
+
+
+def _no_constant(name: str) -> float:
+    """``json.loads``' ``parse_constant``: ``NaN``, ``Infinity`` and ``-Infinity``, which Python's
+    parser accepts and JSON (RFC 8259) does not.
+
+    Raises:
+        ValueError: always, naming the constant.
+    """
+    raise ValueError(f"{name} is not a JSON number (RFC 8259 has no NaN or Infinity)")
+
+
+def _number_error(exc: ValueError) -> str:
+    """What was wrong with a number of the body: :func:`_finite_float`'s and :func:`_no_constant`'s
+    own messages, or, for Python's integer-string conversion limit (``sys.get_int_max_str_digits()``,
+    4300 digits by default; ``json.loads`` raises a bare ``ValueError``), one naming that limit."""
+    limit = sys.get_int_max_str_digits()
+    if "integer string conversion" in str(exc):
+        return f"an integer has more than {limit} digits (limit: {limit} digits)"
+    return str(exc)
 
 
 def error_response(status: int, message: str, type_: str, code: str | None = None,
@@ -212,6 +247,13 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
         message = f"{request.method} {request.url.path}: {exc.detail}"
         return error_response(exc.status_code, message, kind, code=str(exc.detail).lower().replace(" ", "_"),
                               headers=dict(exc.headers or {}))
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> JSONResponse:
+        # A bug, not a client's fault: still OpenAI's shape (never Starlette's text/plain 500).
+        slot.telemetry.requests.labels(**slot.telemetry.l(status="error", code="500")).inc()
+        return error_response(500, f"{request.method} {request.url.path}: internal error "
+                                   f"{type(exc).__name__}", "server_error", "internal_error")
     tel = slot.telemetry
     max_len = slot.max_len
     tok = slot.tokenizer
@@ -283,11 +325,13 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
         except UnicodeDecodeError as exc:
             return invalid(f"request body is not valid UTF-8: {exc.reason} at byte {exc.start}")
         try:
-            payload = json.loads(text)
+            payload = json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)
         except json.JSONDecodeError as exc:
             return invalid(f"request body is not valid JSON: {exc}")
         except RecursionError:
             return invalid("request body is not valid JSON for this API: nested too deeply")
+        except ValueError as exc:  # a number this API cannot hold
+            return invalid(f"request body is not valid JSON for this API: {_number_error(exc)}")
         if not isinstance(payload, dict):
             return invalid(f"request body must be a JSON object, given a {type(payload).__name__}")
         if required not in payload:

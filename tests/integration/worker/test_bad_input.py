@@ -7,6 +7,8 @@ import json
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tests.integration.worker.conftest import WorkerProcess
 from tests.integration.worker.test_worker_http import assert_openai_error, metrics, post
 
@@ -113,3 +115,67 @@ def test_wrong_method_or_path_is_an_openai_error(worker: WorkerProcess, method: 
     assert r.status_code == status
     err = r.json()["error"]
     assert needle in err["message"] and set(err) == {"message", "type", "param", "code"}
+
+
+BIG = "9" * 4301  # one digit over Python's integer-string conversion limit
+"""A bare integer json.loads cannot convert (it raised a ValueError that became a 500 text/plain)."""
+
+
+@pytest.mark.parametrize(("body", "needle"), [
+    ('{"prompt": "x", "max_tokens": ' + BIG + "}", "an integer has more than 4300 digits"),
+    ('{"prompt": "x", "seed": ' + BIG + "}", "an integer has more than 4300 digits"),
+    ('{"prompt": [' + BIG + "]}", "an integer has more than 4300 digits"),
+    ('{"prompt": "x", "temperature": NaN}', "NaN is not a JSON number"),
+    ('{"prompt": "x", "temperature": Infinity}', "Infinity is not a JSON number"),
+    ('{"prompt": "x", "seed": -Infinity}', "-Infinity is not a JSON number"),
+    ('{"prompt": "x", "max_tokens": 1e999}', "the number 1e999 is out of range"),
+    ('{"prompt": [1, 2, -1e400]}', "the number -1e400 is out of range"),
+])
+def test_numbers_json_cannot_hold_are_a_400(worker: WorkerProcess, body: str, needle: str) -> None:
+    err = assert_openai_error(post(worker, body), 400, "request body is not valid JSON for this API",
+                              needle)
+    assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(("field", "value", "needles"), [
+    ("max_tokens", "9" * 4300, ["invalid field 'max_tokens'", "limit: le 1048576"]),
+    ("seed", "9" * 4300, ["invalid field 'seed'", "limit: le 9223372036854775807"]),
+    ("temperature", "9" * 4300, ["invalid field 'temperature'"]),
+    ("seed", "1e300", ["invalid field 'seed'"]),
+    ("max_tokens", "-1e300", ["invalid field 'max_tokens'"]),
+])
+def test_numbers_out_of_range_name_the_field(worker: WorkerProcess, field: str, value: str,
+                                             needles: list[str]) -> None:
+    err = assert_openai_error(post(worker, f'{{"prompt": "x", "{field}": {value}}}'), 400, *needles)
+    assert err["param"] == field
+
+
+def test_a_4300_digit_token_id_is_named_short(worker: WorkerProcess) -> None:
+    err = assert_openai_error(post(worker, '{"prompt": [' + "9" * 4300 + "]}"), 400,
+                              "token id 99999999999999999999...(4300 digits) is outside the vocabulary")
+    assert len(str(err["message"])) < 300
+
+
+_NUMBERS = st.one_of(
+    st.integers(min_value=4200, max_value=4400).map(lambda n: "9" * n),
+    st.integers().map(str),
+    st.floats(allow_nan=False, allow_infinity=False).map(repr),
+    st.sampled_from(["NaN", "Infinity", "-Infinity", "1e999", "-1e999", "1e-999", "0.0", "-0",
+                     "5e0", "1.0", "2.5", "1e308", "1.8e308"]),
+)
+
+
+@given(prompt=st.one_of(_NUMBERS.map(lambda n: f"[{n}]"), st.just('"hi"')),
+       max_tokens=_NUMBERS, seed=st.one_of(_NUMBERS, st.just("null")), temperature=_NUMBERS)
+@settings(max_examples=120, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+def test_any_number_anywhere_is_a_200_or_a_400_in_openai_shape(
+        worker: WorkerProcess, prompt: str, max_tokens: str, seed: str, temperature: str) -> None:
+    body = (f'{{"prompt": {prompt}, "max_tokens": {max_tokens}, "seed": {seed}, '
+            f'"temperature": {temperature}}}')
+    r = post(worker, body)
+    assert r.status_code in (200, 400), (body[:200], r.status_code, r.text[:300])
+    if r.status_code == 400:
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert err["type"] == "invalid_request_error"
