@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from moeguard_runtime import contract
+from moeguard_runtime.allocation import DEFAULT_UNRECOVERED_S
 from moeguard_runtime.contract import Budgets
 from moeguard_runtime.faults import Faults, load_faults
 from moeguard_runtime.moe import (
@@ -64,6 +65,9 @@ ENV_DRAIN_SECONDS = "MOEGUARD_DRAIN_SECONDS"
 """On SIGTERM, how long accepted requests may finish before the rest are cut with an error (default 25 s:
 under Kubernetes' default terminationGracePeriodSeconds of 30, after which the kubelet sends SIGKILL)."""
 DEFAULT_DRAIN_SECONDS = 25.0
+ENV_UNRECOVERED_OOM_SECONDS = "MOEGUARD_UNRECOVERED_OOM_SECONDS"
+"""Seconds of failed allocations with no engine step running after which ``/healthz`` answers 503
+(default 60; :mod:`moeguard_runtime.allocation`)."""
 ENV_SERVED_MODEL_NAME = "MOEGUARD_SERVED_MODEL_NAME"
 """The model name GET /v1/models reports and requests must name (default: the preset's name,
 which stays accepted as an alias)."""
@@ -119,6 +123,8 @@ class Settings:
     """``ENV_SERVED_MODEL_NAME``, or the preset's name when unset."""
     drain_s: float = DEFAULT_DRAIN_SECONDS
     """``ENV_DRAIN_SECONDS``: seconds accepted requests may take to finish after SIGTERM."""
+    unrecovered_oom_s: float = DEFAULT_UNRECOVERED_S
+    """``ENV_UNRECOVERED_OOM_SECONDS``: seconds of allocation failures before liveness fails."""
 
     @property
     def torch_device(self) -> torch.device:
@@ -325,7 +331,15 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         dtype=dtype,
         served_model_name=(env.get(ENV_SERVED_MODEL_NAME) or "").strip() or preset,
         drain_s=_drain_seconds(env),
+        unrecovered_oom_s=_unrecovered_oom_seconds(env),
     )
+
+
+def _unrecovered_oom_seconds(env: Mapping[str, str]) -> float:
+    value = _float(env, ENV_UNRECOVERED_OOM_SECONDS, DEFAULT_UNRECOVERED_S)
+    if not 0 < value <= 3600:
+        raise ConfigError(f"{ENV_UNRECOVERED_OOM_SECONDS}={value:g} must be in (0, 3600] seconds")
+    return value
 
 
 def _drain_seconds(env: Mapping[str, str]) -> float:

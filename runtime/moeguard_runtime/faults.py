@@ -1,7 +1,8 @@
-"""Test-only fault injectors: a leak outside the Python heap, a leak in it, a slow step.
+"""Test-only fault injectors: a leak outside the Python heap, a leak in it, a slow step, a step
+whose allocations fail.
 
-They exist so that the leak signal (:mod:`moeguard_runtime.leak`) and the queue
-timeouts can be tested end to end against a real worker process. Nothing here
+They exist so that the leak signal (:mod:`moeguard_runtime.leak`) the queue
+timeouts and the out-of-memory path can be tested end to end against a real worker process. Nothing here
 runs in production: the fault variables are read only when
 ``MOEGUARD_TEST_FAULTS=1`` is set, and a fault variable set without it stops the
 worker at start (a :class:`ValueError` naming both variables, turned into a
@@ -15,6 +16,10 @@ switched on by a stray environment variable alone.
   this rate (about 133 bytes of heap each).
 * ``MOEGUARD_FAULT_STEP_DELAY_SECONDS``: sleep this long before every engine
   step (a slow model, for timeout tests).
+* ``MOEGUARD_FAULT_ALLOC_FAIL_STEPS``: the first N engine steps (probe steps
+  included) fail to allocate (:class:`AllocationFault`).
+* ``MOEGUARD_FAULT_ALLOC_FAIL_FILE``: every engine step fails to allocate while
+  this file exists (the test creates it, and removes it to clear the fault).
 * ``MOEGUARD_FAULT_LEAK_LOCK_FILE``: the leaks above run only in the one process
   that holds an exclusive ``flock`` on this file. The file must exist (the test
   creates it when the leak should start); every leak tick a process that does
@@ -33,13 +38,18 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import torch
+
 ENV_TEST_FAULTS = "MOEGUARD_TEST_FAULTS"
 """``1`` enables the fault variables below (test-only)."""
 ENV_FAULT_LEAK_ANON = "MOEGUARD_FAULT_LEAK_ANON_BYTES_PER_SECOND"
 ENV_FAULT_LEAK_PYTHON = "MOEGUARD_FAULT_LEAK_PYTHON_BYTES_PER_SECOND"
 ENV_FAULT_STEP_DELAY = "MOEGUARD_FAULT_STEP_DELAY_SECONDS"
 ENV_FAULT_LEAK_LOCK_FILE = "MOEGUARD_FAULT_LEAK_LOCK_FILE"
-FAULT_VARIABLES = (ENV_FAULT_LEAK_ANON, ENV_FAULT_LEAK_PYTHON, ENV_FAULT_STEP_DELAY, ENV_FAULT_LEAK_LOCK_FILE)
+ENV_FAULT_ALLOC_FAIL_STEPS = "MOEGUARD_FAULT_ALLOC_FAIL_STEPS"
+ENV_FAULT_ALLOC_FAIL_FILE = "MOEGUARD_FAULT_ALLOC_FAIL_FILE"
+FAULT_VARIABLES = (ENV_FAULT_LEAK_ANON, ENV_FAULT_LEAK_PYTHON, ENV_FAULT_STEP_DELAY, ENV_FAULT_LEAK_LOCK_FILE,
+                   ENV_FAULT_ALLOC_FAIL_STEPS, ENV_FAULT_ALLOC_FAIL_FILE)
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,10 @@ class Faults:
     step_delay_s: float = 0.0
     leak_lock_file: str = ""
     """Empty: the leaks always run; else only while this process holds the file's lock."""
+    alloc_fail_steps: int = 0
+    """The first this many engine steps fail to allocate."""
+    alloc_fail_file: str = ""
+    """Non-empty: every engine step fails to allocate while this file exists."""
 
     @property
     def leaks(self) -> bool:
@@ -82,13 +96,44 @@ def load_faults(env: Mapping[str, str]) -> Faults:
         return value
 
     return Faults(int(number(ENV_FAULT_LEAK_ANON)), int(number(ENV_FAULT_LEAK_PYTHON)),
-                  number(ENV_FAULT_STEP_DELAY), env.get(ENV_FAULT_LEAK_LOCK_FILE, "").strip())
+                  number(ENV_FAULT_STEP_DELAY), env.get(ENV_FAULT_LEAK_LOCK_FILE, "").strip(),
+                  int(number(ENV_FAULT_ALLOC_FAIL_STEPS)), env.get(ENV_FAULT_ALLOC_FAIL_FILE, "").strip())
 
 
 def delay_step(faults: Faults, sleep: Callable[[float], None] = time.sleep) -> None:
     """The slow-step fault: sleep ``faults.step_delay_s`` (nothing when 0)."""
     if faults.step_delay_s > 0:
         sleep(faults.step_delay_s)
+
+
+IMPOSSIBLE_ALLOCATION_BYTES = 1 << 62
+"""What :class:`AllocationFault` asks the allocator for: more than any address space holds, so the
+real allocator fails with its real error, at once and without touching memory."""
+
+
+class AllocationFault:
+    """The allocation fault of one worker: :meth:`check` before each engine step's forward pass.
+
+    Not a mock: it asks the step's device allocator for :data:`IMPOSSIBLE_ALLOCATION_BYTES`, so
+    the error is the allocator's own (on the CPU a ``RuntimeError`` "DefaultCPUAllocator: can't
+    allocate memory", on CUDA ``torch.OutOfMemoryError``). Called by the engine thread only.
+    """
+
+    def __init__(self, faults: Faults) -> None:
+        self._left = faults.alloc_fail_steps
+        self._file = faults.alloc_fail_file
+
+    def check(self, device: torch.device) -> None:
+        """Fail this step's allocation when the fault is on (see the module docstring).
+
+        Raises:
+            RuntimeError, torch.OutOfMemoryError: the allocator's error.
+        """
+        if self._left > 0:
+            self._left -= 1
+        elif not (self._file and os.path.exists(self._file)):
+            return
+        torch.empty(IMPOSSIBLE_ALLOCATION_BYTES, dtype=torch.uint8, device=device)
 
 
 class FaultLeaker:

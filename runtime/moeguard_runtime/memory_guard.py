@@ -20,6 +20,9 @@ from moeguard_runtime.scheduler import Rejected
 from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
 
 MEMORY_CHECK_INTERVAL_S = 0.25
+ALLOCATION_FAILURE_HOLD_S = 30.0
+"""After an allocation failure in a step, the budgets stay shrunk (state at least SOFT, as on a
+soft-limit breach) for this many seconds: no usage figure says when the pressure is over."""
 
 
 class MemoryGuard:
@@ -37,6 +40,7 @@ class MemoryGuard:
         self._telemetry, self._log = telemetry, log
         self._read_memory, self._read_device = read_memory, read_device
         self._next_check = 0.0
+        self._hold_soft_until = -1e18
         for name, value in (("soft", settings.soft_limit_bytes), ("hard", settings.hard_limit_bytes)):
             if value is not None:
                 telemetry.memory_limit.labels(**telemetry.l(limit=name)).set(value)
@@ -54,6 +58,30 @@ class MemoryGuard:
                            f"({self.last_memory.source}) is above the hard limit "
                            f"{self.policy.hard_limit_bytes} bytes", retry_after_s=5, status=503)
 
+    def allocation_failed(self, now: float) -> float | None:
+        """An engine step failed to allocate at ``now`` (monotonic s): hold the state at least at
+        SOFT for :data:`ALLOCATION_FAILURE_HOLD_S` s, so the budgets drop by the soft limit's
+        ``shrink_factor`` (the soft-limit path: the same factor, and the Auto overload trigger
+        sees memory pressure). Returns the new shrink factor when it changed (the caller applies
+        it to the scheduler), else None."""
+        self._hold_soft_until = now + ALLOCATION_FAILURE_HOLD_S
+        return self._move(max(self.state, MemoryState.SOFT), "allocation_failure")
+
+    def _move(self, state: MemoryState, reason: str) -> float | None:
+        """Move to ``state``; log it and return the new shrink factor when the factor changed."""
+        if state == self.state:
+            return None
+        old_factor = self.shrink_factor
+        self.state = state
+        factor = self.shrink_factor
+        reading, device = self.last_memory, self.last_device
+        self._log.event("memory_state", force=True, state=state.name.lower(), reason=reason,
+                        usage_bytes=reading.usage_bytes if reading else None,
+                        source=reading.source if reading else None,
+                        gpu_used_bytes=device.used if device else None, shrink_factor=factor)
+        self._telemetry.memory_state.labels(**self._telemetry.labels).set(int(state))
+        return factor if factor != old_factor else None
+
     def due(self, now: float, force: bool = False) -> bool:
         """Whether a check is due at ``now`` (monotonic s); schedules the next one."""
         if not force and now < self._next_check:
@@ -61,9 +89,10 @@ class MemoryGuard:
         self._next_check = now + MEMORY_CHECK_INTERVAL_S
         return True
 
-    def check(self) -> float | None:
-        """Read, export, and move the state. Returns the new shrink factor when it
-        changed (the caller applies it to the scheduler), else None."""
+    def check(self, now: float = 0.0) -> float | None:
+        """Read, export, and move the state at ``now`` (monotonic s: an allocation failure's hold
+        ends then). Returns the new shrink factor when it changed (the caller applies it to the
+        scheduler), else None."""
         reading, device = self._read_memory(), self._read_device()
         s, tel = self.settings, self._telemetry
         if self.last_memory is None:
@@ -83,15 +112,9 @@ class MemoryGuard:
             tel.set_device(device)
             state = max(state, decide_device(self.state, device.used, device.total,
                                              s.gpu_soft_fraction, s.gpu_hard_fraction))
-        changed: float | None = None
-        if state != self.state:
-            old_factor = self.shrink_factor
-            self.state = state
-            factor = self.shrink_factor
-            if factor != old_factor:
-                changed = factor
-            self._log.event("memory_state", force=True, state=state.name.lower(),
-                            usage_bytes=reading.usage_bytes, source=reading.source,
-                            gpu_used_bytes=device.used if device else None, shrink_factor=factor)
+        reason = "limit"
+        if now < self._hold_soft_until and state < MemoryState.SOFT:
+            state, reason = MemoryState.SOFT, "allocation_failure"
+        changed = self._move(state, reason)
         tel.memory_state.labels(**tel.labels).set(int(state))
         return changed

@@ -114,6 +114,16 @@ def malloc_in_use() -> int | None:
     return int(info.uordblks + info.hblkhd)
 
 
+def trim_malloc() -> bool:
+    """glibc ``malloc_trim(0)``: give the heap's free memory back to the kernel. Returns whether
+    memory was released; False off glibc."""
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    return bool(fn(0))
+
+
 def read_device_memory(device: str | Any = "cuda") -> DeviceMemory | None:
     """GPU figures of ``device`` (the worker's ``MOEGUARD_DEVICE``), or None when it is
     not a CUDA device or CUDA is unavailable. ``cuda`` means the current device."""

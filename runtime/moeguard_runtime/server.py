@@ -33,11 +33,11 @@ a character split across tokens is never emitted half. Generation ends with
 ``stop`` string (not returned, even across stream chunks), ``length`` at
 ``max_tokens``.
 
-Streaming answers its HTTP status only once the request is admitted to a
-batch: a refusal or a queue timeout before that is the same JSON error (503 or
-429, ``Retry-After``, the reason in ``code``) as without streaming; only a
-failure after admission (out of memory in the batch) arrives as an SSE error
-event. ``stream_options: {"include_usage": true}`` (OpenAI) adds a final chunk
+Streaming answers its HTTP status only once the request's first step has run
+in a batch: a refusal, a queue timeout or an allocation failure in that first
+step is the same JSON error (503 or 429, ``Retry-After``, the reason in
+``code``) as without streaming; only a failure in a later step (out of memory
+in the batch) arrives as an SSE error event. ``stream_options: {"include_usage": true}`` (OpenAI) adds a final chunk
 with ``usage`` and ``"choices": []``; an unknown key in it is a 400 naming it.
 
 A client that disconnects cancels its request (polled every 0.25 s while it
@@ -273,15 +273,16 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
 
     @app.get("/healthz", response_class=PlainTextResponse)
     async def healthz() -> Response:
-        """Liveness: 200 while loading and while the engine loop runs."""
+        """Liveness: 200 while loading and while the engine loop runs and can allocate
+        (:attr:`Worker.not_alive_reason`); else 503, the body says why."""
         w = slot.worker
-        ok = w is None or w.alive
-        return PlainTextResponse("ok" if ok else "engine loop stopped", status_code=200 if ok else 503)
+        why = None if w is None else w.not_alive_reason
+        return PlainTextResponse("ok" if why is None else why, status_code=200 if why is None else 503)
 
     @app.get("/readyz", response_class=PlainTextResponse)
     async def readyz() -> Response:
-        """Readiness: 503 while the model loads, the loop is stopped, memory is above hard, or
-        before the first budget document (:attr:`Worker.not_ready_reason`); the body says why."""
+        """Readiness: 503 while the model loads, the loop is stopped, memory is above hard, steps
+        keep failing to allocate, or before the first budget document (:attr:`Worker.not_ready_reason`); the body says why."""
         w = slot.worker
         why = "model is loading" if w is None else w.not_ready_reason
         if why is None:

@@ -6,6 +6,7 @@ server and the tests use (:meth:`Worker.submit`, :meth:`Worker.cancel`,
 :meth:`Worker.on_budget_data`, :meth:`Worker.check_memory`, ``ready``):
 
 * :mod:`moeguard_runtime.step_loop`: plan, run and deliver steps (and the OOM rule);
+* :mod:`moeguard_runtime.allocation`: allocation failures, and readiness and liveness after them;
 * :mod:`moeguard_runtime.memory_guard`: host/device memory, soft/hard state;
 * :mod:`moeguard_runtime.overload_trigger`: overload sources and the Auto trigger;
 * :mod:`moeguard_runtime.leak_sampler`: the leak signal's samples;
@@ -20,6 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from moeguard_runtime import contract
+from moeguard_runtime.allocation import AllocationHealth
 from moeguard_runtime.budget_watch import NO_GENERATION, decide_update
 from moeguard_runtime.config import Settings
 from moeguard_runtime.contract import Budgets
@@ -64,7 +66,8 @@ class Worker:
         self.overload_trigger = OverloadTrigger(settings.overload_mode, policy, telemetry, log)
         self.scheduler = Scheduler(settings.budgets, settings.limits, self._now, policy)
         self.loop = StepLoop(self.scheduler, engine, telemetry, log, self._now, settings.faults,
-                             self._budgets_applied, self.memory_snapshot, idle_wait_s)
+                             self._budgets_applied, self.memory_snapshot, idle_wait_s,
+                             self._allocation_failed, AllocationHealth(settings.unrecovered_oom_s))
         self.budget_generation = NO_GENERATION
         self._leaker = FaultLeaker.from_faults(settings.faults)
         self._stop = threading.Event()
@@ -123,7 +126,16 @@ class Worker:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self.not_alive_reason is None
+
+    @property
+    def not_alive_reason(self) -> str | None:
+        """Why ``/healthz`` answers 503, or None while alive: the engine loop stopped, or steps
+        have failed to allocate memory for longer than ``MOEGUARD_UNRECOVERED_OOM_SECONDS``
+        (:meth:`allocation.AllocationHealth.not_alive_reason`), so the kubelet restarts it."""
+        if not self._thread.is_alive():
+            return "engine loop stopped"
+        return self.loop.health.not_alive_reason(self._clock())
 
     @property
     def ready(self) -> bool:
@@ -132,14 +144,17 @@ class Worker:
     @property
     def not_ready_reason(self) -> str | None:
         """Why ``/readyz`` answers 503, or None when ready: the engine loop stopped, memory above
-        the hard limit, or, with a budget ConfigMap named (``MOEGUARD_BUDGET_CONFIGMAP``), no valid
+        the hard limit, repeated allocation failures in steps
+        (:meth:`allocation.AllocationHealth.not_ready_reason`), or, with a budget ConfigMap named (``MOEGUARD_BUDGET_CONFIGMAP``), no valid
         budget document applied yet (the env's defaults are never served in place of the spec's)."""
         if self._draining:
             return "shutting down (SIGTERM): draining the requests in flight"
         if not self.alive:
-            return "engine loop stopped"
+            return self.not_alive_reason or "engine loop stopped"
         if self.memory.state == MemoryState.HARD:
             return "above the hard memory limit"
+        if (oom := self.loop.health.not_ready_reason(self._clock())) is not None:
+            return oom
         if self.settings.budget_configmap is not None and self.budget_generation == NO_GENERATION:
             return f"waiting for the first valid budget document (ConfigMap {self.settings.budget_configmap})"
         return None
@@ -207,7 +222,7 @@ class Worker:
         now = self._clock()
         if not self.memory.due(now, force):
             return
-        factor = self.memory.check()
+        factor = self.memory.check(now)
         if factor is not None:
             with self.loop.cond:
                 self.scheduler.set_shrink_factor(factor)
@@ -232,6 +247,14 @@ class Worker:
     def _iteration(self) -> None:
         self.check_memory()
         self.loop.iteration()
+
+    def _allocation_failed(self) -> None:
+        """A step failed to allocate (engine thread): drop the budgets as on a soft-limit breach."""
+        factor = self.memory.allocation_failed(self._clock())
+        with self.loop.cond:
+            if factor is not None:
+                self.scheduler.set_shrink_factor(factor)
+            self.overload_trigger.trigger(self.scheduler, self._clock(), False)
 
     def _budgets_applied(self, budgets: Budgets) -> None:
         factor = self.memory.shrink_factor

@@ -6,24 +6,35 @@ the lock and runs the step outside it, so the event loop stays responsive while
 torch works. Results go back through each request's ``sink`` (the server passes
 one that hops onto the event loop).
 
-**Out of memory** in a step (``torch.cuda.OutOfMemoryError``, or a host
-``MemoryError``, including a KV cache that cannot be allocated) fails that
-step's requests with HTTP 503 ``out_of_memory``, is logged as
-``event=inference_oom kind=cuda|host`` and counted; the loop goes on.
+**Out of memory** in a step (an allocation failure,
+:func:`allocation.allocation_failure_kind`: the device's ``OutOfMemoryError``, a
+host ``MemoryError``, or the CPU allocator's or oneDNN's ``RuntimeError``,
+including a KV cache that cannot be allocated) fails that step's requests with
+HTTP 503 ``out_of_memory`` and ``Retry-After``, is logged as
+``event=inference_oom kind=cuda|host`` and counted. Then the caches that may hold
+its broken state are reset (:func:`reset_after_allocation_failure`), the
+budgets drop as on a soft-limit breach (the ``on_allocation_failure`` callback:
+:meth:`memory_guard.MemoryGuard.allocation_failed`), and the loop goes on;
+:class:`allocation.AllocationHealth` turns repeated failures into readiness and
+liveness answers, with probe steps while not ready. Any other error in a step
+is a 500 ``engine_error``.
 """
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from moeguard_runtime.allocation import AllocationHealth, allocation_failure_kind
 from moeguard_runtime.contract import Budgets
-from moeguard_runtime.engine import Engine
-from moeguard_runtime.faults import Faults, delay_step
+from moeguard_runtime.engine import Engine, StepOutput
+from moeguard_runtime.faults import AllocationFault, Faults, delay_step
 from moeguard_runtime.generation import Event, GenerationRequest, Sink
+from moeguard_runtime.procmem import trim_malloc
 from moeguard_runtime.scheduler import Scheduler, StepPlan
 from moeguard_runtime.step_telemetry import log_batch_start, record_step
 from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
@@ -31,6 +42,22 @@ from moeguard_runtime.timing import clock
 
 IDLE_WAIT_S = 0.25
 """Longest wait for work when idle (the memory guard's interval: it runs between waits)."""
+PROBE_ID = "probe-allocation"
+"""Sequence id of the one-token probe step run while not ready for allocation failures."""
+
+
+def reset_after_allocation_failure(device: torch.device) -> None:
+    """Reset what may hold a failed step's memory or broken state: Python's garbage (tensors
+    kept by reference cycles), torch's CUDA caching allocator (``torch.cuda.empty_cache``, the
+    cached blocks and their fragmentation) on a CUDA device, and glibc's free heap
+    (``malloc_trim(0)``: freed arenas still count against an address-space limit). The failed
+    sequences' KV caches are released by the caller. oneDNN's primitive cache cannot be reset
+    from here (torch hides its ``dnnl_*`` symbols); a primitive that failed to be created is not
+    cached, so the next step creates it again."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    trim_malloc()
 
 
 @dataclass
@@ -48,13 +75,19 @@ class StepLoop:
     def __init__(self, scheduler: Scheduler, engine: Engine, telemetry: Telemetry,
                  log: RateLimitedLog, clock: Callable[[], float], faults: Faults,
                  on_budgets_applied: Callable[[Budgets], None],
-                 memory_snapshot: Callable[[str], None], idle_wait_s: float = IDLE_WAIT_S) -> None:
+                 memory_snapshot: Callable[[str], None], idle_wait_s: float = IDLE_WAIT_S,
+                 on_allocation_failure: Callable[[], None] = lambda: None,
+                 health: AllocationHealth | None = None) -> None:
         self.scheduler, self.engine = scheduler, engine
         self.telemetry, self.log = telemetry, log
         self.cond = threading.Condition()
         """Guards the scheduler and the requests in flight."""
         self._clock = clock
         self._faults = faults
+        self._alloc_fault = AllocationFault(faults)
+        self._on_allocation_failure = on_allocation_failure
+        self.health = health or AllocationHealth()
+        """Consecutive allocation failures: readiness, liveness and probe steps."""
         self._on_budgets_applied = on_budgets_applied
         self._memory_snapshot = memory_snapshot
         self._idle_wait_s = idle_wait_s
@@ -111,6 +144,34 @@ class StepLoop:
             self._on_budgets_applied(result.budgets_applied)
         if result.plan is not None:
             self.run_step(result.plan)
+        elif self.health.probe_due(self._clock()):
+            self.probe()
+
+    def forward(self, prefill: list[tuple[str, int]], decode: list[str]) -> StepOutput:
+        """The engine's step, after the test-only faults (a delay, a failed allocation)."""
+        delay_step(self._faults)
+        self._alloc_fault.check(self.engine.device)
+        return self.engine.step(prefill, decode)
+
+    def probe(self) -> None:
+        """A one-token prefill of a sequence of its own, to learn whether steps allocate again
+        (:class:`allocation.AllocationHealth`); its KV cache is released at once."""
+        now = self._clock()
+        error: str | None = None
+        try:
+            self.engine.add(PROBE_ID, [0], 1)
+            self.forward([(PROBE_ID, 1)], [])
+        except Exception as exc:
+            error = f"{allocation_failure_kind(exc) or 'other'}: {exc!r}"
+        self.engine.release(PROBE_ID)
+        if error is not None:  # out of the except block: its traceback holds the probe's tensors
+            self.health.failed(now, error)
+            reset_after_allocation_failure(self.engine.device)
+            self.log.event("allocation_probe", result="failed",
+                           consecutive_failures=self.health.consecutive, error=error[:300])
+            return
+        self.health.succeeded(now)
+        self.log.event("allocation_probe", force=True, result="ok")
 
     def run_step(self, plan: StepPlan) -> None:
         """Admit ``plan``'s new requests (KV caches), run the step, deliver its tokens."""
@@ -120,41 +181,57 @@ class StepLoop:
             admitted = [(r, self._active.get(r)) for r in plan.admitted]
         step_ids = [r for r, _, _ in plan.prefill] + list(plan.decode)
         t0 = clock(self.engine.device)
+        failure: tuple[str, str] | None = None
         try:
             for req_id, active in admitted:
                 if active is not None and req_id not in self.engine.sequences:
                     r = active.request
                     tel.stage("queue", now - active.arrival)
                     self.engine.add(req_id, r.prompt, r.max_new_tokens, r.temperature, r.seed)
-            for req_id, active in admitted:
-                if active is not None and req_id in self.engine.sequences:
-                    active.sink(Event("admitted"))
             prefill = [(r, n) for r, _, n in plan.prefill if r in self.engine.sequences]
             decode = [r for r in plan.decode if r in self.engine.sequences]
             log_batch_start(self.log, plan, self.engine, prefill, decode)
             self._memory_snapshot("post_pack_pre_forward")
-            delay_step(self._faults)
-            out = self.engine.step(prefill, decode)
-        except (torch.cuda.OutOfMemoryError, MemoryError) as exc:
-            kind = "cuda" if isinstance(exc, torch.cuda.OutOfMemoryError) else "host"
-            tel.oom.labels(**tel.l(kind=kind)).inc()
-            self.log.event("inference_oom", force=True, kind=kind, step=plan.step,
-                           requests=len(step_ids), prefill_tokens=plan.prefill_tokens,
-                           error=repr(exc)[:300])
-            if kind == "cuda":
-                torch.cuda.empty_cache()
-            self.fail(step_ids, 503, "out_of_memory",
-                      f"the batch ran out of memory ({kind}); the request was not completed, "
-                      f"retry later")
-            return
+            out = self.forward(prefill, decode)
         except Exception as exc:
-            self.log.event("inference_batch_error", force=True, error=repr(exc)[:500])
-            self.fail(step_ids, 500, "engine_error", f"inference failed: {exc!r}"[:500])
+            kind = allocation_failure_kind(exc)
+            if kind is None:
+                self.log.event("inference_batch_error", force=True, error=repr(exc)[:500])
+                self.fail(step_ids, 500, "engine_error", f"inference failed: {exc!r}"[:500])
+                return
+            failure = (kind, repr(exc))
+        if failure is not None:  # handled out of the except block: its traceback holds the step's tensors
+            self.allocation_failed(plan, step_ids, *failure)
             return
+        self.health.succeeded(now)
+        # after the step ran: a stream answers 200 only then, so a failed first step is a plain 503
+        for req_id, active in admitted:
+            if active is not None and req_id in self.engine.sequences:
+                active.sink(Event("admitted"))
         t1 = clock(self.engine.device)
         record_step(tel, self.log, plan, out, t1 - t0)
         self.deliver(out.new_tokens, out.finished)
         tel.stage("postprocess", clock(self.engine.device) - t1)
+
+    def allocation_failed(self, plan: StepPlan, step_ids: list[str], kind: str, error: str) -> None:
+        """End the step's requests with 503 ``out_of_memory``, release their KV caches, reset the
+        caches (:func:`reset_after_allocation_failure`), count it, and drop the budgets
+        (``on_allocation_failure``)."""
+        tel = self.telemetry
+        tel.oom.labels(**tel.l(kind=kind)).inc()
+        self.health.failed(self._clock(), error)
+        self._on_allocation_failure()  # before the answers: a client that got its 503 sees the new state
+        self.fail(step_ids, 503, "out_of_memory",
+                  f"the batch ran out of memory ({kind}); the request was not completed, "
+                  f"retry later")
+        with self.cond:
+            release, self._to_release = self._to_release, []
+        for req_id in release:
+            self.engine.release(req_id)
+        reset_after_allocation_failure(self.engine.device)
+        self.log.event("inference_oom", force=True, kind=kind, step=plan.step,
+                       requests=len(step_ids), prefill_tokens=plan.prefill_tokens,
+                       consecutive_failures=self.health.consecutive, error=error[:300])
 
     def deliver(self, new_tokens: dict[str, int], finished_reasons: dict[str, str]) -> None:
         """Send each request its new token, then ``finish`` to those finished."""

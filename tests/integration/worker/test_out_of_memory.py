@@ -1,0 +1,85 @@
+"""Allocation failures in a step, over real HTTP: the test-only switch makes every step's
+allocation fail (the real allocator's error: it asks for 2**62 bytes) while a file exists.
+Each request in a failing step gets 503 ``out_of_memory`` with Retry-After; the budgets drop;
+three in a row make /readyz 503 with the reason; once the fault is cleared a probe step runs and
+the worker is ready and serving again. A loop that cannot recover fails /healthz too."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+from hack.stack import wait_for
+from tests.integration.worker.conftest import WorkerProcess
+from tests.integration.worker.test_worker_http import assert_openai_error, metrics, post
+
+pytestmark = pytest.mark.integration
+
+BODY = {"prompt": "hello", "max_tokens": 4, "temperature": 0}
+
+
+def sample(w: WorkerProcess, name: str, **labels: str) -> float:
+    return next(v for lab, v in metrics(w)[name] if labels.items() <= lab.items())
+
+
+def get(w: WorkerProcess, path: str) -> httpx.Response:
+    return httpx.get(f"{w.base_url}{path}", timeout=10)
+
+
+def assert_out_of_memory(r: httpx.Response) -> None:
+    err = assert_openai_error(r, 503, "the batch ran out of memory (host)")
+    assert err["code"] == "out_of_memory" and err["type"] == "service_unavailable_error"
+    assert r.headers["retry-after"] == "1"
+
+
+def test_failing_allocations_are_503_then_not_ready_and_the_worker_heals(
+        start_worker: Callable[..., WorkerProcess], tmp_path: Path) -> None:
+    switch = tmp_path / "alloc-fail"
+    w = start_worker(MOEGUARD_TEST_FAULTS="1", MOEGUARD_FAULT_ALLOC_FAIL_FILE=str(switch))
+    assert post(w, BODY).status_code == 200
+    prefill = sample(w, "moeguard_budget_max_prefill_tokens")
+    switch.touch()
+    assert_out_of_memory(post(w, BODY))
+    # a stream whose first step fails gets the same JSON 503, not a 200 with an error event
+    assert_out_of_memory(post(w, {**BODY, "stream": True}))
+    assert get(w, "/readyz").status_code == 200  # two failures: still ready
+    assert_out_of_memory(post(w, BODY))
+    r = get(w, "/readyz")
+    assert r.status_code == 503, r.text
+    assert r.text.startswith("out of memory: the last 3 engine steps failed to allocate memory")
+    assert "DefaultCPUAllocator: can't allocate memory" in r.text
+    assert get(w, "/healthz").status_code == 200  # alive: it may heal
+    assert sample(w, "moeguard_oom_errors_total", kind="host") == 3
+    assert sample(w, "moeguard_memory_limit_state") == 1  # as above the soft limit ...
+    wait_for(lambda: sample(w, "moeguard_budget_shrink_factor") == 0.5, 5,
+             "the halved budgets applied (from the next step planned)")
+    switch.unlink()  # the fault is cleared: the next probe step runs
+    wait_for(lambda: get(w, "/readyz").status_code == 200, 15, "ready again after the fault")
+    r = post(w, BODY)
+    assert r.status_code == 200, r.text
+    # ... and the step that served it ran under the halved prefill budget
+    assert sample(w, "moeguard_budget_max_prefill_tokens") == prefill // 2
+    logs = w.logs()
+    assert "event=inference_oom" in logs and "consecutive_failures=3" in logs
+    assert "event=memory_state" in logs and "reason=allocation_failure" in logs
+    assert "event=allocation_probe result=ok" in logs
+
+
+def test_a_loop_that_cannot_allocate_stops_claiming_to_be_alive(
+        start_worker: Callable[..., WorkerProcess], tmp_path: Path) -> None:
+    switch = tmp_path / "alloc-fail"
+    w = start_worker(MOEGUARD_TEST_FAULTS="1", MOEGUARD_FAULT_ALLOC_FAIL_FILE=str(switch),
+                     MOEGUARD_UNRECOVERED_OOM_SECONDS="3")
+    switch.touch()
+    for _ in range(3):
+        assert_out_of_memory(post(w, BODY))
+    r = wait_for(lambda: (h := get(w, "/healthz")).status_code == 503 and h, 20, "/healthz 503")
+    assert r.text.startswith("engine cannot allocate memory: no step has run for"), r.text
+    assert "limit 3 s, MOEGUARD_UNRECOVERED_OOM_SECONDS" in r.text
+    assert get(w, "/readyz").status_code == 503
+    switch.unlink()
+    wait_for(lambda: get(w, "/healthz").status_code == 200, 15, "/healthz 200 after the fault")
+    assert get(w, "/readyz").status_code == 200
+    assert post(w, BODY).status_code == 200

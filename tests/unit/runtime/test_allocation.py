@@ -1,0 +1,158 @@
+"""Allocation failures in a step: 503 ``out_of_memory``, budgets dropped as on a soft-limit
+breach, readiness after repeated failures, probe steps, liveness when it cannot recover.
+The worker loop is driven by hand with an injected clock and the test-only fault switch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeguard_runtime import presets, tokenizer
+from moeguard_runtime.allocation import NOT_READY_AFTER_FAILURES, allocation_failure_kind
+from moeguard_runtime.config import ConfigError, load_settings
+from moeguard_runtime.engine import Engine
+from moeguard_runtime.memory import MemoryReading, MemoryState
+from moeguard_runtime.memory_guard import ALLOCATION_FAILURE_HOLD_S
+from moeguard_runtime.model import build_model
+from moeguard_runtime.service import Event, GenerationRequest, Worker
+from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
+
+pytestmark = pytest.mark.unit
+
+LABELS = {"moeis": "s", "namespace": "n", "pod": "p"}
+
+
+class Lines:
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, dict[str, object]]] = []
+
+    def info(self, event: str, **kw: object) -> None:
+        self.lines.append((event, kw))
+
+
+def real_cpu_allocation_error() -> RuntimeError:
+    try:
+        torch.empty(1 << 62, dtype=torch.uint8)
+    except RuntimeError as exc:
+        return exc
+    raise AssertionError("2**62 bytes were allocated")
+
+
+@pytest.mark.parametrize(("exc", "kind"), [
+    (real_cpu_allocation_error(), "host"),
+    (MemoryError(), "host"),
+    (RuntimeError("could not create a primitive"), "host"),
+    (RuntimeError("std::bad_alloc"), "host"),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "cuda"),
+    (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), "cuda"),
+    (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x64 and 32x64)"), None),
+    (ValueError("bad prefill chunk"), None),
+])
+def test_which_errors_are_allocation_failures(exc: BaseException, kind: str | None) -> None:
+    assert allocation_failure_kind(exc) == kind
+
+
+class _Running:
+    def is_alive(self) -> bool:
+        return True
+
+
+def make(env: dict[str, str], clock: list[float]) -> tuple[Worker, Lines]:
+    settings = load_settings({"MOEGUARD_MAX_PREFILL_TOKENS": "64", "MOEGUARD_TEST_FAULTS": "1", **env})
+    lines = Lines()
+    worker = Worker(settings, Engine(build_model(presets.get_preset("tiny"), seed=1)),
+                    Telemetry(LABELS, 8), RateLimitedLog(0.0, logger=lines), clock=lambda: clock[0],
+                    memory_reader=lambda: MemoryReading(100, "rss"), idle_wait_s=0.0)
+    worker.check_memory(force=True)
+    worker._thread = _Running()  # type: ignore[assignment]  # the loop is driven by hand: "running"
+    return worker, lines
+
+
+def sample(worker: Worker, name: str, **extra: str) -> float | None:
+    return worker.telemetry.registry.get_sample_value(name, {**LABELS, **extra})
+
+
+def run(worker: Worker, req_id: str, clock: list[float], steps: int = 6) -> list[Event]:
+    events: list[Event] = []
+    worker.submit(GenerationRequest(req_id, tokenizer.encode("hello"), 2), events.append)
+    for _ in range(steps):
+        worker._iteration()
+        if events and events[-1].kind in ("finish", "error"):
+            break
+    return events
+
+
+def test_failed_steps_are_503_drop_budgets_and_then_readiness_until_a_probe_runs() -> None:
+    clock = [100.0]
+    worker, lines = make({"MOEGUARD_FAULT_ALLOC_FAIL_STEPS": str(NOT_READY_AFTER_FAILURES)}, clock)
+    assert worker.ready
+    prefill = worker.scheduler.next_budgets.max_prefill_tokens
+    for i in range(NOT_READY_AFTER_FAILURES):
+        events = run(worker, f"r{i}", clock)
+        assert [e.kind for e in events] == ["error"]  # no "admitted": a stream answers a plain 503
+        assert (events[0].status, events[0].reason) == (503, "out_of_memory")
+        assert "ran out of memory (host)" in events[0].message
+        clock[0] += 0.1
+    assert sample(worker, "moeguard_oom_errors_total", kind="host") == NOT_READY_AFTER_FAILURES
+    assert worker.engine.sequences == {}  # the failed requests' KV caches are released
+    # the budgets dropped as on a soft-limit breach (factor 0.5), from the next step planned
+    assert worker.memory.state == MemoryState.SOFT and worker.memory.shrink_factor == 0.5
+    assert worker.scheduler.next_budgets.max_prefill_tokens == prefill // 2
+    oom = [kw for ev, kw in lines.lines if ev == "inference_oom"]
+    assert [kw["consecutive_failures"] for kw in oom] == [1, 2, 3]
+    assert "DefaultCPUAllocator: can't allocate memory" in str(oom[0]["error"])
+    state = next(kw for ev, kw in lines.lines if ev == "memory_state")
+    assert state["reason"] == "allocation_failure" and state["shrink_factor"] == 0.5
+    # three in a row: not ready, with the reason; still alive
+    assert worker.not_ready_reason is not None
+    assert worker.not_ready_reason.startswith("out of memory: the last 3 engine steps failed")
+    assert worker.alive
+    # an idle loop probes once a second: the fault is spent, so the probe runs and heals
+    worker._iteration()  # too early for a probe
+    assert not worker.ready
+    clock[0] += 1.0
+    worker._iteration()
+    assert worker.ready
+    assert ("allocation_probe", {"result": "ok"}) in lines.lines
+    assert worker.engine.sequences == {}
+    events = run(worker, "ok", clock)
+    assert events[-1].kind == "finish" and events[0].kind == "admitted"
+    # the budgets come back once the hold is over
+    clock[0] += ALLOCATION_FAILURE_HOLD_S
+    worker.check_memory(force=True)
+    assert worker.memory.state == MemoryState.NORMAL
+    worker._iteration()
+    assert worker.scheduler.budgets.max_prefill_tokens == prefill
+
+
+def test_a_loop_that_cannot_allocate_stops_claiming_to_be_alive(tmp_path: Path) -> None:
+    switch = tmp_path / "alloc-fail"
+    switch.touch()
+    clock = [0.0]
+    worker, lines = make({"MOEGUARD_FAULT_ALLOC_FAIL_FILE": str(switch),
+                          "MOEGUARD_UNRECOVERED_OOM_SECONDS": "5"}, clock)
+    for i in range(NOT_READY_AFTER_FAILURES):
+        assert run(worker, f"r{i}", clock)[-1].reason == "out_of_memory"
+    assert not worker.ready and worker.alive
+    for _ in range(4):  # probes fail too, one a second
+        clock[0] += 1.0
+        worker._iteration()
+    assert worker.loop.health.consecutive == NOT_READY_AFTER_FAILURES + 4 and worker.alive
+    clock[0] += 1.0
+    assert worker.not_alive_reason is not None
+    assert worker.not_alive_reason.startswith("engine cannot allocate memory: no step has run for 5.0 s")
+    assert worker.not_ready_reason == worker.not_alive_reason
+    failed_probe = next(kw for ev, kw in lines.lines if ev == "allocation_probe")
+    assert failed_probe["result"] == "failed" and str(failed_probe["error"]).startswith("host: ")
+    switch.unlink()  # the fault is cleared: the next probe runs
+    worker._iteration()
+    assert worker.alive and worker.ready
+
+
+def test_unrecovered_seconds_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="MOEGUARD_UNRECOVERED_OOM_SECONDS=0 must be in"):
+        load_settings({"MOEGUARD_UNRECOVERED_OOM_SECONDS": "0"})
+    with pytest.raises(ConfigError, match="MOEGUARD_FAULT_ALLOC_FAIL_STEPS set without MOEGUARD_TEST_FAULTS=1"):
+        load_settings({"MOEGUARD_FAULT_ALLOC_FAIL_STEPS": "2"})
