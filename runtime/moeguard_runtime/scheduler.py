@@ -55,7 +55,10 @@ class QueueLimits:
     Attributes:
         max_concurrent_requests: requests in the system, waiting plus running
             (TGI ``max_concurrent_requests``); beyond it, HTTP 429.
-        max_queue_tokens: prompt tokens waiting in the queue; beyond it, 429.
+        max_queue_tokens: prompt tokens waiting in the queue; beyond it, 429. It bounds
+            waiting work, not a prompt: a request into an empty queue is queued whatever
+            its length (a prompt longer than the bound would otherwise get a retryable
+            429 forever; the context, ``max_seq_len``, is what bounds a prompt).
         long_request_threshold_tokens: a request whose prompt has at least this
             many tokens is *long* and counts against
             ``Budgets.max_long_requests_per_batch``.
@@ -276,7 +279,7 @@ class Scheduler:
             raise Rejected("queue_full",
                            f"queue is full: {waiting} requests waiting, "
                            f"max_queue_requests is {b.max_queue_requests}")
-        if self._queue_tokens + prompt_tokens > lim.max_queue_tokens:
+        if self._queue_tokens and self._queue_tokens + prompt_tokens > lim.max_queue_tokens:
             raise Rejected("queue_tokens_full",
                            f"queue is full: {self._queue_tokens} + {prompt_tokens} prompt tokens "
                            f"would exceed max_queue_tokens {lim.max_queue_tokens}")

@@ -16,7 +16,10 @@ Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``:
   (``GET /v1/models``) nor one of its aliases (the preset's name);
 * 413: a body over ``MOEGUARD_MAX_BODY_BYTES`` (read no further than the limit);
 * 429 with ``Retry-After``: over ``max_concurrent_requests`` or a queue bound
-  (TGI: "Model is overloaded"); the message names the cap;
+  (TGI: "Model is overloaded"); the message names the cap. The caps that do not
+  depend on the body (and shutting down, and the hard memory limit) are checked
+  before the body is read (:meth:`Worker.refuse_early`): a refusal costs no
+  parsing and no tokenization;
 * 503 with ``Retry-After``: above the hard memory limit, queue timeout, a
   context over the overload threshold, out of memory, the model still loading, or
   shutting down (``shutting_down``: after SIGTERM, see ``__main__._draining_server``).
@@ -316,7 +319,13 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
 
     async def parse(request: Request, model: type[CompletionRequest | ChatCompletionRequest],
                     required: str) -> CompletionRequest | ChatCompletionRequest | JSONResponse:
-        """The validated body, or the 4xx answer."""
+        """The validated body, or the 4xx answer; or, before the body is read, the refusal any
+        request would get now (:meth:`Worker.refuse_early`: 429/503 with Retry-After)."""
+        if slot.worker is not None:
+            try:
+                slot.worker.refuse_early()
+            except Rejected as rej:
+                return _refused(tel, rej, count)
         raw = await read_body(request)
         if raw is None:
             return invalid(f"request body is larger than {max_body_bytes} bytes "
@@ -437,6 +446,15 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
     return app
 
 
+def _refused(tel: Telemetry, rej: Rejected, count: Callable[[str, int], None]) -> JSONResponse:
+    """A refusal at admission: counted by reason, 429 ``overloaded_error`` or 503, Retry-After."""
+    tel.rejections.labels(**tel.l(reason=rej.reason)).inc()
+    count("rejected", rej.status)
+    return error_response(rej.status, rej.message, "overloaded_error" if rej.status == 429
+                          else "service_unavailable_error", rej.reason,
+                          headers={"Retry-After": str(rej.retry_after_s)})
+
+
 def _event_error(event: Event) -> JSONResponse:
     """An ``error`` event as an HTTP error: 503 (with ``Retry-After``) or 500."""
     return error_response(event.status, event.message,
@@ -488,11 +506,7 @@ async def _serve(worker: Worker, job: _Job, tok: Tokenizer, request: Request,
     try:
         worker.submit(gen, sink)
     except Rejected as rej:
-        tel.rejections.labels(**tel.l(reason=rej.reason)).inc()
-        count("rejected", rej.status)
-        return error_response(rej.status, rej.message, "overloaded_error" if rej.status == 429
-                              else "service_unavailable_error", rej.reason,
-                              headers={"Retry-After": str(rej.retry_after_s)})
+        return _refused(tel, rej, count)
     created = int(time.time())
     next_poll = loop.time() + DISCONNECT_POLL_S
 

@@ -180,11 +180,35 @@ class Worker:
     def submit(self, request: GenerationRequest, sink: Sink) -> None:
         """Queue ``request``; raises :class:`scheduler.Rejected` (reason ``memory_hard_limit``
         above the hard limit, ``shutting_down`` after SIGTERM, else the scheduler's caps and queue bounds)."""
+        self._refuse_shutting_down()
+        self.memory.refuse_above_hard()
+        self.loop.submit(request, sink)
+
+    def refuse_early(self) -> None:
+        """Raise the :class:`scheduler.Rejected` that any request would get now, whatever its body,
+        so the server refuses before it reads, parses or tokenizes the body (a refusal must cost
+        almost nothing next to a decode step): ``shutting_down``, ``memory_hard_limit``,
+        ``concurrency_limit`` (requests in the system at ``max_concurrent_requests``) and
+        ``queue_full`` (``max_queue_requests`` waiting), with :meth:`submit`'s statuses and
+        Retry-After. The bounds that need the prompt (``max_queue_tokens``, the overload context
+        cap) stay in :meth:`submit`, which also checks these again under the same lock."""
+        self._refuse_shutting_down()
+        self.memory.refuse_above_hard()
+        with self.loop.cond:
+            s = self.scheduler
+            in_system, waiting = s.queue_requests + s.running_requests, s.queue_requests
+            cap, max_queue = s.limits.max_concurrent_requests, s.next_budgets.max_queue_requests
+        if in_system >= cap:
+            raise Rejected("concurrency_limit", f"Model is overloaded: {in_system} requests in flight, "
+                                                f"max_concurrent_requests is {cap}")
+        if waiting >= max_queue:
+            raise Rejected("queue_full", f"queue is full: {waiting} requests waiting, "
+                                         f"max_queue_requests is {max_queue}")
+
+    def _refuse_shutting_down(self) -> None:
         if self._draining:
             raise Rejected("shutting_down", "the worker is shutting down (SIGTERM); retry on another replica",
                            retry_after_s=1, status=503)
-        self.memory.refuse_above_hard()
-        self.loop.submit(request, sink)
 
     def cancel(self, req_id: str) -> None:
         """Drop a request (client gone); its sink receives nothing more."""
