@@ -100,6 +100,10 @@ bench-scale: deps ## The operator with 1, 200 and 1,000 services (kwok pods, no 
 bench-families: ## Per family (mixtral, qwen2_moe, qwen3_moe, deepseek_v3, olmoe): prefill, decode and peak memory vs transformers, same weights -> bench/results/families.md (~10 min).
 	$(PY) -m bench.families_bench
 
+.PHONY: bench-refusal
+bench-refusal: ## Refusal cost: a normal client's goodput alone vs beside ~100 refused requests/s that ignore Retry-After, interleaved windows -> bench/results/refusal_cost.md (~5 min).
+	$(PY) -m bench.refusal_cost $(BENCH_ARGS)
+
 .PHONY: bench-control
 bench-control: deps ## Control latency on the local control plane: skew step x10, recovery, OOM kill -> bench/results/control_latency.md (~25 min).
 	$(PY) -m bench.control_latency $(BENCH_ARGS)
