@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.unit.runtime.test_service import LABELS, Lines
 
 from moeguard_runtime import presets, tokenizer
 from moeguard_runtime.allocation import NOT_READY_AFTER_FAILURES, allocation_failure_kind
@@ -21,15 +22,7 @@ from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
 
 pytestmark = pytest.mark.unit
 
-LABELS = {"moeis": "s", "namespace": "n", "pod": "p"}
 
-
-class Lines:
-    def __init__(self) -> None:
-        self.lines: list[tuple[str, dict[str, object]]] = []
-
-    def info(self, event: str, **kw: object) -> None:
-        self.lines.append((event, kw))
 
 
 def real_cpu_allocation_error() -> RuntimeError:

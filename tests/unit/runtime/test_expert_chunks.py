@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.unit.runtime.test_service import LABELS, Lines
 
 from moeguard_runtime import presets, tokenizer
 from moeguard_runtime.config import load_settings
@@ -16,8 +17,6 @@ from moeguard_runtime.service import Event, GenerationRequest, Worker
 from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
 
 pytestmark = pytest.mark.unit
-
-LABELS = {"moeis": "s", "namespace": "n", "pod": "p"}
 
 
 @pytest.mark.parametrize(("counts", "chunk", "capacity", "backend", "chunks"), [
@@ -39,12 +38,6 @@ def test_device_chunks_cover_all_slots() -> None:
     assert [device_expert_chunks(s, 2048) for s in (0, 1, 2048, 2049, 8192)] == [0, 1, 1, 2, 4]
 
 
-class Lines:
-    def __init__(self) -> None:
-        self.lines: list[tuple[str, dict[str, object]]] = []
-
-    def info(self, event: str, **kw: object) -> None:
-        self.lines.append((event, kw))
 
 
 def test_a_split_step_is_counted_and_logged() -> None:

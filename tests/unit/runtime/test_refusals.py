@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from tests.unit.runtime.test_service import LABELS, Lines
 
 from moeguard_runtime import presets, tokenizer
 from moeguard_runtime.config import load_settings
@@ -20,8 +21,6 @@ from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
 
 pytestmark = pytest.mark.unit
 
-LABELS = {"moeis": "s", "namespace": "n", "pod": "p"}
-
 
 def test_a_prompt_longer_than_the_queue_token_bound_is_queued_into_an_empty_queue() -> None:
     s = Scheduler(DEFAULT_BUDGETS, QueueLimits(max_queue_tokens=2048), clock=lambda: 0.0)
@@ -35,9 +34,6 @@ def test_a_prompt_longer_than_the_queue_token_bound_is_queued_into_an_empty_queu
     s.submit("next", 2100, 16)
 
 
-class Lines:
-    def info(self, event: str, **kw: object) -> None:
-        pass
 
 
 def worker(env: dict[str, str]) -> Worker:
