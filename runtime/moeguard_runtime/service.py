@@ -145,8 +145,9 @@ class Worker:
     def not_ready_reason(self) -> str | None:
         """Why ``/readyz`` answers 503, or None when ready: the engine loop stopped, memory above
         the hard limit, repeated allocation failures in steps
-        (:meth:`allocation.AllocationHealth.not_ready_reason`), or, with a budget ConfigMap named (``MOEGUARD_BUDGET_CONFIGMAP``), no valid
-        budget document applied yet (the env's defaults are never served in place of the spec's)."""
+        (:meth:`allocation.AllocationHealth.not_ready_reason`), or, with a budget ConfigMap named
+        (``MOEGUARD_BUDGET_CONFIGMAP``), no valid budget document applied yet (the env's defaults
+        are never served in place of the spec's)."""
         if self._draining:
             return "shutting down (SIGTERM): draining the requests in flight"
         if not self.alive:
