@@ -4,14 +4,18 @@ at most 10 % of goodput).
 
 ``python -m bench.refusal_cost`` (``make bench-refusal``) starts one worker
 (:func:`bench.worker_process.start_worker_process`, preset :data:`PRESET`, one torch thread) with
-``max_concurrent_requests`` equal to the normal client's lanes, so the worker is full whenever the
-normal client is running. The normal client: :data:`LANES` closed-loop lanes, each sending
-``/v1/completions`` (a :data:`PROMPT_TOKENS`-token prompt, ``max_tokens`` :data:`MAX_TOKENS`, seeded
-sampling) as soon as its last one ended. The abusive clients: :data:`ABUSE_CONNECTIONS` keep-alive
-connections, raw HTTP/1.1 from prebuilt bytes (the load generator's own cost kept small), together
-sending :data:`ABUSE_RATE` requests a second on a fixed schedule, whatever the answer or its
-Retry-After; each carries a :data:`ABUSE_PROMPT_TOKENS`-token prompt, so a refusal that parsed and
-tokenized the body would pay for it.
+``max_concurrent_requests`` equal to the normal client's lanes and overload mode On. The normal
+client: :data:`LANES` closed-loop lanes, each sending ``/v1/completions`` (a
+:data:`PROMPT_TOKENS`-token prompt, ``max_tokens`` :data:`MAX_TOKENS`, seeded sampling) as soon as
+its last one ended, so the worker is full whenever it runs. The abusive clients:
+:data:`ABUSE_CONNECTIONS` keep-alive connections, raw HTTP/1.1 from prebuilt bytes (the load
+generator's own cost kept small), together sending :data:`ABUSE_RATE` requests a second on a fixed
+schedule, whatever the answer or its Retry-After. Each abusive request is a real one (a prompt of a
+quarter of the context, ``max_tokens`` half of it) that can never take a slot: while the worker is
+full it gets 429 ``concurrency_limit`` before its body is read; in the moment a slot is free, its
+body is parsed and tokenized and it gets 503 ``overload_context_limit`` (prompt + max_tokens over
+overload mode's cap, half the context). Both paths are refusals, counted apart; no abusive request
+is ever served, so what the normal client loses is what refusing costs.
 
 The run interleaves windows of :data:`WINDOW_S` seconds, alone (A) and with abuse (B), in pairs
 ordered AB, BA, AB, ... (drift cancels). Goodput of a window: completion tokens per second of the
@@ -19,11 +23,6 @@ normal requests that ended 200 within it, after a settle time of :data:`SETTLE_S
 early in a window ran mostly in the one before); requests per second beside it. The report gives
 each arm's median, the ratio of the medians (B / A), the abusive requests' answers, the worker's
 CPU seconds per window (``/proc/<pid>/stat``) and from them the CPU cost of one refusal.
-
-A slot freed when a normal request ends may be taken by an abusive request before the lane's next
-request arrives (the worker cannot tell the two apart): such an abusive request is served
-(``max_tokens`` 1) and the lane's request gets 429; the lane retries after
-:data:`LANE_RETRY_S`. Both counts are reported: they are part of what abuse costs.
 
 The JSON is the record; the markdown is rendered from it (``--report`` renders again), never
 edited by hand.
@@ -48,6 +47,7 @@ import httpx
 from bench.headline import machine
 from bench.loadgen.text import prompt_of_length
 from bench.worker_process import start_worker_process
+from moeguard_runtime.presets import get_preset
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PRESET = "small"
@@ -56,12 +56,10 @@ PROMPT_TOKENS = 128
 MAX_TOKENS = 32
 ABUSE_RATE = 100.0
 ABUSE_CONNECTIONS = 4
-ABUSE_PROMPT_TOKENS = 1024
 WINDOW_S = 24.0
 SETTLE_S = 4.0
 PAIRS = 5
 WARMUP_S = 15.0
-LANE_RETRY_S = 0.05
 TARGET_RATIO = 0.90
 """Goodput beside abuse over goodput alone: at least this (refusals cost at most 10 %)."""
 
@@ -73,14 +71,13 @@ class Window:
     end: float
     tokens: int = 0
     requests: int = 0
-    normal_refused: int = 0
     abuse: Counter[str] = field(default_factory=Counter)
     cpu_s: float = 0.0
 
     def row(self) -> dict[str, Any]:
         span = self.end - self.start - SETTLE_S
         return {"arm": self.arm, "tokens_per_s": self.tokens / span, "requests_per_s": self.requests / span,
-                "normal_refused": self.normal_refused, "abuse": dict(self.abuse),
+                "abuse": dict(self.abuse),
                 "worker_cpu_s": round(self.cpu_s, 3), "seconds": round(self.end - self.start, 3)}
 
 
@@ -90,8 +87,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def abuse_request(port: int) -> bytes:
-    body = json.dumps({"prompt": prompt_of_length(ABUSE_PROMPT_TOKENS, 4242), "max_tokens": 1}).encode()
+def abuse_request(port: int, max_seq_len: int) -> bytes:
+    """An abusive request's bytes: a prompt of a quarter of the context and ``max_tokens`` half of it
+    (within the context, over overload mode's cap of half of it)."""
+    body = json.dumps({"prompt": prompt_of_length(max_seq_len // 4, 4242),
+                       "max_tokens": max_seq_len // 2}).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
     return head.encode() + body
@@ -107,12 +107,12 @@ async def read_status(reader: asyncio.StreamReader) -> int:
 
 
 class Bench:
-    def __init__(self, base_url: str, port: int, pid: int) -> None:
+    def __init__(self, base_url: str, port: int, pid: int, max_seq_len: int) -> None:
         self.base_url, self.port, self.pid = base_url, port, pid
         self.window: Window | None = None
         self.abusing = False
         self.stop = False
-        self.request = abuse_request(port)
+        self.request = abuse_request(port, max_seq_len)
 
     async def lane(self, index: int, client: httpx.AsyncClient) -> None:
         n = 0
@@ -122,11 +122,6 @@ class Bench:
                     "max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": n}
             r = await client.post("/v1/completions", json=body)
             w, now = self.window, time.monotonic()
-            if r.status_code == 429:
-                if w is not None:
-                    w.normal_refused += 1
-                await asyncio.sleep(LANE_RETRY_S)
-                continue
             if r.status_code != 200:
                 raise RuntimeError(f"normal request answered {r.status_code}: {r.text[:300]}")
             if w is not None and now >= w.start + SETTLE_S:
@@ -145,10 +140,11 @@ class Bench:
             try:
                 writer.write(self.request)
                 status = str(await read_status(reader))
-            except (asyncio.IncompleteReadError, ConnectionError):
-                status = "reconnect"
+            except (asyncio.IncompleteReadError, ConnectionError):  # the server closed an idle connection
                 writer.close()
                 reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+                writer.write(self.request)
+                status = str(await read_status(reader))
             if self.window is not None and self.window.arm == "abuse":
                 self.window.abuse[status] += 1
         writer.close()
@@ -194,7 +190,6 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {"medians": med, "ratio_tokens": ratio,
             "ratio_requests": med["abuse"]["requests_per_s"] / med["alone"]["requests_per_s"],
             "abuse_answers": dict(answers), "refusals_per_s": refused / abuse_s if abuse_s else 0.0,
-            "normal_refused": sum(r["normal_refused"] for r in abuse),
             "worker_cpu_us_per_refusal": (cpu_extra / per_window_refusals * 1e6 if per_window_refusals
                                           else None),
             "target_ratio": TARGET_RATIO, "met": ratio >= TARGET_RATIO}
@@ -213,11 +208,13 @@ def render(record: dict[str, Any]) -> str:
         "",
         f"`make bench-refusal` on {m['cpu']}, {m['cores']} cores, torch {m['torch']}; run {record['started']}.",
         "",
-        f"One worker (preset `{p['preset']}`, one torch thread, `max_concurrent_requests` {p['lanes']}). "
+        f"One worker (preset `{p['preset']}`, one torch thread, `max_concurrent_requests` {p['lanes']}, "
+        f"overload mode On). "
         f"Normal client: {p['lanes']} closed-loop lanes, {p['prompt_tokens']}-token prompts, max_tokens "
         f"{p['max_tokens']}. Abusive clients: {p['abuse_connections']} keep-alive connections sending "
-        f"{p['abuse_rate']:g} requests/s on a fixed schedule ({p['abuse_prompt_tokens']}-token prompts), "
-        f"ignoring Retry-After. {2 * p['pairs']} windows of {p['window_s']:g} s interleaved "
+        f"{p['abuse_rate']:g} requests/s on a fixed schedule ({p['abuse_prompt_tokens']}-token prompts, "
+        f"max_tokens {p['abuse_max_tokens']}: never admissible while overload mode is on), ignoring "
+        f"Retry-After. {2 * p['pairs']} windows of {p['window_s']:g} s interleaved "
         f"({' '.join('A' if a == 'alone' else 'B' for a in record['order'])}; A alone, B with abuse), "
         f"the first {p['settle_s']:g} s of each not counted.",
         "",
@@ -235,16 +232,16 @@ def render(record: dict[str, Any]) -> str:
         "",
         f"Abusive requests answered (B windows): "
         f"{', '.join(f'{k}: {v}' for k, v in sorted(s['abuse_answers'].items()))}; "
-        f"refused {s['refusals_per_s']:.1f}/s. Normal requests refused because an abusive one took a "
-        f"freed slot first: {s['normal_refused']}.",
+        f"refused {s['refusals_per_s']:.1f}/s (429: refused before the body was read, the worker full; "
+        f"503: parsed and tokenized, then refused by overload mode's context cap).",
         "",
         ("Worker CPU per refusal (median extra CPU per B window / refusals per window): "
          f"{cost:.0f} us." if cost is not None else "Worker CPU per refusal: no refusals."),
         "",
-        "| window | arm | tokens/s | requests/s | worker CPU s | normal refused | abusive answers |",
-        "|---|---|---|---|---|---|---|",
+        "| window | arm | tokens/s | requests/s | worker CPU s | abusive answers |",
+        "|---|---|---|---|---|---|",
         *(f"| {i + 1} | {r['arm']} | {r['tokens_per_s']:.1f} | {r['requests_per_s']:.2f} | "
-          f"{r['worker_cpu_s']:.1f} | {r['normal_refused']} | "
+          f"{r['worker_cpu_s']:.1f} | "
           f"{', '.join(f'{k}: {v}' for k, v in sorted(r['abuse'].items())) or '-'} |"
           for i, r in enumerate(record["windows"])),
         "",
@@ -255,6 +252,7 @@ def render(record: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=PAIRS)
+    ap.add_argument("--preset", default=PRESET)
     ap.add_argument("--out", type=Path, default=RESULTS / "refusal_cost.json")
     ap.add_argument("--report", action="store_true", help="render the markdown from the JSON only")
     args = ap.parse_args(argv)
@@ -262,23 +260,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         md.write_text(render(json.loads(args.out.read_text())))
         return 0
+    max_seq_len = get_preset(args.preset).max_seq_len
     order = [arm for i in range(args.pairs) for arm in (("alone", "abuse") if i % 2 == 0 else ("abuse", "alone"))]
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     with tempfile.TemporaryDirectory() as tmp:
-        w = start_worker_process(Path(tmp), {"MOEGUARD_MODEL_PRESET": PRESET,
+        w = start_worker_process(Path(tmp), {"MOEGUARD_MODEL_PRESET": args.preset, "MOEGUARD_OVERLOAD_MODE": "On",
                                              "MOEGUARD_MAX_CONCURRENT_REQUESTS": str(LANES)}, timeout_s=180)
         try:
             port = int(w.base_url.rsplit(":", 1)[1])
-            windows = asyncio.run(Bench(w.base_url, port, w.proc.pid).run(order))
+            windows = asyncio.run(Bench(w.base_url, port, w.proc.pid, max_seq_len).run(order))
         finally:
             w.stop()
     rows = [win.row() for win in windows]
     record = {"started": started, "machine": machine(), "order": order,
-              "params": {"preset": PRESET, "lanes": LANES, "prompt_tokens": PROMPT_TOKENS,
+              "params": {"preset": args.preset, "lanes": LANES, "prompt_tokens": PROMPT_TOKENS,
                          "max_tokens": MAX_TOKENS, "abuse_rate": ABUSE_RATE,
-                         "abuse_connections": ABUSE_CONNECTIONS, "abuse_prompt_tokens": ABUSE_PROMPT_TOKENS,
-                         "window_s": WINDOW_S, "settle_s": SETTLE_S, "pairs": args.pairs,
-                         "warmup_s": WARMUP_S, "lane_retry_s": LANE_RETRY_S},
+                         "abuse_connections": ABUSE_CONNECTIONS, "abuse_prompt_tokens": max_seq_len // 4,
+                         "abuse_max_tokens": max_seq_len // 2, "window_s": WINDOW_S, "settle_s": SETTLE_S,
+                         "pairs": args.pairs, "warmup_s": WARMUP_S},
               "windows": rows, "summary": summarize(rows)}
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     md.write_text(render(record))
