@@ -35,9 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
+ONEDNN_CREATE_FAILURE = "could not create a primitive"
+"""oneDNN's message when a primitive (its JIT code, its scratchpad) cannot be created."""
 HOST_MARKERS = (
     "DefaultCPUAllocator: can't allocate memory",
-    "could not create a primitive",
+    ONEDNN_CREATE_FAILURE,
     "std::bad_alloc",
     "Cannot allocate memory",
 )

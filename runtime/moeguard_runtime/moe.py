@@ -178,6 +178,24 @@ had the lowest peak (74 MB against 146 MB in chunks of 2048, whose temporaries
 alone are 31 MB) and ran as fast as or faster than any larger chunk."""
 
 
+def leave_onednn(model: object) -> int:
+    """Switch every module of ``model`` whose ``matmul_backend`` is ``onednn`` to ``torch``
+    (``F.linear``, MKL on the CPU), for the rest of the process; returns how many modules changed.
+
+    The cure for oneDNN primitives that failed to be created under memory pressure: measured
+    here, after an address-space limit (``prlimit --as``) was lifted, the prefills whose shapes
+    had failed kept failing with "could not create a primitive" while other shapes ran, and
+    torch exposes no way to reset oneDNN's caches (its ``dnnl_*`` symbols are hidden). A
+    restart brings oneDNN back."""
+    changed = 0
+    if isinstance(model, nn.Module):
+        for module in model.modules():
+            if getattr(module, "matmul_backend", None) == "onednn":
+                setattr(module, "matmul_backend", "torch")  # noqa: B010 - nn.Module types attributes as tensors
+                changed += 1
+    return changed
+
+
 def _onednn(x: torch.Tensor, backend: MatmulBackend) -> bool:
     return backend == "onednn" and _ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype == torch.float32
 

@@ -12,7 +12,8 @@ host ``MemoryError``, or the CPU allocator's or oneDNN's ``RuntimeError``,
 including a KV cache that cannot be allocated) fails that step's requests with
 HTTP 503 ``out_of_memory`` and ``Retry-After``, is logged as
 ``event=inference_oom kind=cuda|host`` and counted. Then the caches that may hold
-its broken state are reset (:func:`reset_after_allocation_failure`), the
+its broken state are reset (:func:`reset_after_allocation_failure`; oneDNN,
+whose failed primitives keep failing, is left for ``F.linear``), the
 budgets drop as on a soft-limit breach (the ``on_allocation_failure`` callback:
 :meth:`memory_guard.MemoryGuard.allocation_failed`), and the loop goes on;
 :class:`allocation.AllocationHealth` turns repeated failures into readiness and
@@ -29,11 +30,16 @@ from dataclasses import dataclass
 
 import torch
 
-from moeguard_runtime.allocation import AllocationHealth, allocation_failure_kind
+from moeguard_runtime.allocation import (
+    ONEDNN_CREATE_FAILURE,
+    AllocationHealth,
+    allocation_failure_kind,
+)
 from moeguard_runtime.contract import Budgets
 from moeguard_runtime.engine import Engine, StepOutput
 from moeguard_runtime.faults import AllocationFault, Faults, delay_step
 from moeguard_runtime.generation import Event, GenerationRequest, Sink
+from moeguard_runtime.moe import leave_onednn
 from moeguard_runtime.procmem import trim_malloc
 from moeguard_runtime.scheduler import Scheduler, StepPlan
 from moeguard_runtime.step_telemetry import log_batch_start, record_step
@@ -46,18 +52,20 @@ PROBE_ID = "probe-allocation"
 """Sequence id of the one-token probe step run while not ready for allocation failures."""
 
 
-def reset_after_allocation_failure(device: torch.device) -> None:
+def reset_after_allocation_failure(engine: Engine, error: str) -> int:
     """Reset what may hold a failed step's memory or broken state: Python's garbage (tensors
     kept by reference cycles), torch's CUDA caching allocator (``torch.cuda.empty_cache``, the
     cached blocks and their fragmentation) on a CUDA device, and glibc's free heap
-    (``malloc_trim(0)``: freed arenas still count against an address-space limit). The failed
-    sequences' KV caches are released by the caller. oneDNN's primitive cache cannot be reset
-    from here (torch hides its ``dnnl_*`` symbols); a primitive that failed to be created is not
-    cached, so the next step creates it again."""
+    (``malloc_trim(0)``: freed arenas still count against an address-space limit). oneDNN's
+    caches cannot be reset, and a primitive that failed to be created keeps failing: on
+    ``error`` :data:`allocation.ONEDNN_CREATE_FAILURE` the model's matmuls leave oneDNN
+    (:func:`moe.leave_onednn`). Returns how many modules left it. The failed sequences' KV
+    caches are released by the caller."""
     gc.collect()
-    if device.type == "cuda":
+    if engine.device.type == "cuda":
         torch.cuda.empty_cache()
     trim_malloc()
+    return leave_onednn(engine.model) if ONEDNN_CREATE_FAILURE in error else 0
 
 
 @dataclass
@@ -166,7 +174,7 @@ class StepLoop:
         self.engine.release(PROBE_ID)
         if error is not None:  # out of the except block: its traceback holds the probe's tensors
             self.health.failed(now, error)
-            reset_after_allocation_failure(self.engine.device)
+            self._reset(error)
             self.log.event("allocation_probe", result="failed",
                            consecutive_failures=self.health.consecutive, error=error[:300])
             return
@@ -228,10 +236,17 @@ class StepLoop:
             release, self._to_release = self._to_release, []
         for req_id in release:
             self.engine.release(req_id)
-        reset_after_allocation_failure(self.engine.device)
+        self._reset(error)
         self.log.event("inference_oom", force=True, kind=kind, step=plan.step,
                        requests=len(step_ids), prefill_tokens=plan.prefill_tokens,
                        consecutive_failures=self.health.consecutive, error=error[:300])
+
+    def _reset(self, error: str) -> None:
+        """:func:`reset_after_allocation_failure`, logging ``event=matmul_backend_fallback`` when the
+        matmuls left oneDNN."""
+        if (modules := reset_after_allocation_failure(self.engine, error)) > 0:
+            self.log.event("matmul_backend_fallback", force=True, matmul_backend="torch", modules=modules,
+                           reason=ONEDNN_CREATE_FAILURE)
 
     def deliver(self, new_tokens: dict[str, int], finished_reasons: dict[str, str]) -> None:
         """Send each request its new token, then ``finish`` to those finished."""

@@ -6,6 +6,7 @@ the worker is ready and serving again. A loop that cannot recover fails /healthz
 
 from __future__ import annotations
 
+import resource
 from collections.abc import Callable
 from pathlib import Path
 
@@ -83,3 +84,35 @@ def test_a_loop_that_cannot_allocate_stops_claiming_to_be_alive(
     wait_for(lambda: get(w, "/healthz").status_code == 200, 15, "/healthz 200 after the fault")
     assert get(w, "/readyz").status_code == 200
     assert post(w, BODY).status_code == 200
+
+
+def vm_size(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmSize:"))
+
+
+def test_an_address_space_limit_mid_run_is_503s_and_lifting_it_heals(
+        start_worker: Callable[..., WorkerProcess]) -> None:
+    """The issue's input: ``prlimit --as`` at the worker's current size mid-run, requests, then the
+    limit lifted. Before: 500 ``engine_error`` under the limit, and after it the prefills whose oneDNN
+    primitives had failed kept failing ("could not create a primitive") while /readyz said 200."""
+    w = start_worker(MOEGUARD_MODEL_PRESET="small")
+    pid = w.proc.pid
+    lengths = (50, 300, 900, 2000)
+    for n in lengths[:2]:  # warm: some shapes' primitives exist before the limit
+        assert post(w, {"prompt": "x" * n, "max_tokens": 2}).status_code == 200
+    resource.prlimit(pid, resource.RLIMIT_AS, (vm_size(pid), resource.RLIM_INFINITY))
+    try:
+        limited = [post(w, {"prompt": "y" * n, "max_tokens": 2}) for n in (*lengths, 60, 310)]
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    assert {r.status_code for r in limited} <= {200, 503}, [r.text[:200] for r in limited]
+    refused = [r for r in limited if r.status_code == 503]
+    assert refused, "no allocation failed under the limit"
+    for r in refused:
+        assert_out_of_memory(r)
+    for n in (*lengths, 60, 310):  # every shape runs again, those that failed included
+        r = post(w, {"prompt": "z" * n, "max_tokens": 2})
+        assert r.status_code == 200, (n, r.text[:300])
+    wait_for(lambda: get(w, "/readyz").status_code == 200, 10, "ready")
+    assert get(w, "/healthz").status_code == 200

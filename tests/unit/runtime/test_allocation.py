@@ -149,3 +149,27 @@ def test_unrecovered_seconds_must_be_positive() -> None:
         load_settings({"MOEGUARD_UNRECOVERED_OOM_SECONDS": "0"})
     with pytest.raises(ConfigError, match="MOEGUARD_FAULT_ALLOC_FAIL_STEPS set without MOEGUARD_TEST_FAULTS=1"):
         load_settings({"MOEGUARD_FAULT_ALLOC_FAIL_STEPS": "2"})
+
+
+def test_a_primitive_that_could_not_be_created_makes_the_matmuls_leave_onednn() -> None:
+    clock = [0.0]
+    worker, lines = make({"MOEGUARD_FAULT_ALLOC_FAIL_STEPS": "1"}, clock)
+    model = worker.engine.model
+    assert isinstance(model, torch.nn.Module)
+    backends = {getattr(m, "matmul_backend", None) for m in model.modules()} - {None}
+    assert backends == {"onednn"}
+    assert run(worker, "r0", clock)[-1].reason == "out_of_memory"  # the allocator's error: oneDNN stays
+    assert {getattr(m, "matmul_backend", None) for m in model.modules()} - {None} == {"onednn"}
+    worker.engine.step = _raise(RuntimeError("could not create a primitive"))  # type: ignore[method-assign]
+    assert run(worker, "r1", clock)[-1].reason == "out_of_memory"
+    assert {getattr(m, "matmul_backend", None) for m in model.modules()} - {None} == {"torch"}
+    fallback = next(kw for ev, kw in lines.lines if ev == "matmul_backend_fallback")
+    assert fallback["matmul_backend"] == "torch" and int(str(fallback["modules"])) == 2  # one per MoE layer
+    del worker.engine.step  # the class's own again
+    assert run(worker, "r2", clock)[-1].kind == "finish"
+
+
+def _raise(exc: Exception) -> object:
+    def step(*a: object, **k: object) -> object:
+        raise exc
+    return step
