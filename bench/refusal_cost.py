@@ -107,8 +107,10 @@ async def read_status(reader: asyncio.StreamReader) -> int:
 
 
 class Bench:
-    def __init__(self, base_url: str, port: int, pid: int, max_seq_len: int) -> None:
+    def __init__(self, base_url: str, port: int, pid: int, max_seq_len: int, window_s: float,
+                 warmup_s: float) -> None:
         self.base_url, self.port, self.pid = base_url, port, pid
+        self.window_s, self.warmup_s = window_s, warmup_s
         self.window: Window | None = None
         self.abusing = False
         self.stop = False
@@ -154,12 +156,12 @@ class Bench:
         async with httpx.AsyncClient(base_url=self.base_url, timeout=120) as client:
             tasks = [asyncio.create_task(self.lane(i, client)) for i in range(LANES)]
             tasks += [asyncio.create_task(self.abuser(i)) for i in range(ABUSE_CONNECTIONS)]
-            await asyncio.sleep(WARMUP_S)
+            await asyncio.sleep(self.warmup_s)
             for arm in order:
                 self.abusing = arm == "abuse"
                 cpu0, t0 = cpu_seconds(self.pid), time.monotonic()
-                self.window = Window(arm, t0, t0 + WINDOW_S)
-                await asyncio.sleep(WINDOW_S)
+                self.window = Window(arm, t0, t0 + self.window_s)
+                await asyncio.sleep(self.window_s)
                 self.window.end, self.window.cpu_s = time.monotonic(), cpu_seconds(self.pid) - cpu0
                 windows.append(self.window)
                 print(json.dumps(self.window.row()), flush=True)
@@ -253,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=PAIRS)
     ap.add_argument("--preset", default=PRESET)
+    ap.add_argument("--window", type=float, default=WINDOW_S, help="seconds per window")
+    ap.add_argument("--warmup", type=float, default=WARMUP_S, help="seconds of traffic before the first window")
     ap.add_argument("--out", type=Path, default=RESULTS / "refusal_cost.json")
     ap.add_argument("--report", action="store_true", help="render the markdown from the JSON only")
     args = ap.parse_args(argv)
@@ -268,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
                                              "MOEGUARD_MAX_CONCURRENT_REQUESTS": str(LANES)}, timeout_s=180)
         try:
             port = int(w.base_url.rsplit(":", 1)[1])
-            windows = asyncio.run(Bench(w.base_url, port, w.proc.pid, max_seq_len).run(order))
+            windows = asyncio.run(Bench(w.base_url, port, w.proc.pid, max_seq_len, args.window,
+                                         args.warmup).run(order))
         finally:
             w.stop()
     rows = [win.row() for win in windows]
@@ -276,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
               "params": {"preset": args.preset, "lanes": LANES, "prompt_tokens": PROMPT_TOKENS,
                          "max_tokens": MAX_TOKENS, "abuse_rate": ABUSE_RATE,
                          "abuse_connections": ABUSE_CONNECTIONS, "abuse_prompt_tokens": max_seq_len // 4,
-                         "abuse_max_tokens": max_seq_len // 2, "window_s": WINDOW_S, "settle_s": SETTLE_S,
-                         "pairs": args.pairs, "warmup_s": WARMUP_S},
+                         "abuse_max_tokens": max_seq_len // 2, "window_s": args.window, "settle_s": SETTLE_S,
+                         "pairs": args.pairs, "warmup_s": args.warmup},
               "windows": rows, "summary": summarize(rows)}
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     md.write_text(render(record))
