@@ -40,7 +40,8 @@ Streaming answers its HTTP status only once the request's first step has run
 in a batch: a refusal, a queue timeout or an allocation failure in that first
 step is the same JSON error (503 or 429, ``Retry-After``, the reason in
 ``code``) as without streaming; only a failure in a later step (out of memory
-in the batch) arrives as an SSE error event. ``stream_options: {"include_usage": true}`` (OpenAI) adds a final chunk
+in the batch) arrives as an SSE error event.
+``stream_options: {"include_usage": true}`` (OpenAI) adds a final chunk
 with ``usage`` and ``"choices": []``; an unknown key in it is a 400 naming it.
 
 A client that disconnects cancels its request (polled every 0.25 s while it
@@ -285,7 +286,8 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
     @app.get("/readyz", response_class=PlainTextResponse)
     async def readyz() -> Response:
         """Readiness: 503 while the model loads, the loop is stopped, memory is above hard, steps
-        keep failing to allocate, or before the first budget document (:attr:`Worker.not_ready_reason`); the body says why."""
+        keep failing to allocate, or before the first budget document
+        (:attr:`Worker.not_ready_reason`); the body says why."""
         w = slot.worker
         why = "model is loading" if w is None else w.not_ready_reason
         if why is None:

@@ -13,6 +13,7 @@ from tests.unit.runtime.test_service import LABELS
 
 from moeguard_runtime.server import WorkerSlot, create_app
 from moeguard_runtime.telemetry import Telemetry
+from moeguard_runtime.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.unit
 
@@ -50,3 +51,18 @@ def test_any_number_in_any_field_is_a_400_or_served(prompt: str, max_tokens: str
     assert err["type"] == ("invalid_request_error" if r.status_code == 400 else "service_unavailable_error")
     if any(n in body for n in NOT_JSON_NUMBERS) or "9" * 4301 in body:
         assert r.status_code == 400 and "not valid JSON for this API" in err["message"]
+
+
+class _BrokenTokenizer(ByteTokenizer):
+    def encode(self, text: str) -> list[int]:
+        raise RuntimeError("a bug")
+
+
+async def test_an_unhandled_error_is_a_500_in_openai_shape_not_text() -> None:
+    slot = WorkerSlot(Telemetry(LABELS, 8), "tiny", 1024, tokenizer=_BrokenTokenizer())
+    transport = httpx.ASGITransport(app=create_app(slot), raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://worker") as client:
+        r = await client.post("/v1/completions", json={"prompt": "hi"})
+    assert r.status_code == 500 and r.headers["content-type"] == "application/json"
+    assert r.json()["error"] == {"message": "POST /v1/completions: internal error RuntimeError",
+                                 "type": "server_error", "param": None, "code": "internal_error"}
