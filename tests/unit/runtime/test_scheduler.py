@@ -5,10 +5,12 @@ import pytest
 from moeguard_runtime.contract import Budgets
 from moeguard_runtime.scheduler import (
     OverloadPolicy,
+    PriorityPolicy,
     QueueLimits,
     Rejected,
     Scheduler,
     prefill_batch_cap,
+    priority_class,
     shrink,
 )
 
@@ -30,9 +32,11 @@ def budgets(prefill: int = 100, decode: int = 4, batch: int = 4, batches: int = 
                                    **more})
 
 
-def make(b: Budgets | None = None, **limits: float) -> tuple[Scheduler, FakeClock]:
+def make(b: Budgets | None = None, policy: PriorityPolicy | None = None,
+         **limits: float) -> tuple[Scheduler, FakeClock]:
     clock = FakeClock()
-    return Scheduler(b or budgets(), QueueLimits(**limits), clock), clock  # type: ignore[arg-type]
+    return Scheduler(b or budgets(), QueueLimits(**limits), clock,  # type: ignore[arg-type]
+                     priority=policy), clock
 
 
 def test_prefill_budget_admits_in_order_and_head_waits_at_front() -> None:
@@ -211,12 +215,21 @@ def test_overload_mode_budgets_context_cap_and_priority() -> None:
     s.submit("big", 60, 10)  # accepted again
 
 
-def test_fifo_without_overload_whatever_the_priority() -> None:
-    s, _ = make(budgets(prefill=1000, batch=1))
+def test_fcfs_policy_is_fifo_without_overload_whatever_the_priority() -> None:
+    s, _ = make(budgets(prefill=1000, batch=1), PriorityPolicy("fcfs"))
     s.submit("b1", 10, 5, priority="batch")
     s.submit("i1", 10, 5)
     plan = s.schedule().plan
     assert plan is not None and plan.admitted == ("b1",)
+    assert s.schedule().preempted == []  # and never preempts
+
+
+def test_interactive_first_without_overload() -> None:
+    s, _ = make(budgets(prefill=1000, batch=1))
+    s.submit("b1", 10, 5, priority="batch")
+    s.submit("i1", 10, 5)
+    plan = s.schedule().plan
+    assert not s.overload and plan is not None and plan.admitted == ("i1",)
 
 
 def test_queue_length_and_timeout_follow_budget_updates() -> None:
@@ -228,3 +241,146 @@ def test_queue_length_and_timeout_follow_budget_updates() -> None:
     s.submit("w2", 5, 1)  # the new queue length counts at once
     clock.now += 2.5
     assert sorted(s.schedule().expired) == ["w1", "w2"]
+
+
+def test_interactive_preempts_the_latest_batch_which_resumes_with_its_kv_kept() -> None:
+    s, _ = make(budgets(prefill=100, decode=8, batch=2))
+    s.submit("b1", 10, 50, priority="batch")
+    s.submit("b2", 10, 50, priority="batch")
+    plan = s.schedule().plan
+    assert plan is not None and plan.admitted == ("b1", "b2")
+    s.schedule()  # both decode
+    s.submit("i1", 20, 5)
+    result = s.schedule()
+    assert result.preempted == ["b2"]  # the latest batch arrival
+    plan = result.plan
+    assert plan is not None and plan.admitted == ("i1",) and plan.prefill == (("i1", 0, 20),)
+    assert plan.decode == ()  # a step with interactive work carries no batch tokens (default)
+    assert s.counts_by_priority() == {"interactive": {"waiting": 0, "preempted": 0, "running": 1},
+                                      "batch": {"waiting": 0, "preempted": 1, "running": 1}}
+    assert s.queue_requests == 1 and s.queue_tokens == 0  # its prompt is in its KV cache
+    plan = s.schedule().plan
+    assert plan is not None and plan.decode == ("i1",)  # b1 waits while i1 runs
+    s.finish("i1")
+    plan = s.schedule().plan
+    assert plan is not None and plan.resumed == ("b2",) and plan.admitted == ()
+    assert plan.prefill == () and set(plan.decode) == {"b1", "b2"}  # no recompute: decodes at once
+    assert s.counts_by_priority()["batch"] == {"waiting": 0, "preempted": 0, "running": 2}
+
+
+def test_a_batch_preempted_mid_prefill_resumes_at_its_offset_and_never_expires() -> None:
+    s, clock = make(budgets(prefill=100, batch=1, queue_timeout_seconds=5))
+    s.submit("b1", 250, 5, priority="batch")
+    plan = s.schedule().plan
+    assert plan is not None and plan.prefill == (("b1", 0, 100),)
+    s.submit("i1", 10, 2)
+    result = s.schedule()
+    assert result.preempted == ["b1"] and result.plan is not None
+    assert result.plan.admitted == ("i1",)
+    clock.now += 60  # far past the queue timeout: a preempted request was admitted once
+    assert s.schedule().expired == []
+    s.finish("i1")
+    plan = s.schedule().plan
+    assert plan is not None and plan.resumed == ("b1",) and plan.prefill == (("b1", 100, 100),)
+
+
+def test_batch_runs_only_beside_interactive_within_its_allowance() -> None:
+    s, _ = make(budgets(prefill=100, decode=8, batch=8),
+                PriorityPolicy(batch_tokens_with_interactive=2))
+    for i in range(4):
+        s.submit(f"b{i}", 5, 50, priority="batch")
+    s.schedule()
+    s.submit("i1", 5, 5)
+    plan = s.schedule().plan  # i1's prefill, then 2 batch decode tokens
+    assert plan is not None and plan.prefill == (("i1", 0, 5),) and len(plan.decode) == 2
+    plan = s.schedule().plan
+    assert plan is not None and plan.decode[0] == "i1" and len(plan.decode) == 3
+    s.finish("i1")
+    plan = s.schedule().plan
+    assert plan is not None and len(plan.decode) == 4  # no interactive: no limit
+
+
+def test_interactive_sheds_the_latest_queued_batch_at_a_full_queue() -> None:
+    s, _ = make(budgets(prefill=10, batch=1, max_queue_requests=3))
+    s.submit("run", 10, 50, priority="batch")
+    s.schedule()
+    for i in range(3):
+        s.submit(f"q{i}", 5, 5, priority="batch")
+    with pytest.raises(Rejected) as exc:
+        s.submit("late-batch", 5, 5, priority="batch")  # batch absorbs the refusal
+    assert exc.value.reason == "queue_full" and exc.value.status == 429
+    assert s.submit("i1", 5, 5) == ["q2"]
+    assert s.priority_of("q2") is None and s.queue_requests == 3 and s.queue_tokens == 15
+    assert s.submit("i2", 5, 5) == ["q1"]
+    assert s.submit("i3", 5, 5) == ["q0"]
+    with pytest.raises(Rejected) as exc:  # only interactive left waiting: nothing to shed
+        s.submit("i4", 5, 5)
+    assert exc.value.reason == "queue_full"
+
+
+def test_interactive_sheds_a_running_batch_only_at_the_concurrency_cap() -> None:
+    s, _ = make(budgets(prefill=100, batch=2), max_concurrent_requests=2)
+    s.submit("b1", 10, 50, priority="batch")
+    s.submit("b2", 10, 50, priority="batch")
+    s.schedule()
+    assert s.submit("i1", 10, 5) == ["b2"]  # nothing queued: the latest running batch goes
+    assert s.batches == [["b1"]] and s.priority_of("b2") is None
+    assert s.submit("i2", 10, 5) == ["b1"]
+    with pytest.raises(Rejected) as exc:
+        s.submit("i3", 10, 5)
+    assert exc.value.reason == "concurrency_limit"
+
+
+def test_queue_tokens_shed_as_many_batch_requests_as_needed_or_none() -> None:
+    s, _ = make(budgets(prefill=10, batch=1), max_queue_tokens=100)
+    s.submit("run", 10, 50, priority="batch")
+    s.schedule()
+    s.submit("q0", 40, 5, priority="batch")
+    s.submit("q1", 30, 5, priority="batch")
+    s.submit("i0", 20, 5)
+    with pytest.raises(Rejected) as exc:  # 90 waiting + 120 > 100 even with every batch gone
+        s.submit("i1", 120, 5)
+    assert exc.value.reason == "queue_tokens_full"
+    assert s.queue_tokens == 90  # nothing was shed for a request still refused
+    assert s.submit("i1", 70, 5) == ["q1", "q0"]
+    assert s.queue_tokens == 90
+
+
+def test_fcfs_policy_never_sheds() -> None:
+    s, _ = make(budgets(max_queue_requests=1), PriorityPolicy("fcfs"))
+    s.submit("b1", 5, 5, priority="batch")
+    with pytest.raises(Rejected) as exc:
+        s.submit("i1", 5, 5)
+    assert exc.value.reason == "queue_full"
+
+
+def test_preemption_frees_the_prefill_batch_cap_for_interactive() -> None:
+    s, _ = make(budgets(prefill=50, batch=1, batches=2))  # one prefilling batch at a time
+    s.submit("b1", 200, 5, priority="batch")
+    s.schedule()
+    s.submit("i1", 10, 5)  # b1's batch is full and a second may not prefill while it does
+    result = s.schedule()
+    assert result.preempted == ["b1"]
+    assert result.plan is not None and result.plan.admitted == ("i1",)
+    s2, _ = make(budgets(prefill=50, batch=2, batches=2))
+    s2.submit("b1", 200, 5, priority="batch")
+    s2.schedule()
+    s2.submit("i1", 10, 5)  # room beside b1: joins its batch, nothing preempted
+    result = s2.schedule()
+    assert result.preempted == [] and result.plan is not None
+    assert result.plan.admitted == ("i1",) and result.plan.prefill == (("i1", 0, 10),)
+
+
+@pytest.mark.parametrize(("given", "expected"), [
+    ("interactive", "interactive"), ("batch", "batch"), ("Critical", "interactive"),
+    ("STANDARD", "interactive"), ("sheddable", "batch"), (0, "interactive"), (-5, "interactive"),
+    (1, "batch"), (10, "batch"), (" 3 ", "batch"), ("-1", "interactive"),
+])
+def test_priority_class_follows_vllm_and_llm_d(given: str | int, expected: str) -> None:
+    assert priority_class(given) == expected
+
+
+@pytest.mark.parametrize("given", ["urgent", "", "1.5", True, "9" * 30])
+def test_priority_class_refuses_anything_else(given: str | int) -> None:
+    with pytest.raises(ValueError, match="interactive or batch; a criticality"):
+        priority_class(given)
