@@ -12,7 +12,8 @@ the variable.
   ``ENV_LONG_REQUEST_THRESHOLD_TOKENS``, the host limits
   ``ENV_SOFT/HARD_LIMIT_BYTES`` (compared with cgroup ``memory.current`` or RSS),
   the GPU limits ``ENV_GPU_SOFT/HARD_FRACTION`` of device memory,
-  ``ENV_OVERLOAD_MODE`` (Auto, On, Off). Every default of a contract variable is the
+  ``ENV_OVERLOAD_MODE`` (Auto, On, Off), and the worker's ``MOEGUARD_SCHEDULING_POLICY``
+  and ``MOEGUARD_BATCH_TOKENS_WITH_INTERACTIVE`` (:class:`scheduler.PriorityPolicy`). Every default of a contract variable is the
   contract's (``contract.DEFAULT_*``, ``contract.BUDGET_FIELDS``): a worker started by hand
   runs with the values the operator would give it.
 * Model: ``ENV_MODEL_PRESET``, ``ENV_MODEL_OVERRIDES``, ``ENV_CHECKPOINT_PATH``.
@@ -41,7 +42,7 @@ from moeguard_runtime.moe import (
     MoeDispatch,
 )
 from moeguard_runtime.presets import ModelArgs
-from moeguard_runtime.scheduler import QueueLimits
+from moeguard_runtime.scheduler import SCHEDULING_POLICIES, PriorityPolicy, QueueLimits
 
 ENV_SEED = "MOEGUARD_SEED"
 ENV_TORCH_THREADS = "MOEGUARD_TORCH_THREADS"
@@ -64,6 +65,12 @@ ENV_DRAIN_SECONDS = "MOEGUARD_DRAIN_SECONDS"
 """On SIGTERM, how long accepted requests may finish before the rest are cut with an error (default 25 s:
 under Kubernetes' default terminationGracePeriodSeconds of 30, after which the kubelet sends SIGKILL)."""
 DEFAULT_DRAIN_SECONDS = 25.0
+ENV_SCHEDULING_POLICY = "MOEGUARD_SCHEDULING_POLICY"
+"""``priority`` (default: interactive first in every mode) or ``fcfs`` (arrival order), as vLLM's
+``--scheduling-policy`` (:class:`scheduler.PriorityPolicy`)."""
+ENV_BATCH_TOKENS_WITH_INTERACTIVE = "MOEGUARD_BATCH_TOKENS_WITH_INTERACTIVE"
+"""Tokens of batch requests one step may carry while an interactive request is in the worker (default 0:
+none; batch runs in the steps interactive work leaves)."""
 ENV_SERVED_MODEL_NAME = "MOEGUARD_SERVED_MODEL_NAME"
 """The model name GET /v1/models reports and requests must name (default: the preset's name,
 which stays accepted as an alias)."""
@@ -119,6 +126,8 @@ class Settings:
     """``ENV_SERVED_MODEL_NAME``, or the preset's name when unset."""
     drain_s: float = DEFAULT_DRAIN_SECONDS
     """``ENV_DRAIN_SECONDS``: seconds accepted requests may take to finish after SIGTERM."""
+    priority: PriorityPolicy = field(default_factory=PriorityPolicy)
+    """``ENV_SCHEDULING_POLICY`` and ``ENV_BATCH_TOKENS_WITH_INTERACTIVE``."""
 
     @property
     def torch_device(self) -> torch.device:
@@ -325,7 +334,17 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         dtype=dtype,
         served_model_name=(env.get(ENV_SERVED_MODEL_NAME) or "").strip() or preset,
         drain_s=_drain_seconds(env),
+        priority=_priority(env),
     )
+
+
+def _priority(env: Mapping[str, str]) -> PriorityPolicy:
+    scheduling = (env.get(ENV_SCHEDULING_POLICY) or "priority").strip()
+    if scheduling not in SCHEDULING_POLICIES:
+        raise ConfigError(f"{ENV_SCHEDULING_POLICY}={scheduling!r} must be one of {', '.join(SCHEDULING_POLICIES)}")
+    tokens = _int(env, ENV_BATCH_TOKENS_WITH_INTERACTIVE, 0)
+    assert tokens is not None
+    return PriorityPolicy(scheduling, tokens)
 
 
 def _drain_seconds(env: Mapping[str, str]) -> float:

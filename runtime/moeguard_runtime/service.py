@@ -62,7 +62,7 @@ class Worker:
         self.leaks = LeakSampler(telemetry, log, process_reader)
         policy = OverloadPolicy(self._context_cap(None))
         self.overload_trigger = OverloadTrigger(settings.overload_mode, policy, telemetry, log)
-        self.scheduler = Scheduler(settings.budgets, settings.limits, self._now, policy)
+        self.scheduler = Scheduler(settings.budgets, settings.limits, self._now, policy, settings.priority)
         self.loop = StepLoop(self.scheduler, engine, telemetry, log, self._now, settings.faults,
                              self._budgets_applied, self.memory_snapshot, idle_wait_s)
         self.budget_generation = NO_GENERATION
@@ -115,8 +115,9 @@ class Worker:
         """End every request still in flight with a 503 ``shutting_down`` error (a JSON 503 with
         Retry-After, or an SSE error event for a stream already answering); returns how many."""
         ids = self.loop.in_flight()
+        for priority in self.loop.classes(ids):
+            self.telemetry.refused("shutting_down", priority)
         if ids:
-            self.telemetry.rejections.labels(**self.telemetry.l(reason="shutting_down")).inc(len(ids))
             self.loop.fail(ids, 503, "shutting_down", message)
         self.log.event("drain_cut", force=True, requests=len(ids))
         return len(ids)
@@ -164,12 +165,18 @@ class Worker:
     # --- called from HTTP handlers ------------------------------------------------
     def submit(self, request: GenerationRequest, sink: Sink) -> None:
         """Queue ``request``; raises :class:`scheduler.Rejected` (reason ``memory_hard_limit``
-        above the hard limit, ``shutting_down`` after SIGTERM, else the scheduler's caps and queue bounds)."""
-        if self._draining:
-            raise Rejected("shutting_down", "the worker is shutting down (SIGTERM); retry on another replica",
-                           retry_after_s=1, status=503)
-        self.memory.refuse_above_hard()
-        self.loop.submit(request, sink)
+        above the hard limit, ``shutting_down`` after SIGTERM, else the scheduler's caps and queue bounds).
+        A refusal is counted by class (``moeguard_priority_rejections_total``); the caller counts it by reason."""
+        try:
+            if self._draining:
+                raise Rejected("shutting_down", "the worker is shutting down (SIGTERM); retry on another replica",
+                               retry_after_s=1, status=503)
+            self.memory.refuse_above_hard()
+            self.loop.submit(request, sink)
+        except Rejected as rej:
+            tel = self.telemetry
+            tel.priority_rejections.labels(**tel.l(priority=request.priority, reason=rej.reason)).inc()
+            raise
 
     def cancel(self, req_id: str) -> None:
         """Drop a request (client gone); its sink receives nothing more."""
