@@ -644,9 +644,10 @@ class Scheduler:
                         r.prefilled += n
                         budget -= n
             budget = self._admit(batch, budget, b, top, allow, prefill, admitted, resumed)
+        chunked = {r for r, _, _ in prefill}
         for req_id in resumed:  # a resumed request whose prompt was done decodes in this step
             r = self._requests[req_id]
-            if r.decoding and len(decode) < b.max_decode_tokens and take(r, 1):
+            if req_id not in chunked and len(decode) < b.max_decode_tokens and take(r, 1):
                 decode.append(r)
         if not batch:
             self._batches.remove(batch)
