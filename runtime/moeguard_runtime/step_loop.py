@@ -84,8 +84,8 @@ class StepLoop:
         self.log.event("priority_shed", force=True, requests=len(req_ids), for_priority=for_priority,
                        ids=",".join(req_ids)[:300])
         self.fail(req_ids, 503, SHED_REASON,
-                  f"shed to make room for a {for_priority} request (priority scheduling: batch work "
-                  f"yields to interactive work when the worker is full); retry later")
+                  f"shed to make room for {for_priority} work (priority scheduling: batch work yields "
+                  f"to interactive work when the worker is full); retry later")
 
     def cancel(self, req_id: str) -> None:
         """Drop a request (client gone); its sink receives nothing more."""

@@ -74,8 +74,9 @@ def test_bytes_that_are_not_utf8(worker: WorkerProcess) -> None:
 def test_bad_priority_header(worker: WorkerProcess) -> None:
     r = httpx.post(f"{worker.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 1},
                    headers={"X-Priority": "now"})
-    assert_openai_error(r, 400, "invalid header 'X-Priority': must be interactive or batch; "
-                                "given: 'now'")
+    assert_openai_error(r, 400, "invalid header 'X-Priority': must be interactive or batch; a criticality "
+                                "(Critical, Standard, Sheddable); or an integer as vLLM's priority",
+                        "given: 'now'")
     r = httpx.post(f"{worker.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 1},
                    headers={"X-Priority": "batch"}, timeout=30)
     assert r.status_code == 200
