@@ -13,7 +13,8 @@ the variable.
   ``ENV_SOFT/HARD_LIMIT_BYTES`` (compared with cgroup ``memory.current`` or RSS),
   the GPU limits ``ENV_GPU_SOFT/HARD_FRACTION`` of device memory,
   ``ENV_OVERLOAD_MODE`` (Auto, On, Off), and the worker's ``MOEGUARD_SCHEDULING_POLICY``
-  and ``MOEGUARD_BATCH_TOKENS_WITH_INTERACTIVE`` (:class:`scheduler.PriorityPolicy`). Every default of a contract variable is the
+  ``MOEGUARD_BATCH_TOKENS_WITH_INTERACTIVE`` and ``MOEGUARD_MAX_BATCH_STEP_TOKENS``
+  (:class:`scheduler.PriorityPolicy`). Every default of a contract variable is the
   contract's (``contract.DEFAULT_*``, ``contract.BUDGET_FIELDS``): a worker started by hand
   runs with the values the operator would give it.
 * Model: ``ENV_MODEL_PRESET``, ``ENV_MODEL_OVERRIDES``, ``ENV_CHECKPOINT_PATH``.
@@ -71,6 +72,9 @@ ENV_SCHEDULING_POLICY = "MOEGUARD_SCHEDULING_POLICY"
 ENV_BATCH_TOKENS_WITH_INTERACTIVE = "MOEGUARD_BATCH_TOKENS_WITH_INTERACTIVE"
 """Tokens of batch requests one step may carry while an interactive request is in the worker (default 0:
 none; batch runs in the steps interactive work leaves)."""
+ENV_MAX_BATCH_STEP_TOKENS = "MOEGUARD_MAX_BATCH_STEP_TOKENS"
+"""Tokens of batch requests in one step at any time (0 or unset: no limit beyond the budgets): bounds how long an
+interactive request arriving during a batch step waits for it."""
 ENV_SERVED_MODEL_NAME = "MOEGUARD_SERVED_MODEL_NAME"
 """The model name GET /v1/models reports and requests must name (default: the preset's name,
 which stays accepted as an alias)."""
@@ -127,7 +131,7 @@ class Settings:
     drain_s: float = DEFAULT_DRAIN_SECONDS
     """``ENV_DRAIN_SECONDS``: seconds accepted requests may take to finish after SIGTERM."""
     priority: PriorityPolicy = field(default_factory=PriorityPolicy)
-    """``ENV_SCHEDULING_POLICY`` and ``ENV_BATCH_TOKENS_WITH_INTERACTIVE``."""
+    """``ENV_SCHEDULING_POLICY``, ``ENV_BATCH_TOKENS_WITH_INTERACTIVE`` and ``ENV_MAX_BATCH_STEP_TOKENS``."""
 
     @property
     def torch_device(self) -> torch.device:
@@ -344,7 +348,7 @@ def _priority(env: Mapping[str, str]) -> PriorityPolicy:
         raise ConfigError(f"{ENV_SCHEDULING_POLICY}={scheduling!r} must be one of {', '.join(SCHEDULING_POLICIES)}")
     tokens = _int(env, ENV_BATCH_TOKENS_WITH_INTERACTIVE, 0)
     assert tokens is not None
-    return PriorityPolicy(scheduling, tokens)
+    return PriorityPolicy(scheduling, tokens, _int(env, ENV_MAX_BATCH_STEP_TOKENS, None) or None)
 
 
 def _drain_seconds(env: Mapping[str, str]) -> float:

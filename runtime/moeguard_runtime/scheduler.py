@@ -48,7 +48,9 @@ Vocabulary (``contract.Budgets``; TGI/vLLM names in its descriptions):
     worker (waiting or running), a step carries at most
     ``batch_tokens_with_interactive`` tokens (prefill plus decode) of batch
     requests, 0 by default: batch work runs only in steps no interactive work
-    needs (Triton's strict priority levels, at step granularity);
+    needs (Triton's strict priority levels, at step granularity). At any time
+    ``max_batch_step_tokens`` (no limit by default) bounds a batch step, and
+    with it the wait of an interactive request arriving while one runs;
   - *shedding*: an interactive request that meets a full cap (concurrency,
     queue length, queue tokens) takes the place of batch requests: queued ones
     first, then preempted ones, then (concurrency only) running ones, latest
@@ -156,10 +158,17 @@ class PriorityPolicy:
             carry while an interactive request is in the worker; 0: none. A step's cost grows with
             its tokens, so every batch token beside interactive work delays it; on a device where
             decode steps are bandwidth-bound, a few hundred cost little and keep batch moving.
+        max_batch_step_tokens: tokens of batch requests in one step at any time (None: only the
+            budgets bound them). A step cannot be interrupted: an interactive request that arrives
+            while a batch step runs waits for its end, so this bounds that wait, at the price of
+            batch throughput (more, smaller steps). Sarathi-Serve's per-step token budget, applied
+            to batch work only; vLLM's ``long_prefill_token_threshold`` caps a long prompt's chunk
+            the same way.
     """
 
     scheduling: str = "priority"
     batch_tokens_with_interactive: int = 0
+    max_batch_step_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.scheduling not in SCHEDULING_POLICIES:
@@ -167,6 +176,8 @@ class PriorityPolicy:
         if self.batch_tokens_with_interactive < 0:
             raise ValueError(f"batch_tokens_with_interactive must be >= 0, got "
                              f"{self.batch_tokens_with_interactive}")
+        if self.max_batch_step_tokens is not None and self.max_batch_step_tokens < 1:
+            raise ValueError(f"max_batch_step_tokens must be >= 1 or None, got {self.max_batch_step_tokens}")
 
     @property
     def by_priority(self) -> bool:
@@ -571,12 +582,17 @@ class Scheduler:
         return preempted
 
     def _batch_allowance(self) -> int | None:
-        """Tokens of lower-class requests a step may carry now: None for no limit (``fcfs``, or
-        no interactive request in the worker), else ``batch_tokens_with_interactive``."""
+        """Tokens of lower-class requests a step may carry now (None: no limit): under ``fcfs``
+        none; with an interactive request in the worker ``batch_tokens_with_interactive``,
+        else ``max_batch_step_tokens``."""
         policy = self.priority_policy
-        if not policy.by_priority or not any(r.rank == 0 for r in self._requests.values()):
+        if not policy.by_priority:
             return None
-        return policy.batch_tokens_with_interactive
+        step_cap = policy.max_batch_step_tokens
+        if any(r.rank == 0 for r in self._requests.values()):
+            with_interactive = policy.batch_tokens_with_interactive
+            return with_interactive if step_cap is None else min(with_interactive, step_cap)
+        return step_cap
 
     def schedule(self) -> ScheduleResult:
         """Expire timed-out waiters, apply pending budgets, preempt for a higher-class head
@@ -677,16 +693,19 @@ class Scheduler:
             if head is None or (top is not None and (head.rank == 0) != top):
                 break
             first_chunk = min(head.prompt_tokens - head.prefilled, b.max_prefill_tokens)
+            limited = head.rank > 0 and allow[0] is not None
+            if limited:
+                if allow[0] is None or allow[0] < 1:
+                    break  # lower-class work beyond this step's allowance waits
+                first_chunk = min(first_chunk, allow[0])  # chunked to the allowance
             if first_chunk > budget:
                 break  # TGI: the head waits at the front; nobody overtakes it
-            if head.rank > 0 and allow[0] is not None:
-                if allow[0] < max(first_chunk, 1):
-                    break  # lower-class work beyond this step's allowance waits
-                allow[0] -= first_chunk
             if self.is_long(head.prompt_tokens):
                 if long_in_batch >= b.max_long_requests_per_batch:
                     break  # the head waits for a batch with room for one more long request
                 long_in_batch += 1
+            if limited and allow[0] is not None:
+                allow[0] -= first_chunk
             self._pop_head(head)
             batch.append(head.req_id)
             (resumed if head.started else admitted).append(head.req_id)

@@ -302,6 +302,17 @@ def test_batch_runs_only_beside_interactive_within_its_allowance() -> None:
     assert plan is not None and len(plan.decode) == 4  # no interactive: no limit
 
 
+def test_a_batch_step_is_capped_at_any_time_and_long_prompts_chunked_to_it() -> None:
+    s, _ = make(budgets(prefill=100, decode=8, batch=8), PriorityPolicy(max_batch_step_tokens=16))
+    s.submit("b0", 40, 5, priority="batch")
+    plans = [s.schedule().plan for _ in range(3)]
+    assert [p.prefill for p in plans if p is not None] == [(("b0", 0, 16),), (("b0", 16, 16),),
+                                                          (("b0", 32, 8),)]
+    s.submit("i0", 40, 5)  # interactive work is never capped
+    plan = s.schedule().plan
+    assert plan is not None and plan.prefill == (("i0", 0, 40),) and plan.decode == ()
+
+
 def test_interactive_sheds_the_latest_queued_batch_at_a_full_queue() -> None:
     s, _ = make(budgets(prefill=10, batch=1, max_queue_requests=3))
     s.submit("run", 10, 50, priority="batch")
@@ -422,8 +433,13 @@ class _Sim:
         assert len(ids) == len(set(ids)), plan
         assert len(plan.decode) <= plan.budgets.max_decode_tokens
         assert plan.prefill_tokens <= plan.budgets.max_prefill_tokens
-        if interactive_in and self.s.priority_policy.by_priority:
-            assert all(self.spec[r][2] == "interactive" for r in ids), plan  # allowance 0
+        policy = self.s.priority_policy
+        batch_tokens = (sum(n for r, _, n in plan.prefill if self.spec[r][2] == "batch")
+                        + sum(1 for r in plan.decode if self.spec[r][2] == "batch"))
+        if policy.by_priority and interactive_in:
+            assert batch_tokens <= policy.batch_tokens_with_interactive, plan
+        if policy.by_priority and policy.max_batch_step_tokens is not None:
+            assert batch_tokens <= policy.max_batch_step_tokens, plan
         for r, start, n in plan.prefill:
             assert start == self.computed[r] and 0 < n <= self.spec[r][0] - start, (plan, r)
             self.computed[r] += n
@@ -448,13 +464,13 @@ class _Sim:
 @given(st.lists(st.tuples(st.sampled_from(["interactive", "batch"]), st.integers(1, 90),
                           st.integers(1, 6), st.integers(0, 3)), max_size=40),
        st.integers(1, 64), st.integers(1, 6), st.integers(1, 4), st.integers(1, 3), st.integers(1, 8),
-       st.booleans())
-def test_no_request_is_lost_and_interactive_steps_carry_no_batch_work(
+       st.booleans(), st.integers(0, 3), st.none() | st.integers(1, 20))
+def test_no_request_is_lost_and_batch_work_stays_within_its_allowance(
         ops: list[tuple[str, int, int, int]], prefill: int, decode: int, batch: int, batches: int,
-        queue: int, fcfs: bool) -> None:
+        queue: int, fcfs: bool, with_interactive: int, step_cap: int | None) -> None:
     s, _ = make(budgets(prefill=prefill, decode=decode, batch=batch, batches=batches,
                         max_queue_requests=queue, max_long_requests_per_batch=1),
-                PriorityPolicy("fcfs" if fcfs else "priority"),
+                PriorityPolicy("fcfs" if fcfs else "priority", with_interactive, step_cap),
                 max_concurrent_requests=6, max_queue_tokens=200, long_request_threshold_tokens=60)
     sim = _Sim(s)
     for i, (priority, prompt, max_new, steps) in enumerate(ops):
