@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
-
 from bench import priority as bp
 
 pytestmark = pytest.mark.unit
@@ -39,7 +39,7 @@ def test_poisson_mix_is_seeded_and_half_interactive() -> None:
     assert a == b and 1800 < len(a) < 2200
     share = sum(1 for kind, _ in a if kind is bp.INTERACTIVE) / len(a)
     assert 0.45 < share < 0.55
-    assert all(t2 > t1 for (_, t1), (_, t2) in zip(a, a[1:], strict=False))
+    assert all(t2 > t1 for (_, t1), (_, t2) in itertools.pairwise(a))
 
 
 def _arm(ratio: float) -> dict[str, Any]:
