@@ -371,10 +371,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=20.0, help="length of the loaded phase's arrivals")
     ap.add_argument("--out", type=Path, default=RESULTS / "priority.json")
     ap.add_argument("--render", action="store_true", help="render the Markdown from the JSON only")
+    ap.add_argument("--note", action="append", default=[],
+                    help="with --render: a reading of the figures to keep in the JSON's notes and the report")
     args = ap.parse_args(argv)
     md = args.out.with_suffix(".md")
     if args.render:
-        md.write_text(render(json.loads(args.out.read_text())))
+        doc = json.loads(args.out.read_text())
+        if args.note:
+            doc["notes"] = [*doc.get("notes", []), *(f"- {n}" for n in args.note)]
+            args.out.write_text(json.dumps(doc, indent=1) + "\n")
+        md.write_text(render(doc))
         return 0
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="moeguard-bench-priority-") as tmp:
