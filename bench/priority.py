@@ -55,6 +55,7 @@ import httpx
 from bench.headline import machine
 from bench.loadgen import RequestSpec, run_requests
 from bench.loadgen.text import prompt_of_length
+from bench.metrics_text import samples_named
 from bench.slo import percentile
 from bench.worker_process import WorkerProcess, start_worker_process
 
@@ -187,6 +188,11 @@ def aggregate(reps: Sequence[dict[str, Any]]) -> dict[str, Any]:
         a["ttft_ratios"] = [x["ttft_ratio"] for x in runs]
         a["latency_ratios"] = [x["latency_ratio"] for x in runs]
         a["goodput_rps"] = median([x["goodput_rps"] for x in runs])
+        a["mean_step_s"] = median([x.get("mean_step_s") for x in runs])
+        worker: Counter[str] = Counter()
+        for x in runs:
+            worker.update({k: v for k, v in x.get("worker", {}).items() if "step_duration" not in k})
+        a["worker"] = dict(sorted(worker.items()))
         out[arm] = a
     return out
 
@@ -204,6 +210,27 @@ def idle(w: WorkerProcess, timeout_s: float = 120.0) -> None:
             return
         time.sleep(0.2)
     raise RuntimeError(f"worker {w.base_url} still busy after {timeout_s:g} s")
+
+
+WORKER_COUNTS = (("moeguard_preemptions_total", "priority"), ("moeguard_priority_rejections_total", "reason"),
+                 ("moeguard_step_duration_seconds_count", ""), ("moeguard_step_duration_seconds_sum", ""))
+"""The worker's own counts kept per loaded phase (their increase): preemptions, refusals by class and reason,
+engine steps and their total seconds."""
+
+
+def worker_counts(w: WorkerProcess) -> dict[str, float]:
+    """``name{label=value,...}`` -> value for :data:`WORKER_COUNTS` (identity labels left out)."""
+    out: dict[str, float] = {}
+    text = httpx.get(f"{w.base_url}/metrics", timeout=10).text
+    for name, _ in WORKER_COUNTS:
+        for labels, v in samples_named(text, name):
+            key = ",".join(f"{k}={labels[k]}" for k in ("priority", "reason") if k in labels)
+            out[f"{name}{{{key}}}" if key else name] = v
+    return out
+
+
+def increase(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
 
 
 def send(w: WorkerProcess, specs: Sequence[RequestSpec], max_in_flight: int, seed: int) -> list[dict[str, Any]]:
@@ -230,13 +257,15 @@ def run_arm(w: WorkerProcess, schedule: list[tuple[Kind, float]], seed: int) -> 
     for kind, at in schedule:
         specs.append(spec(kind, counters[kind.priority], at))
         counters[kind.priority] += 1
-    t0 = time.monotonic()
+    t0, before = time.monotonic(), worker_counts(w)
     records = send(w, specs, 512, seed)
-    wall = time.monotonic() - t0
+    wall, counts = time.monotonic() - t0, increase(before, worker_counts(w))
     by_class = {cls: class_summary([r for (kind, _), r in zip(schedule, records, strict=True)
                                     if kind.priority == cls]) for cls in ("interactive", "batch")}
     u = class_summary(unloaded)
-    return {"unloaded": u, "loaded": by_class, "loaded_wall_s": wall,
+    steps = counts.get("moeguard_step_duration_seconds_count", 0.0)
+    return {"unloaded": u, "loaded": by_class, "loaded_wall_s": wall, "worker": counts,
+            "mean_step_s": counts.get("moeguard_step_duration_seconds_sum", 0.0) / steps if steps else None,
             "ttft_ratio": ratio(by_class["interactive"]["ttft_p95_s"], u["ttft_p95_s"]),
             "latency_ratio": ratio(by_class["interactive"]["latency_p95_s"], u["latency_p95_s"]),
             "goodput_rps": sum(c["answered"] for c in by_class.values()) / max(schedule[-1][1], 1e-9)}
@@ -326,6 +355,10 @@ def render(doc: dict[str, Any]) -> str:
             lines.append(f"| {arm} | {cls}, 2× capacity | {_ms(c['ttft_p50_s'])} | {_ms(c['ttft_p95_s'])} | "
                          f"{_ms(c['latency_p50_s'])} | {_ms(c['latency_p95_s'])} | {c['answered']} / {c['sent']} | "
                          f"{_refusals(c['refused'])} |")
+    for arm, a in (("priority", p), ("fcfs", f)):
+        counts = ", ".join(f"`{k}` {v:g}" for k, v in a.get("worker", {}).items()) or "none"
+        lines.append(f"\nWorker counts in the loaded phases, `{arm}` (summed over repetitions): {counts}; "
+                     f"mean engine step {_ms(a.get('mean_step_s'))}.")
     lines += [
         "",
         "| repetition | capacity (req/s) | offered (req/s) | requests | arm order | priority: TTFT / latency ratio | "
