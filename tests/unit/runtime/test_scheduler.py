@@ -424,8 +424,14 @@ class _Sim:
     def step(self) -> bool:
         interactive_in = any(self.s.priority_of(r) == "interactive" for r in self.spec
                              if r not in self.ended)
+        head = self.s._head()
         result = self.s.schedule()
         self.ended.update(result.expired)
+        if (self.s.priority_policy.by_priority and head is not None and head.priority == "interactive"
+                and self.s._is_waiting(head)):
+            # the head interactive request never waits past a step for a slot that a batch request holds
+            assert self.s._has_room(head, self.s.budgets) or (
+                self.s.counts_by_priority()["batch"]["running"] == 0)
         plan = result.plan
         if plan is None:
             return False
