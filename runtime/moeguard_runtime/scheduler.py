@@ -116,6 +116,10 @@ SCHEDULING_POLICIES = ("priority", "fcfs")
 CRITICALITIES = {"critical": INTERACTIVE, "standard": INTERACTIVE, "sheddable": BATCH}
 """llm-d / Gateway API Inference Extension criticality (``Critical``, ``Standard``, ``Sheddable``;
 any case) to class: sheddable work is batch, the rest interactive."""
+PRIORITY_NAMES = (*PRIORITIES, "Critical", "Standard", "Sheddable", *CRITICALITIES)
+"""The names a request body's ``priority`` may hold, exactly (the ``X-Priority`` header takes any case)."""
+MAX_PRIORITY = 2**63 - 1
+"""Bound of an integer priority, either sign (int64, as vLLM's is stored)."""
 PRIORITY_HELP = ("interactive or batch; a criticality (Critical, Standard, Sheddable); or an "
                  "integer as vLLM's priority (lower is earlier: <= 0 interactive, > 0 batch)")
 """What a request's priority may be, for error messages and the API's description."""
