@@ -107,3 +107,7 @@ bench-refusal: ## Refusal cost: a normal client's goodput alone vs beside ~100 r
 .PHONY: bench-control
 bench-control: deps ## Control latency on the local control plane: skew step x10, recovery, OOM kill -> bench/results/control_latency.md (~25 min).
 	$(PY) -m bench.control_latency $(BENCH_ARGS)
+
+.PHONY: bench-priority
+bench-priority: ## Interactive first: interactive p95 at 2x capacity (50/50 with batch) vs unloaded, priority vs fcfs, 3 reps -> bench/results/priority.md (~7 min).
+	$(PY) -m bench.priority --reps 3 $(BENCH_ARGS)

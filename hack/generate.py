@@ -310,11 +310,25 @@ ADVICE: dict[str, str] = {
         "Refused requests by reason (queue full 429, memory 503, validation 400/422). Rising 429s: "
         "capacity — add replicas. Rising 503 memory: see MoeguardMemoryNearHardLimit."),
     "moeguard_queue_requests": "Requests waiting. Growing without bound means arrival rate > service rate.",
+    "moeguard_preemptions": (
+        "Batch requests paused (back to the queue, KV cache kept) so that an interactive one could start "
+        "(vLLM `num_preemptions_total`). Steady preemptions with interactive TTFT on target is the design "
+        "working; batch latency is the price. Preemptions and `priority_shed` refusals together rising: "
+        "interactive traffic alone is near the worker's capacity — add replicas."),
+    "moeguard_priority_rejections": (
+        "Refusals by priority class and reason. Batch should absorb them: `priority=\"interactive\"` rising "
+        "means the caps are full of interactive work alone (nothing left to shed) — add replicas. "
+        "`reason=\"priority_shed\"`: batch requests ended for interactive ones; their clients should retry "
+        "after `Retry-After`."),
+    "moeguard_priority_requests": (
+        "Requests by class and state. `preempted` batch requests hold their KV cache while they wait: "
+        "memory stays in use. Interactive `waiting` above 0 for long: interactive load alone fills the worker."),
     "moeguard_queue_tokens": "Prompt tokens waiting: the prefill work ahead of the worker.",
     "moeguard_running_requests": "Requests in running batches (vLLM `num_requests_running`).",
     "moeguard_time_to_first_token_seconds": (
-        "Arrival to first token: mostly queueing plus prefill. Rising after a budget tightening is the "
-        "expected price of safety; rising without one is queueing — add replicas."),
+        "Arrival to first token: mostly queueing plus prefill, by priority class. Rising after a budget "
+        "tightening is the expected price of safety; rising without one is queueing — add replicas. "
+        "Interactive TTFT should stay near its unloaded value while batch TTFT absorbs the load."),
     "moeguard_e2e_request_latency_seconds": "Arrival to last token (vLLM `e2e_request_latency_seconds`).",
     "moeguard_step_duration_seconds": (
         "Engine step wall time. Slower steps at the same batch tokens: contention (CPU threads, GPU shared "

@@ -102,16 +102,28 @@ class RequestSpec:
         prompt: the prompt text (ASCII: bytes = tokens).
         max_tokens: the request's ``max_tokens``.
         at_s: when to send it, seconds after the run starts.
+        priority: the body's ``priority`` (``interactive``, ``batch``, ...), none when None.
     """
 
     prompt: str
     max_tokens: int
     at_s: float = 0.0
+    priority: str | None = None
 
 
 def default_prompt(req: ScheduledRequest) -> str:
     """Real text of ``req.prompt_tokens`` bytes, at corpus offset ``index * PROMPT_STRIDE``."""
     return prompt_of_length(req.prompt_tokens, offset=req.index * PROMPT_STRIDE)
+
+
+def _error_code(raw: bytes) -> str | None:
+    """The OpenAI ``error.code`` of a refusal body or an SSE error event, None when there is none."""
+    try:
+        err = json.loads(raw).get("error")
+    except (ValueError, AttributeError):
+        return None
+    code = err.get("code") if isinstance(err, dict) else None
+    return str(code) if code is not None else None
 
 
 def _error_message(raw: bytes) -> str:
@@ -166,6 +178,7 @@ async def _read_sse(resp: httpx.Response, res: RequestResult, now: Callable[[], 
             continue
         if "error" in doc:
             res.error = _error_message(payload.encode())
+            res.code = _error_code(payload.encode())
             continue
         for choice in doc.get("choices") or []:
             piece = (choice.get("text") or "") if isinstance(choice, dict) else ""
@@ -201,6 +214,7 @@ async def _send(client: httpx.AsyncClient, res: RequestResult, body: dict[str, A
                 _apply_completion(res, raw)
             else:
                 res.error = _error_message(raw)
+                res.code = _error_code(raw)
     except Exception as exc:  # any transport/protocol failure is a recorded outcome
         res.end_s = now()
         res.status = None
@@ -317,6 +331,8 @@ async def run_requests(
                 if stream:
                     body["stream"] = True
                     body["stream_options"] = {"include_usage": True}
+                if spec.priority is not None:
+                    body["priority"] = spec.priority
                 async with sem:
                     if route is not None:
                         results[i].url = check_loopback_url(route(i))

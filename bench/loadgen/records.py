@@ -32,6 +32,8 @@ class RequestResult:
         retry_after: the ``Retry-After`` response header, verbatim, if any.
         error: error text: the OpenAI ``error.message`` of a refusal, the
             exception of a transport failure, or why it was not completed.
+        code: the OpenAI ``error.code`` of a refusal or of an SSE error event (the
+            reason: ``queue_full``, ``priority_shed``...), None otherwise.
         prompt_tokens: ``usage.prompt_tokens`` reported by the worker.
         completion_tokens: ``usage.completion_tokens`` reported by the worker
             (streaming without usage: UTF-8 bytes of the text, an estimate).
@@ -49,6 +51,7 @@ class RequestResult:
     status: int | None = None
     retry_after: str | None = None
     error: str | None = None
+    code: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     text: str | None = None

@@ -12,7 +12,9 @@ the variable.
   ``ENV_LONG_REQUEST_THRESHOLD_TOKENS``, the host limits
   ``ENV_SOFT/HARD_LIMIT_BYTES`` (compared with cgroup ``memory.current`` or RSS),
   the GPU limits ``ENV_GPU_SOFT/HARD_FRACTION`` of device memory,
-  ``ENV_OVERLOAD_MODE`` (Auto, On, Off). Every default of a contract variable is the
+  ``ENV_OVERLOAD_MODE`` (Auto, On, Off), and the worker's ``MOEGUARD_SCHEDULING_POLICY``
+  ``MOEGUARD_BATCH_TOKENS_WITH_INTERACTIVE`` and ``MOEGUARD_MAX_BATCH_STEP_TOKENS``
+  (:class:`scheduler.PriorityPolicy`). Every default of a contract variable is the
   contract's (``contract.DEFAULT_*``, ``contract.BUDGET_FIELDS``): a worker started by hand
   runs with the values the operator would give it.
 * Model: ``ENV_MODEL_PRESET``, ``ENV_MODEL_OVERRIDES``, ``ENV_CHECKPOINT_PATH``.
@@ -42,7 +44,7 @@ from moeguard_runtime.moe import (
     MoeDispatch,
 )
 from moeguard_runtime.presets import ModelArgs
-from moeguard_runtime.scheduler import QueueLimits
+from moeguard_runtime.scheduler import SCHEDULING_POLICIES, PriorityPolicy, QueueLimits
 
 ENV_SEED = "MOEGUARD_SEED"
 ENV_TORCH_THREADS = "MOEGUARD_TORCH_THREADS"
@@ -68,6 +70,15 @@ DEFAULT_DRAIN_SECONDS = 25.0
 ENV_UNRECOVERED_OOM_SECONDS = "MOEGUARD_UNRECOVERED_OOM_SECONDS"
 """Seconds of failed allocations with no engine step running after which ``/healthz`` answers 503
 (default 60; :mod:`moeguard_runtime.allocation`)."""
+ENV_SCHEDULING_POLICY = "MOEGUARD_SCHEDULING_POLICY"
+"""``priority`` (default: interactive first in every mode) or ``fcfs`` (arrival order), as vLLM's
+``--scheduling-policy`` (:class:`scheduler.PriorityPolicy`)."""
+ENV_BATCH_TOKENS_WITH_INTERACTIVE = "MOEGUARD_BATCH_TOKENS_WITH_INTERACTIVE"
+"""Tokens of batch requests one step may carry while an interactive request is in the worker (default 0:
+none; batch runs in the steps interactive work leaves)."""
+ENV_MAX_BATCH_STEP_TOKENS = "MOEGUARD_MAX_BATCH_STEP_TOKENS"
+"""Tokens of batch requests in one step at any time (0 or unset: no limit beyond the budgets): bounds how long an
+interactive request arriving during a batch step waits for it."""
 ENV_SERVED_MODEL_NAME = "MOEGUARD_SERVED_MODEL_NAME"
 """The model name GET /v1/models reports and requests must name (default: the preset's name,
 which stays accepted as an alias)."""
@@ -125,6 +136,8 @@ class Settings:
     """``ENV_DRAIN_SECONDS``: seconds accepted requests may take to finish after SIGTERM."""
     unrecovered_oom_s: float = DEFAULT_UNRECOVERED_S
     """``ENV_UNRECOVERED_OOM_SECONDS``: seconds of allocation failures before liveness fails."""
+    priority: PriorityPolicy = field(default_factory=PriorityPolicy)
+    """``ENV_SCHEDULING_POLICY``, ``ENV_BATCH_TOKENS_WITH_INTERACTIVE`` and ``ENV_MAX_BATCH_STEP_TOKENS``."""
 
     @property
     def torch_device(self) -> torch.device:
@@ -332,7 +345,17 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         served_model_name=(env.get(ENV_SERVED_MODEL_NAME) or "").strip() or preset,
         drain_s=_drain_seconds(env),
         unrecovered_oom_s=_unrecovered_oom_seconds(env),
+        priority=_priority(env),
     )
+
+
+def _priority(env: Mapping[str, str]) -> PriorityPolicy:
+    scheduling = (env.get(ENV_SCHEDULING_POLICY) or "priority").strip()
+    if scheduling not in SCHEDULING_POLICIES:
+        raise ConfigError(f"{ENV_SCHEDULING_POLICY}={scheduling!r} must be one of {', '.join(SCHEDULING_POLICIES)}")
+    tokens = _int(env, ENV_BATCH_TOKENS_WITH_INTERACTIVE, 0)
+    assert tokens is not None
+    return PriorityPolicy(scheduling, tokens, _int(env, ENV_MAX_BATCH_STEP_TOKENS, None) or None)
 
 
 def _unrecovered_oom_seconds(env: Mapping[str, str]) -> float:

@@ -10,9 +10,11 @@ by :func:`refused_fields`.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from moeguard_runtime.scheduler import MAX_PRIORITY, PRIORITY_HELP, PRIORITY_NAMES, priority_class
 
 MAX_TOKENS_LIMIT = 1_048_576
 MAX_STOP_STRINGS = 4
@@ -60,8 +62,27 @@ class _Sampling(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0, description="Only 0 (no penalty).")
     presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0, description="Only 0 (no penalty).")
     user: str | None = Field(default=None, max_length=256, strict=True)
-    priority: Literal["interactive", "batch"] | None = Field(
-        default=None, description="Queue class while overload mode is on (default interactive).")
+    priority: str | int | None = Field(
+        default=None, description=f"The request's class, {PRIORITY_HELP}; default interactive "
+                                  "(or the X-Priority header). Interactive requests go first in every mode.",
+        json_schema_extra={"anyOf": [{"enum": list(PRIORITY_NAMES)},
+                                     {"type": "integer", "minimum": -MAX_PRIORITY, "maximum": MAX_PRIORITY},
+                                     {"type": "null"}]})
+
+    @field_validator("priority", mode="before")
+    @classmethod
+    def _priority_class(cls, value: Any) -> Any:
+        """The class name (:func:`scheduler.priority_class`) of one of :data:`scheduler.PRIORITY_NAMES` or
+        an integer within :data:`scheduler.MAX_PRIORITY` (5.0 is an integer, as in JSON Schema)."""
+        if value is None:
+            return None
+        if isinstance(value, float) and value.is_integer() and abs(value) <= MAX_PRIORITY:
+            value = int(value)
+        if isinstance(value, str) and value in PRIORITY_NAMES:
+            return priority_class(value)
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) <= MAX_PRIORITY:
+            return priority_class(value)
+        raise ValueError(f"must be {PRIORITY_HELP}")
 
     @field_validator("temperature", "seed", "n", "top_p", "frequency_penalty", "presence_penalty",
                      mode="before", check_fields=False)

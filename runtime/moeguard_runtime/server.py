@@ -18,16 +18,20 @@ Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``:
 * 429 with ``Retry-After``: over ``max_concurrent_requests`` or a queue bound
   (TGI: "Model is overloaded"); the message names the cap. The caps that do not
   depend on the body (and shutting down, and the hard memory limit) are checked
-  before the body is read (:meth:`Worker.refuse_early`): a refusal costs no
-  parsing and no tokenization;
-* 503 with ``Retry-After``: above the hard memory limit, queue timeout, a
+  before the body is read (:meth:`Worker.refuse_early`) when no batch request
+  could make room: a refusal costs no parsing and no tokenization;
+* 503 with ``Retry-After``: a batch request shed for an interactive one
+  (``priority_shed``; an SSE error event once its stream has answered), above the hard memory limit, queue timeout, a
   context over the overload threshold, out of memory, the model still loading, or
   shutting down (``shutting_down``: after SIGTERM, see ``__main__._draining_server``).
 
 Fields: those of OpenAI ``POST /v1/completions`` and ``POST /v1/chat/completions``
 that the worker honours (:mod:`moeguard_runtime.openai_schema`), plus
-``priority`` (``interactive``, the default, or ``batch``; also the header
-``X-Priority``), which orders the queue while overload mode is on. Both endpoints
+``priority`` (``interactive``, the default, or ``batch``; an llm-d criticality,
+``Critical``/``Standard``/``Sheddable``; or vLLM's integer priority, lower first: ``<= 0``
+interactive, ``> 0`` batch; also the header ``X-Priority``), which puts interactive requests
+first in every mode (:mod:`moeguard_runtime.scheduler`): a batch request may be preempted
+(its stream pauses, then resumes) or shed to make room for one (503 ``priority_shed``). Both endpoints
 share one path (:func:`_serve`): the same admission, budgets and refusals.
 
 Output text is detokenized incrementally (:mod:`moeguard_runtime.detokenize`):
@@ -80,7 +84,7 @@ from moeguard_runtime.openai_schema import (
     prompt_schema,
     refused_fields,
 )
-from moeguard_runtime.scheduler import Rejected
+from moeguard_runtime.scheduler import Rejected, priority_class
 from moeguard_runtime.service import Event, GenerationRequest, Worker
 from moeguard_runtime.telemetry import Telemetry
 from moeguard_runtime.tokenizer import ByteTokenizer, Tokenizer
@@ -361,11 +365,17 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
 
     def priority_of(body: CompletionRequest | ChatCompletionRequest,
                     request: Request) -> str | JSONResponse:
-        priority = body.priority or request.headers.get("x-priority", "interactive").lower()
-        if priority not in ("interactive", "batch"):
-            return invalid(f"invalid header 'X-Priority': must be interactive or batch; "
-                           f"given: {priority!r}", "priority")
-        return priority
+        """The request's class: the body's ``priority``, else the ``X-Priority`` header, else
+        interactive; each as :func:`scheduler.priority_class` reads it."""
+        if isinstance(body.priority, str):
+            return body.priority  # already a class name (openai_schema)
+        header = request.headers.get("x-priority")
+        if header is None:
+            return "interactive"
+        try:
+            return priority_class(header)
+        except ValueError as exc:
+            return invalid(f"invalid header 'X-Priority': {exc}; given: {header!r}", "priority")
 
     async def run(job: _Job, request: Request) -> Response:
         worker = slot.worker

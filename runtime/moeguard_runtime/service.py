@@ -38,7 +38,7 @@ from moeguard_runtime.procmem import (
     read_device_memory,
     read_process_memory,
 )
-from moeguard_runtime.scheduler import OverloadPolicy, Rejected, Scheduler
+from moeguard_runtime.scheduler import BATCH, OverloadPolicy, Rejected, Scheduler
 from moeguard_runtime.step_loop import IDLE_WAIT_S, StepLoop
 from moeguard_runtime.step_telemetry import log_memory_snapshot
 from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
@@ -64,7 +64,7 @@ class Worker:
         self.leaks = LeakSampler(telemetry, log, process_reader)
         policy = OverloadPolicy(self._context_cap(None))
         self.overload_trigger = OverloadTrigger(settings.overload_mode, policy, telemetry, log)
-        self.scheduler = Scheduler(settings.budgets, settings.limits, self._now, policy)
+        self.scheduler = Scheduler(settings.budgets, settings.limits, self._now, policy, settings.priority)
         self.loop = StepLoop(self.scheduler, engine, telemetry, log, self._now, settings.faults,
                              self._budgets_applied, self.memory_snapshot, idle_wait_s,
                              self._allocation_failed, AllocationHealth(settings.unrecovered_oom_s))
@@ -118,8 +118,9 @@ class Worker:
         """End every request still in flight with a 503 ``shutting_down`` error (a JSON 503 with
         Retry-After, or an SSE error event for a stream already answering); returns how many."""
         ids = self.loop.in_flight()
+        for priority in self.loop.classes(ids):
+            self.telemetry.refused("shutting_down", priority)
         if ids:
-            self.telemetry.rejections.labels(**self.telemetry.l(reason="shutting_down")).inc(len(ids))
             self.loop.fail(ids, 503, "shutting_down", message)
         self.log.event("drain_cut", force=True, requests=len(ids))
         return len(ids)
@@ -180,10 +181,16 @@ class Worker:
     # --- called from HTTP handlers ------------------------------------------------
     def submit(self, request: GenerationRequest, sink: Sink) -> None:
         """Queue ``request``; raises :class:`scheduler.Rejected` (reason ``memory_hard_limit``
-        above the hard limit, ``shutting_down`` after SIGTERM, else the scheduler's caps and queue bounds)."""
-        self._refuse_shutting_down()
-        self.memory.refuse_above_hard()
-        self.loop.submit(request, sink)
+        above the hard limit, ``shutting_down`` after SIGTERM, else the scheduler's caps and queue bounds).
+        A refusal is counted by class (``moeguard_priority_rejections_total``); the caller counts it by reason."""
+        try:
+            self._refuse_shutting_down()
+            self.memory.refuse_above_hard()
+            self.loop.submit(request, sink)
+        except Rejected as rej:
+            tel = self.telemetry
+            tel.priority_rejections.labels(**tel.l(priority=request.priority, reason=rej.reason)).inc()
+            raise
 
     def refuse_early(self) -> None:
         """Raise the :class:`scheduler.Rejected` that any request would get now, whatever its body,
@@ -191,14 +198,21 @@ class Worker:
         almost nothing next to a decode step): ``shutting_down``, ``memory_hard_limit``,
         ``concurrency_limit`` (requests in the system at ``max_concurrent_requests``) and
         ``queue_full`` (``max_queue_requests`` waiting), with :meth:`submit`'s statuses and
-        Retry-After. The bounds that need the prompt (``max_queue_tokens``, the overload context
-        cap) stay in :meth:`submit`, which also checks these again under the same lock."""
+        Retry-After. The caps are refused early only when no batch request is in the worker (or
+        under ``fcfs``): otherwise an interactive request could take a batch request's place, which
+        needs its body's priority, so :meth:`submit` decides. The bounds that need the prompt
+        (``max_queue_tokens``, the overload context cap) stay in :meth:`submit`, which also checks
+        these again under the same lock."""
         self._refuse_shutting_down()
         self.memory.refuse_above_hard()
         with self.loop.cond:
             s = self.scheduler
             in_system, waiting = s.queue_requests + s.running_requests, s.queue_requests
             cap, max_queue = s.limits.max_concurrent_requests, s.next_budgets.max_queue_requests
+            sheddable = s.priority_policy.by_priority and any(
+                n for n in s.counts_by_priority()[BATCH].values())
+        if sheddable:
+            return
         if in_system >= cap:
             raise Rejected("concurrency_limit", f"Model is overloaded: {in_system} requests in flight, "
                                                 f"max_concurrent_requests is {cap}")

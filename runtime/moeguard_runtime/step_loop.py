@@ -6,6 +6,10 @@ the lock and runs the step outside it, so the event loop stays responsive while
 torch works. Results go back through each request's ``sink`` (the server passes
 one that hops onto the event loop).
 
+**Priority** (:class:`scheduler.PriorityPolicy`): a batch request the scheduler sheds to make room for an
+interactive one ends with HTTP 503 ``priority_shed`` (an SSE error event when its stream has already
+answered); a preempted one stays in flight, its sink simply receives no token until it resumes.
+
 **Out of memory** in a step (an allocation failure,
 :func:`allocation.allocation_failure_kind`: the device's ``OutOfMemoryError``, a
 host ``MemoryError``, or the CPU allocator's or oneDNN's ``RuntimeError``,
@@ -41,7 +45,7 @@ from moeguard_runtime.faults import AllocationFault, Faults, delay_step
 from moeguard_runtime.generation import Event, GenerationRequest, Sink
 from moeguard_runtime.moe import leave_onednn
 from moeguard_runtime.procmem import trim_malloc
-from moeguard_runtime.scheduler import Scheduler, StepPlan
+from moeguard_runtime.scheduler import SHED_REASON, Scheduler, StepPlan
 from moeguard_runtime.step_telemetry import log_batch_start, record_step
 from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
 from moeguard_runtime.timing import clock
@@ -103,13 +107,26 @@ class StepLoop:
         self._to_release: list[str] = []
 
     def submit(self, request: GenerationRequest, sink: Sink) -> None:
-        """Queue ``request``; raises :class:`scheduler.Rejected` (caps, queue bounds)."""
+        """Queue ``request``; raises :class:`scheduler.Rejected` (caps, queue bounds). Batch requests
+        shed to make room for it end with HTTP 503 ``priority_shed``."""
         with self.cond:
-            self.scheduler.submit(request.req_id, len(request.prompt), request.max_new_tokens,
-                                  request.priority)
+            shed = self.scheduler.submit(request.req_id, len(request.prompt), request.max_new_tokens,
+                                         request.priority)
             self._active[request.req_id] = _Active(request, sink, self._clock())
             self.update_queue_gauges()
             self.cond.notify()
+        if shed:
+            self._shed(shed, request.priority)
+
+    def _shed(self, req_ids: list[str], for_priority: str) -> None:
+        """End ``req_ids``, already out of the scheduler, with 503 :data:`scheduler.SHED_REASON`."""
+        for priority in self.classes(req_ids):
+            self.telemetry.refused(SHED_REASON, priority)
+        self.log.event("priority_shed", force=True, requests=len(req_ids), for_priority=for_priority,
+                       ids=",".join(req_ids)[:300])
+        self.fail(req_ids, 503, SHED_REASON,
+                  f"shed to make room for {for_priority} work (priority scheduling: batch work yields "
+                  f"to interactive work when the worker is full); retry later")
 
     def cancel(self, req_id: str) -> None:
         """Drop a request (client gone); its sink receives nothing more."""
@@ -119,6 +136,11 @@ class StepLoop:
                 self._to_release.append(req_id)
                 self.update_queue_gauges()
 
+    def classes(self, req_ids: list[str]) -> list[str]:
+        """The priority class of each of ``req_ids`` still in flight."""
+        with self.cond:
+            return [a.request.priority for r in req_ids if (a := self._active.get(r)) is not None]
+
     def in_flight(self) -> list[str]:
         """Ids of the requests accepted and not yet ended (queued or running)."""
         with self.cond:
@@ -127,7 +149,7 @@ class StepLoop:
     def update_queue_gauges(self) -> None:
         """Call with the lock held."""
         self.telemetry.set_queue(self.scheduler.queue_requests, self.scheduler.queue_tokens,
-                                 self.scheduler.running_requests)
+                                 self.scheduler.running_requests, self.scheduler.counts_by_priority())
 
     def iteration(self) -> None:
         """Release finished caches, expire queued requests, run at most one step;
@@ -136,15 +158,21 @@ class StepLoop:
             release, self._to_release = self._to_release, []
             result = self.scheduler.schedule()
             expired = [(r, self._active.pop(r, None)) for r in result.expired]
+            preempted = [a.request.priority for r in result.preempted
+                         if (a := self._active.get(r)) is not None]
             self.update_queue_gauges()
             if result.plan is None and not expired and not release:
                 self.cond.wait(timeout=self._idle_wait_s)
         for req_id in release:
             self.engine.release(req_id)
         timeout = self.scheduler.next_budgets.queue_timeout_seconds
+        for priority in preempted:
+            self.telemetry.preemptions.labels(**self.telemetry.l(priority=priority)).inc()
+        if result.preempted:
+            self.log.event("preempted", requests=len(result.preempted), ids=",".join(result.preempted)[:300])
         for _, active in expired:
             if active is not None:
-                self.telemetry.rejections.labels(**self.telemetry.l(reason="queue_timeout")).inc()
+                self.telemetry.refused("queue_timeout", active.request.priority)
                 active.sink(Event("error", status=503, reason="queue_timeout",
                                   message=f"request waited in the queue longer than "
                                           f"queue_timeout_seconds {timeout} s"))
@@ -266,12 +294,14 @@ class StepLoop:
                 continue
             if active.first_token_at is None:
                 active.first_token_at = now
-                self.telemetry.ttft.labels(**self.telemetry.labels).observe(now - active.arrival)
+                self.telemetry.ttft.labels(**self.telemetry.l(priority=active.request.priority)).observe(
+                    now - active.arrival)
             if req_id not in finished_reasons or finished_reasons[req_id] == "length":
                 active.sink(Event("token", token=token))
         for req_id, active in finished:
             if active is not None:
-                self.telemetry.e2e.labels(**self.telemetry.labels).observe(now - active.arrival)
+                self.telemetry.e2e.labels(**self.telemetry.l(priority=active.request.priority)).observe(
+                    now - active.arrival)
                 active.sink(Event("finish", finish_reason=finished_reasons[req_id]))
 
     def fail(self, req_ids: list[str], status: int, reason: str, message: str) -> None:

@@ -27,6 +27,7 @@ from moeguard_runtime.contract import Budgets
 from moeguard_runtime.leak import Growth
 from moeguard_runtime.moe import RoutingStats
 from moeguard_runtime.procmem import DeviceMemory, read_process_memory
+from moeguard_runtime.scheduler import PRIORITIES
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -136,10 +137,22 @@ class Telemetry:
         self.queue_requests = gauge(contract.METRIC_QUEUE_REQUESTS, "Requests waiting in the queue.")
         self.queue_tokens = gauge("moeguard_queue_tokens", "Prompt tokens waiting in the queue.")
         self.running_requests = gauge("moeguard_running_requests", "Requests in running batches.")
-        self.ttft = Histogram("moeguard_time_to_first_token_seconds", "Arrival to first token.",
-                              base, registry=r, buckets=LATENCY_BUCKETS, unit="seconds")
-        self.e2e = Histogram(contract.METRIC_E2E_LATENCY_SECONDS, "Arrival to last token.",
-                             base, registry=r, buckets=LATENCY_BUCKETS, unit="seconds")
+        self.ttft = Histogram(contract.METRIC_TTFT_SECONDS, "Arrival to first token, by priority class.",
+                              [*base, "priority"], registry=r, buckets=LATENCY_BUCKETS, unit="seconds")
+        self.e2e = Histogram(contract.METRIC_E2E_LATENCY_SECONDS, "Arrival to last token, by priority class.",
+                             [*base, "priority"], registry=r, buckets=LATENCY_BUCKETS, unit="seconds")
+        self.preemptions = Counter(contract.METRIC_PREEMPTIONS_TOTAL.removesuffix("_total"),
+                                   "Running requests moved back to the queue, KV cache kept, to make room "
+                                   "for a higher priority class.", [*base, "priority"], registry=r)
+        self.priority_rejections = Counter(
+            contract.METRIC_PRIORITY_REJECTIONS_TOTAL.removesuffix("_total"),
+            "Requests of a known priority class refused or ended without an answer, by reason "
+            "(priority_shed: ended to make room for an interactive request).",
+            [*base, "priority", "reason"], registry=r)
+        self.priority_requests = gauge(contract.METRIC_PRIORITY_REQUESTS,
+                                       "Requests in the worker by priority class and state (waiting, "
+                                       "preempted: waiting again with their KV cache kept, running).",
+                                       ["priority", "state"])
         self.step_seconds = Histogram("moeguard_step_duration_seconds", "Engine step wall time.",
                                       base, registry=r, buckets=LATENCY_BUCKETS, unit="seconds")
         self.stage_seconds = Histogram("moeguard_stage_duration_seconds",
@@ -201,6 +214,12 @@ class Telemetry:
             self.leak.labels(**labels, kind=kind).set(0)
         for source in ("operator", "worker", "env"):
             self.overload.labels(**labels, source=source).set(0)
+        for priority in PRIORITIES:  # every class from the start: zero is a reading
+            self.ttft.labels(**labels, priority=priority)
+            self.e2e.labels(**labels, priority=priority)
+            self.preemptions.labels(**labels, priority=priority)
+            for state in ("waiting", "preempted", "running"):
+                self.priority_requests.labels(**labels, priority=priority, state=state).set(0)
 
     def l(self, **extra: str) -> dict[str, str]:  # noqa: E743 - short on purpose
         return {**self.labels, **extra}
@@ -252,10 +271,23 @@ class Telemetry:
             g.labels(**self.labels).set(getattr(budgets, name))
         self.budget_shrink.labels(**self.labels).set(shrink_factor)
 
-    def set_queue(self, requests: int, tokens: int, running: int) -> None:
+    def set_queue(self, requests: int, tokens: int, running: int,
+                  by_priority: Mapping[str, Mapping[str, int]] | None = None) -> None:
+        """The queue gauges; ``by_priority``: class -> state -> requests
+        (:meth:`scheduler.Scheduler.counts_by_priority`)."""
         self.queue_requests.labels(**self.labels).set(requests)
         self.queue_tokens.labels(**self.labels).set(tokens)
         self.running_requests.labels(**self.labels).set(running)
+        for priority, states in (by_priority or {}).items():
+            for state, n in states.items():
+                self.priority_requests.labels(**self.l(priority=priority, state=state)).set(n)
+
+    def refused(self, reason: str, priority: str | None, n: int = 1) -> None:
+        """Count ``n`` requests refused (or ended unanswered) for ``reason``: by reason, and, when the
+        request's class is known, by class and reason."""
+        self.rejections.labels(**self.l(reason=reason)).inc(n)
+        if priority is not None:
+            self.priority_rejections.labels(**self.l(priority=priority, reason=reason)).inc(n)
 
     def set_device(self, device: DeviceMemory) -> None:
         for name, value in (("allocated", device.allocated), ("reserved", device.reserved),

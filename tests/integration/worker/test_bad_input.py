@@ -49,6 +49,9 @@ def rss(w: WorkerProcess) -> float:
     ({"prompt": "x", "n": 2}, 400, ["limit: le 1", "given: 2"], "n"),
     ({"prompt": "x", "priority": "urgent"}, 400, ["invalid field 'priority'", '"urgent"'],
      "priority"),
+    ({"prompt": "x", "priority": 2**63}, 400, ["invalid field 'priority'", "an integer as vLLM's priority"],
+     "priority"),
+    ({"prompt": "x", "priority": 1.5}, 400, ["invalid field 'priority'", "given: 1.5"], "priority"),
     ("[1, 2]", 400, ["request body must be a JSON object, given a list"], None),
     ('{"prompt": "hi", "x": ' + "[" * 50_000 + "]" * 50_000 + "}", 400,
      ["request body is not valid JSON for this API: nested too deeply"], None),
@@ -76,8 +79,9 @@ def test_bytes_that_are_not_utf8(worker: WorkerProcess) -> None:
 def test_bad_priority_header(worker: WorkerProcess) -> None:
     r = httpx.post(f"{worker.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 1},
                    headers={"X-Priority": "now"})
-    assert_openai_error(r, 400, "invalid header 'X-Priority': must be interactive or batch; "
-                                "given: 'now'")
+    assert_openai_error(r, 400, "invalid header 'X-Priority': must be interactive or batch; a criticality "
+                                "(Critical, Standard, Sheddable); or an integer as vLLM's priority",
+                        "given: 'now'")
     r = httpx.post(f"{worker.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 1},
                    headers={"X-Priority": "batch"}, timeout=30)
     assert r.status_code == 200

@@ -1,14 +1,18 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from moeguard_runtime.contract import Budgets
 from moeguard_runtime.scheduler import (
     OverloadPolicy,
+    PriorityPolicy,
     QueueLimits,
     Rejected,
     Scheduler,
     prefill_batch_cap,
+    priority_class,
     shrink,
 )
 
@@ -30,9 +34,11 @@ def budgets(prefill: int = 100, decode: int = 4, batch: int = 4, batches: int = 
                                    **more})
 
 
-def make(b: Budgets | None = None, **limits: float) -> tuple[Scheduler, FakeClock]:
+def make(b: Budgets | None = None, policy: PriorityPolicy | None = None,
+         **limits: float) -> tuple[Scheduler, FakeClock]:
     clock = FakeClock()
-    return Scheduler(b or budgets(), QueueLimits(**limits), clock), clock  # type: ignore[arg-type]
+    return Scheduler(b or budgets(), QueueLimits(**limits), clock,  # type: ignore[arg-type]
+                     priority=policy), clock
 
 
 def test_prefill_budget_admits_in_order_and_head_waits_at_front() -> None:
@@ -211,12 +217,21 @@ def test_overload_mode_budgets_context_cap_and_priority() -> None:
     s.submit("big", 60, 10)  # accepted again
 
 
-def test_fifo_without_overload_whatever_the_priority() -> None:
-    s, _ = make(budgets(prefill=1000, batch=1))
+def test_fcfs_policy_is_fifo_without_overload_whatever_the_priority() -> None:
+    s, _ = make(budgets(prefill=1000, batch=1), PriorityPolicy("fcfs"))
     s.submit("b1", 10, 5, priority="batch")
     s.submit("i1", 10, 5)
     plan = s.schedule().plan
     assert plan is not None and plan.admitted == ("b1",)
+    assert s.schedule().preempted == []  # and never preempts
+
+
+def test_interactive_first_without_overload() -> None:
+    s, _ = make(budgets(prefill=1000, batch=1))
+    s.submit("b1", 10, 5, priority="batch")
+    s.submit("i1", 10, 5)
+    plan = s.schedule().plan
+    assert not s.overload and plan is not None and plan.admitted == ("i1",)
 
 
 def test_queue_length_and_timeout_follow_budget_updates() -> None:
@@ -228,3 +243,250 @@ def test_queue_length_and_timeout_follow_budget_updates() -> None:
     s.submit("w2", 5, 1)  # the new queue length counts at once
     clock.now += 2.5
     assert sorted(s.schedule().expired) == ["w1", "w2"]
+
+
+def test_interactive_preempts_the_latest_batch_which_resumes_with_its_kv_kept() -> None:
+    s, _ = make(budgets(prefill=100, decode=8, batch=2))
+    s.submit("b1", 10, 50, priority="batch")
+    s.submit("b2", 10, 50, priority="batch")
+    plan = s.schedule().plan
+    assert plan is not None and plan.admitted == ("b1", "b2")
+    s.schedule()  # both decode
+    s.submit("i1", 20, 5)
+    result = s.schedule()
+    assert result.preempted == ["b2"]  # the latest batch arrival
+    plan = result.plan
+    assert plan is not None and plan.admitted == ("i1",) and plan.prefill == (("i1", 0, 20),)
+    assert plan.decode == ()  # a step with interactive work carries no batch tokens (default)
+    assert s.counts_by_priority() == {"interactive": {"waiting": 0, "preempted": 0, "running": 1},
+                                      "batch": {"waiting": 0, "preempted": 1, "running": 1}}
+    assert s.queue_requests == 1 and s.queue_tokens == 0  # its prompt is in its KV cache
+    plan = s.schedule().plan
+    assert plan is not None and plan.decode == ("i1",)  # b1 waits while i1 runs
+    s.finish("i1")
+    plan = s.schedule().plan
+    assert plan is not None and plan.resumed == ("b2",) and plan.admitted == ()
+    assert plan.prefill == () and set(plan.decode) == {"b1", "b2"}  # no recompute: decodes at once
+    assert s.counts_by_priority()["batch"] == {"waiting": 0, "preempted": 0, "running": 2}
+
+
+def test_a_batch_preempted_mid_prefill_resumes_at_its_offset_and_never_expires() -> None:
+    s, clock = make(budgets(prefill=100, batch=1, queue_timeout_seconds=5))
+    s.submit("b1", 250, 5, priority="batch")
+    plan = s.schedule().plan
+    assert plan is not None and plan.prefill == (("b1", 0, 100),)
+    s.submit("i1", 10, 2)
+    result = s.schedule()
+    assert result.preempted == ["b1"] and result.plan is not None
+    assert result.plan.admitted == ("i1",)
+    clock.now += 60  # far past the queue timeout: a preempted request was admitted once
+    assert s.schedule().expired == []
+    s.finish("i1")
+    plan = s.schedule().plan
+    assert plan is not None and plan.resumed == ("b1",) and plan.prefill == (("b1", 100, 100),)
+
+
+def test_batch_runs_only_beside_interactive_within_its_allowance() -> None:
+    s, _ = make(budgets(prefill=100, decode=8, batch=8),
+                PriorityPolicy(batch_tokens_with_interactive=2))
+    for i in range(4):
+        s.submit(f"b{i}", 5, 50, priority="batch")
+    s.schedule()
+    s.submit("i1", 5, 5)
+    plan = s.schedule().plan  # i1's prefill, then 2 batch decode tokens
+    assert plan is not None and plan.prefill == (("i1", 0, 5),) and len(plan.decode) == 2
+    plan = s.schedule().plan
+    assert plan is not None and plan.decode[0] == "i1" and len(plan.decode) == 3
+    s.finish("i1")
+    plan = s.schedule().plan
+    assert plan is not None and len(plan.decode) == 4  # no interactive: no limit
+
+
+def test_a_batch_step_is_capped_at_any_time_and_long_prompts_chunked_to_it() -> None:
+    s, _ = make(budgets(prefill=100, decode=8, batch=8), PriorityPolicy(max_batch_step_tokens=16))
+    s.submit("b0", 40, 5, priority="batch")
+    plans = [s.schedule().plan for _ in range(3)]
+    assert [p.prefill for p in plans if p is not None] == [(("b0", 0, 16),), (("b0", 16, 16),),
+                                                          (("b0", 32, 8),)]
+    s.submit("i0", 40, 5)  # interactive work is never capped
+    plan = s.schedule().plan
+    assert plan is not None and plan.prefill == (("i0", 0, 40),) and plan.decode == ()
+
+
+def test_interactive_sheds_the_latest_queued_batch_at_a_full_queue() -> None:
+    s, _ = make(budgets(prefill=10, batch=1, max_queue_requests=3))
+    s.submit("run", 10, 50, priority="batch")
+    s.schedule()
+    for i in range(3):
+        s.submit(f"q{i}", 5, 5, priority="batch")
+    with pytest.raises(Rejected) as exc:
+        s.submit("late-batch", 5, 5, priority="batch")  # batch absorbs the refusal
+    assert exc.value.reason == "queue_full" and exc.value.status == 429
+    assert s.submit("i1", 5, 5) == ["q2"]
+    assert s.priority_of("q2") is None and s.queue_requests == 3 and s.queue_tokens == 15
+    assert s.submit("i2", 5, 5) == ["q1"]
+    assert s.submit("i3", 5, 5) == ["q0"]
+    with pytest.raises(Rejected) as exc:  # only interactive left waiting: nothing to shed
+        s.submit("i4", 5, 5)
+    assert exc.value.reason == "queue_full"
+
+
+def test_interactive_sheds_a_running_batch_only_at_the_concurrency_cap() -> None:
+    s, _ = make(budgets(prefill=100, batch=2), max_concurrent_requests=2)
+    s.submit("b1", 10, 50, priority="batch")
+    s.submit("b2", 10, 50, priority="batch")
+    s.schedule()
+    assert s.submit("i1", 10, 5) == ["b2"]  # nothing queued: the latest running batch goes
+    assert s.batches == [["b1"]] and s.priority_of("b2") is None
+    assert s.submit("i2", 10, 5) == ["b1"]
+    with pytest.raises(Rejected) as exc:
+        s.submit("i3", 10, 5)
+    assert exc.value.reason == "concurrency_limit"
+
+
+def test_queue_tokens_shed_as_many_batch_requests_as_needed_or_none() -> None:
+    s, _ = make(budgets(prefill=10, batch=1), max_queue_tokens=100)
+    s.submit("run", 10, 50, priority="batch")
+    s.schedule()
+    s.submit("q0", 40, 5, priority="batch")
+    s.submit("q1", 30, 5, priority="batch")
+    s.submit("i0", 20, 5)
+    with pytest.raises(Rejected) as exc:  # 90 waiting + 120 > 100 even with every batch gone
+        s.submit("i1", 120, 5)
+    assert exc.value.reason == "queue_tokens_full"
+    assert s.queue_tokens == 90  # nothing was shed for a request still refused
+    assert s.submit("i1", 70, 5) == ["q1", "q0"]
+    assert s.queue_tokens == 90
+
+
+def test_fcfs_policy_never_sheds() -> None:
+    s, _ = make(budgets(max_queue_requests=1), PriorityPolicy("fcfs"))
+    s.submit("b1", 5, 5, priority="batch")
+    with pytest.raises(Rejected) as exc:
+        s.submit("i1", 5, 5)
+    assert exc.value.reason == "queue_full"
+
+
+def test_preemption_frees_the_prefill_batch_cap_for_interactive() -> None:
+    s, _ = make(budgets(prefill=50, batch=1, batches=2))  # one prefilling batch at a time
+    s.submit("b1", 200, 5, priority="batch")
+    s.schedule()
+    s.submit("i1", 10, 5)  # b1's batch is full and a second may not prefill while it does
+    result = s.schedule()
+    assert result.preempted == ["b1"]
+    assert result.plan is not None and result.plan.admitted == ("i1",)
+    s2, _ = make(budgets(prefill=50, batch=2, batches=2))
+    s2.submit("b1", 200, 5, priority="batch")
+    s2.schedule()
+    s2.submit("i1", 10, 5)  # room beside b1: joins its batch, nothing preempted
+    result = s2.schedule()
+    assert result.preempted == [] and result.plan is not None
+    assert result.plan.admitted == ("i1",) and result.plan.prefill == (("i1", 0, 10),)
+
+
+@pytest.mark.parametrize(("given", "expected"), [
+    ("interactive", "interactive"), ("batch", "batch"), ("Critical", "interactive"),
+    ("STANDARD", "interactive"), ("sheddable", "batch"), (0, "interactive"), (-5, "interactive"),
+    (1, "batch"), (10, "batch"), (" 3 ", "batch"), ("-1", "interactive"),
+])
+def test_priority_class_follows_vllm_and_llm_d(given: str | int, expected: str) -> None:
+    assert priority_class(given) == expected
+
+
+@pytest.mark.parametrize("given", ["urgent", "", "1.5", True, "9" * 30])
+def test_priority_class_refuses_anything_else(given: str | int) -> None:
+    with pytest.raises(ValueError, match="interactive or batch; a criticality"):
+        priority_class(given)
+
+
+class _Sim:
+    """A scheduler driven like the step loop, with a bookkeeping engine: what each request has
+    computed and generated, so that every plan can be checked against it."""
+
+    def __init__(self, s: Scheduler) -> None:
+        self.s = s
+        self.computed: dict[str, int] = {}
+        self.generated: dict[str, int] = {}
+        self.spec: dict[str, tuple[int, int, str]] = {}
+        self.ended: set[str] = set()
+
+    def submit(self, req_id: str, prompt: int, max_new: int, priority: str) -> None:
+        try:
+            shed = self.s.submit(req_id, prompt, max_new, priority)
+        except Rejected:
+            self.ended.add(req_id)
+            return
+        assert all(self.spec[v][2] == "batch" and priority == "interactive" for v in shed)
+        self.ended.update(shed)
+        self.spec[req_id] = (prompt, max_new, priority)
+        self.computed[req_id], self.generated[req_id] = 0, 0
+
+    def step(self) -> bool:
+        interactive_in = any(self.s.priority_of(r) == "interactive" for r in self.spec
+                             if r not in self.ended)
+        head = self.s._head()
+        result = self.s.schedule()
+        self.ended.update(result.expired)
+        if (self.s.priority_policy.by_priority and head is not None and head.priority == "interactive"
+                and self.s._is_waiting(head)):
+            # the head interactive request never waits past a step for a slot that a batch request holds
+            assert self.s._has_room(head, self.s.budgets) or (
+                self.s.counts_by_priority()["batch"]["running"] == 0)
+        plan = result.plan
+        if plan is None:
+            return False
+        ids = [r for r, _, _ in plan.prefill] + list(plan.decode)
+        assert len(ids) == len(set(ids)), plan
+        assert len(plan.decode) <= plan.budgets.max_decode_tokens
+        assert plan.prefill_tokens <= plan.budgets.max_prefill_tokens
+        policy = self.s.priority_policy
+        batch_tokens = (sum(n for r, _, n in plan.prefill if self.spec[r][2] == "batch")
+                        + sum(1 for r in plan.decode if self.spec[r][2] == "batch"))
+        if policy.by_priority and interactive_in:
+            assert batch_tokens <= policy.batch_tokens_with_interactive, plan
+        if policy.by_priority and policy.max_batch_step_tokens is not None:
+            assert batch_tokens <= policy.max_batch_step_tokens, plan
+        for r, start, n in plan.prefill:
+            assert start == self.computed[r] and 0 < n <= self.spec[r][0] - start, (plan, r)
+            self.computed[r] += n
+        for r in plan.decode:
+            assert self.computed[r] >= self.spec[r][0] and self.generated[r] >= 1, (plan, r)
+        for r in ids:  # the last prefill chunk and each decode produce a token
+            if self.computed[r] >= self.spec[r][0]:
+                self.generated[r] += 1
+                if self.generated[r] >= self.spec[r][1]:
+                    self.s.finish(r)
+                    self.ended.add(r)
+        return True
+
+    def check(self) -> None:
+        live = [r for r in self.spec if r not in self.ended]
+        assert sorted(live) == sorted(r for r in self.spec if self.s.priority_of(r) is not None)
+        counts = self.s.counts_by_priority()
+        assert sum(sum(c.values()) for c in counts.values()) == len(live)
+        assert self.s.queue_requests == sum(c["waiting"] + c["preempted"] for c in counts.values())
+
+
+@given(st.lists(st.tuples(st.sampled_from(["interactive", "batch"]), st.integers(1, 90),
+                          st.integers(1, 6), st.integers(0, 3)), max_size=40),
+       st.integers(1, 64), st.integers(1, 6), st.integers(1, 4), st.integers(1, 3), st.integers(1, 8),
+       st.booleans(), st.integers(0, 3), st.none() | st.integers(1, 20))
+def test_no_request_is_lost_and_batch_work_stays_within_its_allowance(
+        ops: list[tuple[str, int, int, int]], prefill: int, decode: int, batch: int, batches: int,
+        queue: int, fcfs: bool, with_interactive: int, step_cap: int | None) -> None:
+    s, _ = make(budgets(prefill=prefill, decode=decode, batch=batch, batches=batches,
+                        max_queue_requests=queue, max_long_requests_per_batch=1),
+                PriorityPolicy("fcfs" if fcfs else "priority", with_interactive, step_cap),
+                max_concurrent_requests=6, max_queue_tokens=200, long_request_threshold_tokens=60)
+    sim = _Sim(s)
+    for i, (priority, prompt, max_new, steps) in enumerate(ops):
+        sim.submit(f"r{i}", prompt, max_new, priority)
+        sim.check()
+        for _ in range(steps):
+            sim.step()
+            sim.check()
+    for _ in range(2000):  # then every request runs to its end: nothing starves, nothing is stuck
+        if not sim.step():
+            break
+        sim.check()
+    assert all(r in sim.ended for r in sim.spec)

@@ -288,3 +288,57 @@ def test_without_a_budget_configmap_the_env_budgets_serve_at_once(monkeypatch: p
                     Telemetry(LABELS, 8), RateLimitedLog(0.0, logger=Lines()), clock=lambda: 0.0,
                     memory_reader=lambda: MemoryReading(100, "rss"), idle_wait_s=0.0)
     assert worker.ready
+
+
+def _one_slot_worker(**env: str) -> Worker:
+    settings = load_settings({"MOEGUARD_MAX_BATCH_REQUESTS": "1", "MOEGUARD_MAX_CONCURRENT_BATCHES": "1",
+                              "MOEGUARD_MAX_QUEUE_REQUESTS": "1", "MOEGUARD_OVERLOAD_MODE": "Off", **env})
+    return Worker(settings, Engine(build_model(presets.get_preset("tiny"), seed=1)), Telemetry(LABELS, 8),
+                  RateLimitedLog(0.0, logger=Lines()), clock=lambda: 0.0,
+                  memory_reader=lambda: MemoryReading(100, "rss"), idle_wait_s=0.0)
+
+
+def test_a_preempted_batch_request_resumes_with_the_same_tokens_as_alone() -> None:
+    prompt = tokenizer.encode("hello there")
+    alone: list[Event] = []
+    worker = _one_slot_worker()
+    worker.submit(GenerationRequest("b", prompt, 12, 0.0, priority="batch"), alone.append)
+    for _ in range(20):
+        worker._iteration()
+    worker = _one_slot_worker()
+    batch: list[Event] = []
+    interactive: list[Event] = []
+    worker.submit(GenerationRequest("b", prompt, 12, 0.0, priority="batch"), batch.append)
+    for _ in range(4):  # prefill and 3 decode steps
+        worker._iteration()
+    worker.submit(GenerationRequest("i", prompt, 3, 0.0), interactive.append)
+    for _ in range(3):  # the interactive request runs alone to its end: prefill, 2 decode steps
+        worker._iteration()
+    assert [e.kind for e in interactive] == ["admitted", "token", "token", "token", "finish"]
+    assert len([e for e in batch if e.kind == "token"]) == 4  # paused, not failed
+    assert gauge(worker, "moeguard_preemptions_total", priority="batch") == 1
+    assert gauge(worker, "moeguard_priority_requests", priority="batch", state="preempted") == 1
+    assert "b" in worker.engine.sequences  # its KV cache kept
+    for _ in range(20):
+        worker._iteration()
+    tokens = [e.token for e in batch if e.kind == "token"]
+    assert tokens == [e.token for e in alone if e.kind == "token"] and len(tokens) == 12
+    assert [e.kind for e in batch].count("admitted") == 1 and batch[-1].kind == "finish"
+
+
+def test_a_queued_batch_request_is_shed_for_an_interactive_one_with_a_503() -> None:
+    worker = _one_slot_worker()
+    prompt = tokenizer.encode("hello there")
+    running: list[Event] = []
+    queued: list[Event] = []
+    worker.submit(GenerationRequest("b1", prompt, 8, 0.0, priority="batch"), running.append)
+    worker._iteration()
+    worker.submit(GenerationRequest("b2", prompt, 8, 0.0, priority="batch"), queued.append)
+    with pytest.raises(Rejected) as exc:  # a batch request meets the full queue: refused
+        worker.submit(GenerationRequest("b3", prompt, 8, 0.0, priority="batch"), queued.append)
+    assert exc.value.reason == "queue_full"
+    worker.submit(GenerationRequest("i", prompt, 2, 0.0), lambda e: None)
+    assert [(e.kind, e.status, e.reason) for e in queued] == [("error", 503, "priority_shed")]
+    assert gauge(worker, "moeguard_priority_rejections_total", priority="batch", reason="priority_shed") == 1
+    assert gauge(worker, "moeguard_priority_rejections_total", priority="batch", reason="queue_full") == 1
+    assert gauge(worker, "moeguard_rejections_total", reason="priority_shed") == 1
