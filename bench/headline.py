@@ -97,10 +97,13 @@ def machine() -> dict[str, Any]:
 
 
 def measure_idle(use_cgroup: bool, out_dir: Path) -> int:
-    """The idle worker's memory as soon as it is ready (no traffic yet): start it in its memory
-    cgroup, sample ``memory.usage_in_bytes`` (RSS without cgroups) for 3 s, keep the maximum.
-    A worker that has served requests sits higher (the heap keeps what its steps freed, and the
-    cgroup counts page cache): see ``main``."""
+    """The idle worker's anonymous resident memory (bytes) as soon as it is ready (no traffic yet):
+    start it in its memory cgroup, sample the process's ``RssAnon`` for 3 s, keep the maximum. Not the
+    cgroup's ``memory.usage_in_bytes`` nor ``VmRSS``: both also count file pages (torch's shared
+    libraries), which the kernel can reclaim and which a cgroup is charged for only if it touched them
+    first, so the figure moved from 822 to 1,181 MiB between runs on a shared machine and a plan built on
+    it was sometimes refused. A worker that has served requests sits higher (the heap keeps what its
+    steps freed): see ``main``."""
     w = Worker("idle", {"MOEGUARD_MAX_PREFILL_TOKENS": str(STEP_PREFILL_TOKENS)}, BASE_PORT - 1, use_cgroup,
                out_dir / "idle.log")
     w.t0 = time.monotonic()
@@ -110,10 +113,8 @@ def measure_idle(use_cgroup: bool, out_dir: Path) -> int:
             raise RuntimeError(f"idle worker did not become ready; see {w.log_path}")
         peak = 0
         for _ in range(30):
-            if w.cgroup is not None:
-                peak = max(peak, w.cgroup_value("memory.usage_in_bytes") or 0)
-            elif w.proc is not None:
-                peak = max(peak, status_bytes(w.proc.pid, "VmRSS") or 0)
+            if w.proc is not None:
+                peak = max(peak, status_bytes(w.proc.pid, "RssAnon") or 0)
             time.sleep(0.1)
         return peak
     finally:

@@ -328,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset (pilots; the report needs all)")
     ap.add_argument("--window-s", type=float, default=LoopTrafficConfig.window_s,
                     help="trace window, seconds before compression (pilots: shorter)")
+    ap.add_argument("--thin", type=int, default=LoopTrafficConfig.thin,
+                    help="keep every N-th trace request (the offered load: smaller is heavier)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "headline_loop")
     ap.add_argument("--keep-cluster", action="store_true")
     args = ap.parse_args(argv)
@@ -337,10 +339,11 @@ def main(argv: list[str] | None = None) -> int:
         f.unlink()
     headline_sampler.RESTART_DELAY_S = KUBELET_BACKOFF_S  # the bare arms restart as the kubelet first does
     use_cgroup = cgroups_writable()
-    cfg = LoopTrafficConfig(window_s=args.window_s)
+    cfg = LoopTrafficConfig(window_s=args.window_s, thin=args.thin)
     items, duration = build_loop(cfg)
     t_start = time.monotonic()
     idle = measure_idle(use_cgroup, args.out)
+    print(f"idle worker {idle / 2**20:.0f} MiB (weights {weights_bytes() / 2**20:.0f} MiB)", flush=True)
     budgets, plan_lines = plan_budgets(plan_overhead(idle, weights_bytes()))
     envs = arm_envs(budgets)
     spec = full_spec(envs["inner-loop"])

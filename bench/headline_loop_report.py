@@ -229,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--raw", type=Path, default=ROOT / "bench" / "results" / "headline_loop")
     ap.add_argument("--pilot", action="store_true")
+    ap.add_argument("--output", type=Path, default=None,
+                    help="where to write (default: bench/RESULTS.md, or the pilot's file with --pilot)")
     ap.add_argument("--note", default="", help="a line under the title (e.g. which branches a pilot ran on)")
     args = ap.parse_args(argv)
     meta = json.loads((args.raw / "meta.json").read_text())
@@ -246,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render(meta, runs, args.pilot, args.note)
     if failed:
         text += "\n## Runs that failed (left out above)\n\n" + "\n".join(f"- {x}" for x in failed) + "\n"
-    out = ROOT / "bench" / "results" / "headline_loop_pilot.md" if args.pilot else ROOT / "bench" / "RESULTS.md"
+    out = args.output or (ROOT / "bench" / "results" / "headline_loop_pilot.md" if args.pilot else ROOT / "bench" / "RESULTS.md")
     out.write_text(text)
     print(text)
     return 0

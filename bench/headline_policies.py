@@ -135,6 +135,7 @@ def plan_budgets(overhead: int = 0) -> tuple[dict[str, int], list[tuple[str, str
                            headroom=0.0, overhead_bytes=overhead or PLAN_OVERHEAD,
                            concurrent_batches=MOEGUARD_BATCHES, context_tokens=PLAN_CONTEXT))
     if not p.fits:
-        raise RuntimeError("plan says the model does not fit the soft limit")
+        raise RuntimeError(f"plan says the model does not fit the soft limit ({SOFT_LIMIT / MiB:.0f} MiB) with "
+                           f"{(overhead or PLAN_OVERHEAD) / MiB:.0f} MiB of runtime overhead")
     return ({"max_prefill_tokens": p.max_prefill_tokens, "max_decode_tokens": p.max_decode_tokens,
              "max_batch_requests": p.max_batch_requests}, p.lines)

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import pytest
+import torch  # noqa: F401 - imported before any guard: its first import runs ldconfig (cuda.pathfinder's find_library)
 
 
 @pytest.fixture(autouse=True)
