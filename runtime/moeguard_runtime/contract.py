@@ -309,7 +309,8 @@ higher class (vLLM ``vllm:num_preemptions_total``)."""
 METRIC_PRIORITY_REJECTIONS_TOTAL = "moeguard_priority_rejections_total"
 """Counter, labels ``priority`` and ``reason``: requests of a known class refused or ended without an answer
 (the same reasons as :data:`METRIC_REJECTIONS_TOTAL`, plus ``priority_shed``: a batch request ended to make
-room for an interactive one)."""
+room for an interactive one). A request refused before its body is read (the caps, while no batch request could
+make room) counts under its ``X-Priority`` header's class, else the default, interactive."""
 METRIC_PRIORITY_REQUESTS = "moeguard_priority_requests"
 """Gauge, labels ``priority`` and ``state`` (``waiting``, ``preempted``, ``running``; disjoint)."""
 METRIC_PROCESS_RSS_ANONYMOUS_BYTES = "moeguard_process_resident_anonymous_memory_bytes"

@@ -331,6 +331,13 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
             try:
                 slot.worker.refuse_early()
             except Rejected as rej:
+                # Counted by class without reading the body: the X-Priority header's class, else the
+                # default (interactive); a body's own priority is not known here.
+                try:
+                    early = priority_class(request.headers.get("x-priority") or "interactive")
+                except ValueError:
+                    early = "interactive"
+                tel.priority_rejections.labels(**tel.l(priority=early, reason=rej.reason)).inc()
                 return _refused(tel, rej, count)
         raw = await read_body(request)
         if raw is None:
