@@ -439,6 +439,11 @@ class Scheduler:
         self._queue_tokens += prompt_tokens
         return [v.req_id for v in victims]
 
+    def refusal_before_prompt(self) -> Rejected | None:
+        """The cap refusal (``concurrency_limit``, ``queue_full``) any new request would get now,
+        whatever its prompt; the queue-token bound needs the prompt and is not checked here."""
+        return self._cap_refusal(len(self._requests), self.queue_requests, 0, 0)
+
     def _cap_refusal(self, in_system: int, waiting: int, queue_tokens: int,
                      prompt_tokens: int) -> Rejected | None:
         """The refusal of the first cap a new request of ``prompt_tokens`` would pass, given

@@ -207,18 +207,11 @@ class Worker:
         self.memory.refuse_above_hard()
         with self.loop.cond:
             s = self.scheduler
-            in_system, waiting = s.queue_requests + s.running_requests, s.queue_requests
-            cap, max_queue = s.limits.max_concurrent_requests, s.next_budgets.max_queue_requests
             sheddable = s.priority_policy.by_priority and any(
                 n for n in s.counts_by_priority()[BATCH].values())
-        if sheddable:
-            return
-        if in_system >= cap:
-            raise Rejected("concurrency_limit", f"Model is overloaded: {in_system} requests in flight, "
-                                                f"max_concurrent_requests is {cap}")
-        if waiting >= max_queue:
-            raise Rejected("queue_full", f"queue is full: {waiting} requests waiting, "
-                                         f"max_queue_requests is {max_queue}")
+            refusal = None if sheddable else s.refusal_before_prompt()
+        if refusal is not None:
+            raise refusal
 
     def _refuse_shutting_down(self) -> None:
         if self._draining:
