@@ -490,3 +490,16 @@ def test_no_request_is_lost_and_batch_work_stays_within_its_allowance(
             break
         sim.check()
     assert all(r in sim.ended for r in sim.spec)
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"MOEGUARD_SCHEDULING_POLICY": "lifo"}, "MOEGUARD_SCHEDULING_POLICY='lifo' must be one of priority, fcfs"),
+    ({"MOEGUARD_BATCH_TOKENS_WITH_INTERACTIVE": "-1"}, "MOEGUARD_BATCH_TOKENS_WITH_INTERACTIVE=-1 must be >= 0"),
+    ({"MOEGUARD_MAX_BATCH_STEP_TOKENS": "lots"}, "MOEGUARD_MAX_BATCH_STEP_TOKENS='lots' is not an integer"),
+])
+def test_bad_priority_settings_are_refused_at_start_naming_the_variable(env: dict[str, str], message: str) -> None:
+    from moeguard_runtime.config import ConfigError, load_settings
+
+    with pytest.raises(ConfigError) as err:
+        load_settings(env)
+    assert str(err.value) == message
