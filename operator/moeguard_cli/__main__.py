@@ -19,7 +19,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from moeguard_cli.family_shape import FamilyShape
+from moeguard_runtime.family_shape import FamilyShape
 from moeguard_cli.plan import DTYPE_BYTES, PlanInput, batching_yaml, estimate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,7 +115,7 @@ def read_config(path: Path) -> FamilyShape:
     names the file and the key when it cannot be read."""
     import json
 
-    from moeguard_cli.family_shape import ConfigError, from_hf_config
+    from moeguard_runtime.family_shape import ConfigError, from_hf_config
 
     file = path / "config.json" if path.is_dir() else path
     try:
@@ -152,7 +152,7 @@ def plan(
     (moeguard_cli/memory_model.py, validated in bench/results/memory_model.md) inverted."""
     import dataclasses
 
-    from moeguard_cli.family_shape import FamilyShape
+    from moeguard_runtime.family_shape import FamilyShape
     from moeguard_runtime.presets import ModelArgs, get_preset, shape_problems
 
     if dtype not in DTYPE_BYTES:

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from moeguard_cli import family_shape as fs
-from moeguard_cli import memory_model as mm
+from moeguard_runtime import family_shape as fs
+from moeguard_runtime import memory_model as mm
 from moeguard_runtime.presets import get_preset, parameter_count
 
 pytestmark = pytest.mark.unit

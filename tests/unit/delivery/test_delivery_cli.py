@@ -20,7 +20,7 @@ SHAPE = ModelArgs(n_layer=2, dim=64, n_head=4, n_kv_head=2, intermediate_size=12
 
 
 def test_plan_arithmetic_by_hand() -> None:
-    from moeguard_cli.memory_model import (
+    from moeguard_runtime.memory_model import (
         kv_bytes_per_token,
         top_share_from_skew_ratio,
         worst_case_peak,
@@ -52,7 +52,7 @@ SMALL = ModelArgs(n_layer=6, dim=512, n_head=8, n_kv_head=4, intermediate_size=1
 
 
 def test_plan_prefill_is_the_largest_that_fits() -> None:
-    from moeguard_cli.memory_model import top_share_from_skew_ratio, worst_case_peak
+    from moeguard_runtime.memory_model import top_share_from_skew_ratio, worst_case_peak
 
     p = estimate(PlanInput(args=SMALL, memory_bytes=1344 * MiB, dtype="float32", skew=4.0, headroom=0.0,
                            overhead_bytes=560 * MiB, context_tokens=1536))

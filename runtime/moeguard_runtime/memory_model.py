@@ -36,7 +36,7 @@ their KV caches do.
   (``MOEGUARD_EXPERT_CHUNK_TOKENS``) or the DeepSpeed capacity
   ``ceil(T x k / E x capacity_factor)`` cuts them.
 
-* **Families** (:mod:`moeguard_cli.family_shape` reads them from ``config.json``): ``I`` is the
+* **Families** (:mod:`moeguard_runtime.family_shape` reads them from ``config.json``): ``I`` is the
   routed expert's width (``moe_intermediate_size`` for the fine-grained families). A **shared
   expert** (qwen2_moe ``shared_expert_intermediate_size``, deepseek_v3 ``n_shared_experts x
   moe_intermediate_size``) runs on all ``T`` tokens after the routed experts, whose buffers are
@@ -79,7 +79,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from moeguard_cli.family_shape import FamilyShape, from_model_args
+from moeguard_runtime.family_shape import FamilyShape, from_model_args
 from moeguard_runtime.presets import ModelArgs as Shape
 
 __all__ = ["FamilyShape", "Shape", "ShapeLike"]  # Shape: a preset shape is the preset dataclass itself
