@@ -90,9 +90,11 @@ class WorkerProcess:
 
 
 def start_worker_process(log_dir: Path, env: dict[str, str] | None = None,
-                         timeout_s: float = 90.0) -> WorkerProcess:
+                         timeout_s: float = 90.0,
+                         wrap: Callable[[list[str]], list[str]] | None = None) -> WorkerProcess:
     """Start a ``tiny`` worker with ``env`` added to a minimal environment; wait until its model
-    is loaded.
+    is loaded. ``wrap``: the command line made into the one to run (``hack.memcg.MemoryCgroup.wrap``:
+    started inside a memory cgroup, as a pod's container).
 
     Raises:
         RuntimeError: the worker exited or did not load in time (with its log).
@@ -111,7 +113,8 @@ def start_worker_process(log_dir: Path, env: dict[str, str] | None = None,
     }
     log_path = log_dir / f"worker-{port}.log"
     with log_path.open("w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "moeguard_runtime"], cwd=ROOT, env=full_env,
+        cmd = [sys.executable, "-m", "moeguard_runtime"]
+        proc = subprocess.Popen(wrap(cmd) if wrap else cmd, cwd=ROOT, env=full_env,
                                 stdout=log, stderr=subprocess.STDOUT, text=True)
     worker = WorkerProcess(proc, f"http://127.0.0.1:{port}", log_path)
     why = wait_ready(worker.base_url, proc, timeout_s, is_loaded)

@@ -19,8 +19,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from moeguard_runtime.family_shape import FamilyShape
 from moeguard_cli.plan import DTYPE_BYTES, PlanInput, batching_yaml, estimate
+from moeguard_runtime.family_shape import FamilyShape
 
 ROOT = Path(__file__).resolve().parents[2]
 PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}

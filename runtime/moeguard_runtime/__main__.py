@@ -38,6 +38,7 @@ from moeguard_runtime.telemetry import (
 )
 
 if TYPE_CHECKING:
+    from moeguard_runtime.memory_admission import MemoryAdmission
     from moeguard_runtime.presets import ModelArgs
     from moeguard_runtime.server import WorkerSlot
     from moeguard_runtime.service import Worker
@@ -134,6 +135,7 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
                                                      settings.matmul_backend,
                                                      settings.moe_dispatch))
             model, model_type = loaded.model, loaded.model_type
+            shape: ModelArgs | dict[str, Any] = loaded.config
             parameters = sum(p.numel() for p in model.parameters())
             eos_ids = frozenset(loaded.eos_token_ids) | slot.tokenizer.eos_ids
         else:
@@ -146,13 +148,15 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
                                 dispatch=settings.moe_dispatch)
             model_type, parameters = "preset", presets.parameter_count(args)
             eos_ids = slot.tokenizer.eos_ids
+            shape = args
     except Exception as exc:  # a bad checkpoint: say why and exit
         _fail(log, "model_load_error", str(exc)[:1000])
         failed.set()
         return
     weight_bytes = slot.telemetry.set_model_weights(model.parameters())
+    admission = memory_admission(settings, shape, log)
     # generation ends on the checkpoint's generation_config EOS ids and the tokenizer's (as transformers' generate)
-    worker = Worker(settings, Engine(model, eos_ids=eos_ids), slot.telemetry, log)
+    worker = Worker(settings, Engine(model, eos_ids=eos_ids), slot.telemetry, log, admission=admission)
     log.event("worker_start", force=True, preset=settings.preset, seed=settings.seed,
               checkpoint=settings.checkpoint, model_type=model_type, parameters=parameters,
               device=settings.device, dtype=settings.dtype,
@@ -165,10 +169,30 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
               overload_mode=settings.overload_mode,
               long_request_threshold_tokens=settings.limits.long_request_threshold_tokens,
               max_concurrent_requests=settings.limits.max_concurrent_requests,
+              memory_admission=settings.memory_admission if admission is not None else "off",
               **settings.budgets.model_dump())
     worker.start()
     slot.worker = worker
     _start_budget_watch(settings, worker, log, env)
+
+
+def memory_admission(settings: Settings, shape: ModelArgs | dict[str, Any],
+                     log: RateLimitedLog) -> MemoryAdmission | None:
+    """The worker's memory-aware admission (:mod:`moeguard_runtime.memory_admission`) for a preset's
+    ``ModelArgs`` or a checkpoint's ``config.json``, or None when off (``Settings.admits_by_prediction``,
+    or a shape the memory model does not know: logged as ``event=memory_admission_off``)."""
+    from moeguard_runtime.family_shape import ConfigError, from_hf_config
+    from moeguard_runtime.memory_admission import MemoryAdmission
+
+    if not settings.admits_by_prediction or settings.hard_limit_bytes is None:
+        return None
+    try:
+        family = from_hf_config(shape) if isinstance(shape, dict) else shape
+    except ConfigError as exc:
+        log.event("memory_admission_off", force=True, reason=str(exc)[:300])
+        return None
+    return MemoryAdmission(family, settings.dtype, settings.hard_limit_bytes, settings.expert_chunk_tokens,
+                           settings.capacity_factor)
 
 
 def _fail(log: RateLimitedLog, event: str, error: str) -> None:

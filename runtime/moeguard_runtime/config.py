@@ -14,7 +14,8 @@ the variable.
   the GPU limits ``ENV_GPU_SOFT/HARD_FRACTION`` of device memory,
   ``ENV_OVERLOAD_MODE`` (Auto, On, Off), and the worker's ``MOEGUARD_SCHEDULING_POLICY``
   ``MOEGUARD_BATCH_TOKENS_WITH_INTERACTIVE`` and ``MOEGUARD_MAX_BATCH_STEP_TOKENS``
-  (:class:`scheduler.PriorityPolicy`). Every default of a contract variable is the
+  (:class:`scheduler.PriorityPolicy`), and ``MOEGUARD_MEMORY_ADMISSION``
+  (:mod:`moeguard_runtime.memory_admission`). Every default of a contract variable is the
   contract's (``contract.DEFAULT_*``, ``contract.BUDGET_FIELDS``): a worker started by hand
   runs with the values the operator would give it.
 * Model: ``ENV_MODEL_PRESET``, ``ENV_MODEL_OVERRIDES``, ``ENV_CHECKPOINT_PATH``.
@@ -79,6 +80,10 @@ none; batch runs in the steps interactive work leaves)."""
 ENV_MAX_BATCH_STEP_TOKENS = "MOEGUARD_MAX_BATCH_STEP_TOKENS"
 """Tokens of batch requests in one step at any time (0 or unset: no limit beyond the budgets): bounds how long an
 interactive request arriving during a batch step waits for it."""
+ENV_MEMORY_ADMISSION = "MOEGUARD_MEMORY_ADMISSION"
+"""``predicted`` (default): with a hard limit on the CPU, steps are fitted under it by the memory model
+(:mod:`moeguard_runtime.memory_admission`); ``off``: admission compares current use only."""
+MEMORY_ADMISSIONS = ("predicted", "off")
 ENV_SERVED_MODEL_NAME = "MOEGUARD_SERVED_MODEL_NAME"
 """The model name GET /v1/models reports and requests must name (default: the preset's name,
 which stays accepted as an alias)."""
@@ -138,6 +143,14 @@ class Settings:
     """``ENV_UNRECOVERED_OOM_SECONDS``: seconds of allocation failures before liveness fails."""
     priority: PriorityPolicy = field(default_factory=PriorityPolicy)
     """``ENV_SCHEDULING_POLICY``, ``ENV_BATCH_TOKENS_WITH_INTERACTIVE`` and ``ENV_MAX_BATCH_STEP_TOKENS``."""
+    memory_admission: str = "predicted"
+    """``ENV_MEMORY_ADMISSION``."""
+
+    @property
+    def admits_by_prediction(self) -> bool:
+        """Memory-aware admission is on: asked for, a hard limit set, and the CPU (the memory model's path)."""
+        return (self.memory_admission == "predicted" and self.hard_limit_bytes is not None
+                and self.device == "cpu")
 
     @property
     def torch_device(self) -> torch.device:
@@ -346,7 +359,16 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         drain_s=_drain_seconds(env),
         unrecovered_oom_s=_unrecovered_oom_seconds(env),
         priority=_priority(env),
+        memory_admission=_choice(env, ENV_MEMORY_ADMISSION, MEMORY_ADMISSIONS),
     )
+
+
+def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:
+    """``name``'s value, one of ``choices`` (the first when unset)."""
+    value = (env.get(name) or choices[0]).strip()
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} must be one of {', '.join(choices)}")
+    return value
 
 
 def _priority(env: Mapping[str, str]) -> PriorityPolicy:

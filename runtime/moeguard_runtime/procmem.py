@@ -68,11 +68,7 @@ def _status_kib(field: str, text: str) -> int | None:
 
 def read_process_memory() -> ProcessMemory:
     """Sample this process's memory (about 0.1 ms plus one line per mapping)."""
-    try:
-        with open("/proc/self/status") as f:
-            status = f.read()
-    except OSError:
-        status = ""
+    status = _read_status()
     rss = _status_kib("VmRSS:", status)
     if rss is None:
         import psutil
@@ -85,6 +81,33 @@ def read_process_memory() -> ProcessMemory:
         mappings = None
     return ProcessMemory(rss, _status_kib("RssAnon:", status), _status_kib("RssFile:", status),
                          mappings, sys.getallocatedblocks(), malloc_in_use())
+
+
+def _read_status() -> str:
+    try:
+        with open("/proc/self/status") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def reset_peak_rss() -> int | None:
+    """Reset this process's resident-set high-water mark (``echo 5 > /proc/self/clear_refs``,
+    Linux >= 4.0, proc(5)) and return the resident set (``VmRSS``) just after, bytes; None when the
+    reset is not possible here (then :func:`read_peak_rss` would not measure what follows)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return _status_kib("VmRSS:", _read_status())
+
+
+def read_peak_rss() -> int | None:
+    """The resident-set high-water mark since the last :func:`reset_peak_rss` (``VmHWM``), bytes;
+    None off Linux. The kernel updates it before unmapping, so a large tensor freed (unmapped) by
+    the time it is read still counts."""
+    return _status_kib("VmHWM:", _read_status())
 
 
 class _MallInfo2(ctypes.Structure):

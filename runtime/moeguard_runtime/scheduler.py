@@ -60,6 +60,13 @@ Vocabulary (``contract.Budgets``; TGI/vLLM names in its descriptions):
 
   The ``fcfs`` policy is the behaviour before: arrival order, no preemption,
   no shedding; only overload mode moves interactive requests ahead.
+* **Memory** (a :class:`StepFitter`, ``memory_admission.StepFit``, passed to
+  :meth:`Scheduler.schedule`): decode tokens go in first, then every prefill
+  chunk is cut to the largest size whose predicted peak fits under the hard
+  limit (a queue head's KV cache counted at its admission); a chunk that does
+  not fit even at the smallest size waits, and TGI's rule keeps everybody
+  behind a waiting head. :meth:`Scheduler.memory_blocked` names the requests
+  that cannot progress at all.
 * Budgets changed with :meth:`Scheduler.set_budgets`,
   :meth:`Scheduler.set_shrink_factor` or :meth:`Scheduler.set_overload` apply
   from the next step planned.
@@ -71,6 +78,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from moeguard_runtime import contract
 from moeguard_runtime.contract import Budgets
@@ -221,6 +229,8 @@ class _Request:
     queued_tokens: int = 0
     """Prompt tokens it adds to ``queue_tokens`` while waiting (0 once preempted: its KV is kept)."""
     preemptions: int = 0
+    decoded: int = 0
+    """Decode tokens planned so far (its context is ``prefilled + decoded``)."""
 
     @property
     def decoding(self) -> bool:
@@ -271,6 +281,16 @@ class ScheduleResult:
     expired: list[str] = field(default_factory=list)
     budgets_applied: Budgets | None = None
     preempted: list[str] = field(default_factory=list)
+
+
+class StepFitter(Protocol):
+    """Keeps a step's composition within memory (``memory_admission.StepFit``)."""
+
+    def add_decode(self, context_tokens: int) -> None: ...
+
+    def cap(self, start: int, n: int, new_kv_tokens: int = 0) -> int: ...
+
+    def add(self, start: int, n: int, new_kv_tokens: int = 0) -> None: ...
 
 
 def shrink(budgets: Budgets, factor: float) -> Budgets:
@@ -606,9 +626,9 @@ class Scheduler:
             return with_interactive if step_cap is None else min(with_interactive, step_cap)
         return step_cap
 
-    def schedule(self) -> ScheduleResult:
+    def schedule(self, fit: StepFitter | None = None) -> ScheduleResult:
         """Expire timed-out waiters, apply pending budgets, preempt for a higher-class head
-        (``priority`` policy), plan one step (or none)."""
+        (``priority`` policy), plan one step (or none); ``fit`` keeps the step within memory."""
         result = ScheduleResult(None, self._expire(self._clock()))
         if self._pending is not None:
             self._effective, self._pending = self._pending, None
@@ -623,7 +643,7 @@ class Scheduler:
             candidates.append(len(self._batches))  # a new batch
         for attempt in range(len(candidates)):  # round robin; skip batches with nothing to do
             index = candidates[(self._rr + attempt) % len(candidates)]
-            plan = self._plan_batch(index, b, allowance)
+            plan = self._plan_batch(index, b, allowance, fit)
             if plan is not None:
                 self._rr += attempt + 1
                 result.plan = plan
@@ -631,9 +651,21 @@ class Scheduler:
                 break
         return result
 
-    def _plan_batch(self, index: int, b: Budgets, allowance: int | None) -> StepPlan | None:
+    def memory_blocked(self, fits_alone: Callable[[int, int, bool], bool]) -> list[str]:
+        """The requests that cannot progress for memory when no step could be planned: the members
+        still prefilling and the queue head for which ``fits_alone(prompt_tokens, max_new_tokens,
+        kv_allocated)`` (their smallest step, alone) is False."""
+        candidates = [self._requests[r] for batch in self._batches for r in batch
+                      if not self._requests[r].decoding]
+        if (head := self._head()) is not None:
+            candidates.append(head)
+        return [r.req_id for r in candidates
+                if not fits_alone(r.prompt_tokens, r.max_new_tokens, r.started or r.prefilled > 0)]
+
+    def _plan_batch(self, index: int, b: Budgets, allowance: int | None,
+                    fit: StepFitter | None = None) -> StepPlan | None:
         """Plan a step of batch ``index`` (a new one when it equals the count); ``allowance``:
-        tokens of lower-class members this step may carry (None: no limit)."""
+        tokens of lower-class members this step may carry (None: no limit); ``fit``: memory."""
         if index == len(self._batches):
             self._batches.append([])
         batch = self._batches[index]
@@ -657,6 +689,8 @@ class Scheduler:
         for r in decoding:
             if len(decode) < b.max_decode_tokens and take(r, 1):
                 decode.append(r)
+                if fit is not None:
+                    fit.add_decode(r.prefilled + r.decoded)
         prefill: list[tuple[str, int, int]] = []
         admitted: list[str] = []
         resumed: list[str] = []
@@ -666,17 +700,24 @@ class Scheduler:
                 if top is not None and (r.rank == 0) != top:
                     continue
                 if not r.decoding and budget > 0:
-                    n = take(r, min(r.prompt_tokens - r.prefilled, budget))
+                    n = min(r.prompt_tokens - r.prefilled, budget)
+                    if fit is not None:
+                        n = fit.cap(r.prefilled, n)
+                    n = take(r, n)
                     if n:
+                        if fit is not None:
+                            fit.add(r.prefilled, n)
                         prefill.append((r.req_id, r.prefilled, n))
                         r.prefilled += n
                         budget -= n
-            budget = self._admit(batch, budget, b, top, allow, prefill, admitted, resumed)
+            budget = self._admit(batch, budget, b, top, allow, prefill, admitted, resumed, fit)
         chunked = {r for r, _, _ in prefill}
         for req_id in resumed:  # a resumed request whose prompt was done decodes in this step
             r = self._requests[req_id]
             if req_id not in chunked and len(decode) < b.max_decode_tokens and take(r, 1):
                 decode.append(r)
+                if fit is not None:
+                    fit.add_decode(r.prefilled + r.decoded)
         if not batch:
             self._batches.remove(batch)
         if not prefill and not decode:
@@ -684,17 +725,20 @@ class Scheduler:
         for r in decode:  # a global stamp, so ties keep least-recently-used order
             r.last_decode_step = self._decode_stamp
             self._decode_stamp += 1
+            r.decoded += 1
         return StepPlan(self._step, index, tuple(prefill), tuple(r.req_id for r in decode),
                         tuple(admitted), b, len(self._batches), tuple(resumed))
 
     def _admit(self, batch: list[str], budget: int, b: Budgets, top: bool | None,
                allow: list[int | None], prefill: list[tuple[str, int, int]], admitted: list[str],
-               resumed: list[str]) -> int:
+               resumed: list[str], fit: StepFitter | None = None) -> int:
         """Move queue heads into ``batch`` while they fit (TGI's rule, plus the long-request cap,
         the prefill batch cap and the lower-class allowance ``allow[0]``); ``top``: only heads of
         the highest class (True), only the others (False), any (None). Appends their chunks to
         ``prefill`` (a resumed request whose prompt was done has none: it decodes from the next
-        step) and their ids to ``admitted`` or ``resumed``; returns the prefill budget left."""
+        step) and their ids to ``admitted`` or ``resumed``; returns the prefill budget left. With ``fit``
+        a head is admitted only when its KV cache (allocated at admission) and a first chunk fit; the
+        chunk is cut to what fits."""
         others_prefilling = sum(1 for other in self._batches
                                 if other is not batch and self._prefilling(other))
         if not self._prefilling(batch) and others_prefilling >= prefill_batch_cap(b):
@@ -712,6 +756,12 @@ class Scheduler:
                 first_chunk = min(first_chunk, allow[0])  # chunked to the allowance
             if first_chunk > budget:
                 break  # TGI: the head waits at the front; nobody overtakes it
+            new_kv = 0 if head.started else head.prompt_tokens + head.max_new_tokens
+            if fit is not None and (first_chunk or new_kv):
+                fitted = fit.cap(head.prefilled, first_chunk, new_kv)
+                if first_chunk and not fitted:
+                    break  # its memory is not there yet: it waits at the front
+                first_chunk = fitted
             if self.is_long(head.prompt_tokens):
                 if long_in_batch >= b.max_long_requests_per_batch:
                     break  # the head waits for a batch with room for one more long request
@@ -719,6 +769,8 @@ class Scheduler:
             if limited and allow[0] is not None:
                 allow[0] -= first_chunk
             self._pop_head(head)
+            if fit is not None:
+                fit.add(head.prefilled, first_chunk, new_kv)
             batch.append(head.req_id)
             (resumed if head.started else admitted).append(head.req_id)
             if first_chunk:

@@ -20,6 +20,10 @@ Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``:
   depend on the body (and shutting down, and the hard memory limit) are checked
   before the body is read (:meth:`Worker.refuse_early`) when no batch request
   could make room: a refusal costs no parsing and no tokenization;
+* 400 ``memory_predicted``: with memory-aware admission (:mod:`moeguard_runtime.memory_admission`),
+  a request whose smallest step is predicted not to fit under the hard limit on an idle worker (it
+  can never be served there); 503 ``memory_predicted`` with ``Retry-After`` while other requests
+  hold the memory (an SSE error event if a started stream can no longer progress);
 * 503 with ``Retry-After``: a batch request shed for an interactive one
   (``priority_shed``; an SSE error event once its stream has answered), above the hard memory limit, queue timeout, a
   context over the overload threshold, out of memory, the model still loading, or
@@ -466,9 +470,12 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
 
 
 def _refused(tel: Telemetry, rej: Rejected, count: Callable[[str, int], None]) -> JSONResponse:
-    """A refusal at admission: counted by reason, 429 ``overloaded_error`` or 503, Retry-After."""
+    """A refusal at admission: counted by reason; 429 ``overloaded_error`` or 503 with Retry-After,
+    or another 4xx ``invalid_request_error`` without (a request that can never be served here)."""
     tel.rejections.labels(**tel.l(reason=rej.reason)).inc()
     count("rejected", rej.status)
+    if rej.status < 500 and rej.status != 429:
+        return error_response(rej.status, rej.message, "invalid_request_error", rej.reason)
     return error_response(rej.status, rej.message, "overloaded_error" if rej.status == 429
                           else "service_unavailable_error", rej.reason,
                           headers={"Retry-After": str(rej.retry_after_s)})

@@ -30,6 +30,7 @@ from moeguard_runtime.faults import FaultLeaker
 from moeguard_runtime.generation import Event, GenerationRequest, Sink
 from moeguard_runtime.leak_sampler import LeakSampler
 from moeguard_runtime.memory import MemoryReading, MemoryState, read_memory
+from moeguard_runtime.memory_admission import MemoryAdmission
 from moeguard_runtime.memory_guard import MemoryGuard
 from moeguard_runtime.overload_trigger import OverloadTrigger
 from moeguard_runtime.procmem import (
@@ -48,14 +49,15 @@ __all__ = ["Event", "GenerationRequest", "Sink", "Worker"]
 
 class Worker:
     """Owns the engine thread. ``clock`` is monotonic seconds; it, the memory readers and
-    ``idle_wait_s`` (the idle loop's longest wait, 0 to never block) are injected for tests."""
+    ``idle_wait_s`` (the idle loop's longest wait, 0 to never block) are injected for tests;
+    ``admission``: memory-aware admission (:mod:`moeguard_runtime.memory_admission`), None: off."""
 
     def __init__(self, settings: Settings, engine: Engine, telemetry: Telemetry,
                  log: RateLimitedLog, clock: Callable[[], float] = time.monotonic,
                  memory_reader: Callable[[], MemoryReading] = read_memory,
                  device_reader: Callable[[], DeviceMemory | None] | None = None,
                  process_reader: Callable[[], ProcessMemory] = read_process_memory,
-                 idle_wait_s: float = IDLE_WAIT_S) -> None:
+                 idle_wait_s: float = IDLE_WAIT_S, admission: MemoryAdmission | None = None) -> None:
         self.settings, self.engine, self.telemetry, self.log = settings, engine, telemetry, log
         self._clock = clock
         self._read_process = process_reader
@@ -67,7 +69,8 @@ class Worker:
         self.scheduler = Scheduler(settings.budgets, settings.limits, self._now, policy, settings.priority)
         self.loop = StepLoop(self.scheduler, engine, telemetry, log, self._now, settings.faults,
                              self._budgets_applied, self.memory_snapshot, idle_wait_s,
-                             self._allocation_failed, AllocationHealth(settings.unrecovered_oom_s))
+                             self._allocation_failed, AllocationHealth(settings.unrecovered_oom_s),
+                             admission, lambda: memory_reader().usage_bytes)
         self.budget_generation = NO_GENERATION
         self._leaker = FaultLeaker.from_faults(settings.faults)
         self._stop = threading.Event()

@@ -23,6 +23,14 @@ budgets drop as on a soft-limit breach (the ``on_allocation_failure`` callback:
 :class:`allocation.AllocationHealth` turns repeated failures into readiness and
 liveness answers, with probe steps while not ready. Any other error in a step
 is a 500 ``engine_error``.
+
+**Memory** (with a :class:`memory_admission.MemoryAdmission`): each step is planned through a
+``StepFit`` above the memory in use, read just before (:mod:`moeguard_runtime.memory_admission`);
+a request that cannot fit even alone is refused at submission (503 ``memory_predicted`` with
+``Retry-After``, or 400 when the worker holds nothing else: it can never fit), and one that cannot
+progress when no step can run at all is ended with 503 ``memory_predicted`` after a ``malloc_trim``
+and a second look. After each step the measured peak (``VmHWM`` over the resident set before it)
+corrects the model and is exported.
 """
 
 from __future__ import annotations
@@ -43,9 +51,10 @@ from moeguard_runtime.contract import Budgets
 from moeguard_runtime.engine import Engine, StepOutput
 from moeguard_runtime.faults import AllocationFault, Faults, delay_step
 from moeguard_runtime.generation import Event, GenerationRequest, Sink
+from moeguard_runtime.memory_admission import MemoryAdmission, StepFit
 from moeguard_runtime.moe import leave_onednn
-from moeguard_runtime.procmem import trim_malloc
-from moeguard_runtime.scheduler import SHED_REASON, Scheduler, StepPlan
+from moeguard_runtime.procmem import read_peak_rss, reset_peak_rss, trim_malloc
+from moeguard_runtime.scheduler import SHED_REASON, Rejected, Scheduler, StepPlan
 from moeguard_runtime.step_telemetry import log_batch_start, record_step
 from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
 from moeguard_runtime.timing import clock
@@ -54,6 +63,9 @@ IDLE_WAIT_S = 0.25
 """Longest wait for work when idle (the memory guard's interval: it runs between waits)."""
 PROBE_ID = "probe-allocation"
 """Sequence id of the one-token probe step run while not ready for allocation failures."""
+MEMORY_REASON = "memory_predicted"
+"""Reason of a request refused because its smallest step is predicted not to fit under the hard limit."""
+MEMORY_RETRY_AFTER_S = 5
 
 
 def reset_after_allocation_failure(engine: Engine, error: str) -> int:
@@ -89,7 +101,9 @@ class StepLoop:
                  on_budgets_applied: Callable[[Budgets], None],
                  memory_snapshot: Callable[[str], None], idle_wait_s: float = IDLE_WAIT_S,
                  on_allocation_failure: Callable[[], None] = lambda: None,
-                 health: AllocationHealth | None = None) -> None:
+                 health: AllocationHealth | None = None,
+                 admission: MemoryAdmission | None = None,
+                 read_usage: Callable[[], int] | None = None) -> None:
         self.scheduler, self.engine = scheduler, engine
         self.telemetry, self.log = telemetry, log
         self.cond = threading.Condition()
@@ -105,11 +119,16 @@ class StepLoop:
         self._idle_wait_s = idle_wait_s
         self._active: dict[str, _Active] = {}
         self._to_release: list[str] = []
+        self.admission = admission if read_usage is not None else None
+        """Memory-aware admission (None: off); ``read_usage`` reads what the hard limit is compared with."""
+        self._read_usage = read_usage or (lambda: 0)
+        self._trimmed_for_memory = False
 
     def submit(self, request: GenerationRequest, sink: Sink) -> None:
         """Queue ``request``; raises :class:`scheduler.Rejected` (caps, queue bounds). Batch requests
         shed to make room for it end with HTTP 503 ``priority_shed``."""
         with self.cond:
+            self._refuse_for_memory(request)
             shed = self.scheduler.submit(request.req_id, len(request.prompt), request.max_new_tokens,
                                          request.priority)
             self._active[request.req_id] = _Active(request, sink, self._clock())
@@ -117,6 +136,63 @@ class StepLoop:
             self.cond.notify()
         if shed:
             self._shed(shed, request.priority)
+
+    def _refuse_for_memory(self, request: GenerationRequest) -> None:
+        """Raise :class:`scheduler.Rejected` ``memory_predicted`` when the request's smallest step does
+        not fit above the memory in use now: 503 with ``Retry-After`` while other requests hold memory;
+        400 (after a ``malloc_trim`` and a second look) when the worker holds none. Call with the lock held."""
+        adm = self.admission
+        if adm is None:
+            return
+        prompt, max_new = len(request.prompt), request.max_new_tokens
+        usage = self._read_usage()
+        need = adm.refusal(usage, prompt, max_new)
+        if need is None:
+            return
+        idle = not self._active and not self.engine.sequences
+        if idle:
+            trim_malloc()
+            usage = self._read_usage()
+            need = adm.refusal(usage, prompt, max_new)
+            if need is None:
+                return
+        what = (f"the request's smallest step (its KV cache of {prompt} + {max_new} tokens and its last "
+                f"prefill chunk) is predicted at {need} bytes; with {usage} bytes in use that passes the "
+                f"hard memory limit of {adm.hard_limit_bytes} bytes")
+        if idle:
+            raise Rejected(MEMORY_REASON, f"{what} on an idle worker, so it can never be served here; "
+                           f"send a shorter prompt or fewer max_tokens", status=400)
+        raise Rejected(MEMORY_REASON, f"{what}; retry when the requests in flight have finished",
+                       retry_after_s=MEMORY_RETRY_AFTER_S, status=503)
+
+    def _fit(self) -> StepFit | None:
+        """The memory fit of the next step, above the memory in use now (None: admission off)."""
+        return None if self.admission is None else self.admission.fit(self._read_usage())
+
+    def _fits_alone(self, usage: int) -> Callable[[int, int, bool], bool]:
+        adm = self.admission
+        assert adm is not None
+        return lambda prompt, max_new, kv: adm.refusal(usage, prompt, max_new, kv) is None
+
+    def _memory_blocked(self, req_ids: list[str], fit: StepFit) -> None:
+        """No step could run and ``req_ids`` cannot fit even alone: the first time, give glibc's free
+        heap back (``malloc_trim``) and look again next iteration; the second, end them with 503
+        ``memory_predicted`` (an SSE error event for a stream that has answered)."""
+        if not self._trimmed_for_memory:
+            self._trimmed_for_memory = True
+            trim_malloc()
+            return
+        self._trimmed_for_memory = False
+        for priority in self.classes(req_ids):
+            self.telemetry.refused(MEMORY_REASON, priority)
+        assert self.admission is not None
+        self.log.event("memory_predicted", force=True, requests=len(req_ids), usage_bytes=fit.usage_bytes,
+                       hard_limit_bytes=self.admission.hard_limit_bytes,
+                       correction=round(self.admission.correction.factor, 3), ids=",".join(req_ids)[:300])
+        self.fail(req_ids, 503, MEMORY_REASON,
+                  f"no step of this request is predicted to fit under the hard memory limit of "
+                  f"{self.admission.hard_limit_bytes} bytes with {fit.usage_bytes} bytes in use, and "
+                  f"nothing else is running that would free memory; retry later")
 
     def _shed(self, req_ids: list[str], for_priority: str) -> None:
         """End ``req_ids``, already out of the scheduler, with 503 :data:`scheduler.SHED_REASON`."""
@@ -156,15 +232,24 @@ class StepLoop:
         waits up to ``idle_wait_s`` (default :data:`IDLE_WAIT_S`) for work when there is none."""
         with self.cond:
             release, self._to_release = self._to_release, []
-            result = self.scheduler.schedule()
+        for req_id in release:  # before the memory reading the plan is fitted above
+            self.engine.release(req_id)
+        fit = self._fit()
+        blocked: list[str] = []
+        with self.cond:
+            result = self.scheduler.schedule(fit)
             expired = [(r, self._active.pop(r, None)) for r in result.expired]
             preempted = [a.request.priority for r in result.preempted
                          if (a := self._active.get(r)) is not None]
+            if fit is not None and result.plan is None and fit.blocked:
+                blocked = self.scheduler.memory_blocked(self._fits_alone(fit.usage_bytes))
             self.update_queue_gauges()
-            if result.plan is None and not expired and not release:
+            if result.plan is None and not expired and not release and not blocked:
                 self.cond.wait(timeout=self._idle_wait_s)
-        for req_id in release:
-            self.engine.release(req_id)
+        if fit is not None and fit.shrunk:
+            self.telemetry.memory_chunk_shrinks.labels(**self.telemetry.labels).inc(fit.shrunk)
+        if blocked and fit is not None:
+            self._memory_blocked(blocked, fit)
         timeout = self.scheduler.next_budgets.queue_timeout_seconds
         for priority in preempted:
             self.telemetry.preemptions.labels(**self.telemetry.l(priority=priority)).inc()
@@ -179,7 +264,8 @@ class StepLoop:
         if result.budgets_applied is not None:
             self._on_budgets_applied(result.budgets_applied)
         if result.plan is not None:
-            self.run_step(result.plan)
+            self._trimmed_for_memory = False
+            self.run_step(result.plan, fit)
         elif self.health.probe_due(self._clock()):
             self.probe()
 
@@ -209,13 +295,15 @@ class StepLoop:
         self.health.succeeded(now)
         self.log.event("allocation_probe", force=True, result="ok")
 
-    def run_step(self, plan: StepPlan) -> None:
-        """Admit ``plan``'s new requests (KV caches), run the step, deliver its tokens."""
+    def run_step(self, plan: StepPlan, fit: StepFit | None = None) -> None:
+        """Admit ``plan``'s new requests (KV caches), run the step, deliver its tokens; with ``fit``
+        (the plan's memory fit) measure the step's peak and correct the memory model."""
         tel = self.telemetry
         now = self._clock()
         with self.cond:
             admitted = [(r, self._active.get(r)) for r in plan.admitted]
         step_ids = [r for r, _, _ in plan.prefill] + list(plan.decode)
+        rss_before = reset_peak_rss() if fit is not None else None
         t0 = clock(self.engine.device)
         failure: tuple[str, str] | None = None
         try:
@@ -240,6 +328,8 @@ class StepLoop:
             self.allocation_failed(plan, step_ids, *failure)
             return
         self.health.succeeded(now)
+        if fit is not None:
+            self._observe_memory(fit, rss_before, out)
         # after the step ran: a stream answers 200 only then, so a failed first step is a plain 503
         for req_id, active in admitted:
             if active is not None and req_id in self.engine.sequences:
@@ -248,6 +338,23 @@ class StepLoop:
         record_step(tel, self.log, plan, out, t1 - t0)
         self.deliver(out.new_tokens, out.finished)
         tel.stage("postprocess", clock(self.engine.device) - t1)
+
+    def _observe_memory(self, fit: StepFit, rss_before: int | None, out: StepOutput) -> None:
+        """Correct the memory model with the step's measured peak; record the routing it saw."""
+        adm, tel = self.admission, self.telemetry
+        assert adm is not None
+        adm.observe_routing(out.routing)
+        peak = read_peak_rss() if rss_before is not None else None
+        if peak is None or rss_before is None:
+            return
+        predicted = fit.predicted_raw()
+        measured = max(0, peak - rss_before)
+        ratio = adm.observe_step(predicted, measured)
+        tel.memory_step_peak.labels(**tel.l(figure="predicted")).set(predicted)
+        tel.memory_step_peak.labels(**tel.l(figure="measured")).set(measured)
+        tel.memory_correction.labels(**tel.labels).set(adm.correction.factor)
+        if ratio is not None:
+            tel.memory_prediction_error.labels(**tel.labels).observe(ratio - 1.0)
 
     def allocation_failed(self, plan: StepPlan, step_ids: list[str], kind: str, error: str) -> None:
         """End the step's requests with 503 ``out_of_memory``, release their KV caches, reset the

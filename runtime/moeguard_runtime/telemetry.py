@@ -194,6 +194,24 @@ class Telemetry:
         self.weight_bytes = gauge(contract.METRIC_MODEL_WEIGHT_BYTES,
                                   "Bytes of the loaded model's parameters (set once the model is loaded).",
                                   unit="bytes")
+        self.memory_step_peak = gauge(
+            "moeguard_memory_step_peak_bytes",
+            "The last engine step's peak above the resident set before it: figure=predicted (the memory "
+            "model, before correction) or measured (VmHWM), memory-aware admission only.", ["figure"],
+            unit="bytes")
+        self.memory_prediction_error = Histogram(
+            "moeguard_memory_prediction_error_ratio",
+            "Per engine step predicted at >= 4 MiB: measured peak / predicted peak - 1 (positive: the model "
+            "was under, the unsafe side).", base, registry=r, unit="ratio",
+            buckets=(-0.75, -0.5, -0.25, -0.1, 0.0, 0.1, 0.25, 0.5, 1.0, 2.0))
+        self.memory_correction = gauge(
+            "moeguard_memory_prediction_correction_ratio",
+            "The factor (>= 1) the memory model's predictions are multiplied by for admission: the largest "
+            "measured/predicted ratio of the recent steps.", unit="ratio")
+        self.memory_chunk_shrinks = Counter(
+            "moeguard_memory_chunk_shrinks",
+            "Prefill chunks cut below the prefill budget so that the step's predicted peak fits under the "
+            "hard memory limit.", base, registry=r)
         self.oom = Counter(contract.METRIC_OOM_ERRORS_TOTAL.removesuffix("_total"),
                            "Batches failed by an out-of-memory error the worker survived.",
                            [*base, "kind"], registry=r)

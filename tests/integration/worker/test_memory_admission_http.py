@@ -1,0 +1,154 @@
+"""Memory-aware admission over real HTTP, the worker in a real memory cgroup (issue 13 §1).
+
+The issue's input: a ``small`` worker whose cgroup limit (= its hard limit, as a pod's) is a little above
+its steady use, and a long prompt streamed under a large prefill budget. Admitting by current use, the
+kernel kills the worker in the prefill (the client gets no event at all); admitting by the predicted
+step peak, the prefill is chunked to what fits and the stream completes. A request whose smallest step
+cannot fit is refused up front: 400 on an idle worker, 503 with Retry-After while others hold memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from bench.loadgen.text import prompt_of_length
+from bench.metrics_text import samples_named
+from bench.worker_process import WorkerProcess, start_worker_process
+from hack.memcg import MemoryCgroup
+
+pytestmark = pytest.mark.integration
+
+MiB = 1 << 20
+LONG_PROMPT = prompt_of_length(4000)  # 4,001 tokens of the byte tokenizer; the small preset's context is 4,096
+
+
+def env(limit: int, admission: str) -> dict[str, str]:
+    return {"MOEGUARD_MODEL_PRESET": "small", "MOEGUARD_HARD_LIMIT_BYTES": str(limit),
+            "MOEGUARD_MAX_PREFILL_TOKENS": "4096", "MOEGUARD_MEMORY_ADMISSION": admission,
+            "MOEGUARD_OVERLOAD_MODE": "Off"}
+
+
+@pytest.fixture
+def confined(tmp_path: Path) -> Iterator[Callable[[int, str], tuple[WorkerProcess, MemoryCgroup]]]:
+    """``confined(limit, admission)``: a small worker in its own memory cgroup of ``limit`` bytes."""
+    made: list[tuple[WorkerProcess, MemoryCgroup]] = []
+
+    def start(limit: int, admission: str) -> tuple[WorkerProcess, MemoryCgroup]:
+        cg = MemoryCgroup.create(f"moeguard-test-admission-{os.getpid()}-{len(made)}", limit)
+        w = start_worker_process(tmp_path, env(limit, admission), wrap=cg.wrap)
+        made.append((w, cg))
+        return w, cg
+
+    yield start
+    for w, cg in made:
+        w.stop()
+        cg.remove()
+
+
+@pytest.fixture(scope="module")
+def steady_bytes(tmp_path_factory: pytest.TempPathFactory) -> int:
+    """The cgroup usage of a warmed small worker (one short request served), bytes."""
+    cg = MemoryCgroup.create(f"moeguard-test-admission-{os.getpid()}-steady", 4 << 30)
+    w = start_worker_process(tmp_path_factory.mktemp("steady"), env(4 << 30, "predicted"), wrap=cg.wrap)
+    try:
+        r = httpx.post(f"{w.base_url}/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200, r.text
+        time.sleep(0.5)
+        return cg.usage_bytes()
+    finally:
+        w.stop()
+        cg.remove()
+
+
+def stream_long(w: WorkerProcess) -> tuple[int | None, list[str]]:
+    """Stream the long prompt; ``(status, data payloads)``, status None when the connection broke."""
+    body = {"prompt": LONG_PROMPT, "max_tokens": 8, "stream": True, "stream_options": {"include_usage": True}}
+    data: list[str] = []
+    try:
+        with httpx.stream("POST", f"{w.base_url}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    data.append(line[6:])
+            return r.status_code, data
+    except httpx.HTTPError:
+        return None, data
+
+
+def metric(w: WorkerProcess, name: str, **labels: str) -> float | None:
+    found = [v for lab, v in samples_named(httpx.get(f"{w.base_url}/metrics", timeout=10).text, name)
+             if labels.items() <= lab.items()]
+    return sum(found) if found else None
+
+
+def max_usage(cg: MemoryCgroup) -> int:
+    return int((cg.path / ("memory.max_usage_in_bytes" if cg.hierarchy.version == 1 else "memory.peak"))
+               .read_text())
+
+
+def test_a_long_stream_over_a_tight_limit_is_chunked_to_fit_where_admission_by_current_use_is_killed(
+        confined: Callable[[int, str], tuple[WorkerProcess, MemoryCgroup]], steady_bytes: int) -> None:
+    limit = steady_bytes + 120 * MiB  # the whole prompt's prefill needs about 180 MiB more
+    off, off_cg = confined(limit, "off")
+    status, data = stream_long(off)
+    off.proc.wait(30)
+    assert off.proc.returncode == -9 and off_cg.oom_kills() == 1  # the issue's input: killed in the prefill
+    assert status is None and data == []
+
+    w, cg = confined(limit, "predicted")
+    status, data = stream_long(w)
+    assert status == 200
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]  # every event well-formed JSON
+    assert chunks[-1]["usage"] == {"prompt_tokens": 4001, "completion_tokens": 8, "total_tokens": 4009}
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert w.proc.poll() is None and cg.oom_kills() == 0
+    assert max_usage(cg) <= limit
+    shrinks = metric(w, "moeguard_memory_chunk_shrinks_total")
+    assert shrinks is not None and shrinks >= 2  # the prompt went in several cut chunks
+    steps = metric(w, "moeguard_memory_prediction_error_ratio_count")
+    assert steps is not None and steps >= shrinks  # each measured against its prediction
+    correction = metric(w, "moeguard_memory_prediction_correction_ratio")
+    assert correction is not None and correction >= 1.0
+    assert "event=memory_state" not in w.logs() or "state=hard" not in w.logs()
+
+
+def test_a_request_whose_smallest_step_cannot_fit_is_refused_up_front(
+        confined: Callable[[int, str], tuple[WorkerProcess, MemoryCgroup]], steady_bytes: int) -> None:
+    limit = steady_bytes + 30 * MiB  # the long prompt's smallest step: 47 MiB of KV cache and a 16-token chunk
+    w, cg = confined(limit, "predicted")
+    url = f"{w.base_url}/v1/completions"
+    long_body = {"prompt": LONG_PROMPT, "max_tokens": 8, "stream": True}
+    idle = httpx.post(url, json=long_body, timeout=60)
+    assert idle.status_code == 400 and "retry-after" not in idle.headers
+    err = idle.json()["error"]
+    assert (err["type"], err["code"]) == ("invalid_request_error", "memory_predicted")
+    assert f"hard memory limit of {limit} bytes" in err["message"] and "idle worker" in err["message"]
+
+    other: dict[str, httpx.Response] = {}
+
+    def run_other() -> None:  # its prefill and 200 decode steps hold memory for seconds
+        other["r"] = httpx.post(url, json={"prompt": prompt_of_length(600), "max_tokens": 200}, timeout=120)
+
+    t = threading.Thread(target=run_other)
+    t.start()
+    deadline = time.monotonic() + 60
+    while not (metric(w, "moeguard_running_requests") or 0) >= 1:
+        assert time.monotonic() < deadline, "the other request never ran"
+        time.sleep(0.05)
+    assert "r" not in other, "the other request finished before the long one was sent"
+    busy = httpx.post(url, json=long_body, timeout=60)
+    t.join(120)
+    assert busy.status_code == 503 and busy.headers["retry-after"] == "5"
+    assert busy.json()["error"]["code"] == "memory_predicted"
+    assert other["r"].status_code == 200
+    ok = httpx.post(url, json={"prompt": "a short prompt", "max_tokens": 4}, timeout=60)
+    assert ok.status_code == 200
+    assert metric(w, "moeguard_rejections_total", reason="memory_predicted") == 2
+    assert cg.oom_kills() == 0

@@ -1,0 +1,243 @@
+"""Memory-aware admission (issue 13 §1): the fit, the correction factor, the scheduler's use of them,
+and the worker's refusals and aborts, driven by hand with an injected memory reading."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from moeguard_runtime import memory_model as mm
+from moeguard_runtime import presets, tokenizer
+from moeguard_runtime.config import load_settings
+from moeguard_runtime.contract import DEFAULT_BUDGETS, Budgets
+from moeguard_runtime.engine import Engine
+from moeguard_runtime.memory import MemoryReading
+from moeguard_runtime.memory_admission import (
+    CORRECTION_WINDOW_STEPS,
+    MAX_CORRECTION,
+    MIN_PREFILL_CHUNK_TOKENS,
+    Correction,
+    MemoryAdmission,
+)
+from moeguard_runtime.model import build_model
+from moeguard_runtime.moe import routing_stats
+from moeguard_runtime.scheduler import QueueLimits, Rejected, Scheduler
+from moeguard_runtime.service import Event, GenerationRequest, Worker
+from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
+
+pytestmark = pytest.mark.unit
+
+MiB = mm.MiB
+SMALL = presets.get_preset("small")
+TINY = presets.get_preset("tiny")
+LABELS = {"moeis": "s", "namespace": "n", "pod": "p"}
+
+
+def admission(hard: int, shape: presets.ModelArgs = SMALL, floor: float = 1.0) -> MemoryAdmission:
+    return MemoryAdmission(shape, "float32", hard, 2048, 0.0, floor)
+
+
+def raw(adm: MemoryAdmission, prefill: tuple[tuple[int, int], ...] = (), decode: tuple[int, ...] = (),
+        kv: int = 0) -> int:
+    return mm.step_peak(SMALL, mm.Step(prefill, decode, kv), mm.Routing(adm.top_share), "float32").total_bytes
+
+
+# --- the correction factor --------------------------------------------------------------------
+def test_the_correction_only_scales_up_and_keeps_the_largest_recent_ratio() -> None:
+    c = Correction()
+    assert c.factor == 1.0
+    assert c.observe(100 * MiB, 50 * MiB) == 0.5  # an over-prediction: kept, the factor stays 1
+    assert c.factor == 1.0
+    assert c.observe(1 * MiB, 10 * MiB) is None  # under 4 MiB predicted: noise, not recorded
+    assert c.factor == 1.0
+    assert c.observe(100 * MiB, 124 * MiB) == pytest.approx(1.24)  # the held-back test's 24 % under
+    assert c.factor == pytest.approx(1.24)
+    assert c.observe(100 * MiB, 110 * MiB) == pytest.approx(1.10)
+    assert c.factor == pytest.approx(1.24)  # the largest of the window
+    for _ in range(CORRECTION_WINDOW_STEPS):
+        c.observe(100 * MiB, 105 * MiB)
+    assert c.factor == pytest.approx(1.05)  # 1.24 left the window
+    c.observe(10 * MiB, 100 * MiB)
+    assert c.factor == MAX_CORRECTION
+
+
+def test_a_correction_floor_from_the_validation_set_is_the_starting_value() -> None:
+    c = Correction(1.2)
+    assert c.factor == 1.2
+    c.observe(100 * MiB, 100 * MiB)
+    assert c.factor == 1.2
+    with pytest.raises(ValueError, match="must be in"):
+        Correction(0.9)
+
+
+# --- the fit --------------------------------------------------------------------------------------
+def test_a_prefill_chunk_is_cut_to_the_largest_size_that_fits() -> None:
+    usage = 900 * MiB
+    adm = admission(usage + 100 * MiB)
+    fit = adm.fit(usage)
+    kv = 4009
+    m = fit.cap(0, 4001, kv)
+    assert MIN_PREFILL_CHUNK_TOKENS < m < 4001
+    assert usage + raw(adm, ((0, m),), kv=kv) <= adm.hard_limit_bytes
+    assert usage + raw(adm, ((0, m + 1),), kv=kv) > adm.hard_limit_bytes
+    assert (fit.shrunk, fit.blocked) == (1, 0)
+    fit.add(0, m, kv)
+    assert fit.predicted_raw() == raw(adm, ((0, m),), kv=kv)
+
+
+def test_a_chunk_that_fits_whole_is_not_cut_and_decode_tokens_count() -> None:
+    usage = 900 * MiB
+    adm = admission(usage + 400 * MiB)
+    fit = adm.fit(usage)
+    fit.add_decode(1000)
+    assert fit.cap(0, 512, 600) == 512
+    assert fit.shrunk == 0
+    fit.add(0, 512, 600)
+    assert fit.predicted_raw() == raw(adm, ((0, 512),), (1000,), 600)
+
+
+def test_when_even_the_smallest_chunk_does_not_fit_the_chunk_waits() -> None:
+    usage = 900 * MiB
+    kv_bytes = 4009 * mm.kv_bytes_per_token(SMALL, 4)  # 47 MiB of KV cache alone
+    adm = admission(usage + kv_bytes)
+    fit = adm.fit(usage)
+    assert fit.cap(0, 4001, 4009) == 0
+    assert fit.blocked == 1
+    assert fit.cap(0, 100, 0) == 100  # without the KV cache a short chunk fits
+
+
+def test_refusal_predicts_the_smallest_step_its_last_chunk_with_its_kv_cache() -> None:
+    usage = 900 * MiB
+    adm = admission(usage + 40 * MiB)
+    need = adm.refusal(usage, 4000, 9)
+    assert need == math.ceil(raw(adm, ((4000 - MIN_PREFILL_CHUNK_TOKENS, MIN_PREFILL_CHUNK_TOKENS),), kv=4009))
+    assert need > 40 * MiB
+    assert adm.refusal(usage, 100, 8) is None
+    assert adm.refusal(usage, 4000, 9, kv_allocated=True) is None  # the chunk alone fits
+
+
+def test_the_top_expert_share_follows_the_observed_routing() -> None:
+    adm = admission(1 << 40)
+    prior = adm.top_share
+    assert prior == pytest.approx(4 / (4 + 8 - 1))  # skew 4 until steps are seen
+    adm.observe_routing([routing_stats([2, 1, 0, 0, 0, 0, 0, 1])])  # 4 slots < 4 x E: says nothing
+    assert adm.top_share == prior
+    adm.observe_routing([routing_stats([8] * 8), routing_stats([16, 8, 8, 8, 8, 8, 4, 4])])
+    assert adm.top_share == pytest.approx(16 / 64)
+    assert adm.raw(mm.Step(((0, 512),))) == mm.step_peak(
+        SMALL, mm.Step(((0, 512),)), mm.Routing(16 / 64), "float32").total_bytes
+
+
+def prefill_budget(tokens: int) -> Budgets:
+    return DEFAULT_BUDGETS.model_copy(update={"max_prefill_tokens": tokens})
+
+
+# --- the scheduler with a fit -------------------------------------------------------------------
+def test_the_scheduler_chunks_a_long_prompt_to_what_memory_allows() -> None:
+    usage = 900 * MiB
+    adm = admission(usage + 100 * MiB)
+    s = Scheduler(prefill_budget(4096), QueueLimits(), lambda: 0.0)
+    s.submit("long", 4001, 8)
+    chunks = []
+    for _ in range(40):
+        fit = adm.fit(usage)
+        plan = s.schedule(fit).plan
+        if plan is None or not plan.prefill:
+            break
+        (_, start, n), = plan.prefill
+        assert usage + fit.predicted_raw() <= adm.hard_limit_bytes
+        chunks.append((start, n))
+    assert chunks[0][0] == 0 and sum(n for _, n in chunks) == 4001
+    assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(chunks))  # contiguous
+    assert len(chunks) > 1  # cut: the whole prompt at once would not fit
+    assert usage + raw(adm, ((0, 4001),), kv=4009) > adm.hard_limit_bytes
+
+
+def test_a_head_whose_kv_cache_does_not_fit_waits_and_is_named_when_nothing_runs() -> None:
+    usage = 900 * MiB
+    adm = admission(usage + 30 * MiB)
+    s = Scheduler(prefill_budget(4096), QueueLimits(), lambda: 0.0)
+    s.submit("short", 10, 4)
+    s.submit("long", 3000, 8)  # 35 MiB of KV cache alone
+    plan = s.schedule(adm.fit(usage)).plan
+    assert plan is not None and plan.admitted == ("short",)  # the long one waits at the front
+    fit = adm.fit(usage)
+    plan = s.schedule(fit).plan
+    assert plan is not None and plan.decode == ("short",) and fit.blocked >= 1
+    s.finish("short")
+    fit = adm.fit(usage)
+    assert s.schedule(fit).plan is None
+    assert s.memory_blocked(lambda p, n, kv: adm.refusal(usage, p, n, kv) is None) == ["long"]
+    assert s.queue_requests == 1  # named, not removed: the step loop ends it
+
+
+# --- the worker -------------------------------------------------------------------------------
+def tiny_worker(usage: list[int], hard: int) -> Worker:
+    settings = load_settings({"MOEGUARD_HARD_LIMIT_BYTES": str(hard), "MOEGUARD_MAX_PREFILL_TOKENS": "1024",
+                              "MOEGUARD_OVERLOAD_MODE": "Off"})
+    adm = MemoryAdmission(TINY, "float32", hard, 2048)
+    return Worker(settings, Engine(build_model(TINY, seed=1)), Telemetry(LABELS, TINY.num_experts),
+                  RateLimitedLog(0.0), clock=lambda: 0.0,
+                  memory_reader=lambda: MemoryReading(usage[0], "rss"), idle_wait_s=0.0, admission=adm)
+
+
+def value(worker: Worker, name: str, **extra: str) -> float | None:
+    return worker.telemetry.registry.get_sample_value(name, {**LABELS, **extra})
+
+
+def test_a_request_that_cannot_fit_is_refused_400_when_idle_and_503_while_others_hold_memory() -> None:
+    usage = [100 * MiB]
+    long_prompt = tokenizer.encode("x" * 900)
+    adm = MemoryAdmission(TINY, "float32", 1, 2048)
+    need = adm.refusal(0, len(long_prompt), 100)
+    assert need is not None
+    hard = usage[0] + need - 1  # one byte short for the long prompt's smallest step
+    worker = tiny_worker(usage, hard)
+    with pytest.raises(Rejected) as idle:
+        worker.submit(GenerationRequest("long", long_prompt, 100), lambda e: None)
+    assert (idle.value.status, idle.value.reason) == (400, "memory_predicted")
+    assert f"hard memory limit of {hard} bytes" in idle.value.message and "never" in idle.value.message
+    events: list[Event] = []
+    worker.submit(GenerationRequest("short", tokenizer.encode("hi"), 50), events.append)
+    with pytest.raises(Rejected) as busy:
+        worker.submit(GenerationRequest("long", long_prompt, 100), lambda e: None)
+    assert (busy.value.status, busy.value.reason, busy.value.retry_after_s) == (503, "memory_predicted", 5)
+    for _ in range(60):
+        worker._iteration()
+    assert events[-1].kind == "finish"
+
+
+def test_a_started_stream_that_can_no_longer_fit_is_ended_with_an_error_event_and_its_slot_freed() -> None:
+    usage = [100 * MiB]
+    worker = tiny_worker(usage, 200 * MiB)
+    worker.scheduler.set_budgets(prefill_budget(64))
+    events: list[Event] = []
+    worker.submit(GenerationRequest("r", tokenizer.encode("y" * 600), 8), events.append)
+    worker._iteration()  # the first chunk runs: the stream answers 200
+    assert [e.kind for e in events] == ["admitted"]
+    usage[0] = 200 * MiB  # something else took the memory: no chunk fits any more
+    worker._iteration()  # no step: malloc_trim and one more look
+    assert [e.kind for e in events] == ["admitted"]
+    worker._iteration()
+    assert [(e.kind, e.status, e.reason) for e in events] == [("admitted", 200, ""),
+                                                              ("error", 503, "memory_predicted")]
+    assert "hard memory limit" in (events[-1].message or "")
+    assert worker.scheduler.running_requests == 0 and worker.scheduler.queue_requests == 0
+    worker._iteration()
+    assert worker.engine.sequences == {}  # its KV cache released
+    assert value(worker, "moeguard_rejections_total", reason="memory_predicted") == 1
+
+
+def test_steps_export_the_prediction_and_the_measured_peak() -> None:
+    usage = [100 * MiB]
+    worker = tiny_worker(usage, 1 << 40)
+    events: list[Event] = []
+    worker.submit(GenerationRequest("r", tokenizer.encode("z" * 300), 4), events.append)
+    for _ in range(10):
+        worker._iteration()
+    assert events[-1].kind == "finish"
+    assert value(worker, "moeguard_memory_step_peak_bytes", figure="predicted") is not None
+    assert value(worker, "moeguard_memory_step_peak_bytes", figure="measured") is not None
+    assert value(worker, "moeguard_memory_prediction_correction_ratio") == 1.0
