@@ -35,6 +35,7 @@ from moeguard_operator.spec_checks import (
     SpecError,
     check_model_source,
     check_prometheus_url,
+    memory_warnings,
     parse_spec,
 )
 from moeguard_runtime.contract import (
@@ -147,6 +148,8 @@ def reconcile(
     try:
         config = from_memo(memo)
         parsed = parse_spec(spec, allow_secrets=config.allow_secrets)
+        for warning in memory_warnings(parsed):
+            kopf.warn(body, reason="MemoryPredicted", message=warning)
         check_model_source(parsed, config.allow_host_path_models)
         check_prometheus_url(parsed, config.prometheus_urls)
         children.apply_children(owner, parsed)

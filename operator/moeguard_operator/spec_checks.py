@@ -16,7 +16,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from moeguard_operator.models import MoEInferenceServiceSpec
-from moeguard_runtime.presets import get_preset, parameter_count, shape_problems
+from moeguard_runtime.memory_admission import MemoryAdmission
+from moeguard_runtime.memory_model import DTYPE_BYTES
+from moeguard_runtime.presets import ModelArgs, get_preset, parameter_count, shape_problems
 
 WEIGHT_BYTES = 2
 """Bytes per parameter assumed when checking that the weights fit in hardLimit (bf16, the GPU default;
@@ -86,6 +88,39 @@ def parse_spec(spec: Mapping[str, Any], *, allow_secrets: bool = False) -> MoEIn
     if secrets:
         raise SpecError("SecretsNotAllowed", "; ".join(secrets))
     return parsed
+
+
+def memory_warnings(spec: MoEInferenceServiceSpec) -> list[str]:
+    """What the worker's memory-aware admission (:mod:`moeguard_runtime.memory_admission`, the memory
+    model ``moeguard plan`` uses) would refuse whatever the load, for a CPU worker (``resources.gpus``
+    0) of a preset: a request at the model's full context whose smallest step (its KV cache and its last
+    16-token chunk, float32, the CPU's dtype) does not fit in ``hardLimit`` above the weights. The
+    process's own baseline (the torch runtime) is not counted, so a warning is certain; its absence is
+    not a promise. Empty for GPU workers (the step's memory is on the device) and checkpoint sources
+    (the operator does not read their shape)."""
+    if spec.resources.gpus or spec.model.source is not None:
+        return []
+    try:
+        args = dataclasses.replace(get_preset(spec.model.preset),
+                                   **spec.model.overrides.model_dump(exclude_none=True))
+    except KeyError:
+        return []
+    return full_context_warnings(args, spec.resources.hard_limit_bytes, spec.resources.hard_limit)
+
+
+def full_context_warnings(args: ModelArgs, hard_limit_bytes: int, hard_limit: str) -> list[str]:
+    """:func:`memory_warnings` for a shape and a hard limit (pure)."""
+    dtype = "float32"
+    admission = MemoryAdmission(args, dtype, hard_limit_bytes)
+    weights = parameter_count(args) * DTYPE_BYTES[dtype]
+    context = args.max_seq_len
+    need = admission.predict(admission.smallest_step(context - 1, 1))
+    if weights + need <= hard_limit_bytes:
+        return []
+    return [f"spec.resources.hardLimit ({hard_limit}) cannot hold a request at the model's full context "
+            f"({context} tokens) on a CPU worker: the weights ({weights / 2**30:.2f} GiB, float32) plus its "
+            f"smallest step ({need / 2**20:.1f} MiB: its KV cache and a 16-token prefill chunk, by the memory "
+            f"model) exceed it, so the worker refuses such requests with 400 memory_predicted"]
 
 
 def weight_bytes(spec: MoEInferenceServiceSpec, preset_parameters: int) -> tuple[int, str] | None:

@@ -50,6 +50,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from moeguard_runtime.memory_model import (
     DTYPE_BYTES,
@@ -62,7 +63,9 @@ from moeguard_runtime.memory_model import (
     step_peak,
     top_share_from_skew_ratio,
 )
-from moeguard_runtime.moe import RoutingStats
+
+if TYPE_CHECKING:  # torch stays out of the operator, which imports this module for its spec checks
+    from moeguard_runtime.moe import RoutingStats
 
 MIN_PREFILL_CHUNK_TOKENS = 16
 """The smallest prefill chunk the fit cuts to (fewer only at a prompt's end): below it a long prompt's
@@ -77,6 +80,8 @@ MAX_CORRECTION = 4.0
 step moved the resident set (another thread, a leak), which the soft and hard limits handle."""
 PRIOR_SKEW_RATIO = 4.0
 """Top/median expert skew assumed until steps have been observed (``moeguard plan``'s default ``--skew``)."""
+DEFAULT_EXPERT_CHUNK_TOKENS = 2048
+"""``moe.DEFAULT_EXPERT_CHUNK_TOKENS`` (``MOEGUARD_EXPERT_CHUNK_TOKENS``'s default), restated without torch."""
 TOP_SHARE_WINDOW_STEPS = 32
 """Steps over which the largest observed top-expert share is kept."""
 
@@ -119,8 +124,9 @@ class MemoryAdmission:
         correction_floor: the correction factor's starting value and floor (>= 1).
     """
 
-    def __init__(self, shape: ShapeLike, dtype: str, hard_limit_bytes: int, expert_chunk_tokens: int,
-                 capacity_factor: float = 0.0, correction_floor: float = 1.0) -> None:
+    def __init__(self, shape: ShapeLike, dtype: str, hard_limit_bytes: int,
+                 expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS, capacity_factor: float = 0.0,
+                 correction_floor: float = 1.0) -> None:
         self.shape = as_family(shape)
         self.dtype = dtype
         self.hard_limit_bytes = hard_limit_bytes

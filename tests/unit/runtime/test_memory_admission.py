@@ -241,3 +241,33 @@ def test_steps_export_the_prediction_and_the_measured_peak() -> None:
     assert value(worker, "moeguard_memory_step_peak_bytes", figure="predicted") is not None
     assert value(worker, "moeguard_memory_step_peak_bytes", figure="measured") is not None
     assert value(worker, "moeguard_memory_prediction_correction_ratio") == 1.0
+
+
+def test_the_torch_free_chunk_default_is_the_workers() -> None:
+    from moeguard_runtime import memory_admission, moe
+
+    assert memory_admission.DEFAULT_EXPERT_CHUNK_TOKENS == moe.DEFAULT_EXPERT_CHUNK_TOKENS
+
+
+def test_the_operator_warns_when_a_cpu_worker_cannot_hold_a_full_context_request() -> None:
+    from moeguard_operator.spec_checks import full_context_warnings
+
+    weights = presets.parameter_count(SMALL) * 4
+    adm = MemoryAdmission(SMALL, "float32", 1)
+    need = adm.predict(adm.smallest_step(SMALL.max_seq_len - 1, 1))
+    assert need > 48 * MiB  # 4,096 tokens of KV cache (12 KiB a token) and the last chunk
+    assert full_context_warnings(SMALL, weights + need, "x") == []
+    (warning,) = full_context_warnings(SMALL, weights + need - 1, "1Gi")
+    assert "spec.resources.hardLimit (1Gi)" in warning and "400 memory_predicted" in warning
+    assert f"{need / 2**20:.1f} MiB" in warning
+
+
+def test_the_spec_check_applies_to_cpu_workers_of_a_preset_only() -> None:
+    from moeguard_operator.spec_checks import memory_warnings, parse_spec
+
+    tight = {"model": {"preset": "small"}, "resources": {"softLimit": "300Mi", "hardLimit": "400Mi"}}
+    (warning,) = memory_warnings(parse_spec({**tight, "resources": {**tight["resources"], "gpus": 0}}))
+    assert "spec.resources.hardLimit (400Mi)" in warning
+    assert memory_warnings(parse_spec(tight)) == []  # one GPU (the default): the step is on the device
+    roomy = {"model": {"preset": "small"}, "resources": {"gpus": 0, "softLimit": "1Gi", "hardLimit": "2Gi"}}
+    assert memory_warnings(parse_spec(roomy)) == []
