@@ -37,12 +37,15 @@ def _probe(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def median_row(cfg: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The configuration with its median run (by measured peak) and every run's figure; where the
-    runs carry ``measured_from_idle`` (:mod:`bench.memory_probe`), its own median and runs too."""
+    runs carry ``measured_from_idle`` (:mod:`bench.memory_probe`), its own median and runs too, and
+    those of the heap retained before the step (``rss_before - rss_idle``)."""
     runs = sorted(runs, key=lambda m: m["measured"])
     row = {**cfg, **runs[len(runs) // 2], "measured_runs": [r["measured"] for r in runs]}
     if all("measured_from_idle" in r for r in runs):
         idle = sorted(r["measured_from_idle"] for r in runs)
-        row |= {"measured_from_idle": idle[len(idle) // 2], "measured_from_idle_runs": idle}
+        kept = sorted(r["rss_before"] - r["rss_idle"] for r in runs)
+        row |= {"measured_from_idle": idle[len(idle) // 2], "measured_from_idle_runs": idle,
+                "retained_bytes": kept[len(kept) // 2], "retained_runs": kept}
     return row
 
 

@@ -108,12 +108,15 @@ def serving_section(rows: list[dict[str, Any]]) -> list[str]:
         " **From idle** = `VmHWM` − the resident set of the trimmed idle process before the long"
         " request (running sequences' caches included; the retained heap counts in the peak: what the"
         " held-back test measured). **Retained** = the resident set before the step minus that idle"
-        " resident set, in the median run. Medians of the runs listed (each figure's own median)."
+        " resident set (the heap kept after the long request). Each figure is the median of its own runs,"
+        " listed sorted in the last three columns (so one run's three figures need not share a column"
+        " position)."
         " Error = (predicted − measured) / measured: **negative = under-prediction, the unsafe side**.",
         "",
         "| configuration | chunks (start+n) | top share | phase | predicted MiB | measured MiB | error |"
-        " measured / predicted | from idle MiB | error from idle | retained MiB | runs MiB | runs from idle MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " measured / predicted | from idle MiB | error from idle | retained MiB | runs MiB | runs from idle MiB |"
+        " runs retained MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     errs: dict[str, float] = {}
     errs_idle: dict[str, float] = {}
@@ -125,14 +128,16 @@ def serving_section(rows: list[dict[str, Any]]) -> list[str]:
         errs[row["name"]] = error(pred, measured)
         errs_idle[row["name"]] = error(pred, idle)
         ratios[row["name"]] = measured / pred if pred else float("inf")
-        retained = row["rss_before"] - row.get("rss_idle", row["rss_before"])
+        retained = row.get("retained_bytes", row["rss_before"] - row.get("rss_idle", row["rss_before"]))
+        retained_runs = row.get("retained_runs", [retained])
         chunks = ", ".join(f"{s}+{n}" for _, s, n in row["chunks"])
         out.append(
             f"| {row['name']} | {chunks} | {share:.3f} | {est.phase} | {pred / mm.MiB:.1f} |"
             f" {measured / mm.MiB:.1f} | {errs[row['name']]:+.1%} | {ratios[row['name']]:.2f} |"
             f" {idle / mm.MiB:.1f} | {errs_idle[row['name']]:+.1%} | {retained / mm.MiB:.1f} |"
             f" {', '.join(f'{m / mm.MiB:.1f}' for m in row.get('measured_runs', [measured]))} |"
-            f" {', '.join(f'{m / mm.MiB:.1f}' for m in row.get('measured_from_idle_runs', [idle]))} |")
+            f" {', '.join(f'{m / mm.MiB:.1f}' for m in row.get('measured_from_idle_runs', [idle]))} |"
+            f" {', '.join(f'{m / mm.MiB:.1f}' for m in retained_runs)} |")
     ratio_name = max(ratios, key=lambda n: ratios[n])
     within = sum(abs(e) <= TOLERANCE for e in errs.values())
     within_idle = sum(abs(e) <= TOLERANCE for e in errs_idle.values())

@@ -77,7 +77,7 @@ def test_serving_section_figures() -> None:
             rss_before=900 * mib, rss_idle=896 * mib, probe_jobs=1)
     text = "\n".join(serving_section([r]))
     # predicted 17.0 MiB: -15.0 % against 20, -32.0 % against 25, ratio 20 / 17 = 1.18, retained 4 MiB
-    assert "| last chunk | 1792+256 | 0.500 | attention | 17.0 | 20.0 | -15.0% | 1.18 | 25.0 | -32.0% | 4.0 |" in text
+    assert "| last chunk | 1792+256 | 0.500 | attention | 17.0 | 20.0 | -15.0% | 1.18 | 25.0 | -32.0% | 4.0 | 19.0, 20.0, 21.0 | 24.0, 25.0, 26.0 | 4.0 |" in text
     assert "over current use: **-15.0%** (last chunk)" in text
     assert "from idle (retained heap included): **-32.0%** (last chunk)" in text
     assert "measured / predicted over current use: **1.18** (last chunk)" in text
