@@ -80,7 +80,8 @@ def test_serving_section_figures() -> None:
     assert "| last chunk | 1792+256 | 0.500 | attention | 17.0 | 20.0 | -15.0% | 1.18 | 25.0 | -32.0% | 4.0 | 19.0, 20.0, 21.0 | 24.0, 25.0, 26.0 | 4.0 |" in text
     assert "over current use: **-15.0%** (last chunk)" in text
     assert "from idle (retained heap included): **-32.0%** (last chunk)" in text
-    assert "measured / predicted over current use: **1.18** (last chunk)" in text
+    assert "measured / predicted over current use: **1.18** (last chunk); in a single run: 1.24 (last chunk)" in text
+    assert "(1 probe at a time)" in text
     assert serving_section([]) == []
 
 
