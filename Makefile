@@ -74,13 +74,18 @@ bench-soak: ## C6 at full length: 10 minutes of steady traffic, RSS slope -> ben
 	$(PY) -m bench.soak --minutes 10
 
 .PHONY: bench-memory-model
-bench-memory-model: ## Memory model vs measured step peaks (32 preset + 25 HF-family configs, fresh process each) -> bench/results/memory_model.md.
+bench-memory-model: ## Memory model vs measured step peaks (32 preset + 25 HF-family + 16 serving-chunk configs, fresh process each) -> bench/results/memory_model.md.
 	$(PY) -m bench.memory_run
 	$(PY) -m bench.memory_validate
 
 .PHONY: bench-memory-families
 bench-memory-families: ## The same, re-measuring only the HF families' 25 configurations (keeps the others' rows).
 	$(PY) -m bench.memory_run --families
+	$(PY) -m bench.memory_validate
+
+.PHONY: bench-memory-serving
+bench-memory-serving: ## The same, re-measuring only the 16 chunked-prefill serving rows (one probe at a time; keeps the others' rows).
+	$(PY) -m bench.memory_run --serving-chunks --jobs 1
 	$(PY) -m bench.memory_validate
 
 .PHONY: bench-headline

@@ -6,6 +6,9 @@ coefficients (``bench.memory_fit``: the eight float32, unskewed, default-chunk `
 unskewed bfloat16 step for the 2-byte term and one ``tiny`` step for the constant; see
 ``docs/memory-model.md``) and ``check`` for all the others, which played no part in choosing them. ``FAMILY_CONFIGS``: each HF
 family (:data:`HF_FAMILIES`) at serving chunk sizes, one skewed case each (issue 10).
+``SERVING_CHUNK_CONFIGS``: chunked-prefill steps as the worker serves them (issue 13), a chunk of
+256 or 512 tokens at several offsets of a 2048-token prompt, skewed and not, with and without the
+heap a process keeps after one long request (``retained``); see :mod:`bench.memory_probe`.
 """
 
 from __future__ import annotations
@@ -100,3 +103,29 @@ CONFIGS: list[dict[str, Any]] = [
 
 FAMILY_CONFIGS: list[dict[str, Any]] = [c for f in HF_FAMILIES for c in _family_configs(f)]
 CONFIGS += FAMILY_CONFIGS
+
+SERVING_PROMPT = 2048
+"""Prompt length of the chunked rows: the chunks are slices of it."""
+RETAINED = 2048
+"""Prompt tokens of the long request served (and released, heap kept) before a ``retained`` row."""
+
+
+def _serving(n: int, starts: tuple[int, ...], skewed: bool, retained: bool) -> dict[str, Any]:
+    """``small`` (float32, the worker's default dtype) running one ``n``-token chunk of a
+    ``SERVING_PROMPT``-token prompt at each of ``starts`` in one step; a ``check`` row."""
+    where = "+".join(f"@{s}" for s in starts)
+    name = (f"small chunk {'x'.join([str(n)] if len(starts) == 1 else [str(len(starts)), str(n)])} {where}"
+            f"/{SERVING_PROMPT}{' skewed' if skewed else ''}{f' retained {RETAINED}' if retained else ''}")
+    return _c(name, preset="small", chunks=[[SERVING_PROMPT, s, n] for s in starts], skewed=skewed,
+              **({"retained": RETAINED} if retained else {}))
+
+
+SERVING_CHUNK_CONFIGS: list[dict[str, Any]] = [
+    *[_serving(256, (s,), skewed, retained) for retained in (False, True) for skewed, s in
+      [(True, 0), (True, 1024), (True, 1792), (False, 1792)]],
+    *[_serving(512, (s,), skewed, retained) for retained in (False, True) for skewed, s in
+      [(True, 0), (True, 1536), (False, 1536)]],
+    _serving(256, (0, 512, 1024, 1792), True, True),
+    _serving(512, (0, 1536), False, False),
+]
+CONFIGS += SERVING_CHUNK_CONFIGS

@@ -21,6 +21,24 @@ Config keys: ``shape`` (ModelArgs fields), ``dtype`` ("float32"/"bfloat16"),
 ``preset``/``shape``: the folder :func:`bench.family_checkpoints.checkpoint_folder` writes
 with ``transformers``, loaded by the worker's ``load_hf_checkpoint``; the saved
 ``config.json`` comes back in the result (``config_json``) for the memory model.
+
+Serving steps (chunked prefill, issue 13):
+
+``chunks``: list of ``[prompt_len, start, n]``: the step runs prompt tokens ``start..start+n-1``
+of a ``prompt_len``-token prompt. With ``start`` > 0 the sequence is added (its KV cache of
+``prompt_len + max_new`` allocated) and its first ``start`` tokens prefilled, in steps of ``n``,
+before the measured window, like the decode sequences; with ``start`` 0 it is added inside the
+window (a new request: its KV counts in the step, as in the worker).
+
+``retained``: ``N`` prompt tokens: after the warm-up and its ``malloc_trim``, one long request (a
+fresh sequence of ``N`` tokens prefilled whole in one step, ``skewed`` as configured) runs and is
+released, then ``gc``, and **no** ``malloc_trim``: glibc keeps the freed heap, as in a worker that
+has served a long request. Both figures come back: ``measured`` = ``VmHWM`` − ``VmRSS`` just before
+the step (the increment over current use, which the worker's admission adds to its current use)
+and ``measured_from_idle`` = ``VmHWM`` − ``rss_idle``, the resident set after the warm-up's
+``malloc_trim`` and before the long request (the peak over the idle process with the running
+sequences' caches, the retained heap included). Without ``retained`` the two are the same step
+(``rss_idle`` is read just before the reset).
 """
 
 from __future__ import annotations
@@ -78,28 +96,53 @@ def probe(cfg: dict[str, Any]) -> dict[str, Any]:
     engine = Engine(model)
     skewed = bool(cfg.get("skewed", False))
     max_new = int(cfg.get("max_new", 16))
-    # Warm-up: the whole scenario once, then released, so one-time work for these shapes (lazy
-    # initialisation, oneDNN primitives and JIT kernels, which a serving worker keeps cached) is not
-    # counted in the step's peak.
     ctx = int(cfg.get("decode_context", 64))
+    whole = [int(n) for n in cfg.get("prefill", [])]
+    chunks = [(int(length), int(start), int(n)) for length, start, n in cfg.get("chunks", [])]
+    retained = int(cfg.get("retained", 0))
 
     def stage(prefix: str) -> list[str]:
-        """Add and prefill the decode sequences; returns their ids."""
+        """Add and prefill the decode sequences, and add the chunked sequences that started before
+        the step with their first ``start`` tokens prefilled (in steps of the chunk size, as
+        served); returns the decode ids."""
         ids = []
         for i in range(int(cfg.get("decode", 0))):
             sid = f"{prefix}d{i}"
             engine.add(sid, _tokens(ctx, skewed, 500 + i), max_new)
             engine.step([(sid, ctx)], [])
             ids.append(sid)
+        for i, (length, start, n) in enumerate(chunks):
+            if start:
+                engine.add(f"{prefix}c{i}", _tokens(length, skewed, 700 + i), max_new)
+                for done in range(0, start, n):
+                    engine.step([(f"{prefix}c{i}", min(n, start - done))], [])
         return ids
 
+    def admit(prefix: str) -> list[tuple[str, int]]:
+        """Add the sequences the step admits (KV allocated now: whole prompts and chunks at
+        position 0); returns the step's prefill entries, whole prompts then chunks."""
+        for i, n in enumerate(whole):
+            engine.add(f"{prefix}p{i}", _tokens(n, skewed, i), max_new)
+        for i, (length, start, _) in enumerate(chunks):
+            if not start:
+                engine.add(f"{prefix}c{i}", _tokens(length, skewed, 700 + i), max_new)
+        return [(f"{prefix}p{i}", n) for i, n in enumerate(whole)] + \
+            [(f"{prefix}c{i}", n) for i, (_, _, n) in enumerate(chunks)]
+
+    def long_request(sid: str) -> None:
+        """One whole-prompt prefill of ``retained`` tokens (a fresh sequence), then released."""
+        engine.add(sid, _tokens(retained, skewed, 900), max_new)
+        engine.step([(sid, retained)], [])
+        engine.release(sid)
+
+    # Warm-up: the whole scenario once (the long request included), then released, so one-time
+    # work for these shapes (lazy initialisation, oneDNN primitives and JIT kernels, which a
+    # serving worker keeps cached) is not counted in the step's peak.
+    if retained:
+        long_request("wlong")
     warm_decode = stage("w")
-    warm_prefill = []
-    for i, n in enumerate(cfg.get("prefill", [])):
-        engine.add(f"wp{i}", _tokens(int(n), skewed, i), max_new)
-        warm_prefill.append((f"wp{i}", int(n)))
-    engine.step(warm_prefill, warm_decode)
-    for sid in [*warm_decode, *(s for s, _ in warm_prefill)]:
+    engine.step(admit("w"), warm_decode)
+    for sid in list(engine.sequences):
         engine.release(sid)
     decode_ids = stage("")
     import gc
@@ -108,20 +151,22 @@ def probe(cfg: dict[str, Any]) -> dict[str, Any]:
     import ctypes
 
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # return freed heap pages, so the baseline is what is live
+    rss_idle = _status("VmRSS")  # the idle process with the running sequences' caches, no freed heap
+    if retained:  # a long request served and released earlier; glibc keeps its freed heap (no trim)
+        long_request("long")
+        gc.collect()
     Path("/proc/self/clear_refs").write_text("5")
     before = _status("VmRSS")
-    prefill = []
-    for i, n in enumerate(cfg.get("prefill", [])):
-        sid = f"p{i}"
-        engine.add(sid, _tokens(int(n), skewed, i), max_new)
-        prefill.append((sid, int(n)))
-    kv_new = sum(engine.sequences[s].cache.nbytes for s, _ in prefill)
+    running = set(engine.sequences)
+    prefill = admit("")
+    kv_new = sum(seq.cache.nbytes for sid, seq in engine.sequences.items() if sid not in running)
     out = engine.step(prefill, decode_ids)
     hwm = _status("VmHWM")
     top = [r.top_expert_tokens for r in out.routing]
     slots = [r.routed_slots for r in out.routing]
     return {
-        "rss_before": before, "hwm": hwm, "measured": hwm - before, "kv_new_bytes": kv_new,
+        "rss_before": before, "rss_idle": rss_idle, "hwm": hwm, "measured": hwm - before,
+        "measured_from_idle": hwm - rss_idle, "kv_new_bytes": kv_new,
         "top_expert_slots": top, "routed_slots": slots,
         "overflow": [r.overflow_tokens for r in out.routing],
         "weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
