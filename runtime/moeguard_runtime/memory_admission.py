@@ -35,8 +35,8 @@ is refused up front: 503 ``memory_predicted`` with ``Retry-After`` while other r
 (resident-set high-water mark during the step minus the resident set before it,
 :func:`procmem.reset_peak_rss`) is compared with the raw prediction. The factor is the largest
 measured/predicted ratio of the last :data:`CORRECTION_WINDOW_STEPS` steps whose prediction was at
-least :data:`CORRECTION_MIN_PREDICTED_BYTES`, never below its floor (1.0, or the validation set's
-worst ratio) and at most :data:`MAX_CORRECTION`: it only ever scales the model up, the unsafe side
+least :data:`CORRECTION_MIN_PREDICTED_BYTES`, never below its floor (:data:`CORRECTION_FLOOR`, the
+validation set's worst ratio at serving chunk sizes) and at most :data:`MAX_CORRECTION`: it only ever scales the model up, the unsafe side
 is corrected, an over-prediction is kept. Exported: ``moeguard_memory_prediction_error_ratio``
 (measured / predicted - 1), ``moeguard_memory_prediction_correction_ratio``.
 
@@ -75,6 +75,10 @@ CORRECTION_WINDOW_STEPS = 128
 CORRECTION_MIN_PREDICTED_BYTES = 4 * MiB
 """Steps predicted smaller than this are not used for the correction: their increments are within the
 allocator's and the other threads' noise."""
+CORRECTION_FLOOR = 1.2
+"""The correction factor's starting value and floor: the validation set's worst measured/predicted ratio
+over current use at serving chunk sizes, 1.17 in a single run (1.12 median), on a new request's first
+256-token chunk under skew (``bench/results/memory_model.md``, section "Serving chunks"), rounded up."""
 MAX_CORRECTION = 4.0
 """The correction factor's ceiling: a measurement four times the prediction says something other than this
 step moved the resident set (another thread, a leak), which the soft and hard limits handle."""
@@ -121,12 +125,13 @@ class MemoryAdmission:
         dtype: ``float32``, ``bfloat16`` or ``float16``.
         hard_limit_bytes: the worker's hard limit (``MOEGUARD_HARD_LIMIT_BYTES``).
         expert_chunk_tokens, capacity_factor: the worker's MoE settings (they bound the busiest expert).
-        correction_floor: the correction factor's starting value and floor (>= 1).
+        correction_floor: the correction factor's starting value and floor (>= 1; default
+            :data:`CORRECTION_FLOOR`).
     """
 
     def __init__(self, shape: ShapeLike, dtype: str, hard_limit_bytes: int,
                  expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS, capacity_factor: float = 0.0,
-                 correction_floor: float = 1.0) -> None:
+                 correction_floor: float = CORRECTION_FLOOR) -> None:
         self.shape = as_family(shape)
         self.dtype = dtype
         self.hard_limit_bytes = hard_limit_bytes

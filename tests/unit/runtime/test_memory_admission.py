@@ -15,6 +15,7 @@ from moeguard_runtime.contract import DEFAULT_BUDGETS, Budgets
 from moeguard_runtime.engine import Engine
 from moeguard_runtime.memory import MemoryReading
 from moeguard_runtime.memory_admission import (
+    CORRECTION_FLOOR,
     CORRECTION_WINDOW_STEPS,
     MAX_CORRECTION,
     MIN_PREFILL_CHUNK_TOKENS,
@@ -36,6 +37,7 @@ LABELS = {"moeis": "s", "namespace": "n", "pod": "p"}
 
 
 def admission(hard: int, shape: presets.ModelArgs = SMALL, floor: float = 1.0) -> MemoryAdmission:
+    """An admission with correction 1 (the worker's starts at ``CORRECTION_FLOOR``)."""
     return MemoryAdmission(shape, "float32", hard, 2048, 0.0, floor)
 
 
@@ -240,7 +242,7 @@ def test_steps_export_the_prediction_and_the_measured_peak() -> None:
     assert events[-1].kind == "finish"
     assert value(worker, "moeguard_memory_step_peak_bytes", figure="predicted") is not None
     assert value(worker, "moeguard_memory_step_peak_bytes", figure="measured") is not None
-    assert value(worker, "moeguard_memory_prediction_correction_ratio") == 1.0
+    assert value(worker, "moeguard_memory_prediction_correction_ratio") == CORRECTION_FLOOR == 1.2
 
 
 def test_the_torch_free_chunk_default_is_the_workers() -> None:
