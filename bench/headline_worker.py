@@ -4,7 +4,8 @@ The worker (``python -m moeguard_runtime``, the ``small`` preset) runs in its ow
 cgroup whose ``memory.limit_in_bytes`` is the pod's memory limit (= hardLimit): an over-limit
 worker is really OOM-killed by the kernel. It starts in a private mount namespace where its cgroup
 directory is bind-mounted over ``/sys/fs/cgroup/memory``, as a container sees it, so the worker's
-own memory guard reads the figure the kernel compares (``memory.usage_in_bytes``).
+own memory guard reads the cgroup the kernel enforces (its working set: ``memory.usage_in_bytes`` minus
+inactive file pages).
 """
 
 from __future__ import annotations

@@ -334,8 +334,10 @@ ADVICE: dict[str, str] = {
         "Engine step wall time. Slower steps at the same batch tokens: contention (CPU threads, GPU shared "
         "with another process) or allocator churn."),
     "moeguard_memory_usage_bytes": (
-        "The figure the soft and hard limits compare (label `source`: cgroup `memory.current`, or RSS "
-        "where no cgroup limit exists). It includes page cache and tmpfs, as the kernel's OOM killer does."),
+        "The figure the soft and hard limits compare (label `source`): the cgroup's working set, "
+        "`memory.current` (v1 `memory.usage_in_bytes`) minus the inactive file pages of `memory.stat`, as the "
+        "kubelet's `container_memory_working_set_bytes`; or RSS where no cgroup limit exists. Anonymous memory, "
+        "tmpfs and active page cache count; reclaimable (inactive) page cache does not."),
     "moeguard_memory_limit_state": (
         "0 below the soft limit, 1 above it (budgets shrink), 2 above the hard limit (503 for new requests). "
         "Non-zero for minutes fires MoeguardMemoryNearHardLimit."),

@@ -224,7 +224,8 @@ class ResourcesSpec(_Model):
     """CPU request and limit of each worker (Kubernetes quantity)."""
     soft_limit: str = Field(default="6Gi", pattern=QUANTITY_PATTERN, max_length=32)
     """Soft memory limit (Kubernetes quantity, bytes). Above it the worker shrinks its token budgets.
-    Compared with the container's cgroup ``memory.current`` (process RSS where no cgroup limit exists)."""
+    Compared with the container's working set: cgroup ``memory.current`` minus inactive file pages, the
+    kubelet's figure (process RSS where no cgroup limit exists)."""
     hard_limit: str = Field(default="8Gi", pattern=QUANTITY_PATTERN, max_length=32)
     """Hard memory limit (Kubernetes quantity, bytes): the container's memory limit. Above it the worker
     admits no new requests (HTTP 503)."""

@@ -1,11 +1,15 @@
 """Memory guard: which figure the soft/hard limits are compared with, and the decision.
 
-**The compared figure** is the container's cgroup usage when the process runs
-in a cgroup with a memory limit: cgroup v2 ``memory.current`` (limit in
-``memory.max``), or v1 ``memory.usage_in_bytes`` (limit in
-``memory.limit_in_bytes``). That is the number the kernel's OOM killer compares
-with the limit, and it also counts page cache, tmpfs and the container's other
-processes. The cgroup is the worker's own, read from ``/proc/self/cgroup``
+**The compared figure** is the container's working set when the process runs
+in a cgroup with a memory limit: its usage, cgroup v2 ``memory.current`` (limit
+in ``memory.max``) or v1 ``memory.usage_in_bytes`` (limit in
+``memory.limit_in_bytes``), minus the inactive file pages of ``memory.stat``
+(v2 ``inactive_file``, v1 ``total_inactive_file``), which the kernel reclaims
+before it OOM-kills: the kubelet's and cAdvisor's
+``container_memory_working_set_bytes``, what its evictions compare. Page cache
+the container keeps (a checkpoint read from disk) would otherwise count as
+used and hold the worker above its limits with nothing to free; anonymous
+memory, tmpfs, active file pages and the container's other processes count. The cgroup is the worker's own, read from ``/proc/self/cgroup``
 (v2 line ``0::/path``, v1 ``memory`` line), looked up under the mounted
 hierarchy with its ancestors, the smallest limit winning; when that path is not
 mounted (a container without a cgroup namespace) the mount root, which inside a
@@ -99,6 +103,19 @@ def _chain(mount: Path, path: str | None) -> list[Path]:
     return [mount]
 
 
+def inactive_file_bytes(directory: Path, key: str) -> int:
+    """``key`` (``inactive_file``, v1 ``total_inactive_file``) of ``memory.stat`` in bytes; 0 when absent."""
+    try:
+        text = (directory / "memory.stat").read_text()
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name == key and value.strip().isdigit():
+            return int(value)
+    return 0
+
+
 def _tightest(dirs: list[Path], usage_file: str, limit_file: str,
               unlimited: int | None) -> tuple[int, int, Path] | None:
     """``(usage, limit, dir)`` of the directory with the smallest limit (the one the
@@ -127,11 +144,13 @@ def read_memory(root: Path = CGROUP_ROOT,
     v2_path, v1_path = own_cgroups(proc_cgroup)
     found = _tightest(_chain(root, v2_path), "memory.current", "memory.max", None)
     if found is not None:
-        return MemoryReading(found[0], "cgroup_v2", found[1], str(found[2]))
+        working_set = max(0, found[0] - inactive_file_bytes(found[2], "inactive_file"))
+        return MemoryReading(working_set, "cgroup_v2", found[1], str(found[2]))
     found = _tightest(_chain(root / "memory", v1_path), "memory.usage_in_bytes",
                       "memory.limit_in_bytes", _V1_UNLIMITED)
     if found is not None:
-        return MemoryReading(found[0], "cgroup_v1", found[1], str(found[2]))
+        working_set = max(0, found[0] - inactive_file_bytes(found[2], "total_inactive_file"))
+        return MemoryReading(working_set, "cgroup_v1", found[1], str(found[2]))
     return MemoryReading(psutil.Process().memory_info().rss, "rss")
 
 

@@ -161,7 +161,8 @@ class Telemetry:
                                        unit="seconds")
         self.memory_usage = gauge(contract.METRIC_MEMORY_USAGE_BYTES,
                                   "The figure compared with the soft/hard limits, by source "
-                                  "(cgroup memory.current or process rss).", ["source"], unit="bytes")
+                                  "(cgroup working set: memory.current minus inactive file; or process rss).",
+                                  ["source"], unit="bytes")
         self.memory_cgroup_limit = gauge("moeguard_memory_cgroup_limit_bytes",
                                          "The cgroup's own memory limit (memory.max), when limited.",
                                          ["source"], unit="bytes")

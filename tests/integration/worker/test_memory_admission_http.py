@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -155,4 +156,23 @@ def test_a_request_whose_smallest_step_cannot_fit_is_refused_up_front(
     ok = httpx.post(url, json={"prompt": "a short prompt", "max_tokens": 4}, timeout=60)
     assert ok.status_code == 200
     assert metric(w, "moeguard_rejections_total", reason="memory_predicted") == 2
+    assert cg.oom_kills() == 0
+
+
+def test_page_cache_the_kernel_can_reclaim_does_not_count_against_the_limits(
+        confined: Callable[[int, str], tuple[WorkerProcess, MemoryCgroup]], steady_bytes: int,
+        tmp_path: Path) -> None:
+    """A checkpoint read from disk leaves page cache in the container's cgroup. The worker compares its limits
+    with the working set (usage minus inactive file pages, the kubelet's figure), so the cache neither holds it
+    above its limits nor makes it refuse what fits."""
+    limit = steady_bytes + 300 * MiB
+    w, cg = confined(limit, "predicted")
+    subprocess.run(cg.wrap(["dd", "if=/dev/zero", f"of={tmp_path / 'checkpoint.bin'}", "bs=1M", "count=250",
+                            "conv=fsync", "status=none"]), check=True, timeout=60)
+    time.sleep(1.0)  # the worker's memory check runs every 0.25 s
+    usage = cg.usage_bytes()
+    reported = metric(w, "moeguard_memory_usage_bytes")
+    assert reported is not None and usage - reported >= 150 * MiB, (usage, reported)  # the cache is not counted
+    status, data = stream_long(w)  # its smallest step needs ~230 MiB: refused (400) if the cache counted
+    assert status == 200 and data[-1] == "[DONE]"
     assert cg.oom_kills() == 0

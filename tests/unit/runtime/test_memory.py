@@ -56,6 +56,20 @@ def test_reads_cgroup_v1(tmp_path: Path) -> None:
     assert read_memory(tmp_path).source == "rss"
 
 
+def test_the_figure_is_the_working_set_usage_minus_inactive_file_pages(tmp_path: Path) -> None:
+    (tmp_path / "memory.current").write_text("900000\n")
+    (tmp_path / "memory.max").write_text("1000000\n")
+    (tmp_path / "memory.stat").write_text("anon 500000\nfile 400000\nactive_file 100000\ninactive_file 300000\n")
+    r = read_memory(tmp_path)
+    assert (r.usage_bytes, r.limit_bytes) == (600000, 1000000)  # the kubelet's working set
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.usage_in_bytes").write_text("800000\n")
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("1000000\n")
+    (v1 / "memory" / "memory.stat").write_text("inactive_file 1\ntotal_inactive_file 250000\n")
+    assert read_memory(v1).usage_bytes == 550000  # v1: the hierarchical total
+
+
 V2_ONLY = "0::/kubepods.slice/pod1.slice/cri-abc.scope\n"
 HYBRID = ("12:memory:/kubepods/burstable/pod1/abc\n11:cpu,cpuacct:/kubepods/burstable/pod1/abc\n"
           "1:name=systemd:/kubepods/burstable/pod1/abc\n0::/\n")
