@@ -27,6 +27,7 @@ What differs between the families, and where it is read from:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,6 +135,14 @@ def _int(cfg: dict[str, Any], *keys: str, default: int | None = None) -> int:
     return default
 
 
+def qwen_sparse_layers(n_layer: int, decoder_sparse_step: int, mlp_only_layers: Iterable[int]) -> set[int]:
+    """Layers with a sparse MoE MLP, HF Qwen2/Qwen3-MoE rule (``Qwen2MoeDecoderLayer``): not in
+    ``mlp_only_layers`` and ``(layer + 1) % decoder_sparse_step == 0`` (none when the step is 0)."""
+    dense = set(mlp_only_layers)
+    return {i for i in range(n_layer)
+            if i not in dense and decoder_sparse_step > 0 and (i + 1) % decoder_sparse_step == 0}
+
+
 def sparse_layer_count(cfg: dict[str, Any], n_layer: int) -> int:
     """Layers with an MoE MLP: deepseek_v3 ``n_layer - first_k_dense_replace``; qwen2_moe /
     qwen3_moe the HF rule (not in ``mlp_only_layers``, ``(i + 1) % decoder_sparse_step == 0``);
@@ -142,9 +151,8 @@ def sparse_layer_count(cfg: dict[str, Any], n_layer: int) -> int:
     if model_type == "deepseek_v3":
         return max(0, n_layer - _int(cfg, "first_k_dense_replace", default=0))
     if model_type in ("qwen2_moe", "qwen3_moe"):
-        step = _int(cfg, "decoder_sparse_step", default=1)
-        dense = set(cfg.get("mlp_only_layers") or [])
-        return sum(1 for i in range(n_layer) if i not in dense and step > 0 and (i + 1) % step == 0)
+        return len(qwen_sparse_layers(n_layer, _int(cfg, "decoder_sparse_step", default=1),
+                                      cfg.get("mlp_only_layers") or []))
     return n_layer
 
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from moeguard_runtime.families.rope import RopeScaling, rope_scaling
 from moeguard_runtime.families.routers import Router, SoftmaxTopK
+from moeguard_runtime.family_shape import qwen_sparse_layers
 from moeguard_runtime.hf_checkpoint import BuildOptions, HFConfig
 from moeguard_runtime.model import KVCache, RMSNorm, Segment
 from moeguard_runtime.moe import (
@@ -262,9 +263,8 @@ class HFDecoder(nn.Module):
 def sparse_layers(cfg: HFConfig, n_layer: int) -> set[int]:
     """Layers with a sparse MoE MLP, HF Qwen2/Qwen3-MoE rule: not in ``mlp_only_layers`` and
     ``(layer + 1) % decoder_sparse_step == 0``."""
-    step = cfg.get_int("decoder_sparse_step", default=1)
-    dense = set(cfg.int_list("mlp_only_layers"))
-    return {i for i in range(n_layer) if i not in dense and step > 0 and (i + 1) % step == 0}
+    return qwen_sparse_layers(n_layer, cfg.get_int("decoder_sparse_step", default=1),
+                              cfg.int_list("mlp_only_layers"))
 
 
 def qwen_mlps(cfg: HFConfig, args: DecoderArgs, options: BuildOptions,
