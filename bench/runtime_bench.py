@@ -73,7 +73,7 @@ def weights(device: str, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tenso
 def ours(x: torch.Tensor, gate: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
          w3: torch.Tensor, backend: MatmulBackend = "onednn") -> torch.Tensor:
     w, e = route(x @ gate.T, K)
-    return dispatch_experts(x, w, e, w1, w2, w3, backend=backend)[0]
+    return dispatch_experts(x, w, e, moe.fuse_gate_up(w1, w3), w2, backend=backend)[0]
 
 
 def ours_f_linear(x: torch.Tensor, gate: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
