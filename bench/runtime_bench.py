@@ -336,7 +336,7 @@ def _label(name: str) -> str:
             "hf": "HF loop"}[name]
 
 
-def render_choice(dtype_name: str, c: dict[str, Any]) -> list[str]:
+def render_choice(dtype_name: str, c: dict[str, Any], bandwidth: float) -> list[str]:
     kernels = c["candidates"]
     lines = [f"### Kernel choice, {dtype_name} ({c['measure_s']:.2f} s of measurement, as at worker start-up): "
              f"**{c['label']}**", "",
@@ -352,7 +352,20 @@ def render_choice(dtype_name: str, c: dict[str, Any]) -> list[str]:
         others = [by_kernel[k]["us"] for k in kernels if k != chosen]
         margin = f"{min(others) / by_kernel[chosen]['us']:.2f}x" if others else ""
         lines.append(f"| {r} | " + " | ".join(cells) + f" | {chosen} | {margin} |")
-    return [*lines, ""]
+    lines.append("")
+    by_rows = c["by_rows"]
+    small, large = min(by_rows, key=int), max(by_rows, key=int)
+    if len(kernels) > 1:
+        win_s, win_l = plan.kernel_for(int(small)), plan.kernel_for(int(large))
+        lines += [f"Why: at {small} row(s) an expert call is a pass over its weights (about "
+                  f"{2 * int(small) / (4 if dtype_name == 'fp32' else 2):g} flop per byte), so the kernel that "
+                  f"streams them faster wins: {win_s} at {by_rows[small][win_s]['gb_per_s']:.1f} GB/s, "
+                  f"{by_rows[small][win_s]['gb_per_s'] * 1e9 / bandwidth * 100:.0f} % of the machine's "
+                  f"{bandwidth / 1e9:.1f} GB/s read rate; at {large} rows the call is bound by arithmetic and "
+                  f"{win_l} wins at {by_rows[large][win_l]['gflop_per_s']:.0f} GFLOP/s against "
+                  + ", ".join(f"{k}'s {by_rows[large][k]['gflop_per_s']:.0f}" for k in kernels if k != win_l)
+                  + ".", ""]
+    return lines
 
 
 def render_moe(dtype_name: str, m: dict[str, Any]) -> list[str]:
@@ -396,7 +409,7 @@ def render(r: dict[str, Any]) -> str:
               "grouped GEMM (the no-host-read dispatch of moe_device.py, run on the CPU); HF loop: "
               "MixtralSparseMoeBlock's expert loop with unfused weights. moeguard's experts are fused (`w13`).", ""]
     for dtype_name, moe_r in r["moe"].items():
-        lines += render_choice(dtype_name, moe_r["kernel_choice"])
+        lines += render_choice(dtype_name, moe_r["kernel_choice"], r["read_bandwidth_bytes_per_s"])
         lines += render_moe(dtype_name, moe_r)
     if "overhead" in r:
         o = r["overhead"]
