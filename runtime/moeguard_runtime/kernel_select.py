@@ -4,8 +4,9 @@ A fixed kernel loses somewhere: oneDNN's linear primitive ran the float32 expert
 about twice as fast as MKL (``F.linear``) on the AMD EPYC of the benchmarks and slower on
 an Intel Xeon with AVX-512. So at start-up the worker times every candidate kernel
 (:data:`moeguard_runtime.moe.MATMUL_BACKENDS` that run on the model's device and dtype)
-on the model's own expert (layer 0's first expert: its fused ``w13`` ``[2I, D]`` and ``w2``
-``[D, I]``, one :func:`moe.swiglu_expert` call) at each bucket of row counts in
+on the model's own experts (one :func:`moe.swiglu_expert` call on layer 0's fused ``w13``
+``[2I, D]`` and ``w2`` ``[D, I]`` of one expert, the next expert at each call, so the weights
+come from memory as in serving rather than from a cache that holds one expert) at each bucket of row counts in
 :data:`ROW_BUCKETS` (decode steps give a few rows per expert, prefill chunks up to
 :data:`moe.ONEDNN_CHUNK_TOKENS`), and keeps the fastest per bucket: a :class:`moe.KernelPlan`.
 
@@ -129,19 +130,23 @@ def choose(kernels: Sequence[MatmulBackend], timer: Timer, buckets: Sequence[int
 
 
 def expert_timer(w13: torch.Tensor, w2: torch.Tensor, seed: int = 0) -> Timer:
-    """Times one :func:`moe.swiglu_expert` call on ``w13`` ``[2I, D]`` and ``w2`` ``[D, I]`` (the
-    model's own weights, no copy) with ``rows`` random rows in their dtype and device."""
+    """Times one :func:`moe.swiglu_expert` call on the experts ``w13`` ``[E, 2I, D]`` and ``w2``
+    ``[E, D, I]`` (the model's own weights, no copy; one expert per call, the next one each
+    time) with ``rows`` random rows in their dtype and device."""
     gen = torch.Generator().manual_seed(seed)
-    inputs = {rows: torch.randn(rows, w13.shape[1], generator=gen).to(w13.device, w13.dtype)
-              for rows in ROW_BUCKETS}
+    dim = w13.shape[-1]
+    inputs = {rows: torch.randn(rows, dim, generator=gen).to(w13.device, w13.dtype) for rows in ROW_BUCKETS}
+    calls = [0]
 
     def timer(kernel: MatmulBackend, rows: int) -> float:
         x = inputs.get(rows)
         if x is None:
-            x = inputs[rows] = torch.randn(rows, w13.shape[1], generator=gen).to(w13.device, w13.dtype)
+            x = inputs[rows] = torch.randn(rows, dim, generator=gen).to(w13.device, w13.dtype)
+        e = calls[0] % w13.shape[0]
+        calls[0] += 1
         with torch.inference_mode():
             t0 = time.perf_counter()
-            swiglu_expert(x, w13, w2, kernel)
+            swiglu_expert(x, w13[e], w2[e], kernel)
             return time.perf_counter() - t0
 
     return timer
@@ -175,7 +180,7 @@ def cache_key(w13: torch.Tensor, w2: torch.Tensor, kernels: Sequence[MatmulBacke
               threads: int | None = None, cpu: str | None = None) -> dict[str, Any]:
     """The fields a cached choice must match: CPU model, ``D``, ``I``, dtype, device type,
     torch threads, torch version, candidates and row buckets."""
-    return {"cpu": cpu if cpu is not None else cpu_model(), "dim": int(w13.shape[1]), "inter": int(w2.shape[1]),
+    return {"cpu": cpu if cpu is not None else cpu_model(), "dim": int(w13.shape[-1]), "inter": int(w2.shape[-1]),
             "dtype": str(w13.dtype).removeprefix("torch."), "device": w13.device.type,
             "threads": threads if threads is not None else torch.get_num_threads(),
             "torch": torch.__version__, "kernels": list(kernels), "buckets": list(ROW_BUCKETS)}
@@ -209,7 +214,7 @@ def _read_cache(path: Path, key: Mapping[str, Any]) -> tuple[KernelPlan, dict[in
 def select(w13: torch.Tensor, w2: torch.Tensor, directory: str | None = None, *,
            threads: int | None = None, timer: Timer | None = None,
            cpu: str | None = None) -> Selection:
-    """The kernel plan for experts of ``w13`` ``[2I, D]`` / ``w2`` ``[D, I]`` on this machine:
+    """The kernel plan for the experts ``w13`` ``[E, 2I, D]`` / ``w2`` ``[E, D, I]`` on this machine:
     from the cache under ``directory`` (default :func:`cache_dir`) when its key matches,
     else measured (:func:`choose` with ``timer``, default :func:`expert_timer`) and written
     there (a failure to write is returned as ``cache_error``, not raised)."""
@@ -240,11 +245,12 @@ def select(w13: torch.Tensor, w2: torch.Tensor, directory: str | None = None, *,
 
 
 def first_experts(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(w13[0], w2[0])`` of the first module holding fused experts, or None (no MoE layer)."""
+    """``(w13, w2)`` (``[E, 2I, D]``, ``[E, D, I]``) of the first module holding fused experts,
+    or None (no MoE layer)."""
     for module in model.modules():
         w13, w2 = getattr(module, "w13", None), getattr(module, "w2", None)
         if isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor) and w13.dim() == 3:
-            return w13[0].detach(), w2[0].detach()
+            return w13.detach(), w2.detach()
     return None
 
 

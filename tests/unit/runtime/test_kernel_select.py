@@ -63,7 +63,7 @@ def test_the_budget_stops_further_rounds() -> None:
 
 
 def test_selection_is_cached_per_key(tmp_path: Path) -> None:
-    w13, w2 = torch.randn(2 * 48, 32), torch.randn(32, 48)
+    w13, w2 = torch.randn(4, 2 * 48, 32), torch.randn(4, 32, 48)
     table = {(k, r): (1.0 if k == "torch" else 2.0) for k in ("onednn", "torch") for r in kernel_select.ROW_BUCKETS}
     calls: list[tuple[str, int]] = []
     first = kernel_select.select(w13, w2, str(tmp_path), threads=2, timer=fake_timer(table, calls), cpu="Test CPU")
@@ -86,7 +86,7 @@ def test_an_unwritable_cache_is_reported_not_raised(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
     table = {(k, r): 1.0 for k in ("onednn", "torch") for r in kernel_select.ROW_BUCKETS}
-    sel = kernel_select.select(torch.randn(96, 32), torch.randn(32, 48), str(blocker / "sub"),
+    sel = kernel_select.select(torch.randn(2, 96, 32), torch.randn(2, 32, 48), str(blocker / "sub"),
                                timer=fake_timer(table), cpu="x")
     if kernel_select.candidates(torch.float32) == ("torch",):
         pytest.skip("no oneDNN linear in this torch build")
@@ -102,8 +102,8 @@ def test_cpu_model_and_isa_flags_from_cpuinfo() -> None:
 
 
 def test_the_real_timer_times_the_models_expert() -> None:
-    timer = kernel_select.expert_timer(torch.randn(96, 32), torch.randn(32, 48))
-    assert 0 < timer("torch", 4) < 1 and 0 < timer("onednn", 5) < 1
+    timer = kernel_select.expert_timer(torch.randn(3, 96, 32), torch.randn(3, 32, 48))
+    assert all(0 < timer(k, r) < 1 for k in ("torch", "onednn") for r in (4, 5, 1))  # experts 0, 1, 2, 0, ...
 
 
 def test_a_plan_travels_to_every_moe_layer_and_leaves_onednn_on_failure() -> None:
@@ -114,7 +114,7 @@ def test_a_plan_travels_to_every_moe_layer_and_leaves_onednn_on_failure() -> Non
     plan = KernelPlan((4, 256), ("torch", "onednn"))
     assert kernel_select.apply_plan(model, plan) == presets.get_preset("tiny").n_layer
     w13, w2 = kernel_select.first_experts(model) or (None, None)
-    assert w13 is not None and w2 is not None and w13.shape[0] == 2 * w2.shape[1]
+    assert w13 is not None and w2 is not None and w13.shape[1] == 2 * w2.shape[2] and w13.shape[0] == w2.shape[0]
     assert moe.leave_onednn(model) == presets.get_preset("tiny").n_layer
     assert {m.matmul_backend for m in model.modules() if hasattr(m, "matmul_backend")} == \
         {KernelPlan((4, 256), ("torch", "torch"))}
