@@ -387,6 +387,12 @@ ADVICE: dict[str, str] = {
         "checkpoint's real size, which the operator cannot know at apply time for a `spec.model.source`. "
         "Compare it with `resources.hardLimit` (and set `spec.model.weightBytes` to it, so that the next "
         "apply checks the limit)."),
+    "moeguard_matmul_kernel_info": (
+        "Which expert-matmul kernel the worker uses (label `kernel`) on which CPU (label `cpu`). With "
+        "`MOEGUARD_MATMUL_BACKEND=auto` (default) it was measured at start-up on the model's own shapes "
+        "(or read from the cache under `MOEGUARD_KERNEL_CACHE_DIR`; see `event=matmul_kernel_selected`). "
+        "Pods of one MoEInferenceService on different CPU models may choose differently; a change after a "
+        "node upgrade explains a change in step time."),
     "moeguard_oom_errors": (
         "Batches that failed to allocate memory and that the worker survived (label `kind`: `cuda` for the "
         "device's allocator, `host` for the CPU's allocator, oneDNN or `MemoryError`); their requests got 503 "

@@ -39,6 +39,7 @@ from moeguard_runtime.telemetry import (
 
 if TYPE_CHECKING:
     from moeguard_runtime.memory_admission import MemoryAdmission
+    from moeguard_runtime.moe import MatmulBackend
     from moeguard_runtime.presets import ModelArgs
     from moeguard_runtime.server import WorkerSlot
     from moeguard_runtime.service import Worker
@@ -132,7 +133,7 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
                                         settings.torch_device,
                                         BuildOptions(settings.expert_chunk_tokens,
                                                      settings.capacity_factor,
-                                                     settings.matmul_backend,
+                                                     _initial_kernel(settings),
                                                      settings.moe_dispatch))
             model, model_type = loaded.model, loaded.model_type
             shape: ModelArgs | dict[str, Any] = loaded.config
@@ -144,7 +145,7 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
                                 capacity_factor=settings.capacity_factor,
                                 checkpoint=settings.checkpoint,
                                 dtype=settings.torch_dtype, device=settings.torch_device,
-                                matmul_backend=settings.matmul_backend,
+                                matmul_backend=_initial_kernel(settings),
                                 dispatch=settings.moe_dispatch)
             model_type, parameters = "preset", presets.parameter_count(args)
             eos_ids = slot.tokenizer.eos_ids
@@ -153,6 +154,7 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
         _fail(log, "model_load_error", str(exc)[:1000])
         failed.set()
         return
+    kernel = choose_matmul_kernel(settings, model, slot.telemetry, log)
     weight_bytes = slot.telemetry.set_model_weights(model.parameters())
     admission = memory_admission(settings, shape, log)
     # generation ends on the checkpoint's generation_config EOS ids and the tokenizer's (as transformers' generate)
@@ -160,7 +162,7 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
     log.event("worker_start", force=True, preset=settings.preset, seed=settings.seed,
               checkpoint=settings.checkpoint, model_type=model_type, parameters=parameters,
               device=settings.device, dtype=settings.dtype,
-              matmul_backend=settings.matmul_backend, moe_dispatch=settings.moe_dispatch,
+              matmul_backend=settings.matmul_backend, matmul_kernel=kernel, moe_dispatch=settings.moe_dispatch,
               model_overrides=dict(settings.model_overrides) or None,
               weight_bytes=weight_bytes,
               load_seconds=round(time.monotonic() - t0, 3), torch_threads=settings.torch_threads,
@@ -174,6 +176,44 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
     worker.start()
     slot.worker = worker
     _start_budget_watch(settings, worker, log, env)
+
+
+def _initial_kernel(settings: Settings) -> MatmulBackend:
+    """The kernel the model is built with: the setting, or ``onednn`` until ``auto`` has measured."""
+    return "torch" if settings.matmul_backend == "torch" else "onednn"
+
+
+def choose_matmul_kernel(settings: Settings, model: object, telemetry: Telemetry,
+                         log: RateLimitedLog) -> str:
+    """With ``MOEGUARD_MATMUL_BACKEND=auto``, measure the candidate kernels on the model's own
+    expert shapes (or read the cached choice, :mod:`moeguard_runtime.kernel_select`) and give
+    the plan to every MoE layer; log ``event=matmul_kernel_selected`` (and
+    ``event=kernel_cache_off`` when the cache cannot be written), set
+    ``moeguard_matmul_kernel_info``. Returns the kernel's label."""
+    from torch import nn
+
+    from moeguard_runtime import kernel_select
+
+    cpu = kernel_select.cpu_model()
+    kernel: str = settings.matmul_backend
+    experts = kernel_select.first_experts(model) if isinstance(model, nn.Module) else None
+    if settings.matmul_backend == "auto" and isinstance(model, nn.Module) and experts is not None:
+        selection = kernel_select.select(*experts, threads=settings.torch_threads, cpu=cpu)
+        kernel_select.apply_plan(model, selection.plan)
+        kernel = selection.plan.label
+        if selection.cache_error is not None:
+            log.event("kernel_cache_off", force=True, directory=kernel_select.cache_dir(),
+                      reason=selection.cache_error[:300])
+        log.event("matmul_kernel_selected", force=True, kernel=kernel, cpu=cpu,
+                  isa=",".join(kernel_select.isa_flags()), cached=selection.cached,
+                  measure_seconds=round(selection.measure_s, 3), cache_file=selection.cache_file,
+                  dtype=settings.dtype, device=settings.device,
+                  **{f"us_{rows}_rows_{k}": round(s * 1e6, 1)
+                     for rows, by_kernel in selection.seconds.items() for k, s in by_kernel.items()})
+    elif settings.matmul_backend == "auto":
+        kernel = "onednn"
+    telemetry.set_matmul_kernel(kernel, cpu)
+    return kernel
 
 
 def memory_admission(settings: Settings, shape: ModelArgs | dict[str, Any],

@@ -2,7 +2,10 @@
 
 A checkpoint is one ``*.safetensors`` file or a folder of them (shards). Each
 tensor is opened with ``safetensors.safe_open`` (memory-mapped, no copy until a
-tensor is used); only the experts are copied, to stack them into ``[E, I, D]``.
+tensor is used); only the experts are copied, to stack them into ``[E, D, I]`` (``w2``)
+and the fused ``[E, 2I, D]`` (``w13``: ``w1``, the gate projection, then ``w3``, the up
+projection, as vLLM and SGLang store them). Native checkpoints saved before the fusion
+(``feed_forward.w1``/``w3``) are fused on load too.
 
 HF ``MixtralForCausalLM`` names → this model's (gpt-fast layout):
 
@@ -11,7 +14,8 @@ HF ``MixtralForCausalLM`` names → this model's (gpt-fast layout):
 ``model.layers.N.self_attn.{q,k,v}_proj.weight`` (concatenated)  ``layers.N.attention.wqkv.weight``
 ``model.layers.N.self_attn.o_proj.weight``                       ``layers.N.attention.wo.weight``
 ``model.layers.N.block_sparse_moe.gate.weight``                  ``layers.N.feed_forward.gate.weight``
-``model.layers.N.block_sparse_moe.experts.E.w{1,2,3}.weight``    ``layers.N.feed_forward.w{1,2,3}[E]``
+``model.layers.N.block_sparse_moe.experts.E.w{1,3}.weight``      ``layers.N.feed_forward.w13[E]`` (halves)
+``model.layers.N.block_sparse_moe.experts.E.w2.weight``          ``layers.N.feed_forward.w2[E]``
 ``model.layers.N.input_layernorm.weight``                        ``layers.N.attention_norm.weight``
 ``model.layers.N.post_attention_layernorm.weight``               ``layers.N.ffn_norm.weight``
 ``model.norm.weight`` / ``lm_head.weight``                       ``norm.weight`` / ``output.weight``
@@ -34,6 +38,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from moeguard_runtime.moe import fuse_gate_up, stack_gate_up
 from moeguard_runtime.presets import ModelArgs
 
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -90,9 +95,10 @@ def read_tensors(path: str) -> dict[str, torch.Tensor]:
 
 
 def from_hf_names(tensors: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Map HF Mixtral names onto this model's (names already native pass through)."""
+    """Map HF Mixtral names onto this model's (names already native pass through, unfused
+    ``w1``/``w3`` pairs fused)."""
     if not any(k.startswith("model.") for k in tensors):
-        return dict(tensors)
+        return fuse_native(tensors)
     out: dict[str, torch.Tensor] = {}
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     qkv: dict[int, dict[str, torch.Tensor]] = {}
@@ -116,14 +122,35 @@ def from_hf_names(tensors: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
         if sorted(by_expert) != list(range(args.num_experts)):
             raise CheckpointError(f"layer {layer} {w}: experts {sorted(by_expert)}, "
                                   f"expected 0..{args.num_experts - 1}")
-        out[f"layers.{layer}.feed_forward.{w}"] = torch.stack(
-            [by_expert[i] for i in range(args.num_experts)])  # [E, I, D] or [E, D, I]
+    for (layer, w), by_expert in experts.items():
+        stacked = [by_expert[i] for i in range(args.num_experts)]
+        if w == "w2":
+            out[f"layers.{layer}.feed_forward.w2"] = torch.stack(stacked)  # [E, D, I]
+        elif w == "w1":
+            if (layer, "w3") not in experts:
+                raise CheckpointError(f"layer {layer}: w1 without w3")
+            up = experts[(layer, "w3")]
+            out[f"layers.{layer}.feed_forward.w13"] = stack_gate_up(
+                stacked, [up[i] for i in range(args.num_experts)])  # [E, 2I, D]
+        elif (layer, "w1") not in experts:
+            raise CheckpointError(f"layer {layer}: w3 without w1")
     for layer, parts in qkv.items():
         if set(parts) != {"q", "k", "v"}:
             raise CheckpointError(f"layer {layer}: q/k/v projections incomplete ({sorted(parts)})")
         out[f"layers.{layer}.attention.wqkv.weight"] = torch.cat([
             hf_to_interleaved(parts["q"], args.n_head), hf_to_interleaved(parts["k"], args.n_kv_head),
             parts["v"]])
+    return out
+
+
+def fuse_native(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Native names with every ``X.w1``/``X.w3`` pair (``[E, I, D]`` each, the layout before
+    the fusion) replaced by ``X.w13`` (``[E, 2I, D]``); other tensors pass through."""
+    out = dict(tensors)
+    for name in [n for n in tensors if n.endswith(".w1")]:
+        up = name.removesuffix(".w1") + ".w3"
+        if up in out:
+            out[name.removesuffix(".w1") + ".w13"] = fuse_gate_up(out.pop(name), out.pop(up))
     return out
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -41,7 +41,6 @@ from moeguard_runtime.moe import (
     DEFAULT_EXPERT_CHUNK_TOKENS,
     MATMUL_BACKENDS,
     MOE_DISPATCHES,
-    MatmulBackend,
     MoeDispatch,
 )
 from moeguard_runtime.presets import ModelArgs
@@ -54,7 +53,11 @@ ENV_EXPERT_CHUNK_TOKENS = "MOEGUARD_EXPERT_CHUNK_TOKENS"
 ENV_CAPACITY_FACTOR = "MOEGUARD_CAPACITY_FACTOR"
 """0 or unset: dropless (default); > 0: DeepSpeed capacity, overflow slots dropped and counted."""
 ENV_MATMUL_BACKEND = "MOEGUARD_MATMUL_BACKEND"
-"""Kernel of the expert matmuls: ``onednn`` (default; oneDNN for CPU float32) or ``torch``."""
+"""Kernel of the expert matmuls: ``auto`` (default: the fastest by measurement at start-up, per row
+bucket, :mod:`moeguard_runtime.kernel_select`), ``onednn`` (oneDNN for CPU float32/bfloat16) or ``torch``
+(``F.linear``)."""
+MatmulSetting = Literal["auto", "onednn", "torch"]
+MATMUL_SETTINGS: tuple[MatmulSetting, ...] = ("auto", *MATMUL_BACKENDS)
 ENV_MOE_DISPATCH = "MOEGUARD_MOE_DISPATCH"
 """How the MoE layers group their slots: ``auto`` (default), ``host`` or ``device`` (``moe.MoeDispatch``)."""
 ENV_MAX_QUEUE_TOKENS = "MOEGUARD_MAX_QUEUE_TOKENS"
@@ -124,7 +127,7 @@ class Settings:
     gpu_soft_fraction: float = contract.DEFAULT_GPU_SOFT_FRACTION
     gpu_hard_fraction: float = contract.DEFAULT_GPU_HARD_FRACTION
     capacity_factor: float = 0.0
-    matmul_backend: MatmulBackend = "onednn"
+    matmul_backend: MatmulSetting = "auto"
     moe_dispatch: MoeDispatch = "auto"
     checkpoint: str | None = None
     model_overrides: tuple[tuple[str, int | float], ...] = ()
@@ -319,10 +322,10 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         faults = load_faults(env)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    backend = (env.get(ENV_MATMUL_BACKEND) or "onednn").strip()
-    if backend not in MATMUL_BACKENDS:
+    backend = (env.get(ENV_MATMUL_BACKEND) or "auto").strip()
+    if backend not in MATMUL_SETTINGS:
         raise ConfigError(f"{ENV_MATMUL_BACKEND}={backend!r} must be one of "
-                          f"{', '.join(MATMUL_BACKENDS)}")
+                          f"{', '.join(MATMUL_SETTINGS)}")
     dispatch = (env.get(ENV_MOE_DISPATCH) or "auto").strip()
     if dispatch not in MOE_DISPATCHES:
         raise ConfigError(f"{ENV_MOE_DISPATCH}={dispatch!r} must be one of {', '.join(MOE_DISPATCHES)}")
@@ -347,7 +350,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         gpu_soft_fraction=gpu_soft,
         gpu_hard_fraction=gpu_hard,
         capacity_factor=capacity,
-        matmul_backend="torch" if backend == "torch" else "onednn",
+        matmul_backend="torch" if backend == "torch" else "onednn" if backend == "onednn" else "auto",
         moe_dispatch="host" if dispatch == "host" else "device" if dispatch == "device" else "auto",
         checkpoint=env.get(contract.ENV_CHECKPOINT_PATH) or None,
         model_overrides=_overrides(env),

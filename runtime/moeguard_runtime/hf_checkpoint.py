@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 
 from moeguard_runtime.checkpoint import CheckpointError
-from moeguard_runtime.moe import DEFAULT_EXPERT_CHUNK_TOKENS, MatmulBackend, MoeDispatch
+from moeguard_runtime.moe import DEFAULT_EXPERT_CHUNK_TOKENS, MatmulChoice, MoeDispatch
 from moeguard_runtime.serving import ServingModel
 
 CONFIG_FILE = "config.json"
@@ -211,7 +211,7 @@ class BuildOptions:
 
     expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS
     capacity_factor: float = 0.0
-    matmul_backend: MatmulBackend = "onednn"
+    matmul_backend: MatmulChoice = "onednn"
     dispatch: MoeDispatch = "auto"
 
 

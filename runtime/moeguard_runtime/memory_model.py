@@ -26,8 +26,9 @@ their KV caches do.
 
       MOE_STREAM x T x D x b             residual stream, norm, output accumulator
     + n_top x (D + 2 x I) x b            the busiest expert's slice: gathered inputs [n, D] and the
-                                         SwiGLU buffers w1 x (activated and multiplied in place)
-                                         and w3 x [n, I]; the output [n, D] reuses the gathered size
+                                         fused gate/up result w13 x [n, 2I] (its gate half activated
+                                         and multiplied in place); the output [n, D] reuses the
+                                         gathered size
     + T x E x (b + 4)                    router logits and the float32 softmax
     + 32 x k x T                         dispatch indices (int64 sort order, token ids)
 

@@ -8,7 +8,8 @@ segment is a prefill chunk (``n`` prompt tokens) or a decode token (``n = 1``).
 
 Weights are random and seeded, or loaded from a safetensors checkpoint
 (:func:`build_model`); the module layout (``tok_embeddings``,
-``layers.N.attention.wqkv``, ``feed_forward.w1`` …) follows gpt-fast, and HF
+``layers.N.attention.wqkv``, ``feed_forward.w13`` …) follows gpt-fast (the experts'
+gate and up projections fused, as vLLM), and HF
 Mixtral names are mapped onto it (:mod:`moeguard_runtime.checkpoint`).
 """
 
@@ -25,7 +26,7 @@ from torch import nn
 from moeguard_runtime.checkpoint import load_state_dict
 from moeguard_runtime.moe import (
     DEFAULT_EXPERT_CHUNK_TOKENS,
-    MatmulBackend,
+    MatmulChoice,
     MoeDispatch,
     MOEFeedForward,
     RoutingStats,
@@ -170,7 +171,7 @@ class Attention(nn.Module):
 
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer: int, expert_chunk_tokens: int,
-                 capacity_factor: float = 0.0, matmul_backend: MatmulBackend = "onednn",
+                 capacity_factor: float = 0.0, matmul_backend: MatmulChoice = "onednn",
                  dispatch: MoeDispatch = "auto") -> None:
         super().__init__()
         self.attention = Attention(args, layer)
@@ -189,12 +190,12 @@ class TransformerBlock(nn.Module):
 
 class Transformer(nn.Module):
     """The decoder. :meth:`forward` returns logits of each segment's last token.
-    ``matmul_backend``: kernel of the expert matmuls (:data:`moe.MatmulBackend`);
+    ``matmul_backend``: kernel of the expert matmuls (:data:`moe.MatmulChoice`);
     ``dispatch``: how the MoE layers group their slots (:data:`moe.MoeDispatch`)."""
 
     def __init__(self, args: ModelArgs,
                  expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS,
-                 capacity_factor: float = 0.0, matmul_backend: MatmulBackend = "onednn",
+                 capacity_factor: float = 0.0, matmul_backend: MatmulChoice = "onednn",
                  dispatch: MoeDispatch = "auto") -> None:
         super().__init__()
         self.args = args
@@ -249,10 +250,12 @@ class Transformer(nn.Module):
 def init_weights(model: Transformer, seed: int) -> None:
     """Fill every parameter from a generator seeded with ``seed`` (same seed, same
     weights). Matrices ~ N(0, 1/fan_in) so activations keep unit scale; the
-    embedding ~ N(0, 1); norm weights are 1."""
+    embedding ~ N(0, 1); norm weights are 1. The fused ``w13`` is drawn as the
+    unfused ``w1`` and ``w3`` were, in the same order, so a seed gives the weights it gave
+    before the fusion."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
+        for name, p in sorted(_unfused_parameters(model)):
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name == "tok_embeddings.weight":
@@ -262,18 +265,31 @@ def init_weights(model: Transformer, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(fan_in))
 
 
+def _unfused_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``named_parameters()`` with each ``X.w13`` ``[E, 2I, D]`` given as its two halves ``X.w1``
+    and ``X.w3`` (views)."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, p in model.named_parameters():
+        if name.endswith(".w13"):
+            half = p.shape[1] // 2
+            out += [(name.removesuffix("13") + "1", p[:, :half]), (name.removesuffix("13") + "3", p[:, half:])]
+        else:
+            out.append((name, p))
+    return out
+
+
 def build_model(args: ModelArgs, seed: int = 0, dtype: torch.dtype = torch.float32,
                 expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS,
                 capacity_factor: float = 0.0, checkpoint: str | None = None,
                 device: torch.device | str = "cpu",
-                matmul_backend: MatmulBackend = "onednn",
+                matmul_backend: MatmulChoice = "onednn",
                 dispatch: MoeDispatch = "auto") -> Transformer:
     """Build on the meta device (no allocation), then either load ``checkpoint``
     (a local safetensors file or folder, :mod:`moeguard_runtime.checkpoint`;
     tensors are assigned, not copied into fresh storage) or materialise and fill
     with seeded weights (drawn on the CPU, so a seed gives the same weights on
     every device), then cast to ``dtype`` and move to ``device``. The rotary
-    angles stay float32 on ``device``. ``matmul_backend``, ``dispatch``: see :data:`moe.MatmulBackend`, :data:`moe.MoeDispatch`.
+    angles stay float32 on ``device``. ``matmul_backend``, ``dispatch``: see :data:`moe.MatmulChoice`, :data:`moe.MoeDispatch`.
 
     Raises:
         checkpoint.CheckpointError: an unreadable checkpoint, or one of another shape.

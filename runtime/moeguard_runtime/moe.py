@@ -22,9 +22,13 @@ choices are served before second choices, then in token order (DeepSpeed's
 ``top2gating`` priority); the slots over capacity are dropped and counted as
 ``overflow_tokens``, and each token's kept weights are renormalized.
 
-Weight layout follows gpt-fast ``ConditionalFeedForward`` (and HF's nn.Linear
-orientation, so Mixtral checkpoints load without transposes):
-``w1``, ``w3``: ``[E, I, D]``; ``w2``: ``[E, D, I]``.
+Weight layout: HF's nn.Linear orientation (Mixtral checkpoints load without
+transposes), with the gate and up projections fused as vLLM and SGLang store them
+(``w13_weight``): ``w13``: ``[E, 2I, D]``, rows ``0..I-1`` the gate projection
+(HF ``w1``/``gate_proj``) and rows ``I..2I-1`` the up projection (``w3``/``up_proj``);
+``w2``: ``[E, D, I]``. One ``[n, D] x [D, 2I]`` matmul per expert replaces two, so a
+decode step reads each touched expert's gate and up weights in one pass.
+:func:`stack_gate_up` builds the fused tensor from per-expert checkpoints.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import itertools
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -150,17 +154,72 @@ SMALL_BATCH_SLOTS = 256
 
 _ONEDNN_LINEAR = (bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
                   and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+_ONEDNN_BF16 = _ONEDNN_LINEAR and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 MatmulBackend = Literal["onednn", "torch"]
-"""Kernel of the expert matmuls, a parameter of :class:`MOEFeedForward` (and of the model).
+"""A kernel of the expert matmuls on the host.
 
-``onednn`` (default): CPU float32 expert matmuls go to oneDNN (``torch.ops.mkldnn._linear_pointwise``
-on the dense weight, no packed copy) instead of ``F.linear`` (MKL sgemm): on the
-2-core AMD EPYC of the benchmarks oneDNN ran the [1024, 1024] x [1024, 2816]
-expert matmul at about 130 GFLOP/s against MKL's 60, and 4-row decode matmuls
-at about 30 GB/s of weight reads against 19. Same float32 arithmetic (the
-results differ only in summation order); other devices and dtypes use ``F.linear``.
-``torch``: ``F.linear`` everywhere (the benchmarks compare the two)."""
+``onednn``: oneDNN's linear primitive (``torch.ops.mkldnn._linear_pointwise`` on the dense
+weight, no packed copy) for CPU float32, and bfloat16 where oneDNN supports it
+(``torch.ops.mkldnn._is_mkldnn_bf16_supported()``); rows padded to :func:`padded_rows`.
+On the 2-core AMD EPYC of the benchmarks it ran the [1024, 1024] x [1024, 2816] float32
+expert matmul at about 130 GFLOP/s against MKL's 60; on an Intel Xeon with AVX-512 it lost
+to MKL (issue 16), so the worker chooses by measurement (:class:`KernelPlan`,
+:mod:`moeguard_runtime.kernel_select`). Other devices and dtypes use ``F.linear``.
+``torch``: ``F.linear`` everywhere (MKL sgemm for CPU float32, oneDNN's matmul for CPU bfloat16)."""
 MATMUL_BACKENDS: tuple[MatmulBackend, ...] = ("onednn", "torch")
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """The expert-matmul kernel for each bucket of row counts, chosen by measurement
+    (:func:`moeguard_runtime.kernel_select.choose`).
+
+    Attributes:
+        bounds: ascending row counts; a call of ``n`` rows uses the first bucket with
+            ``n <= bound`` (the last bucket takes every larger call too).
+        kernels: one :data:`MatmulBackend` per bound.
+    """
+
+    bounds: tuple[int, ...]
+    kernels: tuple[MatmulBackend, ...]
+
+    def __post_init__(self) -> None:
+        if not self.bounds or len(self.bounds) != len(self.kernels) or list(self.bounds) != sorted(set(self.bounds)):
+            raise ValueError(f"a kernel plan needs ascending bounds, one kernel each: {self}")
+
+    def kernel_for(self, rows: int) -> MatmulBackend:
+        """The kernel of a call of ``rows`` rows."""
+        for bound, kernel in zip(self.bounds, self.kernels, strict=True):
+            if rows <= bound:
+                return kernel
+        return self.kernels[-1]
+
+    def replacing(self, old: MatmulBackend, new: MatmulBackend) -> KernelPlan:
+        """This plan with ``old`` replaced by ``new`` in every bucket."""
+        return replace(self, kernels=tuple(new if k == old else k for k in self.kernels))
+
+    @property
+    def label(self) -> str:
+        """``onednn`` when one kernel serves every bucket, else ``torch<=4,onednn`` style (the last
+        bucket unbounded): the value of the ``kernel`` label of ``moeguard_matmul_kernel_info``."""
+        if len(set(self.kernels)) == 1:
+            return self.kernels[0]
+        parts = []
+        for i, (bound, kernel) in enumerate(zip(self.bounds, self.kernels, strict=True)):
+            if i + 1 < len(self.kernels) and self.kernels[i + 1] == kernel:
+                continue  # merged into the next bucket
+            parts.append(kernel if i + 1 == len(self.kernels) else f"{kernel}<={bound}")
+        return ",".join(parts)
+
+
+MatmulChoice = MatmulBackend | KernelPlan
+"""What a module's ``matmul_backend`` holds: one kernel for every call, or a measured plan."""
+
+
+def kernel_for(backend: MatmulChoice, rows: int) -> MatmulBackend:
+    """The kernel ``backend`` uses for a call of ``rows`` rows."""
+    return backend.kernel_for(rows) if isinstance(backend, KernelPlan) else backend
+
 
 MoeDispatch = Literal["auto", "host", "device"]
 """How :class:`MOEFeedForward` groups the slots: ``host`` (:func:`dispatch_experts`, the
@@ -179,8 +238,9 @@ alone are 31 MB) and ran as fast as or faster than any larger chunk."""
 
 
 def leave_onednn(model: object) -> int:
-    """Switch every module of ``model`` whose ``matmul_backend`` is ``onednn`` to ``torch``
-    (``F.linear``, MKL on the CPU), for the rest of the process; returns how many modules changed.
+    """Switch every module of ``model`` whose ``matmul_backend`` uses ``onednn`` to ``torch``
+    (``F.linear``, MKL on the CPU; in a :class:`KernelPlan`, the oneDNN buckets only), for the
+    rest of the process; returns how many modules changed.
 
     The cure for oneDNN primitives that failed to be created under memory pressure: measured
     here, after an address-space limit (``prlimit --as``) was lifted, the prefills whose shapes
@@ -190,14 +250,25 @@ def leave_onednn(model: object) -> int:
     changed = 0
     if isinstance(model, nn.Module):
         for module in model.modules():
-            if getattr(module, "matmul_backend", None) == "onednn":
+            backend = getattr(module, "matmul_backend", None)
+            if backend == "onednn":
                 setattr(module, "matmul_backend", "torch")  # noqa: B010 - nn.Module types attributes as tensors
+                changed += 1
+            elif isinstance(backend, KernelPlan) and "onednn" in backend.kernels:
+                setattr(module, "matmul_backend", backend.replacing("onednn", "torch"))  # noqa: B010
                 changed += 1
     return changed
 
 
-def _onednn(x: torch.Tensor, backend: MatmulBackend) -> bool:
-    return backend == "onednn" and _ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype == torch.float32
+def onednn_supports(x: torch.Tensor) -> bool:
+    """Whether the ``onednn`` kernel runs on ``x``: CPU float32, or bfloat16 where oneDNN has it."""
+    return _ONEDNN_LINEAR and x.device.type == "cpu" and (
+        x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and _ONEDNN_BF16))
+
+
+def _onednn(x: torch.Tensor, backend: MatmulChoice, rows: int | None = None) -> bool:
+    kernel = kernel_for(backend, x.shape[0] if rows is None else rows)
+    return kernel == "onednn" and onednn_supports(x)
 
 
 def padded_rows(n: int) -> int:
@@ -214,12 +285,12 @@ def padded_rows(n: int) -> int:
 
 
 def expert_linear(x: torch.Tensor, w: torch.Tensor,
-                  backend: MatmulBackend = "onednn") -> torch.Tensor:
-    """``x @ w.T`` (``x`` [n, in], ``w`` [out, in]) → [n, out]: with ``backend`` ``onednn``,
-    oneDNN for CPU float32 (rows padded to :func:`padded_rows`, the padding sliced off),
-    else ``F.linear``."""
+                  backend: MatmulChoice = "onednn") -> torch.Tensor:
+    """``x @ w.T`` (``x`` [n, in], ``w`` [out, in]) → [n, out]: with the ``onednn`` kernel
+    (``backend``'s choice for ``n`` rows), oneDNN for CPU float32/bfloat16 (rows padded to
+    :func:`padded_rows`, the padding sliced off), else ``F.linear``."""
     n = x.shape[0]
-    if _onednn(x, backend) and n > 0:
+    if n > 0 and _onednn(x, backend, n):
         m = padded_rows(n)
         if m != n:
             x = F.pad(x, (0, 0, 0, m - n))
@@ -228,25 +299,86 @@ def expert_linear(x: torch.Tensor, w: torch.Tensor,
     return F.linear(x, w)
 
 
-def swiglu_expert(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                  w3: torch.Tensor, backend: MatmulBackend = "onednn") -> torch.Tensor:
-    """One expert: ``w2(silu(w1 x) * w3 x)``. ``x`` [n, D], ``w1``/``w3`` [I, D],
-    ``w2`` [D, I] → [n, D]. Inference only (in-place activation). Each weight is
-    read once for all ``n`` rows, also at decode (a per-row ``torch.mv`` would
-    read it ``n`` times)."""
+def swiglu_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  backend: MatmulChoice = "onednn") -> torch.Tensor:
+    """One expert with fused gate/up weights: ``w2(silu(gate x) * up x)``.
+
+    ``x`` [n, D]; ``w13`` [2I, D], the gate projection's rows then the up projection's;
+    ``w2`` [D, I] → [n, D]. One matmul reads the gate and up weights together (once for all
+    ``n`` rows, also at decode); the activation is computed in place in the ``[n, 2I]``
+    result (vLLM's ``SiluAndMul`` on the two halves), so the only temporary is that result.
+    Inference only."""
+    inter = w2.shape[1]
+    h = expert_linear(x, w13, backend)  # [n, 2I]
+    gate = h[:, :inter]  # [n, I] view, row stride 2I
+    F.silu(gate, inplace=True)
+    gate.mul_(h[:, inter:])
+    return expert_linear(gate, w2, backend)  # [n, D]
+
+
+def swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+               backend: MatmulChoice = "onednn") -> torch.Tensor:
+    """A SwiGLU MLP with separate weights (HF ``gate_proj``/``up_proj``/``down_proj``, the shared
+    experts): ``w2(silu(w1 x) * w3 x)``; ``x`` [n, D], ``w1``/``w3`` [I, D], ``w2`` [D, I] → [n, D]."""
     h = expert_linear(x, w1, backend)  # [n, I]
     F.silu(h, inplace=True)
-    h.mul_(expert_linear(x, w3, backend))  # in place: one [n, I] buffer fewer at the peak
+    h.mul_(expert_linear(x, w3, backend))
     return expert_linear(h, w2, backend)  # [n, D]
 
 
+def stack_gate_up(gate: Sequence[torch.Tensor], up: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The fused ``[E, 2I, D]`` weight from ``E`` gate and ``E`` up projections (``[I, D]`` each,
+    HF ``w1``/``gate_proj`` and ``w3``/``up_proj``), copied once into one new tensor (the
+    checkpoint's tensors may stay memory-mapped), in the first gate tensor's dtype."""
+    if len(gate) != len(up) or not gate:
+        raise ValueError(f"{len(gate)} gate and {len(up)} up projections")
+    inter, dim = gate[0].shape
+    out = torch.empty(len(gate), 2 * inter, dim, dtype=gate[0].dtype, device=gate[0].device)
+    for e, (g, u) in enumerate(zip(gate, up, strict=True)):
+        out[e, :inter].copy_(g)
+        out[e, inter:].copy_(u)
+    return out
+
+
+def fuse_gate_up(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    """``[E, I, D]`` gate and up stacks → the fused ``[E, 2I, D]`` (a new tensor)."""
+    return torch.cat([w1, w3], dim=1)
+
+
+class GateUpViews:
+    """``w1`` and ``w3`` (``[E, I, D]``) as views of a module's fused ``w13`` (``[E, 2I, D]``):
+    for readers of the unfused layout (tests, the HF reference loop). Writing into them
+    writes into ``w13``."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+
+    @property
+    def w1(self) -> torch.Tensor:
+        """``[E, I, D]`` gate projections (a view)."""
+        return self.w13[:, :self.w2.shape[2]]
+
+    @property
+    def w3(self) -> torch.Tensor:
+        """``[E, I, D]`` up projections (a view)."""
+        return self.w13[:, self.w2.shape[2]:]
+
+
+def onednn_chunk(x: torch.Tensor, backend: MatmulChoice, expert_chunk_tokens: int) -> int:
+    """Most token-slots one expert processes at once: ``expert_chunk_tokens``, at most
+    :data:`ONEDNN_CHUNK_TOKENS` where chunks of that size run on oneDNN."""
+    if _onednn(x, backend, ONEDNN_CHUNK_TOKENS):
+        return min(expert_chunk_tokens, ONEDNN_CHUNK_TOKENS)
+    return expert_chunk_tokens
+
+
 def host_expert_chunks(x: torch.Tensor, tokens_per_expert: Sequence[int], expert_chunk_tokens: int,
-                       capacity: int | None = None, backend: MatmulBackend = "onednn") -> int:
+                       capacity: int | None = None, backend: MatmulChoice = "onednn") -> int:
     """The most chunks :func:`dispatch_experts` splits one expert's token-slots into, for ``x`` and
     the layer's counts: ``ceil(kept / chunk)`` of the busiest expert, where ``chunk`` is
     ``expert_chunk_tokens``, at most :data:`ONEDNN_CHUNK_TOKENS` on the oneDNN path, and
     ``kept`` the slots under ``capacity``. 0 when nothing was routed."""
-    chunk = min(expert_chunk_tokens, ONEDNN_CHUNK_TOKENS) if _onednn(x, backend) else expert_chunk_tokens
+    chunk = onednn_chunk(x, backend, expert_chunk_tokens)
     top = max(tokens_per_expert, default=0)
     if capacity is not None:
         top = min(top, capacity)
@@ -263,12 +395,11 @@ def dispatch_experts(
     x: torch.Tensor,
     weights: torch.Tensor,
     experts: torch.Tensor,
-    w1: torch.Tensor,
+    w13: torch.Tensor,
     w2: torch.Tensor,
-    w3: torch.Tensor,
     expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS,
     capacity: int | None = None,
-    backend: MatmulBackend = "onednn",
+    backend: MatmulChoice = "onednn",
 ) -> tuple[torch.Tensor, list[int], int]:
     """Run the experts on their token-slots, grouped by expert.
 
@@ -276,10 +407,10 @@ def dispatch_experts(
         x: ``[T, D]`` hidden states.
         weights: ``[T, k]`` router weights (float32).
         experts: ``[T, k]`` int64 expert indices.
-        w1, w3: ``[E, I, D]``; w2: ``[E, D, I]``.
+        w13: ``[E, 2I, D]`` fused gate and up projections; w2: ``[E, D, I]``.
         expert_chunk_tokens: most token-slots one expert processes at once.
         capacity: most token-slots per expert (None: dropless).
-        backend: kernel of the expert matmuls (:data:`MatmulBackend`).
+        backend: kernel of the expert matmuls (:data:`MatmulChoice`).
 
     Returns:
         ``(out, tokens_per_expert, overflow)``: ``[T, D]`` in ``x.dtype`` (the
@@ -293,7 +424,7 @@ def dispatch_experts(
     if expert_chunk_tokens < 1:
         raise ValueError("expert_chunk_tokens must be >= 1")
     num_tokens, k = experts.shape
-    num_experts = w1.shape[0]
+    num_experts = w13.shape[0]
     flat_experts = experts.reshape(-1)  # [T*k] token-major
     counts = torch.bincount(flat_experts, minlength=num_experts)  # [E]
     # The one host transfer of this layer: the slices' bounds are data-dependent
@@ -322,15 +453,14 @@ def dispatch_experts(
     # Small batches (decode): every expert writes its rows into one [S, D] buffer and
     # a single index_add_ combines them; eight small index_add_ calls cost more than
     # the buffer. Large batches add each chunk at once, so no [S, D] buffer exists.
-    if _onednn(x, backend):
-        expert_chunk_tokens = min(expert_chunk_tokens, ONEDNN_CHUNK_TOKENS)
+    expert_chunk_tokens = onednn_chunk(x, backend, expert_chunk_tokens)
     slots = bounds[-1]
     gathered = x.new_empty(slots, x.shape[1]) if slots <= SMALL_BATCH_SLOTS else None
     for e in range(num_experts):
         for c0 in range(bounds[e], bounds[e + 1], expert_chunk_tokens):
             c1 = min(c0 + expert_chunk_tokens, bounds[e + 1])
             tok = slot_token[c0:c1]  # [n], ascending
-            y = swiglu_expert(x.index_select(0, tok), w1[e], w2[e], w3[e], backend)  # [n, D]
+            y = swiglu_expert(x.index_select(0, tok), w13[e], w2[e], backend)  # [n, D]
             if gathered is not None:
                 torch.mul(y, slot_weight[c0:c1, None].to(y.dtype), out=gathered[c0:c1])
             else:
@@ -342,28 +472,28 @@ def dispatch_experts(
     return out, host_counts, overflow
 
 
-class MOEFeedForward(nn.Module):
-    """Router plus stacked SwiGLU experts (gpt-fast ``MOEFeedForward``).
+class MOEFeedForward(GateUpViews, nn.Module):
+    """Router plus stacked SwiGLU experts (gpt-fast ``MOEFeedForward``), gate and up fused
+    (``w13`` ``[E, 2I, D]``; ``w1``/``w3`` are views of it).
 
     ``capacity_factor`` 0 (default) is dropless; above 0, DeepSpeed capacity.
-    ``matmul_backend``: kernel of the expert matmuls (:data:`MatmulBackend`);
+    ``matmul_backend``: kernel of the expert matmuls (:data:`MatmulChoice`);
     ``dispatch``: see :data:`MoeDispatch`.
     """
 
     def __init__(self, dim: int, intermediate_size: int, num_experts: int, top_k: int,
                  expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS,
-                 capacity_factor: float = 0.0, matmul_backend: MatmulBackend = "onednn",
+                 capacity_factor: float = 0.0, matmul_backend: MatmulChoice = "onednn",
                  dispatch: MoeDispatch = "auto") -> None:
         super().__init__()
         self.gate = nn.Linear(dim, num_experts, bias=False)  # weight [E, D]
-        self.w1 = nn.Parameter(torch.empty(num_experts, intermediate_size, dim))  # [E, I, D]
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, dim))  # [E, 2I, D]
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, intermediate_size))  # [E, D, I]
-        self.w3 = nn.Parameter(torch.empty(num_experts, intermediate_size, dim))  # [E, I, D]
         self.top_k = top_k
         self.num_experts = num_experts
         self.expert_chunk_tokens = expert_chunk_tokens
         self.capacity_factor = capacity_factor
-        self.matmul_backend: MatmulBackend = matmul_backend
+        self.matmul_backend: MatmulChoice = matmul_backend
         self.dispatch: MoeDispatch = dispatch
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingStats | PendingRouting]:
@@ -378,12 +508,12 @@ class MOEFeedForward(nn.Module):
             capacity = expert_capacity(x.shape[0], self.top_k, self.num_experts,
                                        self.capacity_factor)
         if self.dispatch == "device" or (self.dispatch == "auto" and grouped_mm_available(x)):
-            out, pending, dropped = device_dispatch(x, weights, experts, self.w1, self.w2, self.w3,
+            out, pending, dropped = device_dispatch(x, weights, experts, self.w13, self.w2,
                                                     self.expert_chunk_tokens, capacity)
             return out, PendingRouting(pending, dropped, (t0, t1, mark(x.device)),
                                        device_expert_chunks(experts.numel(), self.expert_chunk_tokens))
         out, counts, overflow = dispatch_experts(
-            x, weights, experts, self.w1, self.w2, self.w3, self.expert_chunk_tokens, capacity,
+            x, weights, experts, self.w13, self.w2, self.expert_chunk_tokens, capacity,
             self.matmul_backend)
         t2 = mark(x.device)
         return out, routing_stats(counts, overflow, (t0, t1, t2), host_expert_chunks(

@@ -4,7 +4,8 @@
 slice the sorted token-slots per expert: one device synchronisation per MoE
 layer. Here the slices stay on the device: the slots are sorted by expert, the
 groups' end offsets are ``cumsum(counts)`` (``int32``, on the device), and each
-projection of all experts is one ``torch.nn.functional.grouped_mm`` (torch >=
+projection of all experts (the fused gate/up ``w13``, then ``w2``) is one
+``torch.nn.functional.grouped_mm`` (torch >=
 2.9; bfloat16 on CUDA SM >= 80, as its documentation states). Chunks of
 ``expert_chunk_tokens`` slots keep the temporaries bounded (``[chunk, I]``), with
 the offsets clipped to each chunk. Every shape is static (``T * k`` slots), so
@@ -49,14 +50,15 @@ def grouped_mm_available(x: torch.Tensor) -> bool:
 
 
 def device_dispatch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                    w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                    w13: torch.Tensor, w2: torch.Tensor,
                     expert_chunk_tokens: int, capacity: int | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The experts on their token-slots, grouped by expert, without a host read.
 
     Args:
         x: ``[T, D]``; weights: ``[T, k]`` float32; experts: ``[T, k]`` int64.
-        w1, w3: ``[E, I, D]``; w2: ``[E, D, I]`` (``nn.Linear`` layout).
+        w13: ``[E, 2I, D]`` fused gate (rows ``0..I-1``) and up projections; w2: ``[E, D, I]``
+            (``nn.Linear`` layout).
         expert_chunk_tokens: most token-slots per grouped matmul.
         capacity: most token-slots per expert (None: dropless).
 
@@ -69,7 +71,7 @@ def device_dispatch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
     if expert_chunk_tokens < 1:
         raise ValueError("expert_chunk_tokens must be >= 1")
     num_tokens, k = experts.shape
-    num_experts = w1.shape[0]
+    num_experts, inter = w13.shape[0], w2.shape[2]
     flat = experts.reshape(-1)  # [S] token-major, S = T*k
     counts = torch.bincount(flat, minlength=num_experts)  # [E]
     order = torch.argsort(flat, stable=True)  # [S] grouped by expert, tokens ascending
@@ -83,7 +85,7 @@ def device_dispatch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
     slot_weight = slot_weight[order]  # [S] sorted
     slot_token = order // k  # [S]
     offs = torch.cumsum(counts, 0)  # [E] end of each expert's group
-    w1t, w2t, w3t = w1.transpose(1, 2), w2.transpose(1, 2), w3.transpose(1, 2)  # views
+    w13t, w2t = w13.transpose(1, 2), w2.transpose(1, 2)  # views: [E, D, 2I], [E, I, D]
     out = torch.zeros_like(x)  # [T, D]
     slots = num_tokens * k
     for c0 in range(0, slots, expert_chunk_tokens):
@@ -91,10 +93,10 @@ def device_dispatch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
         tok = slot_token[c0:c1]  # [n]
         xs = x.index_select(0, tok)  # [n, D]
         offs_c = (offs - c0).clamp(0, c1 - c0).to(torch.int32)  # [E] this chunk's groups
-        h = F.grouped_mm(xs, w1t, offs=offs_c)  # [n, I]
-        F.silu(h, inplace=True)
-        h.mul_(F.grouped_mm(xs, w3t, offs=offs_c))
-        y = F.grouped_mm(h, w2t, offs=offs_c)  # [n, D]
+        h = F.grouped_mm(xs, w13t, offs=offs_c)  # [n, 2I]
+        act = F.silu(h[:, :inter]).mul_(h[:, inter:])  # [n, I], contiguous
+        del h
+        y = F.grouped_mm(act, w2t, offs=offs_c)  # [n, D]
         y.mul_(slot_weight[c0:c1, None].to(y.dtype))
         out.index_add_(0, tok, y)
     return out, counts, overflow

@@ -195,6 +195,11 @@ class Telemetry:
         self.weight_bytes = gauge(contract.METRIC_MODEL_WEIGHT_BYTES,
                                   "Bytes of the loaded model's parameters (set once the model is loaded).",
                                   unit="bytes")
+        self.matmul_kernel = gauge(
+            "moeguard_matmul_kernel_info",
+            "1 for the expert-matmul kernel in use (set once the model is loaded): kernel is onednn, torch "
+            "(F.linear), or a per-row-bucket plan measured at start-up such as torch<=4,onednn; cpu is the "
+            "CPU model from /proc/cpuinfo.", ["kernel", "cpu"])
         self.memory_step_peak = gauge(
             "moeguard_memory_step_peak_bytes",
             "The last engine step's peak above the resident set before it: figure=predicted (the memory "
@@ -281,6 +286,11 @@ class Telemetry:
         total = sum(int(p.numel()) * int(p.element_size()) for p in parameters)
         self.weight_bytes.labels(**self.labels).set(total)
         return total
+
+    def set_matmul_kernel(self, kernel: str, cpu: str) -> None:
+        """``moeguard_matmul_kernel_info{kernel, cpu} = 1`` (an info metric: the labels carry the value)."""
+        self.matmul_kernel.clear()
+        self.matmul_kernel.labels(**self.l(kernel=kernel, cpu=cpu)).set(1)
 
     def stage(self, stage: str, seconds: float) -> None:
         self.stage_seconds.labels(**self.l(stage=stage)).observe(seconds)

@@ -25,7 +25,8 @@ from moeguard_runtime.family_shape import qwen_sparse_layers
 from moeguard_runtime.hf_checkpoint import BuildOptions, HFConfig
 from moeguard_runtime.model import KVCache, RMSNorm, Segment
 from moeguard_runtime.moe import (
-    MatmulBackend,
+    GateUpViews,
+    MatmulChoice,
     MoeDispatch,
     RoutingStats,
     device_expert_chunks,
@@ -33,7 +34,7 @@ from moeguard_runtime.moe import (
     expert_capacity,
     host_expert_chunks,
     routing_stats,
-    swiglu_expert,
+    swiglu_mlp,
 )
 from moeguard_runtime.moe_device import PendingRouting, device_dispatch, grouped_mm_available
 from moeguard_runtime.timing import mark
@@ -103,27 +104,28 @@ class DenseMLP(nn.Module):
     """SwiGLU MLP ``down(silu(gate x) * up x)`` (HF ``Qwen2MoeMLP``, ``DeepseekV3MLP``)."""
 
     def __init__(self, dim: int, intermediate_size: int,
-                 matmul_backend: MatmulBackend = "onednn") -> None:
+                 matmul_backend: MatmulChoice = "onednn") -> None:
         super().__init__()
-        self.matmul_backend: MatmulBackend = matmul_backend
+        self.matmul_backend: MatmulChoice = matmul_backend
         self.gate_proj = nn.Linear(dim, intermediate_size, bias=False)
         self.up_proj = nn.Linear(dim, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [T, D] → [T, D]."""
-        return swiglu_expert(x, self.gate_proj.weight, self.down_proj.weight, self.up_proj.weight,
-                             self.matmul_backend)
+        return swiglu_mlp(x, self.gate_proj.weight, self.down_proj.weight, self.up_proj.weight,
+                          self.matmul_backend)
 
 
-class SparseMoE(nn.Module):
+class SparseMoE(GateUpViews, nn.Module):
     """Routed SwiGLU experts (grouped dispatch, :mod:`moeguard_runtime.moe`), plus optional
     shared experts: ungated (DeepSeek-V3 ``shared_experts``) or scaled by
     ``sigmoid(shared_expert_gate x)`` (Qwen2-MoE ``shared_expert``).
 
     The expert chunking and the capacity guardrail are those of
     :class:`moeguard_runtime.moe.MOEFeedForward` (``expert_chunk_tokens``,
-    ``capacity_factor``); the routing statistics count routed token-slots only.
+    ``capacity_factor``); the routing statistics count routed token-slots only. The experts'
+    gate and up projections are fused (``w13`` ``[E, 2I, D]``, :mod:`moeguard_runtime.moe`).
     """
 
     def __init__(self, dim: int, intermediate_size: int, num_experts: int, router: Router,
@@ -131,9 +133,8 @@ class SparseMoE(nn.Module):
                  score_bias: bool = False, router_fp32: bool = False) -> None:
         super().__init__()
         self.gate = nn.Linear(dim, num_experts, bias=False)  # weight [E, D]
-        self.w1 = nn.Parameter(torch.empty(num_experts, intermediate_size, dim))  # [E, I, D]
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, dim))  # [E, 2I, D]
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, intermediate_size))  # [E, D, I]
-        self.w3 = nn.Parameter(torch.empty(num_experts, intermediate_size, dim))  # [E, I, D]
         self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts)) if score_bias else None
         self.shared = DenseMLP(dim, shared_size, options.matmul_backend) if shared_size else None
         self.shared_gate = nn.Linear(dim, 1, bias=False) if shared_gate else None
@@ -141,7 +142,7 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k = num_experts, router.top_k
         self.expert_chunk_tokens = options.expert_chunk_tokens
         self.capacity_factor = options.capacity_factor
-        self.matmul_backend: MatmulBackend = options.matmul_backend
+        self.matmul_backend: MatmulChoice = options.matmul_backend
         self.dispatch: MoeDispatch = options.dispatch
         self.router_fp32 = router_fp32
         """Keep ``gate.weight`` and the bias float32 whatever the model's dtype (HF DeepSeek-V3's
@@ -160,12 +161,12 @@ class SparseMoE(nn.Module):
             capacity = expert_capacity(x.shape[0], self.top_k, self.num_experts, self.capacity_factor)
         routing: RoutingStats | PendingRouting
         if self.dispatch == "device" or (self.dispatch == "auto" and grouped_mm_available(x)):
-            out, pending, dropped = device_dispatch(x, weights, experts, self.w1, self.w2, self.w3,
+            out, pending, dropped = device_dispatch(x, weights, experts, self.w13, self.w2,
                                                     self.expert_chunk_tokens, capacity)
             routing = PendingRouting(pending, dropped, (t0, t1, mark(x.device)),
                                      device_expert_chunks(experts.numel(), self.expert_chunk_tokens))
         else:
-            out, counts, overflow = dispatch_experts(x, weights, experts, self.w1, self.w2, self.w3,
+            out, counts, overflow = dispatch_experts(x, weights, experts, self.w13, self.w2,
                                                      self.expert_chunk_tokens, capacity,
                                                      self.matmul_backend)
             routing = routing_stats(counts, overflow, (t0, t1, mark(x.device)), host_expert_chunks(

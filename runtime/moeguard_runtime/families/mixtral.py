@@ -1,7 +1,7 @@
 """``model_type: mixtral`` (Mixtral-8x7B, 8x22B) from an HF folder, served by the embedded
 gpt-fast model (:class:`moeguard_runtime.model.Transformer`) with the checkpoint's real
 vocabulary. Names map as in :mod:`moeguard_runtime.checkpoint` (q/k rows permuted to
-the interleaved rotary layout, experts stacked); HF ``modeling_mixtral.py`` is the
+the interleaved rotary layout, experts stacked, ``w1``/``w3`` fused into ``w13``); HF ``modeling_mixtral.py`` is the
 reference (softmax top-k router, always renormalized).
 """
 
@@ -14,9 +14,8 @@ from moeguard_runtime.families.decoder import check_activation
 from moeguard_runtime.families.rope import rope_scaling
 from moeguard_runtime.hf_checkpoint import BuildOptions, HFConfig, TensorSource
 from moeguard_runtime.model import Transformer
+from moeguard_runtime.moe import stack_gate_up
 from moeguard_runtime.presets import ModelArgs, shape_problems
-
-_EXPERT_W = ("w1", "w2", "w3")
 
 
 def model_args(cfg: HFConfig) -> ModelArgs:
@@ -50,7 +49,8 @@ def build(cfg: HFConfig, source: TensorSource, options: BuildOptions) -> Transfo
     """
     args = model_args(cfg)
     with torch.device("meta"):
-        model = Transformer(args, options.expert_chunk_tokens, options.capacity_factor)
+        model = Transformer(args, options.expert_chunk_tokens, options.capacity_factor,
+                            options.matmul_backend, options.dispatch)
     hd, d, inter = args.head_dim, args.dim, args.intermediate_size
     state: dict[str, torch.Tensor] = {
         "tok_embeddings.weight": source.take("model.embed_tokens.weight", (args.vocab_size, d)),
@@ -59,7 +59,6 @@ def build(cfg: HFConfig, source: TensorSource, options: BuildOptions) -> Transfo
     tied = cfg.get_bool("tie_word_embeddings", False) and not source.has("lm_head.weight")
     state["output.weight"] = source.take("model.embed_tokens.weight" if tied else "lm_head.weight",
                                          (args.vocab_size, d))
-    shapes = {"w1": (inter, d), "w2": (d, inter), "w3": (inter, d)}
     for i in range(args.n_layer):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         q = source.take(f"{hf}self_attn.q_proj.weight", (args.n_head * hd, d))
@@ -71,10 +70,12 @@ def build(cfg: HFConfig, source: TensorSource, options: BuildOptions) -> Transfo
                                                           (d, args.n_head * hd))
         state[f"{ours}feed_forward.gate.weight"] = source.take(
             f"{hf}block_sparse_moe.gate.weight", (args.num_experts, d))
-        for w in _EXPERT_W:
-            state[f"{ours}feed_forward.{w}"] = torch.stack([
-                source.take(f"{hf}block_sparse_moe.experts.{e}.{w}.weight", shapes[w])
-                for e in range(args.num_experts)])  # [E, I, D] or [E, D, I]
+        experts = f"{hf}block_sparse_moe.experts."
+        state[f"{ours}feed_forward.w13"] = stack_gate_up(  # [E, 2I, D]: w1 (gate) rows, then w3 (up)
+            [source.take(f"{experts}{e}.w1.weight", (inter, d)) for e in range(args.num_experts)],
+            [source.take(f"{experts}{e}.w3.weight", (inter, d)) for e in range(args.num_experts)])
+        state[f"{ours}feed_forward.w2"] = torch.stack([
+            source.take(f"{experts}{e}.w2.weight", (d, inter)) for e in range(args.num_experts)])  # [E, D, I]
         state[f"{ours}attention_norm.weight"] = source.take(f"{hf}input_layernorm.weight", (d,))
         state[f"{ours}ffn_norm.weight"] = source.take(f"{hf}post_attention_layernorm.weight", (d,))
     model.load_state_dict(state, assign=True, strict=True)

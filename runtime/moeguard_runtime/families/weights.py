@@ -1,7 +1,7 @@
 """From HF tensor names and layouts to the families' modules.
 
 Module names follow HF's, so most tensors are ``model.`` + the parameter name; only
-the experts are restacked (``experts.E.gate_proj`` → ``w1[E]``, feeding
+the experts are restacked (``experts.E.gate_proj`` and ``up_proj`` → the fused ``w13[E]``, feeding
 :func:`moeguard_runtime.moe.dispatch_experts`) and the q/k rows permuted to
 the interleaved rotary layout of :func:`moeguard_runtime.model.apply_rope`
 (:func:`to_interleaved`).
@@ -16,6 +16,7 @@ from torch import nn
 
 from moeguard_runtime.checkpoint import hf_to_interleaved
 from moeguard_runtime.hf_checkpoint import TensorSource
+from moeguard_runtime.moe import stack_gate_up
 
 
 def to_interleaved(t: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -27,15 +28,16 @@ def to_interleaved(t: torch.Tensor, n_heads: int) -> torch.Tensor:
     return hf_to_interleaved(t, n_heads)
 
 
-_EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
 
 
 def moe_tensor(source: TensorSource, name: str, shape: tuple[int, ...],
                shared_name: str = "shared_experts") -> torch.Tensor | None:
     """The :class:`SparseMoE` parameters under their HF names, or None for any other ``name``.
 
-    ``layers.N.mlp.w1`` ``[E, I, D]`` is HF's per-expert ``model.layers.N.mlp.experts.E.gate_proj.weight``
-    stacked (``w3``: ``up_proj``, ``w2``: ``down_proj``); ``mlp.shared.*`` is
+    ``layers.N.mlp.w13`` ``[E, 2I, D]`` is HF's per-expert ``model.layers.N.mlp.experts.E.gate_proj.weight``
+    (rows ``0..I-1``) and ``up_proj.weight`` (rows ``I..2I-1``) stacked, ``w2`` ``[E, D, I]`` the
+    ``down_proj`` weights stacked; ``mlp.shared.*`` is
     ``mlp.{shared_name}.*``, ``mlp.shared_gate`` is ``mlp.shared_expert_gate`` and
     ``mlp.e_score_correction_bias`` is ``mlp.gate.e_score_correction_bias``.
     """
@@ -43,9 +45,13 @@ def moe_tensor(source: TensorSource, name: str, shape: tuple[int, ...],
     if not prefix:
         return None
     hf = f"model.{prefix}.mlp."
-    if leaf in _EXPERT_PROJ:
-        return torch.stack([source.take(f"{hf}experts.{e}.{_EXPERT_PROJ[leaf]}.weight", shape[1:])
-                            for e in range(shape[0])])  # [E, ...]
+    if leaf == "w13":
+        half = (shape[1] // 2, shape[2])
+        return stack_gate_up([source.take(f"{hf}experts.{e}.gate_proj.weight", half) for e in range(shape[0])],
+                             [source.take(f"{hf}experts.{e}.up_proj.weight", half) for e in range(shape[0])])
+    if leaf == "w2":
+        return torch.stack([source.take(f"{hf}experts.{e}.down_proj.weight", shape[1:])
+                            for e in range(shape[0])])  # [E, D, I]
     if leaf.startswith("shared."):
         return source.take(f"{hf}{shared_name}.{leaf.removeprefix('shared.')}", shape)
     if leaf == "shared_gate.weight":

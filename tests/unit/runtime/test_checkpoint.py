@@ -38,10 +38,10 @@ def to_hf(model: Transformer) -> dict[str, torch.Tensor]:
         out[h + "block_sparse_moe.gate.weight"] = sd[p + "feed_forward.gate.weight"]
         out[h + "input_layernorm.weight"] = sd[p + "attention_norm.weight"]
         out[h + "post_attention_layernorm.weight"] = sd[p + "ffn_norm.weight"]
-        for w in ("w1", "w2", "w3"):
+        w1, w3 = sd[p + "feed_forward.w13"].chunk(2, dim=1)  # the fused [E, 2I, D]: gate rows, then up
+        for w, t in (("w1", w1), ("w2", sd[p + "feed_forward.w2"]), ("w3", w3)):
             for e in range(a.num_experts):
-                out[h + f"block_sparse_moe.experts.{e}.{w}.weight"] = \
-                    sd[p + f"feed_forward.{w}"][e].contiguous()
+                out[h + f"block_sparse_moe.experts.{e}.{w}.weight"] = t[e].contiguous()
     return out
 
 

@@ -112,7 +112,7 @@ def test_with_the_device_dispatch_a_step_reads_the_device_once(host_reads: list[
 def test_device_dispatch_equals_the_host_dispatch(tokens: int, chunk: int, capacity: int | None) -> None:
     """Same outputs, counts and overflow as :func:`moe.dispatch_experts` (itself tested
     against HF's loop), dropless or with capacity, in any chunking."""
-    from moeguard_runtime.moe import dispatch_experts, route
+    from moeguard_runtime.moe import dispatch_experts, fuse_gate_up, route
     from moeguard_runtime.moe_device import device_dispatch
 
     g = torch.Generator().manual_seed(11)
@@ -121,8 +121,9 @@ def test_device_dispatch_equals_the_host_dispatch(tokens: int, chunk: int, capac
     w2 = torch.randn(8, 32, 48, generator=g)
     x = torch.randn(tokens, 32, generator=g)
     weights, experts = route(x @ gate.T, 2)
-    want, counts, overflow = dispatch_experts(x, weights, experts, w1, w2, w3, chunk, capacity, "torch")
-    got, dev_counts, dev_overflow = device_dispatch(x, weights, experts, w1, w2, w3, chunk, capacity)
+    w13 = fuse_gate_up(w1, w3)
+    want, counts, overflow = dispatch_experts(x, weights, experts, w13, w2, chunk, capacity, "torch")
+    got, dev_counts, dev_overflow = device_dispatch(x, weights, experts, w13, w2, chunk, capacity)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     assert dev_counts.tolist() == counts and int(dev_overflow) == overflow
 

@@ -11,6 +11,7 @@ from moeguard_runtime import moe, presets
 from moeguard_runtime.moe import (
     MOEFeedForward,
     dispatch_experts,
+    fuse_gate_up,
     route,
     routing_stats,
 )
@@ -30,7 +31,7 @@ def test_grouped_dispatch_matches_hf_loop(chunk: int, top_k: int) -> None:
     gate, w1, w2, w3 = _weights()
     x = torch.randn(97, 32, generator=torch.Generator().manual_seed(1))
     weights, experts = route(x @ gate.T, top_k)
-    out, counts, _ = dispatch_experts(x, weights, experts, w1, w2, w3, expert_chunk_tokens=chunk)
+    out, counts, _ = dispatch_experts(x, weights, experts, fuse_gate_up(w1, w3), w2, expert_chunk_tokens=chunk)
     ref = hf_expert_loop(x, gate, w1, w2, w3, top_k)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert sum(counts) == 97 * top_k
@@ -94,10 +95,10 @@ def test_capacity_drops_and_counts_overflow_first_choices_first() -> None:
     gate, w1, w2, w3 = _weights()
     x = torch.randn(1, 32).expand(40, 32).contiguous()  # every token picks the same 2 experts
     weights, experts = route(x @ gate.T, 2)
-    out, counts, overflow = dispatch_experts(x, weights, experts, w1, w2, w3, capacity=10)
+    out, counts, overflow = dispatch_experts(x, weights, experts, fuse_gate_up(w1, w3), w2, capacity=10)
     assert sorted(counts)[-2:] == [40, 40] and overflow == 60
     # tokens 0..9 keep both experts (renormalized weights = the dropless ones); others get nothing
-    full, _, _ = dispatch_experts(x, weights, experts, w1, w2, w3)
+    full, _, _ = dispatch_experts(x, weights, experts, fuse_gate_up(w1, w3), w2)
     torch.testing.assert_close(out[:10], full[:10], rtol=1e-5, atol=1e-5)
     assert float(out[10:].abs().max()) == 0.0
     ff = MOEFeedForward(32, 48, 8, 2, capacity_factor=1.0)
@@ -162,14 +163,14 @@ def test_small_and_large_batches_match_the_reference_with_either_matmul(
     gate, w1, w2, w3 = _weights()
     x = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(5))
     weights, experts = route(x @ gate.T, 2)
-    out, _, _ = dispatch_experts(x, weights, experts, w1, w2, w3, expert_chunk_tokens=7,
+    out, _, _ = dispatch_experts(x, weights, experts, fuse_gate_up(w1, w3), w2, expert_chunk_tokens=7,
                                        backend=backend)
     torch.testing.assert_close(out, hf_expert_loop(x, gate, w1, w2, w3, 2), rtol=1e-5, atol=1e-5)
-    capped, counts, overflow = dispatch_experts(x, weights, experts, w1, w2, w3, capacity=2,
+    capped, counts, overflow = dispatch_experts(x, weights, experts, fuse_gate_up(w1, w3), w2, capacity=2,
                                                       backend=backend)
     assert overflow == sum(c - min(c, 2) for c in counts)
     monkeypatch.setattr(moe, "SMALL_BATCH_SLOTS", 0)  # force the chunk-by-chunk combine
-    chunked, _, _ = dispatch_experts(x, weights, experts, w1, w2, w3, capacity=2,
+    chunked, _, _ = dispatch_experts(x, weights, experts, fuse_gate_up(w1, w3), w2, capacity=2,
                                            backend=backend)
     torch.testing.assert_close(capped, chunked, rtol=1e-6, atol=1e-6)
 
@@ -189,9 +190,12 @@ def test_expert_linear_uses_onednn_on_cpu_float32_only(monkeypatch: pytest.Monke
     torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)  # padding rows sliced off: [5, 24]
     assert calls == ([(8, 16)] if moe._ONEDNN_LINEAR else [])  # 5 rows padded to the bucket of 8
     bf = moe.expert_linear(x.bfloat16(), w.bfloat16())
-    assert bf.dtype == torch.bfloat16 and len(calls) <= 1  # bf16: F.linear
+    assert bf.dtype == torch.bfloat16  # bf16: oneDNN where it supports bf16, else F.linear
+    assert len(calls) == (2 if moe._ONEDNN_BF16 else 1 if moe._ONEDNN_LINEAR else 0)
+    n = len(calls)
     assert moe.expert_linear(x[:0], w).shape == (0, 24)
-    assert moe.expert_linear(x, w, "torch").shape == (5, 24) and len(calls) <= 1  # F.linear
+    assert moe.expert_linear(x, w, "torch").shape == (5, 24) and len(calls) == n  # F.linear
+    assert moe.expert_linear(x.half(), w.half()).dtype == torch.float16 and len(calls) == n  # fp16: F.linear
 
 
 def test_the_matmul_backend_is_a_model_parameter() -> None:

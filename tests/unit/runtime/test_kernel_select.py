@@ -1,0 +1,255 @@
+"""Kernel choice by measurement (issue 16), the fused gate/up layout, and their wiring."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from bench.hf_reference import hf_expert_loop
+
+from moeguard_runtime import kernel_select, moe, presets
+from moeguard_runtime.checkpoint import from_hf_names, fuse_native
+from moeguard_runtime.moe import KernelPlan, MatmulBackend
+
+pytestmark = pytest.mark.unit
+
+
+def fake_timer(table: dict[tuple[str, int], float], calls: list[tuple[str, int]] | None = None
+               ) -> kernel_select.Timer:
+    def timer(kernel: MatmulBackend, rows: int) -> float:
+        if calls is not None:
+            calls.append((kernel, rows))
+        return table[(kernel, rows)]
+    return timer
+
+
+def test_the_faster_of_two_fake_timers_wins_each_bucket() -> None:
+    table = {("onednn", 1): 3.0, ("torch", 1): 1.0, ("onednn", 64): 1.0, ("torch", 64): 2.0}
+    calls: list[tuple[str, int]] = []
+    plan, seconds = kernel_select.choose(("onednn", "torch"), fake_timer(table, calls), buckets=(1, 64), reps=3)
+    assert plan == KernelPlan((1, 64), ("torch", "onednn"))
+    assert seconds == {1: {"onednn": 3.0, "torch": 1.0}, 64: {"onednn": 1.0, "torch": 2.0}}
+    # one warm-up per cell, then interleaved rounds: onednn, torch, onednn, torch ...
+    assert calls[:4] == [("onednn", 1), ("torch", 1), ("onednn", 64), ("torch", 64)]
+    assert len(calls) == 4 * (1 + 3)
+    assert plan.kernel_for(1) == "torch" and plan.kernel_for(2) == "onednn" and plan.kernel_for(4096) == "onednn"
+    assert plan.label == "torch<=1,onednn"
+
+
+def test_a_tie_keeps_the_first_candidate_and_the_fastest_call_counts() -> None:
+    times = iter([9.0, 9.0, 1.00, 0.99, 5.0, 5.0])  # warm-up, then two rounds
+
+    def timer(kernel: MatmulBackend, rows: int) -> float:
+        return next(times)
+
+    plan, seconds = kernel_select.choose(("onednn", "torch"), timer, buckets=(4,), reps=2)
+    assert seconds == {4: {"onednn": 1.0, "torch": 0.99}}  # min over rounds, warm-up not counted
+    assert plan.kernels == ("onednn",)  # 1 % faster is inside TIE_FRACTION
+
+
+def test_the_budget_stops_further_rounds() -> None:
+    now = [0.0]
+    calls: list[tuple[str, int]] = []
+
+    def timer(kernel: MatmulBackend, rows: int) -> float:
+        calls.append((kernel, rows))
+        now[0] += 1.0
+        return 1.0
+
+    kernel_select.choose(("onednn", "torch"), timer, buckets=(1,), reps=10, budget_s=3.5, clock=lambda: now[0])
+    assert len(calls) == 2 + 2  # warm-up, the first round (always); at 4 s > 3.5 s no second round
+
+
+def test_selection_is_cached_per_key(tmp_path: Path) -> None:
+    w13, w2 = torch.randn(4, 2 * 48, 32), torch.randn(4, 32, 48)
+    table = {(k, r): (1.0 if k == "torch" else 2.0) for k in ("onednn", "torch") for r in kernel_select.ROW_BUCKETS}
+    calls: list[tuple[str, int]] = []
+    first = kernel_select.select(w13, w2, str(tmp_path), threads=2, timer=fake_timer(table, calls), cpu="Test CPU")
+    if kernel_select.candidates(torch.float32) == ("torch",):
+        pytest.skip("no oneDNN linear in this torch build: nothing to choose")
+    assert not first.cached and first.plan.label == "torch" and first.cache_error is None
+    assert first.cache_file is not None and Path(first.cache_file).parent == tmp_path
+    saved = json.loads(Path(first.cache_file).read_text())
+    assert saved["key"]["cpu"] == "Test CPU" and saved["key"]["dim"] == 32 and saved["key"]["inter"] == 48
+    assert saved["key"]["dtype"] == "float32" and saved["key"]["threads"] == 2
+    n = len(calls)
+    again = kernel_select.select(w13, w2, str(tmp_path), threads=2, timer=fake_timer(table, calls), cpu="Test CPU")
+    assert again.cached and again.plan == first.plan and len(calls) == n  # no measurement
+    other = kernel_select.select(w13, w2, str(tmp_path), threads=1, timer=fake_timer(table, calls), cpu="Test CPU")
+    assert not other.cached and len(calls) > n  # another thread count: measured again
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_an_unwritable_cache_is_reported_not_raised(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    table = {(k, r): 1.0 for k in ("onednn", "torch") for r in kernel_select.ROW_BUCKETS}
+    sel = kernel_select.select(torch.randn(2, 96, 32), torch.randn(2, 32, 48), str(blocker / "sub"),
+                               timer=fake_timer(table), cpu="x")
+    if kernel_select.candidates(torch.float32) == ("torch",):
+        pytest.skip("no oneDNN linear in this torch build")
+    assert sel.cache_file is None and sel.cache_error is not None and "NotADirectoryError" in sel.cache_error
+    assert sel.plan.kernels == ("onednn",) * len(kernel_select.ROW_BUCKETS)  # all ties: the first
+
+
+def test_cpu_model_and_isa_flags_from_cpuinfo() -> None:
+    text = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile\n"
+    assert kernel_select.cpu_model(text) == "AMD EPYC"
+    assert kernel_select.isa_flags(text) == ("avx2", "avx512f", "avx512_bf16", "amx_tile")
+    assert kernel_select.candidates(torch.float16) == ("torch",)
+
+
+def test_the_real_timer_times_the_models_expert() -> None:
+    timer = kernel_select.expert_timer(torch.randn(3, 96, 32), torch.randn(3, 32, 48))
+    assert all(0 < timer(k, r) < 1 for k in ("torch", "onednn") for r in (4, 5, 1))  # experts 0, 1, 2, 0, ...
+
+
+def test_a_plan_travels_to_every_moe_layer_and_leaves_onednn_on_failure() -> None:
+    from moeguard_runtime.model import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(presets.get_preset("tiny"))
+    plan = KernelPlan((4, 256), ("torch", "onednn"))
+    assert kernel_select.apply_plan(model, plan) == presets.get_preset("tiny").n_layer
+    w13, w2 = kernel_select.first_experts(model) or (None, None)
+    assert w13 is not None and w2 is not None and w13.shape[1] == 2 * w2.shape[2] and w13.shape[0] == w2.shape[0]
+    assert moe.leave_onednn(model) == presets.get_preset("tiny").n_layer
+    assert {m.matmul_backend for m in model.modules() if hasattr(m, "matmul_backend")} == \
+        {KernelPlan((4, 256), ("torch", "torch"))}
+
+
+def test_the_plan_decides_the_chunking() -> None:
+    x = torch.randn(3, 8)
+    assert moe.onednn_chunk(x, KernelPlan((4, 256), ("torch", "onednn")), 2048) == \
+        (moe.ONEDNN_CHUNK_TOKENS if moe._ONEDNN_LINEAR else 2048)
+    assert moe.onednn_chunk(x, KernelPlan((4, 256), ("onednn", "torch")), 2048) == 2048
+
+
+def test_fused_weights_give_the_unfused_outputs() -> None:
+    g = torch.Generator().manual_seed(0)
+    w1, w3 = torch.randn(48, 32, generator=g) / 32**0.5, torch.randn(48, 32, generator=g) / 32**0.5
+    w2 = torch.randn(32, 48, generator=g) / 48**0.5
+    w13 = moe.stack_gate_up([w1], [w3])[0]
+    assert torch.equal(w13, torch.cat([w1, w3]))
+    for rows in (1, 5, 16, 300):
+        x = torch.randn(rows, 32, generator=g)
+        for kernel in moe.MATMUL_BACKENDS:
+            torch.testing.assert_close(moe.swiglu_expert(x, w13, w2, kernel),
+                                       moe.swiglu_mlp(x, w1, w2, w3, kernel), rtol=1e-5, atol=1e-6)
+    for plan in (KernelPlan((4, 256), ("torch", "onednn")), KernelPlan((4,), ("onednn",))):
+        gate = torch.randn(8, 32, generator=g)
+        e1, e3 = torch.randn(8, 48, 32, generator=g) / 32**0.5, torch.randn(8, 48, 32, generator=g) / 32**0.5
+        e2 = torch.randn(8, 32, 48, generator=g) / 48**0.5
+        x = torch.randn(40, 32, generator=g)
+        weights, experts = moe.route(x @ gate.T, 2)
+        out, _, _ = moe.dispatch_experts(x, weights, experts, moe.fuse_gate_up(e1, e3), e2, backend=plan)
+        torch.testing.assert_close(out, hf_expert_loop(x, gate, e1, e2, e3, 2), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_experts_agree_with_fp32_within_bf16_tolerance() -> None:
+    g = torch.Generator().manual_seed(1)
+    gate = torch.randn(8, 64, generator=g)
+    w1, w3 = torch.randn(8, 96, 64, generator=g) / 8, torch.randn(8, 96, 64, generator=g) / 8
+    w2 = torch.randn(8, 64, 96, generator=g) / 96**0.5
+    x = torch.randn(16, 64, generator=g)
+    weights, experts = moe.route(x @ gate.T, 2)
+    ref = hf_expert_loop(x, gate, w1, w2, w3, 2)
+    for kernel in moe.MATMUL_BACKENDS:
+        out, _, _ = moe.dispatch_experts(x.bfloat16(), weights, experts, moe.fuse_gate_up(w1, w3).bfloat16(),
+                                         w2.bfloat16(), backend=kernel)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_loaders_fill_the_fused_layout() -> None:
+    args = presets.get_preset("tiny")
+    e, i, d = args.num_experts, args.intermediate_size, args.dim
+    g = torch.Generator().manual_seed(2)
+    hf = {f"model.layers.0.block_sparse_moe.experts.{x}.{w}.weight": torch.randn(*(d, i) if w == "w2" else (i, d),
+                                                                                  generator=g)
+          for x in range(e) for w in ("w1", "w2", "w3")}
+    out = from_hf_names({**hf, "lm_head.weight": torch.zeros(1)}, args)
+    w13 = out["layers.0.feed_forward.w13"]
+    assert w13.shape == (e, 2 * i, d) and "layers.0.feed_forward.w1" not in out
+    for x in range(e):
+        assert torch.equal(w13[x, :i], hf[f"model.layers.0.block_sparse_moe.experts.{x}.w1.weight"])
+        assert torch.equal(w13[x, i:], hf[f"model.layers.0.block_sparse_moe.experts.{x}.w3.weight"])
+        assert torch.equal(out["layers.0.feed_forward.w2"][x], hf[f"model.layers.0.block_sparse_moe.experts.{x}.w2.weight"])
+    native = fuse_native({"a.w1": torch.ones(2, 3, 4), "a.w3": torch.zeros(2, 3, 4), "a.w2": torch.ones(2, 4, 3)})
+    assert set(native) == {"a.w13", "a.w2"} and native["a.w13"][:, :3].eq(1).all() and native["a.w13"][:, 3:].eq(0).all()
+
+
+def test_seeded_weights_are_those_of_the_unfused_layout() -> None:
+    """The fused w13 is drawn as w1 and w3 were: a seed gives the model it gave before."""
+    from moeguard_runtime.model import build_model
+
+    model = build_model(presets.get_preset("tiny"), seed=0)
+    names = sorted(n for n, _ in model.named_parameters())
+    gen = torch.Generator().manual_seed(0)
+    expanded = sorted(n2 for n in names for n2 in ((n[:-2] + "1", n[:-2] + "3") if n.endswith("w13") else (n,)))
+    params = dict(model.named_parameters())
+    for name in expanded:
+        if name.endswith((".w1", ".w3")):
+            w13 = params[name[:-1] + "13"]
+            half = w13.shape[1] // 2
+            p = w13[:, :half] if name.endswith("1") else w13[:, half:]
+        else:
+            p = params[name]
+        if name.endswith("norm.weight"):
+            continue
+        want = torch.randn(p.shape, generator=gen)
+        if name != "tok_embeddings.weight":
+            want = want / p.shape[-1] ** 0.5
+        assert torch.equal(p, want), name
+    ff = model.layers[0].feed_forward
+    assert torch.equal(ff.w1, ff.w13[:, :ff.w2.shape[2]]) and ff.w3.shape == ff.w1.shape
+
+
+def test_settings_default_to_auto() -> None:
+    from moeguard_runtime.config import load_settings
+
+    assert load_settings({}).matmul_backend == "auto"
+    assert load_settings({"MOEGUARD_MATMUL_BACKEND": "torch"}).matmul_backend == "torch"
+    assert load_settings({"MOEGUARD_MATMUL_BACKEND": "onednn"}).matmul_backend == "onednn"
+
+
+def test_the_worker_measures_applies_logs_and_exports_the_choice(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from moeguard_runtime import __main__ as entry
+    from moeguard_runtime.config import load_settings
+    from moeguard_runtime.model import build_model
+    from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
+
+    events: list[tuple[str, dict[str, object]]] = []
+
+    class Log(RateLimitedLog):
+        def event(self, name: str, force: bool = False, **kw: object) -> bool:
+            events.append((name, kw))
+            return True
+
+    monkeypatch.setenv(kernel_select.ENV_KERNEL_CACHE_DIR, str(tmp_path))
+    table = {(k, r): (1.0 if (k == "torch") == (r <= 4) else 2.0)
+             for k in ("onednn", "torch") for r in kernel_select.ROW_BUCKETS}
+    monkeypatch.setattr(kernel_select, "expert_timer", lambda w13, w2: fake_timer(table))
+    model = build_model(presets.get_preset("tiny"), seed=0)
+    telemetry = Telemetry({"moeis": "m", "namespace": "n", "pod": "p"}, 8)
+    kernel = entry.choose_matmul_kernel(load_settings({}), model, telemetry, Log())
+    if kernel_select.candidates(torch.float32) == ("torch",):
+        assert kernel == "torch"
+        return
+    assert kernel == "torch<=4,onednn"
+    assert {m.matmul_backend for m in model.modules() if hasattr(m, "matmul_backend")} == \
+        {KernelPlan(kernel_select.ROW_BUCKETS, ("torch", "torch", "onednn", "onednn", "onednn"))}
+    name, kw = events[-1]
+    assert name == "matmul_kernel_selected" and kw["kernel"] == kernel and kw["cached"] is False
+    value = telemetry.registry.get_sample_value(
+        "moeguard_matmul_kernel_info", {"moeis": "m", "namespace": "n", "pod": "p", "kernel": kernel,
+                                        "cpu": kernel_select.cpu_model()})
+    assert value == 1.0
+    explicit = entry.choose_matmul_kernel(load_settings({"MOEGUARD_MATMUL_BACKEND": "torch"}),
+                                          build_model(presets.get_preset("tiny"), seed=0), telemetry, Log())
+    assert explicit == "torch" and telemetry.registry.get_sample_value(
+        "moeguard_matmul_kernel_info", {"moeis": "m", "namespace": "n", "pod": "p", "kernel": kernel,
+                                        "cpu": kernel_select.cpu_model()}) is None
