@@ -47,7 +47,11 @@ def confined(tmp_path: Path) -> Iterator[Callable[[int, str], tuple[WorkerProces
 
     def start(limit: int, admission: str) -> tuple[WorkerProcess, MemoryCgroup]:
         cg = MemoryCgroup.create(f"moeguard-test-admission-{os.getpid()}-{len(made)}", limit)
-        w = start_worker_process(tmp_path, env(limit, admission), wrap=cg.wrap)
+        try:
+            w = start_worker_process(tmp_path, env(limit, admission), wrap=cg.wrap)
+        except BaseException:
+            cg.remove()  # a worker that never loaded (killed at start) leaves no cgroup behind
+            raise
         made.append((w, cg))
         return w, cg
 
