@@ -120,6 +120,7 @@ def worker_env(owner: Owner, spec: MoEInferenceServiceSpec) -> list[dict[str, An
         k.ENV_MAX_CONCURRENT_REQUESTS: str(b.max_concurrent_requests),
         k.ENV_OVERLOAD_MODE: spec.overload.mode,
         k.ENV_PORT: str(k.WORKER_PORT),
+        k.ENV_KERNEL_CACHE_DIR: k.POD_KERNEL_CACHE_DIR,  # on the /tmp emptyDir: kept across container restarts
     }
     if spec.model.source is not None:
         plain[k.ENV_CHECKPOINT_PATH] = spec.model.source.checkpoint_path

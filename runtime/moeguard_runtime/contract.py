@@ -38,6 +38,10 @@ ENV_MODEL_PRESET = "MOEGUARD_MODEL_PRESET"
 ENV_CHECKPOINT_PATH = "MOEGUARD_CHECKPOINT_PATH"
 """Absolute path of a safetensors checkpoint (unset: seeded random weights). With ``spec.model.source``:
 ``MODEL_MOUNT_PATH``, or ``MODEL_MOUNT_PATH/<subPath>``."""
+ENV_KERNEL_CACHE_DIR = "MOEGUARD_KERNEL_CACHE_DIR"
+"""Where the worker caches its measured expert-matmul kernel choice (``kernel_select``). The operator sets
+:data:`POD_KERNEL_CACHE_DIR`, on the pod's ``/tmp`` volume (an emptyDir: it outlives a container restart)."""
+POD_KERNEL_CACHE_DIR = "/tmp/moeguard-kernels"
 ENV_SERVED_MODEL_NAME = "MOEGUARD_SERVED_MODEL_NAME"
 """The model name the worker's OpenAI API reports (``/v1/models``) and accepts (``spec.model.servedModelName``;
 unset: the worker's own default)."""

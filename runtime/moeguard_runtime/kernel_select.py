@@ -19,7 +19,7 @@ timed call per cell). A tie, within :data:`TIE_FRACTION`, keeps the earlier cand
 
 The choice is cached in a JSON file per CPU model, shape, dtype, thread count, torch
 version and candidate set under ``MOEGUARD_KERNEL_CACHE_DIR`` (default
-``~/.cache/moeguard/kernels``); a directory that cannot be written (the worker pod's
+``~/.cache/moeguard/kernels``; the operator sets ``contract.POD_KERNEL_CACHE_DIR``, on the pod's ``/tmp`` emptyDir); a directory that cannot be written (the worker pod's
 read-only root filesystem) means no cache, which the caller logs.
 """
 
@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from moeguard_runtime import contract
 from moeguard_runtime.moe import (
     MATMUL_BACKENDS,
     KernelPlan,
@@ -56,7 +57,7 @@ BUDGET_S = 3.0
 """Wall seconds after which no further round starts (the warm-up and one round always run)."""
 TIE_FRACTION = 0.02
 """A later candidate must be this much faster than the earlier one to win its bucket."""
-ENV_KERNEL_CACHE_DIR = "MOEGUARD_KERNEL_CACHE_DIR"
+ENV_KERNEL_CACHE_DIR = contract.ENV_KERNEL_CACHE_DIR
 DEFAULT_CACHE_DIR = "~/.cache/moeguard/kernels"
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
              "amx_tile", "amx_bf16", "amx_int8")

@@ -89,6 +89,7 @@ def test_the_deployment_env_and_the_first_budget_document_reproduce_the_spec_in_
     assert s.budget_configmap == contract.budget_configmap_name("svc")
     assert (s.limits.long_request_threshold_tokens, s.limits.max_concurrent_requests) == (300, 40)
     assert (s.gpu_soft_fraction, s.gpu_hard_fraction, s.overload_mode) == (0.7, 0.8, "On")
+    assert env[contract.ENV_KERNEL_CACHE_DIR] == "/tmp/moeguard-kernels"  # the pod's /tmp emptyDir
     assert env[contract.UCX_MEM_MMAP_HOOK_MODE] == contract.UCX_SAFE_MMAP_HOOK_MODE
     assert env[contract.UCX_RCACHE_MAX_UNRELEASED] == str(contract.UCX_SAFE_RCACHE_MAX_UNRELEASED)
 
