@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -251,7 +251,3 @@ class StepFit:
     def predicted_raw(self) -> int:
         """The raw model's peak of the step as composed, bytes."""
         return self.admission.raw(self.step())
-
-
-ReadUsage = Callable[[], int]
-"""Reads the figure the hard limit is compared with, bytes."""
