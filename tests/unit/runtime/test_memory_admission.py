@@ -273,3 +273,15 @@ def test_the_spec_check_applies_to_cpu_workers_of_a_preset_only() -> None:
     assert memory_warnings(parse_spec(tight)) == []  # one GPU (the default): the step is on the device
     roomy = {"model": {"preset": "small"}, "resources": {"gpus": 0, "softLimit": "1Gi", "hardLimit": "2Gi"}}
     assert memory_warnings(parse_spec(roomy)) == []
+
+
+def test_a_bad_memory_admission_setting_is_refused_at_start_naming_the_variable() -> None:
+    from moeguard_runtime.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"MOEGUARD_MEMORY_ADMISSION='sometimes' must be one of predicted, off"):
+        load_settings({"MOEGUARD_MEMORY_ADMISSION": "sometimes"})
+    assert load_settings({}).memory_admission == "predicted"
+    assert not load_settings({"MOEGUARD_HARD_LIMIT_BYTES": "1000000000",
+                              "MOEGUARD_MEMORY_ADMISSION": "off"}).admits_by_prediction
+    assert load_settings({"MOEGUARD_HARD_LIMIT_BYTES": "1000000000"}).admits_by_prediction
+    assert not load_settings({}).admits_by_prediction  # no hard limit: nothing to fit under
