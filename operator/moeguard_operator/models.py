@@ -704,6 +704,63 @@ class ControlStatus(_Model):
     """OOM kills that finished after this time are new."""
 
 
+FindingKind = Literal["BurstOverlap", "RoutingSkew", "LongContextPileUp", "NativeMemoryLeak", "PythonHeapLeak",
+                      "UCXRiskyConfig", "AllocatorFragmentation"]
+FINDING_KINDS: tuple[str, ...] = ("BurstOverlap", "RoutingSkew", "LongContextPileUp", "NativeMemoryLeak",
+                                  "PythonHeapLeak", "UCXRiskyConfig", "AllocatorFragmentation")
+"""The incident kinds the diagnosis names (``docs/runbook.md`` has a section per kind)."""
+
+
+class Evidence(_Model):
+    """One signal value behind a finding."""
+
+    signal: str
+    """What was measured, in words the runbook uses (``prefill batches in flight``, ``top expert share``)."""
+    value: float
+    """Its value (units in ``unit``)."""
+    unit: str = ""
+    """``bytes``, ``bytes/s``, ``ratio``, ``requests``, ``batches`` ... (empty: a plain number)."""
+    metric: str = ""
+    """The worker metric or PromQL it comes from, for people who want to look it up."""
+    pod: str | None = None
+    """The pod it was seen on (None: the service as a whole)."""
+    detail: str = ""
+    """More context (the layer and expert, the UCX libraries and settings)."""
+
+
+class Finding(_Model):
+    """One active incident finding: what, since when, on which evidence, and what to do."""
+
+    kind: FindingKind
+    """The incident kind (see ``docs/runbook.md``)."""
+    since: datetime
+    """When the finding started (its rule first held)."""
+    last_seen: datetime
+    """The last look in which its rule held."""
+    message: str
+    """One sentence naming the cause, with the decisive values."""
+    evidence: list[Evidence] = Field(default_factory=list)
+    """The signal values behind it."""
+    remedy: str
+    """What to change, in words."""
+    patch: str | None = None
+    """The remedy as a JSON merge patch of the MoEInferenceService, where there is one (``kubectl patch moeis NAME
+    --type merge -p '<patch>'``)."""
+    pods: list[str] = Field(default_factory=list)
+    """The affected pods."""
+
+
+class DiagnosisStatus(_Model):
+    """The diagnosis: active findings, and the signals it could not see. It never changes budgets."""
+
+    time: datetime | None = None
+    """The last look the diagnosis was made on."""
+    findings: list[Finding] = Field(default_factory=list)
+    """Active findings, one per kind at most."""
+    missing_signals: list[str] = Field(default_factory=list)
+    """Signals that were missing in the last look (Prometheus down, silent pods): no finding is made from them."""
+
+
 class MoEInferenceServiceStatus(_Model):
     """Observed state, written by the operator only."""
 
@@ -734,3 +791,6 @@ class MoEInferenceServiceStatus(_Model):
     """The control loop's last observation."""
     control: ControlStatus | None = None
     """The control loop's bookkeeping."""
+    diagnosis: DiagnosisStatus | None = None
+    """Incident findings (``moeguard diagnose`` reads them); written by the diagnosis, never read by the budget
+    policy."""

@@ -347,6 +347,45 @@ METRIC_MODEL_WEIGHT_BYTES = "moeguard_model_weight_bytes"
 """Bytes of the loaded model's parameters (set once at start-up): the checkpoint's real size, which the
 operator cannot know at apply time when the weights come from ``spec.model.source``."""
 
+# --- diagnosis signals (issue 14) ------------------------------------------------
+METRIC_BATCHES_IN_FLIGHT = "moeguard_batches_in_flight"
+"""Gauge: batches in flight now (at most ``max_concurrent_batches``)."""
+METRIC_STEP_PREFILL_BATCHES = "moeguard_step_prefill_batches"
+"""Histogram: one observation per engine step that carries prefill tokens, the number of batches in flight
+that hold a partly prefilled prompt at that step (buckets :data:`BATCH_COUNT_BUCKETS`). Its window maximum
+(``histogram_quantile(1, ...)``) is the burst-overlap signal: several expensive prefills overlapping in one
+worker."""
+BATCH_COUNT_BUCKETS = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0)
+"""Upper bounds of :data:`METRIC_STEP_PREFILL_BATCHES`' buckets (batches)."""
+METRIC_LONG_REQUESTS_RUNNING = "moeguard_long_requests_running"
+"""Gauge: running (or preempted) requests whose prompt is at least ``long_request_threshold_tokens``."""
+METRIC_LONG_REQUESTS_ADMITTED_TOTAL = "moeguard_long_requests_admitted_total"
+"""Counter: long requests admitted from the queue into a batch."""
+METRIC_KV_CACHE_BYTES = "moeguard_kv_cache_bytes"
+"""Gauge: bytes of KV cache held by the requests in the worker (running and preempted), bytes."""
+METRIC_MEMORY_PEAK_BREAKDOWN_BYTES = "moeguard_memory_peak_breakdown_bytes"
+"""Gauge, label ``stage`` (:data:`MEMORY_STAGES`): the memory of the largest predicted step peak of the last
+:data:`PEAK_BREAKDOWN_WINDOW_SECONDS`, stage by stage (``kv_cache``: KV held by every request in the worker plus
+the step's new caches; ``attention``, ``expert_buffers``, ``dense_mlp``: the step's transient buffers from the
+memory model, :mod:`moeguard_runtime.memory_model`; ``weights``: the model's parameters), bytes."""
+MEMORY_STAGES = ("kv_cache", "attention", "expert_buffers", "dense_mlp", "weights")
+PEAK_BREAKDOWN_WINDOW_SECONDS = 30.0
+"""The window over which :data:`METRIC_MEMORY_PEAK_BREAKDOWN_BYTES` keeps its largest step, seconds."""
+METRIC_EXPERT_TOP_SHARE_RATIO = "moeguard_expert_top_share_ratio"
+"""Gauge per ``layer``: the top expert's share of the layer's token-slots (``1/E`` balanced, at most ``1/k``),
+last step with ``>= 4 * num_experts`` routed token-slots (the same steps as :data:`METRIC_EXPERT_SKEW_RATIO`)."""
+METRIC_EXPERT_TOKENS_TOTAL = "moeguard_expert_tokens_total"
+"""Counter, labels ``layer`` and ``expert``: token-slots routed to each expert (which experts are hot)."""
+METRIC_UCX_INFO = "moeguard_ucx_info"
+"""Info gauge (value 1), labels ``loaded`` (``true``/``false``: a UCX library is mapped in the process),
+``libraries`` (the mapped UCX libraries' file names, comma-separated, sorted), ``mmap_hook_mode`` and
+``rcache_max_unreleased`` (the effective settings: the environment's value, else UCX's default written as
+``default:<value>``)."""
+UCX_ENV_MMAP_HOOK_MODE = "UCX_MEM_MMAP_HOOK_MODE"
+UCX_ENV_RCACHE_MAX_UNRELEASED = "UCX_RCACHE_MAX_UNRELEASED"
+METRIC_GPU_MEMORY_ALLOCATED_BYTES = "moeguard_gpu_memory_allocated_bytes"
+METRIC_GPU_MEMORY_RESERVED_BYTES = "moeguard_gpu_memory_reserved_bytes"
+
 OPERATOR_READS = (
     METRIC_STEP_EXPERT_SKEW_RATIO,
     METRIC_WORKER_START_TIME_SECONDS,
