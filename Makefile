@@ -109,6 +109,10 @@ bench-families: ## Per family (mixtral, qwen2_moe, qwen3_moe, deepseek_v3, olmoe
 bench-refusal: ## Refusal cost: a normal client's goodput alone vs beside ~100 refused requests/s that ignore Retry-After, interleaved windows -> bench/results/refusal_cost.md (~5 min).
 	$(PY) -m bench.refusal_cost $(BENCH_ARGS)
 
+.PHONY: bench-diagnosis
+bench-diagnosis: deps ## Diagnosis drills on the local control plane: 3 drills per finding kind and a 10-min calm trace run -> bench/diagnosis.md (~30 min).
+	$(PY) -m bench.diagnosis $(BENCH_ARGS)
+
 .PHONY: bench-control
 bench-control: deps ## Control latency on the local control plane: skew step x10, recovery, OOM kill -> bench/results/control_latency.md (~25 min).
 	$(PY) -m bench.control_latency $(BENCH_ARGS)

@@ -25,11 +25,13 @@ class SteadyTraffic(threading.Thread):
     the prompts. Counts answers by status (``None``: a transport error)."""
 
     def __init__(self, urls: Callable[[], list[str]], rps: float, prompt_tokens: int = 384,
-                 max_tokens: int = 8, model: str = "tiny") -> None:
+                 max_tokens: int = 8, model: str = "tiny", skew_seed: int = 0) -> None:
         super().__init__(daemon=True)
         if rps <= 0:
             raise ValueError(f"rps must be > 0, got {rps}")
         self.urls, self.rps, self.prompt_tokens, self.max_tokens, self.model = urls, rps, prompt_tokens, max_tokens, model
+        self.skew_seed = skew_seed
+        """:func:`bench.loadgen.repetitive_prompt`'s seed for the skewed prompts (which letters)."""
         self.skewed = False
         self.skewed_sends: list[float] = []
         self.statuses: dict[str, int] = {}
@@ -57,7 +59,7 @@ class SteadyTraffic(threading.Thread):
             urls = self.urls()
             if urls:
                 skewed = self.skewed
-                prompt = (repetitive_prompt(self.prompt_tokens, seed=0) if skewed
+                prompt = (repetitive_prompt(self.prompt_tokens, seed=self.skew_seed) if skewed
                           else prompt_of_length(self.prompt_tokens, offset=i * PROMPT_STRIDE))
                 self._pool.submit(self._send, urls[i % len(urls)], prompt, skewed)
                 i += 1

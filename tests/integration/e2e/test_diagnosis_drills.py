@@ -1,0 +1,33 @@
+"""Issue 14: an incident drill per finding kind, injected into a running service with traffic; the right
+finding must appear in ``status.diagnosis`` within 2 minutes of the onset and no other finding may appear.
+
+The shortened version of ``bench/diagnosis.py`` (``make bench-diagnosis``, three drills per kind and a calm
+trace run): one drill per kind, all six at once, each in its own namespace (:func:`bench.diagnosis_drills.run_round`).
+Running them together loads the machine more than one at a time would, so the times here are upper bounds.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+from bench import diagnosis_drills as drills
+from tests.integration.conftest import Cluster, PodWorkers
+
+
+@pytest.mark.skipif(drills.ucx_library() is None, reason="libucx0 is not installed (hack/install-deps.sh installs it)")
+def test_each_drill_gets_its_finding_within_two_minutes_and_no_other(
+        cluster: Cluster, operator: None, pod_workers: PodWorkers, tmp_path: Path) -> None:
+    prefix = f"mg-drill-{uuid.uuid4().hex[:6]}"
+    results = drills.run_round(drills.KINDS, prefix, grace_s=10.0, scratch=tmp_path)
+    table = "\n".join(f"{r.kind:18} onset->finding {r.seconds_to_finding} s, wrong {r.wrong}, error {r.error}, "
+                      f"seen {r.seen}" for r in results)
+    print(f"\n{table}")
+    for r in results:
+        assert r.error is None, table
+        assert r.seconds_to_finding is not None and r.seconds_to_finding <= drills.DEADLINE_S, table
+        assert r.wrong == [], table
+        finding = r.finding or {}
+        assert finding.get("kind") == r.kind and finding.get("remedy") and finding.get("evidence"), finding
+        assert all(isinstance(e.get("value"), (int, float)) for e in finding["evidence"]), finding
