@@ -38,7 +38,7 @@ from moeguard_runtime.telemetry import (
 )
 
 if TYPE_CHECKING:
-    from moeguard_runtime.memory_admission import MemoryAdmission
+    from moeguard_runtime.memory_admission import MemoryAdmission, StepPredictor
     from moeguard_runtime.moe import MatmulBackend
     from moeguard_runtime.presets import ModelArgs
     from moeguard_runtime.server import WorkerSlot
@@ -90,6 +90,14 @@ def main(env: Mapping[str, str] | None = None) -> int:
                                             vocab_size if hf_info else args.vocab_size)
     except TokenizerError as exc:  # the pod's termination message, so the operator's Ready=False names it
         _fail(log, "tokenizer_error", str(exc)[:1000])
+        return 2
+    from moeguard_runtime.faults import load_library
+
+    try:  # the test-only load-library fault (a UCX library mapped as NIXL would), before serving
+        if load_library(settings.faults) is not None:
+            log.event("fault_enabled", force=True, load_library=settings.faults.load_library)
+    except OSError as exc:
+        _fail(log, "config_error", f"MOEGUARD_FAULT_LOAD_LIBRARY: {exc}"[:1000])
         return 2
     log = RateLimitedLog(settings.log_interval_s)
     telemetry = Telemetry(worker_labels(env), num_experts)
@@ -157,8 +165,10 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
     kernel = choose_matmul_kernel(settings, model, slot.telemetry, log)
     weight_bytes = slot.telemetry.set_model_weights(model.parameters())
     admission = memory_admission(settings, shape, log)
+    predictor = admission or step_predictor(settings, shape)
     # generation ends on the checkpoint's generation_config EOS ids and the tokenizer's (as transformers' generate)
-    worker = Worker(settings, Engine(model, eos_ids=eos_ids), slot.telemetry, log, admission=admission)
+    worker = Worker(settings, Engine(model, eos_ids=eos_ids), slot.telemetry, log, admission=admission,
+                    predictor=predictor)
     log.event("worker_start", force=True, preset=settings.preset, seed=settings.seed,
               checkpoint=settings.checkpoint, model_type=model_type, parameters=parameters,
               device=settings.device, dtype=settings.dtype,
@@ -233,6 +243,19 @@ def memory_admission(settings: Settings, shape: ModelArgs | dict[str, Any],
         return None
     return MemoryAdmission(family, settings.dtype, settings.hard_limit_bytes, settings.expert_chunk_tokens,
                            settings.capacity_factor)
+
+
+def step_predictor(settings: Settings, shape: ModelArgs | dict[str, Any]) -> StepPredictor | None:
+    """The memory model of the worker's steps without admission (for ``moeguard_memory_peak_breakdown_bytes``),
+    or None for a shape the memory model does not know."""
+    from moeguard_runtime.family_shape import ConfigError, from_hf_config
+    from moeguard_runtime.memory_admission import StepPredictor
+
+    try:
+        family = from_hf_config(shape) if isinstance(shape, dict) else shape
+    except ConfigError:
+        return None
+    return StepPredictor(family, settings.dtype, settings.expert_chunk_tokens, settings.capacity_factor)
 
 
 def _fail(log: RateLimitedLog, event: str, error: str) -> None:
