@@ -164,8 +164,7 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
         return
     kernel = choose_matmul_kernel(settings, model, slot.telemetry, log)
     weight_bytes = slot.telemetry.set_model_weights(model.parameters())
-    admission = memory_admission(settings, shape, log)
-    predictor = admission or step_predictor(settings, shape)
+    admission, predictor = step_models(settings, shape, log)
     # generation ends on the checkpoint's generation_config EOS ids and the tokenizer's (as transformers' generate)
     worker = Worker(settings, Engine(model, eos_ids=eos_ids), slot.telemetry, log, admission=admission,
                     predictor=predictor)
@@ -226,36 +225,29 @@ def choose_matmul_kernel(settings: Settings, model: object, telemetry: Telemetry
     return kernel
 
 
-def memory_admission(settings: Settings, shape: ModelArgs | dict[str, Any],
-                     log: RateLimitedLog) -> MemoryAdmission | None:
-    """The worker's memory-aware admission (:mod:`moeguard_runtime.memory_admission`) for a preset's
-    ``ModelArgs`` or a checkpoint's ``config.json``, or None when off (``Settings.admits_by_prediction``,
-    or a shape the memory model does not know: logged as ``event=memory_admission_off``)."""
+def step_models(settings: Settings, shape: ModelArgs | dict[str, Any],
+                log: RateLimitedLog) -> tuple[MemoryAdmission | None, StepPredictor | None]:
+    """The memory model of the worker's steps for a preset's ``ModelArgs`` or a checkpoint's ``config.json``:
+    ``(admission, predictor)``. ``admission``: the memory-aware admission
+    (:mod:`moeguard_runtime.memory_admission`), None when off (``Settings.admits_by_prediction``);
+    ``predictor``: the model the step loop predicts every step with (``moeguard_memory_peak_breakdown_bytes``),
+    the admission itself when on. Both None for a shape the memory model does not know (logged as
+    ``event=memory_admission_off`` when admission was asked for)."""
     from moeguard_runtime.family_shape import ConfigError, from_hf_config
-    from moeguard_runtime.memory_admission import MemoryAdmission
+    from moeguard_runtime.memory_admission import MemoryAdmission, StepPredictor
 
-    if not settings.admits_by_prediction or settings.hard_limit_bytes is None:
-        return None
+    admits = settings.admits_by_prediction and settings.hard_limit_bytes is not None
     try:
         family = from_hf_config(shape) if isinstance(shape, dict) else shape
     except ConfigError as exc:
-        log.event("memory_admission_off", force=True, reason=str(exc)[:300])
-        return None
-    return MemoryAdmission(family, settings.dtype, settings.hard_limit_bytes, settings.expert_chunk_tokens,
-                           settings.capacity_factor)
-
-
-def step_predictor(settings: Settings, shape: ModelArgs | dict[str, Any]) -> StepPredictor | None:
-    """The memory model of the worker's steps without admission (for ``moeguard_memory_peak_breakdown_bytes``),
-    or None for a shape the memory model does not know."""
-    from moeguard_runtime.family_shape import ConfigError, from_hf_config
-    from moeguard_runtime.memory_admission import StepPredictor
-
-    try:
-        family = from_hf_config(shape) if isinstance(shape, dict) else shape
-    except ConfigError:
-        return None
-    return StepPredictor(family, settings.dtype, settings.expert_chunk_tokens, settings.capacity_factor)
+        if admits:
+            log.event("memory_admission_off", force=True, reason=str(exc)[:300])
+        return None, None
+    if not admits or settings.hard_limit_bytes is None:
+        return None, StepPredictor(family, settings.dtype, settings.expert_chunk_tokens, settings.capacity_factor)
+    admission = MemoryAdmission(family, settings.dtype, settings.hard_limit_bytes, settings.expert_chunk_tokens,
+                                settings.capacity_factor)
+    return admission, admission
 
 
 def _fail(log: RateLimitedLog, event: str, error: str) -> None:
