@@ -263,6 +263,37 @@ def render_crd_reference() -> str:
 # --- docs/metrics.md ----------------------------------------------------------------
 
 ADVICE: dict[str, str] = {
+    "moeguard_batches_in_flight": (
+        "Batches in flight in the worker now, at most `maxConcurrentBatches`. At the budget for long: the worker "
+        "is full; every batch's KV cache is held at once."),
+    "moeguard_step_prefill_batches": (
+        "Burst overlap (issue 14's BurstOverlap): per engine step carrying prefill, how many batches held a partly "
+        "prefilled prompt. A window maximum (`histogram_quantile(1, ...)`) of 2 or more: expensive prefills overlap "
+        "in one worker, each with its activations and its new KV cache; lower `maxConcurrentBatches` (the prefill "
+        "batch cap is half of it, rounded up)."),
+    "moeguard_long_requests_running": (
+        "Requests at least `longRequestThresholdTokens` long, in a batch or preempted: they hold the largest KV "
+        "caches. Rising with the memory: LongContextPileUp; lower `maxLongRequestsPerBatch` or cap the context "
+        "(overload mode)."),
+    "moeguard_long_requests_admitted": (
+        "Long requests admitted from the queue into a batch: the rate of long-context traffic."),
+    "moeguard_kv_cache_bytes": (
+        "KV cache held by the requests in the worker (the caches' tensor bytes, `numel x element_size`, allocated "
+        "whole at admission for prompt + max_tokens). 0 when idle; not 0 when idle: a request is stuck."),
+    "moeguard_memory_peak_breakdown_bytes": (
+        "The largest predicted step peak of the last 30 s, by stage (the memory model, before the admission's "
+        "correction): `kv_cache` (KV held plus the step's new caches), `attention`, `expert_buffers`, `dense_mlp` "
+        "(only the largest of the three is live at the peak) and `weights`. The stage that dominates names the "
+        "cure: KV (fewer or shorter requests), attention (a smaller `maxPrefillTokens`), expert buffers (skew: a "
+        "smaller prefill budget or `MOEGUARD_EXPERT_CHUNK_TOKENS`)."),
+    "moeguard_expert_top_share_ratio": (
+        "The top expert's share of a layer's token-slots (1/num_experts balanced, at most 1/top_k). Near 1/top_k: "
+        "one expert takes a slot of every token (RoutingSkew); its gather buffers grow with it."),
+    "moeguard_ucx_info": (
+        "Whether UCX is mapped in the worker (NIXL, a UCX-enabled torch) and with which memory settings. "
+        "`loaded=\"true\"` with `mmap_hook_mode` not `none` and `rcache_max_unreleased` unset or `inf` keeps freed "
+        "memory resident (vLLM issue 24264): set `spec.ucx` (the operator sets `UCX_MEM_MMAP_HOOK_MODE=none` or "
+        "`UCX_RCACHE_MAX_UNRELEASED=1024`)."),
     "moeguard_expert_skew_ratio": (
         "Rising: the router sends most tokens to few experts (repetitive or single-topic traffic). The "
         "per-expert gather buffers grow with the top expert's count, so prefill peaks grow. Above "

@@ -38,7 +38,7 @@ from moeguard_runtime.telemetry import (
 )
 
 if TYPE_CHECKING:
-    from moeguard_runtime.memory_admission import MemoryAdmission
+    from moeguard_runtime.memory_admission import MemoryAdmission, StepPredictor
     from moeguard_runtime.moe import MatmulBackend
     from moeguard_runtime.presets import ModelArgs
     from moeguard_runtime.server import WorkerSlot
@@ -90,6 +90,14 @@ def main(env: Mapping[str, str] | None = None) -> int:
                                             vocab_size if hf_info else args.vocab_size)
     except TokenizerError as exc:  # the pod's termination message, so the operator's Ready=False names it
         _fail(log, "tokenizer_error", str(exc)[:1000])
+        return 2
+    from moeguard_runtime.faults import load_library
+
+    try:  # the test-only load-library fault (a UCX library mapped as NIXL would), before serving
+        if load_library(settings.faults) is not None:
+            log.event("fault_enabled", force=True, load_library=settings.faults.load_library)
+    except OSError as exc:
+        _fail(log, "config_error", f"MOEGUARD_FAULT_LOAD_LIBRARY: {exc}"[:1000])
         return 2
     log = RateLimitedLog(settings.log_interval_s)
     telemetry = Telemetry(worker_labels(env), num_experts)
@@ -156,9 +164,10 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
         return
     kernel = choose_matmul_kernel(settings, model, slot.telemetry, log)
     weight_bytes = slot.telemetry.set_model_weights(model.parameters())
-    admission = memory_admission(settings, shape, log)
+    admission, predictor = step_models(settings, shape, log)
     # generation ends on the checkpoint's generation_config EOS ids and the tokenizer's (as transformers' generate)
-    worker = Worker(settings, Engine(model, eos_ids=eos_ids), slot.telemetry, log, admission=admission)
+    worker = Worker(settings, Engine(model, eos_ids=eos_ids), slot.telemetry, log, admission=admission,
+                    predictor=predictor)
     log.event("worker_start", force=True, preset=settings.preset, seed=settings.seed,
               checkpoint=settings.checkpoint, model_type=model_type, parameters=parameters,
               device=settings.device, dtype=settings.dtype,
@@ -216,23 +225,29 @@ def choose_matmul_kernel(settings: Settings, model: object, telemetry: Telemetry
     return kernel
 
 
-def memory_admission(settings: Settings, shape: ModelArgs | dict[str, Any],
-                     log: RateLimitedLog) -> MemoryAdmission | None:
-    """The worker's memory-aware admission (:mod:`moeguard_runtime.memory_admission`) for a preset's
-    ``ModelArgs`` or a checkpoint's ``config.json``, or None when off (``Settings.admits_by_prediction``,
-    or a shape the memory model does not know: logged as ``event=memory_admission_off``)."""
+def step_models(settings: Settings, shape: ModelArgs | dict[str, Any],
+                log: RateLimitedLog) -> tuple[MemoryAdmission | None, StepPredictor | None]:
+    """The memory model of the worker's steps for a preset's ``ModelArgs`` or a checkpoint's ``config.json``:
+    ``(admission, predictor)``. ``admission``: the memory-aware admission
+    (:mod:`moeguard_runtime.memory_admission`), None when off (``Settings.admits_by_prediction``);
+    ``predictor``: the model the step loop predicts every step with (``moeguard_memory_peak_breakdown_bytes``),
+    the admission itself when on. Both None for a shape the memory model does not know (logged as
+    ``event=memory_admission_off`` when admission was asked for)."""
     from moeguard_runtime.family_shape import ConfigError, from_hf_config
-    from moeguard_runtime.memory_admission import MemoryAdmission
+    from moeguard_runtime.memory_admission import MemoryAdmission, StepPredictor
 
-    if not settings.admits_by_prediction or settings.hard_limit_bytes is None:
-        return None
+    admits = settings.admits_by_prediction and settings.hard_limit_bytes is not None
     try:
         family = from_hf_config(shape) if isinstance(shape, dict) else shape
     except ConfigError as exc:
-        log.event("memory_admission_off", force=True, reason=str(exc)[:300])
-        return None
-    return MemoryAdmission(family, settings.dtype, settings.hard_limit_bytes, settings.expert_chunk_tokens,
-                           settings.capacity_factor)
+        if admits:
+            log.event("memory_admission_off", force=True, reason=str(exc)[:300])
+        return None, None
+    if not admits or settings.hard_limit_bytes is None:
+        return None, StepPredictor(family, settings.dtype, settings.expert_chunk_tokens, settings.capacity_factor)
+    admission = MemoryAdmission(family, settings.dtype, settings.hard_limit_bytes, settings.expert_chunk_tokens,
+                                settings.capacity_factor)
+    return admission, admission
 
 
 def _fail(log: RateLimitedLog, event: str, error: str) -> None:

@@ -395,5 +395,22 @@ OPERATOR_READS = (
     METRIC_E2E_LATENCY_SECONDS,
     METRIC_MEMORY_LEAK_SUSPECTED,
     METRIC_MEMORY_GROWTH_BYTES_PER_SECOND,
+    # diagnosis signals (issue 14)
+    METRIC_BATCHES_IN_FLIGHT,
+    METRIC_STEP_PREFILL_BATCHES,
+    METRIC_LONG_REQUESTS_RUNNING,
+    METRIC_LONG_REQUESTS_ADMITTED_TOTAL,
+    METRIC_KV_CACHE_BYTES,
+    METRIC_MEMORY_PEAK_BREAKDOWN_BYTES,
+    METRIC_EXPERT_TOP_SHARE_RATIO,
+    METRIC_EXPERT_TOKENS_TOTAL,
+    METRIC_UCX_INFO,
+    METRIC_QUEUE_REQUESTS,
+    METRIC_OOM_ERRORS_TOTAL,
+    METRIC_MEMORY_LIMIT_STATE,
+    METRIC_GPU_MEMORY_ALLOCATED_BYTES,
+    METRIC_GPU_MEMORY_RESERVED_BYTES,
 )
-"""Every worker series the operator's Prometheus queries name (a test checks that the worker exports each)."""
+"""Every worker series the operator's Prometheus queries name, or will (issue 14's diagnosis): a test checks
+that the worker's registry declares each, and that the queries name none outside it. The GPU gauges are declared
+on every worker but carry a value only on CUDA."""

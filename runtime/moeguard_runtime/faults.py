@@ -26,10 +26,15 @@ switched on by a stray environment variable alone.
   not hold it tries once, without waiting, and the winner writes its pid into
   it. Of several workers given the same file, one leaks at a time; when it
   dies the lock is free again. Removing the file stops new claims.
+* ``MOEGUARD_FAULT_LOAD_LIBRARY``: a shared library (a path) the worker loads with
+  ``ctypes.CDLL`` before it serves, and keeps loaded (:func:`load_library`): a UCX
+  library mapped into the process, as NIXL or UCX-enabled torch builds do, for the
+  ``moeguard_ucx_info`` signal (issue 14).
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import mmap
 import os
@@ -48,8 +53,9 @@ ENV_FAULT_STEP_DELAY = "MOEGUARD_FAULT_STEP_DELAY_SECONDS"
 ENV_FAULT_LEAK_LOCK_FILE = "MOEGUARD_FAULT_LEAK_LOCK_FILE"
 ENV_FAULT_ALLOC_FAIL_STEPS = "MOEGUARD_FAULT_ALLOC_FAIL_STEPS"
 ENV_FAULT_ALLOC_FAIL_FILE = "MOEGUARD_FAULT_ALLOC_FAIL_FILE"
+ENV_FAULT_LOAD_LIBRARY = "MOEGUARD_FAULT_LOAD_LIBRARY"
 FAULT_VARIABLES = (ENV_FAULT_LEAK_ANON, ENV_FAULT_LEAK_PYTHON, ENV_FAULT_STEP_DELAY, ENV_FAULT_LEAK_LOCK_FILE,
-                   ENV_FAULT_ALLOC_FAIL_STEPS, ENV_FAULT_ALLOC_FAIL_FILE)
+                   ENV_FAULT_ALLOC_FAIL_STEPS, ENV_FAULT_ALLOC_FAIL_FILE, ENV_FAULT_LOAD_LIBRARY)
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,8 @@ class Faults:
     """The first this many engine steps fail to allocate."""
     alloc_fail_file: str = ""
     """Non-empty: every engine step fails to allocate while this file exists."""
+    load_library: str = ""
+    """Non-empty: the path of a shared library loaded at start (:func:`load_library`)."""
 
     @property
     def leaks(self) -> bool:
@@ -97,7 +105,26 @@ def load_faults(env: Mapping[str, str]) -> Faults:
 
     return Faults(int(number(ENV_FAULT_LEAK_ANON)), int(number(ENV_FAULT_LEAK_PYTHON)),
                   number(ENV_FAULT_STEP_DELAY), env.get(ENV_FAULT_LEAK_LOCK_FILE, "").strip(),
-                  int(number(ENV_FAULT_ALLOC_FAIL_STEPS)), env.get(ENV_FAULT_ALLOC_FAIL_FILE, "").strip())
+                  int(number(ENV_FAULT_ALLOC_FAIL_STEPS)), env.get(ENV_FAULT_ALLOC_FAIL_FILE, "").strip(),
+                  env.get(ENV_FAULT_LOAD_LIBRARY, "").strip())
+
+
+_LOADED_LIBRARIES: list[ctypes.CDLL] = []
+"""Libraries loaded by :func:`load_library`, referenced for the life of the process (never unloaded)."""
+
+
+def load_library(faults: Faults) -> ctypes.CDLL | None:
+    """The load-library fault: ``dlopen`` ``faults.load_library`` (``ctypes.CDLL``, default flags)
+    and keep it loaded for the life of the process. Returns the handle, None when the fault is off.
+
+    Raises:
+        OSError: the library cannot be loaded (the loader's message, with the path).
+    """
+    if not faults.load_library:
+        return None
+    lib = ctypes.CDLL(faults.load_library)
+    _LOADED_LIBRARIES.append(lib)
+    return lib
 
 
 def delay_step(faults: Faults, sleep: Callable[[float], None] = time.sleep) -> None:

@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING
 
 from moeguard_runtime.memory_model import (
     DTYPE_BYTES,
+    Estimate,
     MiB,
     Routing,
     ShapeLike,
@@ -117,27 +118,22 @@ class Correction:
         return ratio
 
 
-class MemoryAdmission:
-    """Predicts a worker's steps and fits them under ``hard_limit_bytes``.
+class StepPredictor:
+    """The memory model of a worker's steps at the routing it observes (no limit: used with admission on
+    or off, e.g. for ``moeguard_memory_peak_breakdown_bytes``).
 
     Args:
         shape: the served model's shape (a preset's ``ModelArgs``, or ``family_shape.from_hf_config``).
         dtype: ``float32``, ``bfloat16`` or ``float16``.
-        hard_limit_bytes: the worker's hard limit (``MOEGUARD_HARD_LIMIT_BYTES``).
         expert_chunk_tokens, capacity_factor: the worker's MoE settings (they bound the busiest expert).
-        correction_floor: the correction factor's starting value and floor (>= 1; default
-            :data:`CORRECTION_FLOOR`).
     """
 
-    def __init__(self, shape: ShapeLike, dtype: str, hard_limit_bytes: int,
-                 expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS, capacity_factor: float = 0.0,
-                 correction_floor: float = CORRECTION_FLOOR) -> None:
+    def __init__(self, shape: ShapeLike, dtype: str, expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS,
+                 capacity_factor: float = 0.0) -> None:
         self.shape = as_family(shape)
         self.dtype = dtype
-        self.hard_limit_bytes = hard_limit_bytes
         self.expert_chunk_tokens = expert_chunk_tokens
         self.capacity_factor = capacity_factor
-        self.correction = Correction(correction_floor)
         self.kv_bytes_per_token = kv_bytes_per_token(self.shape, DTYPE_BYTES[dtype])
         self._prior_share = top_share_from_skew_ratio(PRIOR_SKEW_RATIO, self.shape.num_experts, self.shape.top_k)
         self._shares: deque[float] = deque(maxlen=TOP_SHARE_WINDOW_STEPS)
@@ -158,10 +154,34 @@ class MemoryAdmission:
             self._shares.append(max(shares))
 
     # --- predictions ----------------------------------------------------------------
+    def estimate(self, step: Step) -> Estimate:
+        """The memory model's prediction of ``step``, term by term (bytes above the resident set before it)."""
+        routing = Routing(self.top_share, self.expert_chunk_tokens, self.capacity_factor)
+        return step_peak(self.shape, step, routing, self.dtype)
+
     def raw(self, step: Step) -> int:
         """The memory model's peak of ``step`` in bytes above the resident set before it."""
-        routing = Routing(self.top_share, self.expert_chunk_tokens, self.capacity_factor)
-        return step_peak(self.shape, step, routing, self.dtype).total_bytes
+        return self.estimate(step).total_bytes
+
+
+class MemoryAdmission(StepPredictor):
+    """Predicts a worker's steps and fits them under ``hard_limit_bytes``.
+
+    Args:
+        shape: the served model's shape (a preset's ``ModelArgs``, or ``family_shape.from_hf_config``).
+        dtype: ``float32``, ``bfloat16`` or ``float16``.
+        hard_limit_bytes: the worker's hard limit (``MOEGUARD_HARD_LIMIT_BYTES``).
+        expert_chunk_tokens, capacity_factor: the worker's MoE settings (they bound the busiest expert).
+        correction_floor: the correction factor's starting value and floor (>= 1; default
+            :data:`CORRECTION_FLOOR`).
+    """
+
+    def __init__(self, shape: ShapeLike, dtype: str, hard_limit_bytes: int,
+                 expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS, capacity_factor: float = 0.0,
+                 correction_floor: float = CORRECTION_FLOOR) -> None:
+        super().__init__(shape, dtype, expert_chunk_tokens, capacity_factor)
+        self.hard_limit_bytes = hard_limit_bytes
+        self.correction = Correction(correction_floor)
 
     def predict(self, step: Step) -> int:
         """:meth:`raw` times the correction factor, bytes."""

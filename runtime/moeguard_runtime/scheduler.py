@@ -255,7 +255,9 @@ class StepPlan:
     (their first chunk is in ``prefill``); ``resumed``: preempted ids that
     re-entered a batch (their KV cache was kept: they go on from where they
     stopped); ``budgets``: the budgets this step was planned under;
-    ``active_batches``: batches in flight when it was planned.
+    ``active_batches``: batches in flight when it was planned; ``prefill_batches``: batches in flight
+    holding a partly prefilled prompt at this step (this one, when it carries prefill, counted; 0 when
+    it carries none); ``long_admitted``: ids of ``admitted`` whose prompt is long.
     """
 
     step: int
@@ -266,6 +268,8 @@ class StepPlan:
     budgets: Budgets
     active_batches: int = 1
     resumed: tuple[str, ...] = ()
+    prefill_batches: int = 0
+    long_admitted: int = 0
 
     @property
     def prefill_tokens(self) -> int:
@@ -380,8 +384,21 @@ class Scheduler:
         return len(self._requests) - self.queue_requests
 
     @property
+    def batches_in_flight(self) -> int:
+        return len(self._batches)
+
+    @property
     def batches(self) -> list[list[str]]:
         return [list(b) for b in self._batches]
+
+    @property
+    def long_requests_running(self) -> int:
+        """Long requests (:meth:`is_long`) admitted and not finished: in a batch, or preempted (waiting
+        again with their KV cache kept)."""
+        running = sum(1 for batch in self._batches for r in batch if self.is_long(self._requests[r].prompt_tokens))
+        preempted = sum(1 for queue in self._waiting.values() for r in queue
+                        if r.started and self.is_long(r.prompt_tokens))
+        return running + preempted
 
     def counts_by_priority(self) -> dict[str, dict[str, int]]:
         """Requests per class and state: ``waiting`` (never admitted), ``preempted`` (waiting
@@ -726,8 +743,12 @@ class Scheduler:
             r.last_decode_step = self._decode_stamp
             self._decode_stamp += 1
             r.decoded += 1
+        prefill_batches = 0
+        if prefill:
+            prefill_batches = 1 + sum(1 for other in self._batches if other is not batch and self._prefilling(other))
+        long_admitted = sum(1 for r in admitted if self.is_long(self._requests[r].prompt_tokens))
         return StepPlan(self._step, index, tuple(prefill), tuple(r.req_id for r in decode),
-                        tuple(admitted), b, len(self._batches), tuple(resumed))
+                        tuple(admitted), b, len(self._batches), tuple(resumed), prefill_batches, long_admitted)
 
     def _admit(self, batch: list[str], budget: int, b: Budgets, top: bool | None,
                allow: list[int | None], prefill: list[tuple[str, int, int]], admitted: list[str],

@@ -30,7 +30,7 @@ from moeguard_runtime.faults import FaultLeaker
 from moeguard_runtime.generation import Event, GenerationRequest, Sink
 from moeguard_runtime.leak_sampler import LeakSampler
 from moeguard_runtime.memory import MemoryReading, MemoryState, read_memory
-from moeguard_runtime.memory_admission import MemoryAdmission
+from moeguard_runtime.memory_admission import MemoryAdmission, StepPredictor
 from moeguard_runtime.memory_guard import MemoryGuard
 from moeguard_runtime.overload_trigger import OverloadTrigger
 from moeguard_runtime.procmem import (
@@ -43,6 +43,7 @@ from moeguard_runtime.scheduler import BATCH, OverloadPolicy, Rejected, Schedule
 from moeguard_runtime.step_loop import IDLE_WAIT_S, StepLoop
 from moeguard_runtime.step_telemetry import log_memory_snapshot
 from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
+from moeguard_runtime.ucx import SCAN_INTERVAL_S, UcxInfo, current_info, risky
 
 __all__ = ["Event", "GenerationRequest", "Sink", "Worker"]
 
@@ -50,14 +51,19 @@ __all__ = ["Event", "GenerationRequest", "Sink", "Worker"]
 class Worker:
     """Owns the engine thread. ``clock`` is monotonic seconds; it, the memory readers and
     ``idle_wait_s`` (the idle loop's longest wait, 0 to never block) are injected for tests;
-    ``admission``: memory-aware admission (:mod:`moeguard_runtime.memory_admission`), None: off."""
+    ``admission``: memory-aware admission (:mod:`moeguard_runtime.memory_admission`), None: off;
+    ``predictor``: the memory model of the steps for the peak breakdown (default: the admission's);
+    ``read_ucx``: the UCX state of the process (:func:`ucx.current_info`), read every
+    :data:`ucx.SCAN_INTERVAL_S`."""
 
     def __init__(self, settings: Settings, engine: Engine, telemetry: Telemetry,
                  log: RateLimitedLog, clock: Callable[[], float] = time.monotonic,
                  memory_reader: Callable[[], MemoryReading] = read_memory,
                  device_reader: Callable[[], DeviceMemory | None] | None = None,
                  process_reader: Callable[[], ProcessMemory] = read_process_memory,
-                 idle_wait_s: float = IDLE_WAIT_S, admission: MemoryAdmission | None = None) -> None:
+                 idle_wait_s: float = IDLE_WAIT_S, admission: MemoryAdmission | None = None,
+                 predictor: StepPredictor | None = None,
+                 read_ucx: Callable[[], UcxInfo] = current_info) -> None:
         self.settings, self.engine, self.telemetry, self.log = settings, engine, telemetry, log
         self._clock = clock
         self._read_process = process_reader
@@ -70,7 +76,9 @@ class Worker:
         self.loop = StepLoop(self.scheduler, engine, telemetry, log, self._now, settings.faults,
                              self._budgets_applied, self.memory_snapshot, idle_wait_s,
                              self._allocation_failed, AllocationHealth(settings.unrecovered_oom_s),
-                             admission, lambda: memory_reader().usage_bytes)
+                             admission, lambda: memory_reader().usage_bytes, predictor)
+        self._read_ucx = read_ucx
+        self._next_ucx_scan = 0.0
         self.budget_generation = NO_GENERATION
         self._leaker = FaultLeaker.from_faults(settings.faults)
         self._stop = threading.Event()
@@ -262,8 +270,19 @@ class Worker:
             with self.loop.cond:
                 self.scheduler.set_shrink_factor(factor)
         self.leaks.sample(now, force)
+        self.scan_ucx(now, force)
         with self.loop.cond:
             self.overload_trigger.trigger(self.scheduler, now, self.memory.state == MemoryState.NORMAL)
+
+    def scan_ucx(self, now: float, force: bool = False) -> None:
+        """Every :data:`ucx.SCAN_INTERVAL_S` (or ``force``): read the UCX state and, when it changed, set
+        ``moeguard_ucx_info`` and log ``event=ucx_info`` (with ``risky``, :func:`ucx.risky`)."""
+        if not force and now < self._next_ucx_scan:
+            return
+        self._next_ucx_scan = now + SCAN_INTERVAL_S
+        info = self._read_ucx()
+        if self.telemetry.set_ucx(info.labels()):
+            self.log.event("ucx_info", force=True, risky="true" if risky(info) else "false", **info.labels())
 
     def memory_snapshot(self, stage: str) -> None:
         """``event=memory_snapshot`` (rate-limited; nothing is read when it would be dropped)."""

@@ -31,6 +31,12 @@ a request that cannot fit even alone is refused at submission (503 ``memory_pred
 progress when no step can run at all is ended with 503 ``memory_predicted`` after a ``malloc_trim``
 and a second look. After each step the measured peak (``VmHWM`` over the resident set before it)
 corrects the model and is exported.
+
+**Diagnosis signals** (issue 14): each planned step's prefill batches and long admissions
+(``StepPlan.prefill_batches``, ``long_admitted``), the batches and long requests in flight with the
+queue gauges, and, with a memory model (``predictor``: the admission's, else one of its own), each
+step's predicted peak stage by stage into a 30 s window (:mod:`moeguard_runtime.peak_breakdown`);
+after every iteration the KV cache held (the caches' tensor bytes) and the window's largest step are exported.
 """
 
 from __future__ import annotations
@@ -51,8 +57,10 @@ from moeguard_runtime.contract import Budgets
 from moeguard_runtime.engine import Engine, StepOutput
 from moeguard_runtime.faults import AllocationFault, Faults, delay_step
 from moeguard_runtime.generation import Event, GenerationRequest, Sink
-from moeguard_runtime.memory_admission import MemoryAdmission, StepFit
+from moeguard_runtime.memory_admission import MemoryAdmission, StepFit, StepPredictor
+from moeguard_runtime.memory_model import Step
 from moeguard_runtime.moe import leave_onednn
+from moeguard_runtime.peak_breakdown import Breakdown, PeakWindow, breakdown
 from moeguard_runtime.procmem import read_peak_rss, reset_peak_rss, trim_malloc
 from moeguard_runtime.scheduler import SHED_REASON, Rejected, Scheduler, StepPlan
 from moeguard_runtime.step_telemetry import log_batch_start, record_step
@@ -103,7 +111,8 @@ class StepLoop:
                  on_allocation_failure: Callable[[], None] = lambda: None,
                  health: AllocationHealth | None = None,
                  admission: MemoryAdmission | None = None,
-                 read_usage: Callable[[], int] | None = None) -> None:
+                 read_usage: Callable[[], int] | None = None,
+                 predictor: StepPredictor | None = None) -> None:
         self.scheduler, self.engine = scheduler, engine
         self.telemetry, self.log = telemetry, log
         self.cond = threading.Condition()
@@ -123,6 +132,10 @@ class StepLoop:
         """Memory-aware admission (None: off); ``read_usage`` reads what the hard limit is compared with."""
         self._read_usage = read_usage or (lambda: 0)
         self._trimmed_for_memory = False
+        self.predictor = predictor or self.admission
+        """The memory model of the steps (the admission's when on), for the peak breakdown; None: no model."""
+        self.peaks = PeakWindow()
+        self._shown_peak: Breakdown | None = None
 
     def submit(self, request: GenerationRequest, sink: Sink) -> None:
         """Queue ``request``; raises :class:`scheduler.Rejected` (caps, queue bounds). Batch requests
@@ -224,8 +237,20 @@ class StepLoop:
 
     def update_queue_gauges(self) -> None:
         """Call with the lock held."""
-        self.telemetry.set_queue(self.scheduler.queue_requests, self.scheduler.queue_tokens,
-                                 self.scheduler.running_requests, self.scheduler.counts_by_priority())
+        s = self.scheduler
+        self.telemetry.set_queue(s.queue_requests, s.queue_tokens, s.running_requests, s.counts_by_priority())
+        self.telemetry.set_batches(s.batches_in_flight, s.long_requests_running)
+
+    def update_memory_gauges(self) -> None:
+        """``moeguard_kv_cache_bytes`` (the engine's caches now) and the peak breakdown of the window
+        (all stages 0 but the weights when no step was planned within it). Engine thread."""
+        tel = self.telemetry
+        tel.kv_cache_bytes.labels(**tel.labels).set(self.engine.kv_cache_bytes())
+        largest = self.peaks.largest(self._clock())
+        if largest is not self._shown_peak:
+            self._shown_peak = largest
+            shown = largest or Breakdown(0, 0, 0, 0, tel.model_weight_bytes)
+            tel.set_peak_breakdown(shown.stages())
 
     def iteration(self) -> None:
         """Release finished caches, expire queued requests, run at most one step;
@@ -268,6 +293,7 @@ class StepLoop:
             self.run_step(result.plan, fit)
         elif self.health.probe_due(self._clock()):
             self.probe()
+        self.update_memory_gauges()
 
     def forward(self, prefill: list[tuple[str, int]], decode: list[str]) -> StepOutput:
         """The engine's step, after the test-only faults (a delay, a failed allocation)."""
@@ -303,18 +329,23 @@ class StepLoop:
         with self.cond:
             admitted = [(r, self._active.get(r)) for r in plan.admitted]
         step_ids = [r for r, _, _ in plan.prefill] + list(plan.decode)
+        tel.observe_plan(plan.prefill_batches, plan.long_admitted)
+        kv_held = self.engine.kv_cache_bytes()
         rss_before = reset_peak_rss() if fit is not None else None
         t0 = clock(self.engine.device)
         failure: tuple[str, str] | None = None
         try:
+            new_kv_tokens = 0
             for req_id, active in admitted:
                 if active is not None and req_id not in self.engine.sequences:
                     r = active.request
                     tel.stage("queue", now - active.arrival)
                     self.engine.add(req_id, r.prompt, r.max_new_tokens, r.temperature, r.seed)
+                    new_kv_tokens += len(r.prompt) + r.max_new_tokens
             prefill = [(r, n) for r, _, n in plan.prefill if r in self.engine.sequences]
             decode = [r for r in plan.decode if r in self.engine.sequences]
-            log_batch_start(self.log, plan, self.engine, prefill, decode)
+            self._predict_peak(plan, decode, new_kv_tokens, kv_held, now)
+            log_batch_start(self.log, plan, self.engine, prefill, decode, self.scheduler.long_requests_running)
             self._memory_snapshot("post_pack_pre_forward")
             out = self.forward(prefill, decode)
         except Exception as exc:
@@ -330,6 +361,10 @@ class StepLoop:
         self.health.succeeded(now)
         if fit is not None:
             self._observe_memory(fit, rss_before, out)
+        if self.predictor is not None:  # the routing the next steps are predicted at
+            self.predictor.observe_routing(out.routing)
+        if self.admission is not None and self.admission is not self.predictor:
+            self.admission.observe_routing(out.routing)
         # after the step ran: a stream answers 200 only then, so a failed first step is a plain 503
         for req_id, active in admitted:
             if active is not None and req_id in self.engine.sequences:
@@ -339,11 +374,22 @@ class StepLoop:
         self.deliver(out.new_tokens, out.finished)
         tel.stage("postprocess", clock(self.engine.device) - t1)
 
+    def _predict_peak(self, plan: StepPlan, decode: list[str], new_kv_tokens: int, kv_held: int,
+                      now: float) -> None:
+        """Predict the step's peak with the memory model (before its routing is observed), stage by stage
+        (:func:`peak_breakdown.breakdown`: ``kv_held`` bytes of KV cache held before it, ``new_kv_tokens``
+        of capacity it allocates), and keep it in the window. Nothing without a model."""
+        if self.predictor is None:
+            return
+        seqs = self.engine.sequences
+        step = Step(tuple((start, n) for r, start, n in plan.prefill if r in seqs),
+                    tuple(seqs[r].num_computed for r in decode), new_kv_tokens)
+        self.peaks.add(now, breakdown(self.predictor.estimate(step), kv_held, self.telemetry.model_weight_bytes))
+
     def _observe_memory(self, fit: StepFit, rss_before: int | None, out: StepOutput) -> None:
-        """Correct the memory model with the step's measured peak; record the routing it saw."""
+        """Correct the memory model with the step's measured peak."""
         adm, tel = self.admission, self.telemetry
         assert adm is not None
-        adm.observe_routing(out.routing)
         peak = read_peak_rss() if rss_before is not None else None
         if peak is None or rss_before is None:
             return

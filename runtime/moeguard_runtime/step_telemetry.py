@@ -9,19 +9,23 @@ from collections.abc import Sequence
 from moeguard_runtime.engine import Engine, StepOutput
 from moeguard_runtime.procmem import DeviceMemory, ProcessMemory
 from moeguard_runtime.scheduler import StepPlan
-from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
+from moeguard_runtime.telemetry import RateLimitedLog, Telemetry, top_share
 
 
 def log_batch_start(log: RateLimitedLog, plan: StepPlan, engine: Engine,
-                    prefill: Sequence[tuple[str, int]], decode: Sequence[str]) -> None:
-    """``event=inference_batch_start`` (rate-limited)."""
+                    prefill: Sequence[tuple[str, int]], decode: Sequence[str], long_requests: int = 0) -> None:
+    """``event=inference_batch_start`` (rate-limited): the batch id, its requests, prefill and decode
+    tokens, the batches in flight (and those prefilling), and ``long_requests`` (long requests running
+    or preempted in the worker)."""
     if not log.allowed("inference_batch_start"):
         return
     lengths = [len(engine.sequences[r].prompt) for r in (*dict(prefill), *decode)]
     log.event("inference_batch_start", step=plan.step, batch=plan.batch,
               requests=len(prefill) + len(decode), input_tokens=plan.prefill_tokens,
+              prefill_tokens=sum(n for _, n in prefill), decode_tokens=len(decode),
               longest_request=max(lengths, default=0), active_decode_sequences=len(decode),
-              concurrent_batches=plan.active_batches)
+              concurrent_batches=plan.active_batches, batches_in_flight=plan.active_batches,
+              prefill_batches=plan.prefill_batches, long_requests=long_requests)
 
 
 def record_step(tel: Telemetry, log: RateLimitedLog, plan: StepPlan, out: StepOutput,
@@ -37,7 +41,13 @@ def record_step(tel: Telemetry, log: RateLimitedLog, plan: StepPlan, out: StepOu
     tel.stage("routing", routing_s)
     tel.stage("expert", expert_s)
     if out.routing and log.allowed("moe_routing_stats"):
+        layer = max(range(len(out.routing)), key=lambda i: out.routing[i].expert_skew_ratio)
+        top = out.routing[layer]
+        counts = top.tokens_per_expert
         log.event("moe_routing_stats", step=plan.step, layers=len(out.routing),
+                  top_skew_layer=layer, top_skew_ratio=round(top.expert_skew_ratio, 3),
+                  top_expert=max(range(len(counts)), key=counts.__getitem__) if counts else -1,
+                  top_share=round(top_share(top), 4),
                   top_expert_tokens=",".join(str(r.top_expert_tokens) for r in out.routing),
                   median_expert_tokens=",".join(f"{r.median_expert_tokens:g}" for r in out.routing),
                   skew_ratio=",".join(f"{r.expert_skew_ratio:.2f}" for r in out.routing),

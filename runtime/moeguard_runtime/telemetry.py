@@ -50,6 +50,8 @@ carries prefill (any) or only decode tokens, minus routing and expert time;
 ``routing`` the router (gate, softmax, top-k) and ``expert`` the expert matmuls
 of all MoE layers; ``postprocess`` sampling and delivery to the clients."""
 BUDGET_NAMES = contract.BUDGET_NAMES
+UCX_LABELS = ("loaded", "libraries", "mmap_hook_mode", "rcache_max_unreleased")
+"""Labels of ``moeguard_ucx_info`` (``contract.METRIC_UCX_INFO``), after the worker's."""
 
 
 class _ProcessMemoryCollector(Collector):
@@ -221,6 +223,35 @@ class Telemetry:
         self.oom = Counter(contract.METRIC_OOM_ERRORS_TOTAL.removesuffix("_total"),
                            "Batches failed by an out-of-memory error the worker survived.",
                            [*base, "kind"], registry=r)
+        # --- diagnosis signals (issue 14) ---
+        self.batches_in_flight = gauge(contract.METRIC_BATCHES_IN_FLIGHT,
+                                       "Batches in flight now (at most max_concurrent_batches).")
+        self.step_prefill_batches = Histogram(
+            contract.METRIC_STEP_PREFILL_BATCHES,
+            "Per engine step carrying prefill tokens: batches in flight holding a partly prefilled prompt "
+            "at that step (burst overlap).", base, registry=r, buckets=contract.BATCH_COUNT_BUCKETS)
+        self.long_running = gauge(contract.METRIC_LONG_REQUESTS_RUNNING,
+                                  "Requests in a batch or preempted whose prompt is at least "
+                                  "long_request_threshold_tokens.")
+        self.long_admitted = Counter(contract.METRIC_LONG_REQUESTS_ADMITTED_TOTAL.removesuffix("_total"),
+                                     "Long requests admitted from the queue into a batch.", base, registry=r)
+        self.kv_cache_bytes = gauge(contract.METRIC_KV_CACHE_BYTES,
+                                    "KV cache held by the requests in the worker (running and preempted): "
+                                    "the caches' tensor bytes, allocated whole at admission.", unit="bytes")
+        self.peak_breakdown = gauge(contract.METRIC_MEMORY_PEAK_BREAKDOWN_BYTES,
+                                    "The largest predicted step peak of the last "
+                                    f"{contract.PEAK_BREAKDOWN_WINDOW_SECONDS:g} s, by stage (memory model).",
+                                    ["stage"], unit="bytes")
+        self.top_share = gauge(contract.METRIC_EXPERT_TOP_SHARE_RATIO,
+                               "Top expert's share of the layer's token-slots, last step with "
+                               ">= 4*num_experts routed token-slots.", ["layer"], unit="ratio")
+        self.ucx = gauge(contract.METRIC_UCX_INFO,
+                         "1 for the UCX state of the process: loaded, the mapped UCX libraries, the effective "
+                         "UCX_MEM_MMAP_HOOK_MODE and UCX_RCACHE_MAX_UNRELEASED (default:<UCX's default> when "
+                         "unset).", UCX_LABELS)
+        self._ucx_labels: dict[str, str] | None = None
+        self.model_weight_bytes = 0
+        """What :meth:`set_model_weights` set, bytes (0 before the model is loaded)."""
         self.start_time = gauge(contract.METRIC_WORKER_START_TIME_SECONDS,
                                 "When this worker's counters started from 0 (Unix time).", unit="seconds")
         self.start_time.labels(**labels).set(time.time())
@@ -230,6 +261,12 @@ class Telemetry:
         for phase in ("prefill", "decode"):
             self.batch_tokens.labels(**labels, phase=phase)
         self.step_skew.labels(**labels)  # 0 steps from the start: an idle worker says so
+        self.step_prefill_batches.labels(**labels)
+        self.long_admitted.labels(**labels)
+        for gauge_ in (self.batches_in_flight, self.long_running, self.kv_cache_bytes):
+            gauge_.labels(**labels).set(0)
+        for stage in contract.MEMORY_STAGES:
+            self.peak_breakdown.labels(**labels, stage=stage).set(0)
         self.step_expert_chunks.labels(**labels)
         self.expert_split_steps.labels(**labels)
         for name in ("applied", "rejected", "ignored"):
@@ -271,6 +308,7 @@ class Telemetry:
             if stats.routed_slots >= 4 * self.num_experts:
                 self.skew.labels(**self.l(layer=str(layer))).set(stats.expert_skew_ratio)
                 self.balancedness.labels(**self.l(layer=str(layer))).set(stats.balancedness)
+                self.top_share.labels(**self.l(layer=str(layer))).set(top_share(stats))
                 step_skew = max(stats.expert_skew_ratio, step_skew or 0.0)
         if step_skew is not None:
             self.step_skew.labels(**self.labels).observe(step_skew)
@@ -280,11 +318,43 @@ class Telemetry:
         if chunks > 1:
             self.expert_split_steps.labels(**self.labels).inc()
 
+    def set_batches(self, batches: int, long_running: int) -> None:
+        """``moeguard_batches_in_flight`` and ``moeguard_long_requests_running``."""
+        self.batches_in_flight.labels(**self.labels).set(batches)
+        self.long_running.labels(**self.labels).set(long_running)
+
+    def observe_plan(self, prefill_batches: int, long_admitted: int) -> None:
+        """A planned step: its prefill batches (observed when > 0: the step carries prefill) and the long
+        requests it admitted from the queue."""
+        if prefill_batches:
+            self.step_prefill_batches.labels(**self.labels).observe(prefill_batches)
+        if long_admitted:
+            self.long_admitted.labels(**self.labels).inc(long_admitted)
+
+    def set_peak_breakdown(self, stages: Mapping[str, int]) -> None:
+        """``moeguard_memory_peak_breakdown_bytes{stage}`` (``contract.MEMORY_STAGES``), bytes."""
+        for stage in contract.MEMORY_STAGES:
+            self.peak_breakdown.labels(**self.l(stage=stage)).set(stages[stage])
+
+    def set_ucx(self, labels: Mapping[str, str]) -> bool:
+        """``moeguard_ucx_info{labels} = 1`` (``ucx.UcxInfo.labels``); the previous label set is removed.
+        Returns whether it changed."""
+        new = dict(labels)
+        if new == self._ucx_labels:
+            return False
+        if self._ucx_labels is not None:
+            old = self.l(**self._ucx_labels)
+            self.ucx.remove(*(old[name] for name in (*contract.WORKER_LABELS, *UCX_LABELS)))
+        self.ucx.labels(**self.l(**new)).set(1)
+        self._ucx_labels = new
+        return True
+
     def set_model_weights(self, parameters: Iterable[Any]) -> int:
         """Set ``moeguard_model_weight_bytes`` from the loaded model's ``parameters()`` (torch tensors:
         ``numel × element_size``, in the dtype they were loaded in); returns the bytes."""
         total = sum(int(p.numel()) * int(p.element_size()) for p in parameters)
         self.weight_bytes.labels(**self.labels).set(total)
+        self.model_weight_bytes = total
         return total
 
     def set_matmul_kernel(self, kernel: str, cpu: str) -> None:
@@ -335,6 +405,12 @@ class Telemetry:
         self.mappings_growth.labels(**self.labels).set(growth.mappings)
         for k in ("native", "python_heap"):
             self.leak.labels(**self.l(kind=k)).set(1 if kind == k else 0)
+
+
+def top_share(stats: RoutingStats) -> float:
+    """The top expert's share of a layer's token-slots (``top_expert_tokens / routed_slots``; 0 when none
+    were routed): ``1/E`` balanced, at most ``1/k``."""
+    return stats.top_expert_tokens / stats.routed_slots if stats.routed_slots else 0.0
 
 
 class RateLimitedLog:

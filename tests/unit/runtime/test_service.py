@@ -221,10 +221,15 @@ def test_events_and_stage_metrics(setup: tuple[Worker, list[int], Lines]) -> Non
     for _ in range(5):
         worker._iteration()
     start = next(kw for ev, kw in lines.lines if ev == "inference_batch_start")
-    assert start == {"step": 0, "batch": 0, "requests": 1, "input_tokens": 41,
-                     "longest_request": 41, "active_decode_sequences": 0, "concurrent_batches": 1}
+    assert start == {"step": 0, "batch": 0, "requests": 1, "input_tokens": 41, "prefill_tokens": 41,
+                     "decode_tokens": 0, "longest_request": 41, "active_decode_sequences": 0,
+                     "concurrent_batches": 1, "batches_in_flight": 1, "prefill_batches": 1, "long_requests": 0}
     routing = next(kw for ev, kw in lines.lines if ev == "moe_routing_stats")
     assert routing["layers"] == 2 and len(str(routing["skew_ratio"]).split(",")) == 2
+    ratios = [float(x) for x in str(routing["skew_ratio"]).split(",")]
+    assert routing["top_skew_layer"] == ratios.index(max(ratios))
+    assert abs(float(str(routing["top_skew_ratio"])) - max(ratios)) < 0.01
+    assert 0 <= int(str(routing["top_expert"])) < 8 and 1 / 8 <= float(str(routing["top_share"])) <= 1 / 2
     assert routing["overflow_tokens"] == "0,0"
     snap = next(kw for ev, kw in lines.lines if ev == "memory_snapshot")
     assert snap["stage"] == "post_pack_pre_forward" and int(str(snap["rss_bytes"])) > 0
