@@ -147,6 +147,8 @@ class DiagnosisLook:
             missing.append("memory in use")
         if obs.silent_pods:
             missing.append(f"silent pods: {', '.join(obs.silent_pods)}")
+        if obs.available and obs.signals is None and not obs.signals_missing:
+            missing.append("diagnosis signals")
         signals = obs.signals or DiagnosisSignals()
         visible = obs.available and not obs.silent_pods and obs.signals is not None
         return cls(obs.time, visible, (*missing, *signals.missing), obs.new_oom_kills, obs.skew_ratio,

@@ -504,14 +504,15 @@ def diagnosis_signals(answers: Mapping[str, Answer], reporting: Sequence[str], m
            for m, _ in answers["ucx_info"].series if LABEL_POD in m}
     kinds = parse_by_labels(answers["leak_kinds"], (LABEL_POD, "kind"))
     growth = parse_by_labels(answers["growth"], (LABEL_POD, "part"))
-    pods, lacking = [], {}
+    pods: list[PodSignals] = []
+    lacking: dict[str, list[str]] = {}
     for pod in reporting:
         values: dict[str, float | None] = {name: numbers.get((pod, name)) for name in DIAG_SIGNALS}
         if not counts(pod):
             values["steady_growth_bytes_per_second"] = None  # start-up growth is never a leak
         layers = sorted(((layer, v) for (p, layer), v in shares.items() if p == pod), key=lambda lv: (-lv[1], lv[0]))
         pods.append(PodSignals(
-            pod=pod, memory_bytes=memory.get(pod), **values,  # type: ignore[arg-type]
+            pod=pod, memory_bytes=memory.get(pod), **values,
             breakdown=tuple(sorted((st, v) for (p, st), v in stages.items() if p == pod)),
             top_layers=tuple(TopLayer(layer, v, *hot.get((pod, layer), (None, None))) for layer, v in layers[:3]),
             ucx=ucx.get(pod),
