@@ -405,7 +405,7 @@ def _leak(kind: str) -> Callable[[PodSignals, DiagnosisLook, MoEInferenceService
                                     pod.pod))
         if pod.mappings_growth_per_second is not None:
             evidence.append(_ev("memory mappings growth", pod.mappings_growth_per_second, "mappings/s",
-                                "moeguard_process_memory_mappings_growth_per_second", pod.pod))
+                                contract.METRIC_PROCESS_MEMORY_MAPPINGS_GROWTH, pod.pod))
         rate = f"{slope / 2**20 * 60:+.1f} MiB/min"
         if kind == "native":
             ucx = pod.ucx

@@ -66,12 +66,14 @@ from moeguard_runtime.contract import (
     METRIC_KV_CACHE_BYTES,
     METRIC_LONG_REQUESTS_ADMITTED_TOTAL,
     METRIC_LONG_REQUESTS_RUNNING,
+    METRIC_MEMORY_CHUNK_SHRINKS_TOTAL,
     METRIC_MEMORY_GROWTH_BYTES_PER_SECOND,
     METRIC_MEMORY_LEAK_SUSPECTED,
     METRIC_MEMORY_LIMIT_STATE,
     METRIC_MEMORY_PEAK_BREAKDOWN_BYTES,
     METRIC_MEMORY_USAGE_BYTES,
     METRIC_OOM_ERRORS_TOTAL,
+    METRIC_PROCESS_MEMORY_MAPPINGS_GROWTH,
     METRIC_PROCESS_RSS_BYTES,
     METRIC_QUEUE_REQUESTS,
     METRIC_REJECTIONS_TOTAL,
@@ -296,10 +298,6 @@ class Queries:
 DIAG_FIELDS = ("diag", "breakdown", "top_share", "hot_experts", "ucx_info")
 """The diagnosis's queries (issue 14): their failure makes the diagnosis signals missing, never the budget
 policy's look blind."""
-METRIC_MEMORY_CHUNK_SHRINKS_TOTAL = "moeguard_memory_chunk_shrinks_total"
-"""Counter: prefill chunks the worker cut so a step's predicted peak fits (``telemetry.memory_chunk_shrinks``)."""
-METRIC_MAPPINGS_GROWTH = "moeguard_process_memory_mappings_growth_per_second"
-"""Gauge: the worker's own slope of its memory mappings count (``telemetry.mappings_growth``), mappings/s."""
 MEMORY_REFUSALS = ("memory_predicted", "memory_hard_limit")
 """The worker's refusal reasons that are memory failures (``step_loop.MEMORY_REASON``,
 ``memory_guard.MemoryGuard``'s 503 above the hard limit)."""
@@ -403,7 +401,7 @@ def diagnosis_queries(sel: str, window_seconds: int, leak_window_seconds: int) -
         "gpu_reserved_bytes": window_max(METRIC_GPU_MEMORY_RESERVED_BYTES),
         "gpu_allocated_bytes": window_max(METRIC_GPU_MEMORY_ALLOCATED_BYTES),
         "steady_growth_bytes_per_second": f"max by ({g}) (min_over_time(deriv({rss}[{sub}s])[{span}s:{step}s]))",
-        "mappings_growth_per_second": f"max by ({g}) ({METRIC_MAPPINGS_GROWTH}{{{sel}}})",
+        "mappings_growth_per_second": f"max by ({g}) ({METRIC_PROCESS_MEMORY_MAPPINGS_GROWTH}{{{sel}}})",
     }
     share = f"max by ({g}, layer) (max_over_time({METRIC_EXPERT_TOP_SHARE_RATIO}{{{sel}}}[{w}]))"
     top3 = f"topk by ({g}) (3, {share})"
