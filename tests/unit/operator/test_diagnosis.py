@@ -11,7 +11,9 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client import REGISTRY
 
+from moeguard_operator import metrics
 from moeguard_operator.diagnosis import (
     ALLOC_CONF,
     DiagnosisLook,
@@ -296,3 +298,17 @@ def test_findings_start_only_in_visible_looks(drill: str, blind: list[bool]) -> 
             assert out.started == () and out.cleared == ()
         memory, status = out.memory, out.status
     assert set(FINDING_KINDS) >= kinds(status)
+
+
+def test_the_finding_gauge_is_1_while_active_and_0_once_cleared() -> None:
+    pod, skew = DRILLS["BurstOverlap"]
+    memory = DiagnosisMemory(blind_at=T0 - timedelta(hours=1))
+    labels = {"namespace": "ns-gauge", "moeis": "svc", "kind": "BurstOverlap"}
+    out = diagnose(memory, look(pod, 0, skew), None, SPEC, T0)
+    metrics.record_diagnosis("ns-gauge", "svc", out)
+    assert REGISTRY.get_sample_value("moeguard_operator_diagnosis_finding", labels) == 1
+    cleared = diagnose(out.memory, look(CALM, 60), out.status, SPEC, T0 + timedelta(seconds=60))
+    assert cleared.cleared == ("BurstOverlap",)
+    metrics.record_diagnosis("ns-gauge", "svc", cleared)
+    assert REGISTRY.get_sample_value("moeguard_operator_diagnosis_finding", labels) == 0
+    assert REGISTRY.get_sample_value("moeguard_operator_diagnosis_finding", {**labels, "kind": "RoutingSkew"}) is None
