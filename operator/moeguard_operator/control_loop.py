@@ -41,6 +41,7 @@ from moeguard_operator import constants as c
 from moeguard_operator.builders import Owner, restart_patch, worker_name
 from moeguard_operator.config import OperatorConfig
 from moeguard_operator.constants import FIELD_MANAGER
+from moeguard_operator.diagnosis import DiagnosisMemory
 from moeguard_operator.models import MoEInferenceServiceSpec, MoEInferenceServiceStatus
 from moeguard_operator.observe import (
     QUERY_DEADLINE_SECONDS,
@@ -119,6 +120,8 @@ class Memory:
     """Monotonic time before which a failed write is not retried (one tick after the failure)."""
     failing: bool = False
     status: MoEInferenceServiceStatus | None = None
+    diagnosis: DiagnosisMemory | None = None
+    """The diagnosis's memory (the kinds that held in the previous look, a few times): a few hundred bytes."""
 
     def status_of(self, svc: dict[str, Any]) -> MoEInferenceServiceStatus:
         """The typed status of ``svc`` (parsed once per resourceVersion).
@@ -401,12 +404,17 @@ class ControlLoop:
         prior = mem.status_of(svc)
         pods = list(self.views.pods.get(key, {}).values())
         writes = tick.look_step(prior, spec, pods, self.views.configmaps.get(key), obs, mem.blind_floor, now,
-                                (svc.get("metadata") or {}).get("generation"), key not in self.views.hand_edited)
+                                (svc.get("metadata") or {}).get("generation"), key not in self.views.hand_edited,
+                                mem.diagnosis or DiagnosisMemory(blind_at=self.started))
         if not obs.fully_visible:
             mem.blind_floor = max(mem.blind_floor, now)
-        decision = writes.decision
-        assert decision is not None
+        decision, found = writes.decision, writes.diagnosis
+        assert decision is not None and found is not None
+        mem.diagnosis = found.memory
         metrics.record_look(key[0], key[1], obs, decision, floors(spec.batching))
+        metrics.record_diagnosis(key[0], key[1], found)
+        for kind in found.started:
+            log.warning("%s/%s: diagnosis: %s started", key[0], key[1], kind)
         if decision.changed:
             log.info("%s/%s: budget %s: %s", key[0], key[1], decision.direction, decision.reason)
         missing = self.views.missing.get(key, set())

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge
 from pydantic.alias_generators import to_camel
 
+from moeguard_operator.diagnosis import Diagnosis
 from moeguard_operator.models import BUDGET_FIELDS
 from moeguard_operator.policy import Decision, Observation
 from moeguard_runtime.contract import Budgets
@@ -26,6 +27,9 @@ CHILD_APPLY_REFUSALS = Counter(
     "moeguard_operator_child_apply_refusals_total",
     "Children the API server refused at apply, by what the operator did (retry, stall).", [*LABELS, "action"])
 OOM_KILLS = Counter("moeguard_operator_oom_kills_total", "OOMKilled worker containers seen.", LABELS)
+DIAGNOSIS_FINDING = Gauge(
+    "moeguard_operator_diagnosis_finding",
+    "1 while the diagnosis holds a finding of this kind for the service, 0 once it cleared.", [*LABELS, "kind"])
 BUDGET_AT_FLOOR = Gauge(
     "moeguard_operator_budget_at_floor", "1 while a budget sits at its floor (the loop can tighten no further).",
     [*LABELS, "budget"])
@@ -45,3 +49,12 @@ def record_look(namespace: str, name: str, obs: Observation, decision: Decision,
         at_floor = getattr(budgets, field) <= getattr(floors, field)
         BUDGET_AT_FLOOR.labels(namespace, name, to_camel(field)).set(1 if at_floor else 0)
     OVERLOAD.labels(namespace, name).set(1 if decision.state.overload == "On" else 0)
+
+
+def record_diagnosis(namespace: str, name: str, found: Diagnosis) -> None:
+    """``moeguard_operator_diagnosis_finding``: 1 for each active finding's kind, 0 for each kind cleared now (a
+    kind never found has no series)."""
+    for finding in found.status.findings:
+        DIAGNOSIS_FINDING.labels(namespace, name, finding.kind).set(1)
+    for kind in found.cleared:
+        DIAGNOSIS_FINDING.labels(namespace, name, kind).set(0)

@@ -770,7 +770,7 @@ class MoEInferenceServiceStatus(_Model):
     """metadata.generation of the spec last reconciled."""
     conditions: list[Condition] = Field(default_factory=list)
     """kstatus conditions (Ready, Reconciling, Stalled) and moeguard's own (MetricsAvailable,
-    BudgetTightened, Overloaded, MemoryLeakSuspected)."""
+    BudgetTightened, Overloaded, MemoryLeakSuspected, and one per diagnosis finding typed by its kind)."""
     replicas: int | None = None
     """Worker pods desired."""
     ready_replicas: int | None = None

@@ -52,17 +52,34 @@ import httpx
 from moeguard_operator.models import MoEInferenceServiceSpec
 from moeguard_operator.podstate import PodFacts
 from moeguard_operator.policy import Observation
+from moeguard_operator.signals import DiagnosisSignals, PodSignals, TopLayer, UcxInfo
 from moeguard_runtime.contract import (
     LABEL_NAMESPACE,
     LABEL_POD,
     LABEL_SERVICE,
+    METRIC_BATCHES_IN_FLIGHT,
     METRIC_E2E_LATENCY_SECONDS,
+    METRIC_EXPERT_TOKENS_TOTAL,
+    METRIC_EXPERT_TOP_SHARE_RATIO,
+    METRIC_GPU_MEMORY_ALLOCATED_BYTES,
+    METRIC_GPU_MEMORY_RESERVED_BYTES,
+    METRIC_KV_CACHE_BYTES,
+    METRIC_LONG_REQUESTS_ADMITTED_TOTAL,
+    METRIC_LONG_REQUESTS_RUNNING,
+    METRIC_MEMORY_CHUNK_SHRINKS_TOTAL,
     METRIC_MEMORY_GROWTH_BYTES_PER_SECOND,
     METRIC_MEMORY_LEAK_SUSPECTED,
+    METRIC_MEMORY_LIMIT_STATE,
+    METRIC_MEMORY_PEAK_BREAKDOWN_BYTES,
     METRIC_MEMORY_USAGE_BYTES,
+    METRIC_OOM_ERRORS_TOTAL,
+    METRIC_PROCESS_MEMORY_MAPPINGS_GROWTH,
     METRIC_PROCESS_RSS_BYTES,
+    METRIC_QUEUE_REQUESTS,
     METRIC_REJECTIONS_TOTAL,
     METRIC_STEP_EXPERT_SKEW_RATIO,
+    METRIC_STEP_PREFILL_BATCHES,
+    METRIC_UCX_INFO,
     METRIC_WORKER_START_TIME_SECONDS,
 )
 
@@ -270,6 +287,27 @@ class Queries:
     rejection_rate: str
     p99_latency: str
     reporting_pods: str
+    diag: str = ""
+    """The diagnosis's per-pod numbers, one series per pod and signal (label ``signal``: :data:`DIAG_SIGNALS`)."""
+    breakdown: str = ""
+    top_share: str = ""
+    hot_experts: str = ""
+    ucx_info: str = ""
+
+
+DIAG_FIELDS = ("diag", "breakdown", "top_share", "hot_experts", "ucx_info")
+"""The diagnosis's queries (issue 14): their failure makes the diagnosis signals missing, never the budget
+policy's look blind."""
+MEMORY_REFUSALS = ("memory_predicted", "memory_hard_limit")
+"""The worker's refusal reasons that are memory failures (``step_loop.MEMORY_REASON``,
+``memory_guard.MemoryGuard``'s 503 above the hard limit)."""
+DIAG_SIGNALS = ("prefill_batches", "queue_requests", "batches_in_flight", "long_running", "long_admitted",
+                "kv_cache_bytes", "memory_failures", "limit_state", "gpu_reserved_bytes", "gpu_allocated_bytes",
+                "steady_growth_bytes_per_second", "mappings_growth_per_second")
+"""The ``signal`` label values of the ``diag`` query: :class:`signals.PodSignals` field names."""
+REQUIRED_SIGNALS = ("prefill_batches", "queue_requests", "long_running", "long_admitted", "memory_failures")
+"""The ``diag`` signals every current worker exports (the GPU figures exist only with a GPU, the mapping
+slope only once the worker's window filled, the steady growth only for pods older than the leak window)."""
 
 
 def _matcher(label: str, values: str | Iterable[str]) -> str:
@@ -319,7 +357,63 @@ def queries(namespaces: str | Iterable[str], names: str | Iterable[str], window_
         p99_latency=f"histogram_quantile(0.99, sum by ({', '.join(GROUP_LABELS)}, le) "
                     f"(rate({METRIC_E2E_LATENCY_SECONDS}_bucket{{{sel}}}[{w}])))",
         reporting_pods=f"count {by} ({rss})",
+        **diagnosis_queries(sel, window_seconds, leak_window_seconds),
     )
+
+
+def steady_growth_steps(window_seconds: int, leak_window_seconds: int) -> tuple[int, int, int]:
+    """The steady-growth subquery's ``(sub-window, range, step)``, seconds: each RSS slope over a sub-window of
+    ``max(windowSeconds, leakWindowSeconds / 4)`` (windowSeconds spans at least 3 scrapes:
+    :data:`MIN_WINDOW_SAMPLES`), evaluated every half sub-window over the rest of the leak window (at least
+    one sub-window), so that the sub-windows stay within the leak window."""
+    sub = max(window_seconds, leak_window_seconds // 4)
+    step = max(1, sub // 2)
+    return sub, max(leak_window_seconds - sub, sub), step
+
+
+def diagnosis_queries(sel: str, window_seconds: int, leak_window_seconds: int) -> dict[str, str]:
+    """The diagnosis's PromQL (:data:`DIAG_FIELDS`) for the selector ``sel`` over the windows (seconds), pure."""
+    g = ", ".join(GROUP_LABELS)
+    w = f"{window_seconds}s"
+    sub, span, step = steady_growth_steps(window_seconds, leak_window_seconds)
+    rss = f"{METRIC_PROCESS_RSS_BYTES}{{{sel}}}"
+
+    def window_max(metric: str) -> str:
+        return f"max by ({g}) (max_over_time({metric}{{{sel}}}[{w}]))"
+
+    pb = METRIC_STEP_PREFILL_BATCHES
+    refusals = "|".join(MEMORY_REFUSALS)
+    parts = {
+        # No prefill step in the window: the quantile is NaN (left out), and the pod reads 0.
+        "prefill_batches": f"(histogram_quantile(1, sum by ({g}, le) (increase({pb}_bucket{{{sel}}}[{w}]))) >= 0) "
+                           f"or (0 * sum by ({g}) ({pb}_count{{{sel}}}))",
+        "queue_requests": window_max(METRIC_QUEUE_REQUESTS),
+        "batches_in_flight": window_max(METRIC_BATCHES_IN_FLIGHT),
+        "long_running": window_max(METRIC_LONG_REQUESTS_RUNNING),
+        "long_admitted": f"sum by ({g}) (increase({METRIC_LONG_REQUESTS_ADMITTED_TOTAL}{{{sel}}}[{w}]))",
+        "kv_cache_bytes": window_max(METRIC_KV_CACHE_BYTES),
+        # Labelled counters appear with their first increment: a reporting pod without any has had none.
+        "memory_failures": f"(sum by ({g}) (increase({METRIC_OOM_ERRORS_TOTAL}{{{sel}}}[{w}]) "
+                           f"or increase({METRIC_REJECTIONS_TOTAL}{{{sel},reason=~\"{refusals}\"}}[{w}]) "
+                           f"or increase({METRIC_MEMORY_CHUNK_SHRINKS_TOTAL}{{{sel}}}[{w}]))) "
+                           f"or (0 * count by ({g}) ({rss}))",
+        "limit_state": window_max(METRIC_MEMORY_LIMIT_STATE),
+        "gpu_reserved_bytes": window_max(METRIC_GPU_MEMORY_RESERVED_BYTES),
+        "gpu_allocated_bytes": window_max(METRIC_GPU_MEMORY_ALLOCATED_BYTES),
+        "steady_growth_bytes_per_second": f"max by ({g}) (min_over_time(deriv({rss}[{sub}s])[{span}s:{step}s]))",
+        "mappings_growth_per_second": f"max by ({g}) ({METRIC_PROCESS_MEMORY_MAPPINGS_GROWTH}{{{sel}}})",
+    }
+    share = f"max by ({g}, layer) (max_over_time({METRIC_EXPERT_TOP_SHARE_RATIO}{{{sel}}}[{w}]))"
+    top3 = f"topk by ({g}) (3, {share})"
+    return {
+        "diag": " or ".join(f'label_replace({expr}, "signal", "{name}", "", "")' for name, expr in parts.items()),
+        "breakdown": f"max by ({g}, stage) (max_over_time({METRIC_MEMORY_PEAK_BREAKDOWN_BYTES}{{{sel}}}[{w}]))",
+        "top_share": top3,
+        "hot_experts": f"topk by ({g}, layer) (1, sum by ({g}, layer, expert) "
+                       f"(increase({METRIC_EXPERT_TOKENS_TOTAL}{{{sel}}}[{w}]))) and on ({g}, layer) {top3}",
+        "ucx_info": f"max by ({g}, loaded, libraries, mmap_hook_mode, rcache_max_unreleased) "
+                    f"({METRIC_UCX_INFO}{{{sel}}})",
+    }
 
 
 def skew_query(namespace: str, name: str, window_seconds: int) -> str:
@@ -386,6 +480,51 @@ def problems(url: str, answers: Mapping[str, Answer]) -> str | None:
     return f"Prometheus at {safe_url(url)}: {'; '.join(parts)}"
 
 
+def diagnosis_signals(answers: Mapping[str, Answer], reporting: Sequence[str], memory: Mapping[str, float],
+                      counts: Callable[[str], bool]) -> tuple[DiagnosisSignals | None, str | None]:
+    """The diagnosis signals of the ``reporting`` pods from one service's sliced answers (:data:`DIAG_FIELDS`,
+    plus ``leak_kinds`` and ``growth``), pure; ``memory``: each pod's window max memory in use, bytes;
+    ``counts``: whether a pod's leak window counts (older than it).
+
+    Returns ``(signals, None)``, or ``(None, why)`` when a diagnosis query failed or had malformed series (the
+    fixed problem text, never a byte of the answer): missing, never 0.
+    """
+    bad = sorted(f"{name}: {answers[name].problem}" for name in DIAG_FIELDS if answers[name].problem is not None)
+    if bad:
+        return None, "diagnosis queries failed (" + "; ".join(bad) + ")"
+    numbers = parse_by_labels(answers["diag"], (LABEL_POD, "signal"))
+    stages = parse_by_labels(answers["breakdown"], (LABEL_POD, "stage"))
+    shares = parse_by_labels(answers["top_share"], (LABEL_POD, "layer"))
+    hot = {(m[LABEL_POD], m["layer"]): (m["expert"], v) for m, v in answers["hot_experts"].series
+           if all(k in m for k in (LABEL_POD, "layer", "expert"))}
+    ucx = {m[LABEL_POD]: UcxInfo(m.get("loaded") == "true", m.get("libraries", ""), m.get("mmap_hook_mode", ""),
+                                 m.get("rcache_max_unreleased", ""))
+           for m, _ in answers["ucx_info"].series if LABEL_POD in m}
+    kinds = parse_by_labels(answers["leak_kinds"], (LABEL_POD, "kind"))
+    growth = parse_by_labels(answers["growth"], (LABEL_POD, "part"))
+    pods: list[PodSignals] = []
+    lacking: dict[str, list[str]] = {}
+    for pod in reporting:
+        values: dict[str, float | None] = {name: numbers.get((pod, name)) for name in DIAG_SIGNALS}
+        if not counts(pod):
+            values["steady_growth_bytes_per_second"] = None  # start-up growth is never a leak
+        layers = sorted(((layer, v) for (p, layer), v in shares.items() if p == pod), key=lambda lv: (-lv[1], lv[0]))
+        pods.append(PodSignals(
+            pod=pod, memory_bytes=memory.get(pod), **values,
+            breakdown=tuple(sorted((st, v) for (p, st), v in stages.items() if p == pod)),
+            top_layers=tuple(TopLayer(layer, v, *hot.get((pod, layer), (None, None))) for layer, v in layers[:3]),
+            ucx=ucx.get(pod),
+            leak_kinds=tuple(sorted(k for (p, k), v in kinds.items() if p == pod and v >= 1)),
+            growth=tuple(sorted((part, v) for (p, part), v in growth.items() if p == pod))))
+        for name in (*REQUIRED_SIGNALS, "breakdown", "ucx_info"):
+            have = (values.get(name) is not None if name in values
+                    else bool(pods[-1].breakdown) if name == "breakdown" else pod in ucx)
+            if not have:
+                lacking.setdefault(name.replace("_", " "), []).append(pod)
+    missing = tuple(f"{name}: {', '.join(p)}" for name, p in sorted(lacking.items()))
+    return DiagnosisSignals(pods=tuple(pods), missing=missing), None
+
+
 # --- one look for many services: the pure slicing ---------------------------------------------------------
 
 def group_answer(answer: Answer) -> Answer:
@@ -447,14 +586,19 @@ def slice_look(url: str, answers: Mapping[str, Answer], look: Look, now: datetim
       p99 latency: the highest per-pod p99; both None unless every reporting pod has a full window.
     * RSS slope: the highest among the Running ``slope_pods`` with a full leak window; those without one
       (silent ones included) are named in ``slope_unknown``.
-    Any failed query, or any malformed series, sets ``error`` (blind: budgets hold).
+    * diagnosis signals (:func:`diagnosis_signals`): per reporting pod; a failed or malformed diagnosis query
+      leaves them None with ``signals_missing`` saying why, and never makes the budget policy's look blind.
+    Any failed query, or any malformed series, of the policy's sets ``error`` (blind: budgets hold).
     """
     pods = tuple(look.running_pods)
     grouped = {key: group_answer(a) for key, a in answers.items()}
-    trouble = problems(url, grouped)
-    if any(a.blind for a in grouped.values()):
+    policy_answers = {key: a for key, a in grouped.items() if key not in DIAG_FIELDS}
+    trouble = problems(url, policy_answers)
+    if any(a.blind for a in policy_answers.values()):
         return Observation(time=now, expected_pods=pods, new_oom_kills=look.new_oom_kills, error=trouble)
     mine = {key: service_slice(a, look.namespace, look.name, pods) for key, a in grouped.items()}
+    for key in DIAG_FIELDS:
+        mine.setdefault(key, Answer())
 
     def per_pod(key: str) -> dict[str, float]:
         return parse_by_label(mine[key], LABEL_POD)
@@ -494,6 +638,7 @@ def slice_look(url: str, answers: Mapping[str, Answer], look: Look, now: datetim
     rejections = per_pod("rejection_rate")
     p99s = per_pod("p99_latency")
     all_full = not short and bool(reporting)
+    signals, signals_missing = diagnosis_signals(mine, reporting, per_pod("memory"), counts)
     missing = [trouble] if trouble else []
     if memory_err and memory_err != MALFORMED:
         missing.append(f"memory: {memory_err}")
@@ -515,6 +660,8 @@ def slice_look(url: str, answers: Mapping[str, Answer], look: Look, now: datetim
         short_history=_short(short, history, look.window_seconds) if short else None,
         new_oom_kills=look.new_oom_kills,
         error="; ".join(missing) or None,
+        signals=signals,
+        signals_missing=signals_missing,
     )
 
 

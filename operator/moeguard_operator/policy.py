@@ -40,6 +40,7 @@ from datetime import datetime
 from typing import Literal
 
 from moeguard_operator.models import BUDGET_FIELDS, BatchingSpec, MoEInferenceServiceSpec
+from moeguard_operator.signals import DiagnosisSignals
 from moeguard_runtime.contract import Budgets
 
 OverloadMode = Literal["On", "Off"]
@@ -77,6 +78,8 @@ class Observation:
         crash_looping_pods: pods in the kubelet's crash-loop back-off (from the Kubernetes API:
             :attr:`podstate.PodFacts.crash_looping`); never loosen while there is one.
         error: why Prometheus values are missing (unreachable, no series), or None.
+        signals: the diagnosis signals (:mod:`diagnosis`; never read by :func:`decide`), or None when missing.
+        signals_missing: why ``signals`` is None although the look was not blind (a diagnosis query failed).
     """
 
     time: datetime
@@ -97,6 +100,8 @@ class Observation:
     new_oom_kills: int = 0
     crash_looping_pods: tuple[str, ...] = ()
     error: str | None = None
+    signals: DiagnosisSignals | None = None
+    signals_missing: str | None = None
 
     @property
     def silent_pods(self) -> tuple[str, ...]:

@@ -29,8 +29,17 @@ from datetime import datetime
 from typing import Any
 
 from moeguard_operator import budget_document, report
+from moeguard_operator.conditions import set_condition
+from moeguard_operator.diagnosis import (
+    Diagnosis,
+    DiagnosisLook,
+    DiagnosisMemory,
+    diagnose,
+    unchanged_but_time,
+)
 from moeguard_operator.models import (
     ControlStatus,
+    DiagnosisStatus,
     MoEInferenceServiceSpec,
     MoEInferenceServiceStatus,
 )
@@ -57,6 +66,7 @@ class Writes:
             durable once it is there.
         restart: roll the workers (leak action Restart) after the ConfigMap.
         decision: the policy decision of a look (None for a readiness step).
+        diagnosis: the incident diagnosis of a look (None for a readiness step); its ``memory`` is the loop's next.
     """
 
     status: MoEInferenceServiceStatus
@@ -64,6 +74,7 @@ class Writes:
     document: BudgetDocument | None = None
     restart: bool = False
     decision: Decision | None = None
+    diagnosis: Diagnosis | None = None
 
 
 def is_ready(pod: Pod) -> bool:
@@ -116,9 +127,11 @@ def policy_state(status: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpe
 
 def look_step(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, pods: list[dict[str, Any]],
               data: Mapping[str, str] | None, obs: Observation, blind_floor: datetime, now: datetime,
-              generation: int | None, ours: bool = True) -> Writes:
+              generation: int | None, ours: bool = True, diagnosis: DiagnosisMemory | None = None) -> Writes:
     """Readiness, OOM kills (counted from the pods now: ``obs.new_oom_kills`` is replaced), the decision on
-    ``obs`` and what it asks to write; ``ours``: the ConfigMap's document is the operator's (not a hand edit)."""
+    ``obs``, the incident diagnosis (after the decision, from the same look: it never feeds it) and what they
+    ask to write; ``ours``: the ConfigMap's document is the operator's (not a hand edit); ``diagnosis``: the
+    loop's diagnosis memory (None: a fresh one, blind until ``blind_floor``)."""
     raw = None if data is None else dict(data)
     status = budget_document.caught_up(prior, raw, ours)
     facts = pod_facts(pods)
@@ -133,13 +146,36 @@ def look_step(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, p
     document = budget_document.for_decision(spec, new, raw, decision, now)
     looked, look_events = report.looked(new, spec, obs, decision, document, facts.restarts, now, generation,
                                                facts.crash_looping)
-    return Writes(stable(new, looked, obs), (*events, *look_events), document, decision.restart, decision)
+    found = diagnose(diagnosis or DiagnosisMemory(blind_at=blind_floor), DiagnosisLook.of(obs), prior.diagnosis,
+                     spec, now)
+    looked, found_events = diagnosed(looked, found, now, generation)
+    return Writes(stable(new, looked, obs), (*events, *look_events, *found_events), document, decision.restart,
+                  decision, found)
+
+
+CLEARED = "Cleared"
+"""The reason of a finding's condition once it cleared (status False)."""
+
+
+def diagnosed(status: MoEInferenceServiceStatus, found: Diagnosis, now: datetime,
+              generation: int | None) -> tuple[MoEInferenceServiceStatus, list[report.Event]]:
+    """``status`` with ``status.diagnosis``, a condition per active finding (type and reason: the kind, status
+    True, message: the finding's) and per finding cleared now (status False, reason ``Cleared``), and the
+    diagnosis's Events."""
+    conditions = status.conditions
+    for finding in found.status.findings:
+        conditions = set_condition(conditions, finding.kind, "True", finding.kind, finding.message, now, generation)
+    for kind in found.cleared:
+        conditions = set_condition(conditions, kind, "False", CLEARED, f"{kind} cleared", now, generation)
+    events = [report.Event("Warning" if e.type == "Warning" else "Normal", e.reason, e.message) for e in found.events]
+    return status.model_copy(update={"diagnosis": found.status, "conditions": conditions}), events
 
 
 def stable(prior: MoEInferenceServiceStatus, new: MoEInferenceServiceStatus,
            obs: Observation) -> MoEInferenceServiceStatus:
     """``new`` without the changes that only say "a look happened": ``observed.time`` stays when no observed
-    value changed, and ``control.lastBlindTime`` stays while the look was not fully visible (the loop keeps
+    value changed, ``diagnosis`` stays when only its times moved (``time``, ``lastSeen``: the loop keeps them in
+    memory), and ``control.lastBlindTime`` stays while the look was not fully visible (the loop keeps
     the blind time in memory; status records the start of the current visible stretch once)."""
     observed = new.observed
     if observed is not None and prior.observed is not None and prior.observed.time is not None:
@@ -149,4 +185,6 @@ def stable(prior: MoEInferenceServiceStatus, new: MoEInferenceServiceStatus,
     control = new.control
     if control is not None and not obs.fully_visible:
         control = control.model_copy(update={"last_blind_time": (prior.control or ControlStatus()).last_blind_time})
-    return new.model_copy(update={"observed": observed, "control": control})
+    diagnosis = prior.diagnosis if unchanged_but_time(prior.diagnosis, new.diagnosis or DiagnosisStatus()) else (
+        new.diagnosis)
+    return new.model_copy(update={"observed": observed, "control": control, "diagnosis": diagnosis})

@@ -385,6 +385,11 @@ UCX_ENV_MMAP_HOOK_MODE = "UCX_MEM_MMAP_HOOK_MODE"
 UCX_ENV_RCACHE_MAX_UNRELEASED = "UCX_RCACHE_MAX_UNRELEASED"
 METRIC_GPU_MEMORY_ALLOCATED_BYTES = "moeguard_gpu_memory_allocated_bytes"
 METRIC_GPU_MEMORY_RESERVED_BYTES = "moeguard_gpu_memory_reserved_bytes"
+METRIC_MEMORY_CHUNK_SHRINKS_TOTAL = "moeguard_memory_chunk_shrinks_total"
+"""Counter: prefill chunks cut below the prefill budget so that a step's predicted peak fits (a memory failure
+for the diagnosis)."""
+METRIC_PROCESS_MEMORY_MAPPINGS_GROWTH = "moeguard_process_memory_mappings_growth_per_second"
+"""Gauge: the worker's own slope of its memory mappings count (native leak evidence), mappings/s."""
 
 OPERATOR_READS = (
     METRIC_STEP_EXPERT_SKEW_RATIO,

@@ -179,7 +179,7 @@ def test_one_grouped_look_serves_every_service_with_the_same_queries(pods: Pods)
         observe_looks(stack.PROMETHEUS_URL, batch, datetime.now(UTC))
         counts.append(query_requests() - before)
     print(f"\nqueries per look: 1 service {counts[0]:.0f}, 2 services {counts[1]:.0f}, 200 services {counts[2]:.0f}")
-    assert counts[0] == counts[1] == counts[2] == asked == 14
+    assert counts[0] == counts[1] == counts[2] == asked == 19
 
 
 def test_old_pods_series_never_steer_a_recreated_service_or_a_rollout(pods: Pods) -> None:
@@ -274,3 +274,82 @@ def test_after_prometheus_restarts_with_wiped_data_the_leak_is_unknown_until_the
     first_known = next(t for t, verdict, _, _ in looks if verdict != "Unknown")
     first_up = next(t for t, _, _, move in looks if move == "up")
     assert first_known >= LW - SCRAPE and first_up >= first_known, looks
+
+
+def _metric(registry: Any, kind: type, name: str, labels: list[str], **kw: Any) -> Any:
+    """The worker's own collector of ``name`` when its Telemetry defines it, else a stand-in of the contract's
+    name and labels registered on the same registry (the worker side of issue 14 lands separately)."""
+    found = registry._names_to_collectors.get(name)
+    if found is not None:
+        return found
+    return kind(name.removesuffix("_total"), name, labels, registry=registry, **kw)
+
+
+def test_the_diagnosis_queries_are_valid_promql_and_read_the_workers_series(pods: Pods) -> None:
+    """The diagnosis's five queries against the real Prometheus: each pod's burst signals, breakdown, hottest
+    layers and experts, UCX info; a calm pod's failures read 0 (not missing)."""
+    from prometheus_client import Counter, Gauge, Histogram
+
+    from moeguard_operator import diagnosis
+    from moeguard_runtime import contract
+
+    hot, calm = pods.start("diag", "diag-0"), pods.start("diag", "diag-1")
+    base = ["moeis", "namespace", "pod"]
+    handles = {}
+    for p in (hot, calm):
+        r, lab = p.telemetry.registry, p.telemetry.labels
+        handles[p.name] = h = {
+            "prefill": _metric(r, Histogram, contract.METRIC_STEP_PREFILL_BATCHES, base,
+                               buckets=contract.BATCH_COUNT_BUCKETS),
+            "queue": _metric(r, Gauge, contract.METRIC_QUEUE_REQUESTS, base),
+            "inflight": _metric(r, Gauge, contract.METRIC_BATCHES_IN_FLIGHT, base),
+            "long": _metric(r, Gauge, contract.METRIC_LONG_REQUESTS_RUNNING, base),
+            "admitted": _metric(r, Counter, contract.METRIC_LONG_REQUESTS_ADMITTED_TOTAL, base),
+            "kv": _metric(r, Gauge, contract.METRIC_KV_CACHE_BYTES, base),
+            "breakdown": _metric(r, Gauge, contract.METRIC_MEMORY_PEAK_BREAKDOWN_BYTES, [*base, "stage"]),
+            "share": _metric(r, Gauge, contract.METRIC_EXPERT_TOP_SHARE_RATIO, [*base, "layer"]),
+            "tokens": _metric(r, Counter, contract.METRIC_EXPERT_TOKENS_TOTAL, [*base, "layer", "expert"]),
+            "ucx": _metric(r, Gauge, contract.METRIC_UCX_INFO,
+                           [*base, "loaded", "libraries", "mmap_hook_mode", "rcache_max_unreleased"]),
+        }
+        h["prefill"].labels(**lab).observe(1)
+        h["admitted"].labels(**lab).inc(0)
+        h["tokens"].labels(**lab, layer="7", expert="3").inc(0)
+        h["tokens"].labels(**lab, layer="7", expert="1").inc(0)
+        for name in ("queue", "inflight", "long", "kv"):
+            h[name].labels(**lab).set(0)
+    pods.scraped("diag-0", "diag-1", samples=3)
+    time.sleep(W + SCRAPE)
+    lab, h = hot.telemetry.labels, handles["diag-0"]
+    h["prefill"].labels(**lab).observe(3)
+    h["queue"].labels(**lab).set(12)
+    h["inflight"].labels(**lab).set(2)
+    h["kv"].labels(**lab).set(2.5e8)
+    h["admitted"].labels(**lab).inc(3)
+    for stage, v in (("kv_cache", 2e8), ("attention", 5e7), ("expert_buffers", 6e8), ("dense_mlp", 1e8)):
+        h["breakdown"].labels(**lab, stage=stage).set(v)
+    for layer, v in (("7", 0.62), ("2", 0.31), ("0", 0.2), ("5", 0.1)):
+        h["share"].labels(**lab, layer=layer).set(v)
+    h["tokens"].labels(**lab, layer="7", expert="3").inc(5000)
+    h["tokens"].labels(**lab, layer="7", expert="1").inc(40)
+    h["ucx"].labels(**lab, loaded="true", libraries="libucp.so.0", mmap_hook_mode="default:bistro",
+                    rcache_max_unreleased="default:inf").set(1)
+    hot.telemetry.oom.labels(**lab, kind="host").inc(0)
+    time.sleep(SCRAPE + 0.5)
+    hot.telemetry.oom.labels(**lab, kind="host").inc(2)
+    hot.telemetry.rejections.labels(**lab, reason="memory_predicted").inc(0)
+    time.sleep(2 * SCRAPE + 0.5)
+    obs = observe_one(look(pods, "diag", ("diag-0", "diag-1"), slope_pods=()))
+    assert obs.signals is not None and obs.signals_missing is None, obs
+    a, b = obs.signals.pods
+    assert (a.pod, a.prefill_batches, a.queue_requests, a.batches_in_flight, a.kv_cache_bytes) == (
+        "diag-0", 3.0, 12.0, 2.0, 2.5e8), a
+    assert a.long_admitted is not None and a.long_admitted >= 3  # increase() extrapolates to the window's edges
+    assert a.memory_failures is not None and a.memory_failures >= 2
+    assert a.stage("expert_buffers") == 6e8 and a.stage("kv_cache") == 2e8
+    assert [(t.layer, t.share, t.expert) for t in a.top_layers] == [("7", 0.62, "3"), ("2", 0.31, None),
+                                                                    ("0", 0.2, None)]
+    assert a.ucx is not None and diagnosis.ucx_risky(a.ucx)
+    assert (b.pod, b.prefill_batches, b.queue_requests, b.memory_failures, b.long_admitted) == (
+        "diag-1", 0.0, 0.0, 0.0, 0.0), b  # its only prefill step was before the window
+    assert b.ucx is None and "ucx info: diag-1" in obs.signals.missing

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from moeguard_operator.conditions import leak_unknown
 from moeguard_operator.models import MoEInferenceServiceSpec
 from moeguard_operator.observe import (
+    DIAG_FIELDS,
     MALFORMED,
     MIN_WINDOW_SAMPLES,
     Answer,
@@ -28,6 +29,7 @@ from moeguard_operator.observe import (
     read_answer,
     service_slice,
     slice_look,
+    steady_growth_steps,
 )
 from moeguard_operator.policy import PolicyState, decide, initial_budgets
 
@@ -234,3 +236,77 @@ def test_every_look_of_an_unreachable_prometheus_is_blind() -> None:
     for obs in got.values():
         assert obs.error == "Prometheus at http://127.0.0.1:1: PrometheusUnreachable" and not obs.available
     assert observe_looks("http://127.0.0.1:1", [], NOW) == {}
+
+
+# --- the diagnosis signals (issue 14) ----------------------------------------------------------------------
+
+def diag_answers(**overrides: Answer) -> dict[str, Answer]:
+    """Real-shaped answers of the diagnosis queries for pods svc-a and svc-b (and another service's pod)."""
+    base = pod_answers({("ns", "svc", "svc-a"): healthy(memory=GIB * 0.9), ("ns", "svc", "svc-b"): healthy(),
+                        ("ns", "other", "other-a"): healthy()})
+    numbers = {"prefill_batches": 3, "queue_requests": 12, "batches_in_flight": 2, "long_running": 0,
+               "long_admitted": 0, "kv_cache_bytes": 2.5e8, "memory_failures": 4, "limit_state": 1,
+               "steady_growth_bytes_per_second": 512.0, "mappings_growth_per_second": 0.0}
+    diag = [series("ns", "svc", "svc-a", v, signal=k) for k, v in numbers.items()]
+    diag += [series("ns", "svc", "svc-b", v, signal=k) for k, v in numbers.items() if k != "long_admitted"]
+    diag += [series("ns", "svc", "svc-b", "NaN", signal="gpu_reserved_bytes"),
+             series("ns", "other", "other-a", 99, signal="prefill_batches")]
+    base.update(
+        diag=answer(*diag),
+        breakdown=answer(*(series("ns", "svc", "svc-a", v, stage=s) for s, v in
+                           (("kv_cache", 2e8), ("attention", 5e7), ("expert_buffers", 6e8), ("dense_mlp", 1e8)))),
+        top_share=answer(series("ns", "svc", "svc-a", 0.31, layer="2"), series("ns", "svc", "svc-a", 0.62, layer="7"),
+                         series("ns", "svc", "svc-a", 0.2, layer="0")),
+        hot_experts=answer(series("ns", "svc", "svc-a", 5e4, layer="7", expert="3")),
+        ucx_info=answer(series("ns", "svc", "svc-a", 1, loaded="true", libraries="libucp.so.0,libucs.so.0",
+                               mmap_hook_mode="default:bistro", rcache_max_unreleased="default:inf")),
+        leak_kinds=answer(series("ns", "svc", "svc-a", 1, kind="native"), series("ns", "svc", "svc-a", 0,
+                                                                                  kind="python_heap")),
+        growth=answer(series("ns", "svc", "svc-a", 2048, part="rss_anonymous")),
+    )
+    base.update(overrides)
+    return base
+
+
+def test_the_diagnosis_signals_are_parsed_per_pod_from_real_shaped_answers() -> None:
+    obs = slice_look(URL, diag_answers(), look(pods=("svc-a", "svc-b")), NOW)
+    assert obs.error is None and obs.signals is not None and obs.signals_missing is None
+    a, b = obs.signals.pods
+    assert (a.pod, a.memory_bytes, a.prefill_batches, a.queue_requests, a.memory_failures, a.limit_state) == (
+        "svc-a", GIB * 0.9, 3, 12, 4, 1)
+    assert a.steady_growth_bytes_per_second == 512.0 and a.kv_cache_bytes == 2.5e8
+    assert a.stage("expert_buffers") == 6e8 and a.stage("weights") is None
+    assert [(t.layer, t.share, t.expert, t.tokens) for t in a.top_layers] == [
+        ("7", 0.62, "3", 5e4), ("2", 0.31, None, None), ("0", 0.2, None, None)]
+    assert a.ucx is not None and (a.ucx.loaded, a.ucx.mmap_hook_mode, a.ucx.rcache_max_unreleased) == (
+        True, "default:bistro", "default:inf")
+    assert a.leak_kinds == ("native",) and a.growth == (("rss_anonymous", 2048.0),)
+    # svc-b: no long_admitted series (missing, not 0), a NaN GPU figure (no data), no breakdown, no UCX info.
+    assert b.long_admitted is None and b.gpu_reserved_bytes is None and b.breakdown == () and b.ucx is None
+    assert obs.signals.missing == ("breakdown: svc-b", "long admitted: svc-b", "ucx info: svc-b")
+
+
+def test_a_young_pods_steady_growth_is_not_read() -> None:
+    obs = slice_look(URL, diag_answers(), look(pods=("svc-a", "svc-b"), slope_pods=("svc-b",)), NOW)
+    assert obs.signals is not None and obs.signals.pods[0].steady_growth_bytes_per_second is None
+
+
+@pytest.mark.parametrize("field", ["diag", "breakdown", "top_share", "hot_experts", "ucx_info"])
+def test_a_failed_or_malformed_diagnosis_query_leaves_the_signals_missing_not_the_budget_look_blind(field: str) -> None:
+    for broken, problem in ((read_answer(503, b"down"), "PrometheusHTTPError 503"),
+                            (read_answer(200, b'{"status":"success","data":{"resultType":"vector","result":'
+                                              b'[{"metric":{"pod":"x"},"value":[1,"oops"]}]}}'), MALFORMED)):
+        obs = slice_look(URL, diag_answers(**{field: broken}), look(pods=("svc-a", "svc-b")), NOW)
+        assert obs.signals is None and obs.signals_missing == f"diagnosis queries failed ({field}: {problem})"
+        assert obs.error is None and obs.memory_ratio == 0.9  # the budget policy still sees
+
+
+def test_the_diagnosis_queries_are_few_and_grouped() -> None:
+    q = queries("ns", "svc", 30, 600)
+    assert len(DIAG_FIELDS) == 5 and len(Queries.__dataclass_fields__) == 19
+    for field in DIAG_FIELDS:
+        assert "by (namespace, moeis, pod" in getattr(q, field)
+    assert steady_growth_steps(30, 600) == (150, 450, 75)
+    assert steady_growth_steps(30, 30) == (30, 30, 15)
+    assert "min_over_time(deriv(moeguard_process_resident_memory_bytes{namespace=\"ns\",moeis=\"svc\"}[150s])" \
+           "[450s:75s])" in q.diag

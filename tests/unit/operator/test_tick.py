@@ -7,14 +7,17 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from tests.unit.operator.test_diagnosis import DRILLS
 
 from moeguard_operator import budget_document, report, tick
+from moeguard_operator.diagnosis import DiagnosisMemory
 from moeguard_operator.models import (
     ControlStatus,
     MoEInferenceServiceSpec,
     MoEInferenceServiceStatus,
 )
 from moeguard_operator.policy import Observation, initial_budgets
+from moeguard_operator.signals import DiagnosisSignals
 from moeguard_runtime.contract import BudgetDocument
 
 pytestmark = pytest.mark.unit
@@ -173,3 +176,56 @@ def test_a_hand_edited_configmap_is_not_adopted_but_its_generation_is_respected(
 ])
 def test_whose_document_a_configmap_holds_comes_from_its_managed_fields(managed: Any, ours: bool) -> None:
     assert budget_document.written_by(managed, "moeguard") is ours
+
+
+def test_a_finding_writes_diagnosis_a_condition_and_one_event_then_clears_with_one_more() -> None:
+    burst_pod, _ = DRILLS["BurstOverlap"]
+    calm_pod, _ = DRILLS["calm"]
+    spec = SPEC.model_copy(update={"resources": SPEC.resources.model_copy(update={"hard_limit": 4 * 2**30})})
+
+    def obs(pod_signals: Any, when: datetime) -> Observation:
+        return Observation(time=when, skew_ratio=1.5, memory_ratio=0.3, skew_steps=5, expected_pods=("w-0",),
+                           reporting_pods=("w-0",), signals=DiagnosisSignals(pods=(pod_signals,)))
+
+    prior = status(START, 3, last_pressure=NOW - timedelta(hours=1), last_blind=NOW - timedelta(hours=1))
+    floor = NOW - timedelta(hours=1)
+    first = tick.look_step(prior, spec, [pod("w-0")], data(START, 3), obs(burst_pod, NOW), floor, NOW, 1,
+                           diagnosis=DiagnosisMemory(blind_at=floor))
+    assert first.diagnosis is not None and first.status.diagnosis is not None
+    assert [f.kind for f in first.status.diagnosis.findings] == ["BurstOverlap"]
+    cond = report.find_condition(first.status.conditions, "BurstOverlap")
+    assert cond is not None and (cond.status, cond.reason, cond.observed_generation) == ("True", "BurstOverlap", 1)
+    assert cond.message == first.status.diagnosis.findings[0].message
+    started = [e for e in first.events if e.reason == "BurstOverlap"]
+    assert len(started) == 1 and started[0].type == "Warning" and "Remedy: " in started[0].message
+    assert first.decision is not None  # the budgets are the policy's: the same with or without the finding
+    plain = tick.look_step(prior, spec, [pod("w-0")], data(START, 3), obs(calm_pod, NOW), floor, NOW, 1)
+    assert plain.decision == first.decision and plain.document == first.document
+
+    # The same look again: only times move, nothing to write, no Event.
+    later = NOW + timedelta(seconds=2)
+    again = tick.look_step(first.status, spec, [pod("w-0")], data(START, 3), obs(burst_pod, later), floor, later, 1,
+                           diagnosis=first.diagnosis.memory)
+    assert report.status_patch(first.status, again.status) == {}
+    assert not [e for e in again.events if e.reason.startswith("BurstOverlap")]
+    assert again.diagnosis is not None
+
+    # After an operator restart: restored from status, no second start Event.
+    restarted = tick.look_step(first.status, spec, [pod("w-0")], data(START, 3), obs(burst_pod, later), later,
+                               later, 1)
+    assert not [e for e in restarted.events if e.reason.startswith("BurstOverlap")]
+
+    # Calm for the hold (max(2 × 10 s, 60 s)): cleared, condition False/Cleared, one Normal Event.
+    memory, current = again.diagnosis.memory, again.status
+    events: list[report.Event] = []
+    for t in range(4, 64, 2):
+        when = NOW + timedelta(seconds=t)
+        step = tick.look_step(current, spec, [pod("w-0")], data(START, 3), obs(calm_pod, when), floor, when, 1,
+                              diagnosis=memory)
+        assert step.diagnosis is not None
+        memory, current = step.diagnosis.memory, step.status
+        events += [e for e in step.events if "BurstOverlap" in e.reason]
+    assert [(e.type, e.reason) for e in events] == [("Normal", "BurstOverlapCleared")]
+    cond = report.find_condition(current.conditions, "BurstOverlap")
+    assert cond is not None and (cond.status, cond.reason) == ("False", "Cleared")
+    assert current.diagnosis is not None and current.diagnosis.findings == []

@@ -1,0 +1,314 @@
+"""The incident diagnosis (issue 14): :func:`diagnosis.diagnose` on each incident's signature, and on every
+other incident's signature (no wrong finding), missing signals, onset, hold and clearing, restore after a
+restart; it never changes budgets."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client import REGISTRY
+
+from moeguard_operator import metrics
+from moeguard_operator.diagnosis import (
+    ALLOC_CONF,
+    DiagnosisLook,
+    DiagnosisMemory,
+    alloc_conf_patch,
+    clear_after_seconds,
+    diagnose,
+    lowered_budget_patch,
+    ucx_patch,
+    ucx_risky,
+)
+from moeguard_operator.models import FINDING_KINDS, DiagnosisStatus, MoEInferenceServiceSpec
+from moeguard_operator.policy import Observation, PolicyState, decide, initial_budgets
+from moeguard_operator.signals import DiagnosisSignals, PodSignals, TopLayer, UcxInfo
+
+pytestmark = pytest.mark.unit
+
+T0 = datetime(2026, 12, 1, 14, 0, tzinfo=UTC)
+GIB, MIB = 2**30, 2**20
+SPEC = MoEInferenceServiceSpec.model_validate({
+    "batching": {"maxConcurrentBatches": 2, "maxLongRequestsPerBatch": 4},
+    "resources": {"gpus": 1, "softLimit": "3Gi", "hardLimit": "4Gi"},
+    "control": {"skewThreshold": 4, "windowSeconds": 30, "queryIntervalSeconds": 10},
+    "template": {"extraEnv": [{"name": "HF_HOME", "value": "/cache"}]},
+})
+HARD = SPEC.resources.hard_limit_bytes
+SAFE_UCX = UcxInfo(loaded=False, libraries="", mmap_hook_mode="default:bistro", rcache_max_unreleased="default:inf")
+EXPERT_HEAVY = (("attention", 50 * MIB), ("dense_mlp", 100 * MIB), ("expert_buffers", 600 * MIB),
+                ("kv_cache", 200 * MIB), ("weights", 2 * GIB))
+KV_HEAVY = (("attention", 500 * MIB), ("dense_mlp", 50 * MIB), ("expert_buffers", 200 * MIB),
+            ("kv_cache", 2 * GIB), ("weights", 2 * GIB))
+CALM = PodSignals(pod="w-0", memory_bytes=0.5 * HARD, prefill_batches=1, queue_requests=0, batches_in_flight=1,
+                  long_running=0, long_admitted=0, kv_cache_bytes=200 * MIB, memory_failures=0, limit_state=0,
+                  steady_growth_bytes_per_second=0.0, mappings_growth_per_second=0.0, breakdown=EXPERT_HEAVY,
+                  top_layers=(TopLayer("3", 0.2, "5", 900.0),), ucx=SAFE_UCX)
+
+DRILLS: dict[str, tuple[PodSignals, float]] = {
+    # pod signals, and the service's skew ratio
+    "calm": (CALM, 1.5),
+    # A burst: prefills overlap, the queue spikes, memory fails, RSS jumps once (the worker's own detector
+    # flags it while the jump is in its window) but the smallest sub-window slope is flat.
+    "BurstOverlap": (replace(CALM, memory_bytes=0.9 * HARD, prefill_batches=3, queue_requests=12, batches_in_flight=3,
+                             memory_failures=4, limit_state=1, leak_kinds=("native",),
+                             steady_growth_bytes_per_second=1024.0), 2.5),
+    # Long prompts pile up: KV cache and attention dominate; the queue is up too, prefills overlap.
+    "LongContextPileUp": (replace(CALM, memory_bytes=0.92 * HARD, prefill_batches=2, queue_requests=4, long_running=3,
+                                  long_admitted=5, kv_cache_bytes=2 * GIB, memory_failures=2, limit_state=1,
+                                  breakdown=KV_HEAVY), 2.0),
+    # Repetitive prompts: skewed routing, prefills overlap and the queue is up, but memory is fine.
+    "RoutingSkew": (replace(CALM, prefill_batches=2, queue_requests=3,
+                            top_layers=(TopLayer("7", 0.61, "3", 5e4), TopLayer("2", 0.4, "0", 3e4))), 12.0),
+    "NativeMemoryLeak": (replace(CALM, memory_bytes=0.7 * HARD, leak_kinds=("native",),
+                                 steady_growth_bytes_per_second=2 * MIB, mappings_growth_per_second=0.5,
+                                 growth=(("rss_anonymous", 2 * MIB),)), 1.5),
+    "PythonHeapLeak": (replace(CALM, memory_bytes=0.7 * HARD, leak_kinds=("python_heap",),
+                               steady_growth_bytes_per_second=1 * MIB, growth=(("malloc_in_use", 1 * MIB),)), 1.5),
+    "UCXRiskyConfig": (replace(CALM, ucx=UcxInfo(True, "libucp.so.0,libucs.so.0", "default:bistro",
+                                                 "default:inf")), 1.5),
+    "AllocatorFragmentation": (replace(CALM, gpu_reserved_bytes=7 * GIB, gpu_allocated_bytes=3 * GIB,
+                                       memory_failures=2), 1.5),
+}
+
+
+def look(pod: PodSignals | None = CALM, t: float = 0, skew: float | None = 1.5, **obs: object) -> DiagnosisLook:
+    pods = () if pod is None else (pod,)
+    o = Observation(time=T0 + timedelta(seconds=t), memory_ratio=0.5, skew_ratio=skew, skew_steps=10,
+                    expected_pods=tuple(p.pod for p in pods), reporting_pods=tuple(p.pod for p in pods),
+                    signals=DiagnosisSignals(pods=pods))
+    return DiagnosisLook.of(replace(o, **obs))  # type: ignore[arg-type]
+
+
+def run(looks: list[DiagnosisLook], prior: DiagnosisStatus | None = None,
+        memory: DiagnosisMemory | None = None) -> tuple[DiagnosisStatus | None, list[tuple[str, str, str]]]:
+    """Diagnose ``looks`` in order, the status fed back as ``prior``; returns the last status and the Events."""
+    memory = memory or DiagnosisMemory(blind_at=T0 - timedelta(hours=1))
+    events: list[tuple[str, str, str]] = []
+    status = prior
+    for lk in looks:
+        out = diagnose(memory, lk, status, SPEC, lk.time)
+        memory, status = out.memory, out.status
+        events += [(e.type, e.reason, e.message) for e in out.events]
+    return status, events
+
+
+def kinds(status: DiagnosisStatus | None) -> set[str]:
+    return {f.kind for f in (status.findings if status else [])}
+
+
+@pytest.mark.parametrize("drill", list(DRILLS))
+def test_each_drill_gives_its_own_finding_and_no_other(drill: str) -> None:
+    pod, skew = DRILLS[drill]
+    status, events = run([look(pod, t, skew) for t in (0, 10, 20)])
+    expected = set() if drill == "calm" else {drill}
+    assert kinds(status) == expected
+    assert [(t, r) for t, r, _ in events] == [("Warning", k) for k in sorted(expected)]
+    assert status is not None and status.missing_signals == []
+
+
+def test_the_burst_finding_names_its_values_the_pod_and_the_lowered_concurrency() -> None:
+    pod, skew = DRILLS["BurstOverlap"]
+    status, events = run([look(pod, 0, skew)])
+    assert status is not None
+    (finding,) = status.findings
+    assert finding.since == T0 and finding.pods == ["w-0"]
+    assert finding.message == ("burst overlap on w-0: 3 prefill batches in flight at once with 12 requests queued, "
+                               "peak 700 MiB of expert buffers and dense MLP against 250 MiB of KV cache and attention")
+    values = {e.signal: e.value for e in finding.evidence}
+    assert values["prefill batches in flight"] == 3 and values["queue requests (window max)"] == 12
+    assert values["memory in use / hardLimit"] == 0.9 and values["memory failures in the window"] == 4
+    assert "peak breakdown weights" not in values
+    assert json.loads(finding.patch or "") == {"spec": {"batching": {"maxConcurrentBatches": 1}}}
+    assert events[0][2].startswith(finding.message + ". Remedy: lower batching.maxConcurrentBatches to 1")
+
+
+def test_long_context_lowers_long_requests_per_batch() -> None:
+    pod, skew = DRILLS["LongContextPileUp"]
+    status, _ = run([look(pod, 0, skew)])
+    assert status is not None
+    (finding,) = status.findings
+    assert json.loads(finding.patch or "") == {"spec": {"batching": {"maxLongRequestsPerBatch": 3}}}
+    assert {e.signal: e.value for e in finding.evidence}["long requests running (window max)"] == 3
+
+
+def test_skew_and_leaks_need_two_looks_in_a_row_and_date_from_the_first() -> None:
+    for drill in ("RoutingSkew", "NativeMemoryLeak", "PythonHeapLeak"):
+        pod, skew = DRILLS[drill]
+        status, events = run([look(pod, 0, skew)])
+        assert kinds(status) == set() and events == []
+        status, events = run([look(pod, 0, skew), look(CALM, 10), look(pod, 20, skew)])
+        assert kinds(status) == set()
+        status, events = run([look(pod, 0, skew), look(pod, 10, skew)])
+        assert kinds(status) == {drill} and status is not None and status.findings[0].since == T0
+        assert len(events) == 1
+
+
+def test_skew_evidence_names_the_hottest_layers_and_experts() -> None:
+    pod, skew = DRILLS["RoutingSkew"]
+    status, _ = run([look(pod, 0, skew), look(pod, 10, skew)])
+    assert status is not None
+    finding = status.findings[0]
+    assert finding.message == "routing skew 12.0 at or above skewThreshold 4; hottest: layer 7 (top-expert share 0.61, expert 3)"
+    assert [(e.value, e.detail) for e in finding.evidence[1:]] == [(0.61, "layer 7, hottest expert 3"),
+                                                                  (0.4, "layer 2, hottest expert 0")]
+    assert finding.patch is None
+
+
+def test_native_leak_with_ucx_loaded_patches_ucx_and_says_which_settings() -> None:
+    pod, _ = DRILLS["NativeMemoryLeak"]
+    loaded = replace(pod, ucx=UcxInfo(True, "libucp.so.0", "none", "1024"))
+    status, _ = run([look(loaded, 0), look(loaded, 10)])
+    assert status is not None and kinds(status) == {"NativeMemoryLeak"}
+    finding = status.findings[0]
+    assert json.loads(finding.patch or "") == {"spec": {"ucx": {"mode": "none", "rcacheMaxUnreleased": 1024}}}
+    assert "UCX_MEM_MMAP_HOOK_MODE=none" in finding.message and "rolling restart" in finding.remedy
+    values = {e.signal: e.value for e in finding.evidence}
+    assert values["steady RSS growth (smallest sub-window slope)"] == 2 * MIB
+    assert values["anonymous RSS growth"] == 2 * MIB and values["memory mappings growth"] == 0.5
+    status, _ = run([look(pod, 0), look(pod, 10)])  # UCX not loaded: profile the native heap
+    assert status is not None and status.findings[0].patch is None and "heaptrack" in status.findings[0].remedy
+
+
+def test_a_leak_flag_with_a_slope_at_the_noise_floor_is_no_leak() -> None:
+    pod = replace(DRILLS["NativeMemoryLeak"][0], steady_growth_bytes_per_second=64 * 1024)
+    assert kinds(run([look(pod, t) for t in (0, 10, 20)])[0]) == set()
+
+
+@pytest.mark.parametrize(("mode", "rcache", "risky"), [
+    ("default:bistro", "default:inf", True), ("bistro", "inf", True), ("reloc", "", True),
+    ("none", "default:inf", False), ("default:none", "inf", False), ("default:bistro", "1024", False),
+])
+def test_ucx_risky_reads_default_values(mode: str, rcache: str, risky: bool) -> None:
+    assert ucx_risky(UcxInfo(True, "libucp.so.0", mode, rcache)) is risky
+    assert not ucx_risky(UcxInfo(False, "", mode, rcache))
+
+
+def test_patches_respect_floors_and_the_other_env() -> None:
+    at_one = SPEC.model_copy(update={"batching": SPEC.batching.model_copy(update={"max_concurrent_batches": 1})})
+    assert lowered_budget_patch(at_one, "max_concurrent_batches") is None
+    floored = MoEInferenceServiceSpec.model_validate({"batching": {"maxConcurrentBatches": 3,
+                                                                   "floors": {"maxConcurrentBatches": 3}}})
+    lowered = lowered_budget_patch(floored, "max_concurrent_batches")
+    assert lowered is not None and json.loads(lowered[1]) == {"spec": {"batching": {
+        "maxConcurrentBatches": 2, "floors": {"maxConcurrentBatches": 2}}}}
+    env = json.loads(alloc_conf_patch(SPEC))["spec"]["template"]["extraEnv"]
+    assert env == [{"name": "HF_HOME", "value": "/cache"}, {"name": ALLOC_CONF, "value": "expandable_segments:True"}]
+    amd = MoEInferenceServiceSpec.model_validate({"resources": {"gpus": 1, "gpuResourceName": "amd.com/gpu",
+                                                                "softLimit": "3Gi", "hardLimit": "4Gi"}})
+    assert json.loads(ucx_patch(amd))["spec"]["ucx"]["mode"] == "rcache"
+
+
+def test_missing_signals_start_nothing_and_are_named() -> None:
+    pod, skew = DRILLS["BurstOverlap"]
+    blind = look(pod, 0, skew, error="Prometheus at http://prom:9090: PrometheusTimeout", memory_ratio=None)
+    status, events = run([blind, replace(blind, time=T0 + timedelta(seconds=10))])
+    assert kinds(status) == set() and events == []
+    assert status is not None and status.missing_signals == ["Prometheus at http://prom:9090: PrometheusTimeout"]
+    # A silent pod: the other pod's burst does not start a finding while one is silent.
+    silent = look(pod, 0, skew, expected_pods=("w-0", "w-1"))
+    status, events = run([silent])
+    assert kinds(status) == set() and status is not None and status.missing_signals == ["silent pods: w-1"]
+    # A failed diagnosis query.
+    failed = look(pod, 0, skew, signals=None, signals_missing="diagnosis queries failed (diag: PrometheusTimeout)")
+    status, _ = run([failed])
+    assert kinds(status) == set() and status is not None and status.missing_signals == [
+        "diagnosis queries failed (diag: PrometheusTimeout)"]
+
+
+def test_a_pod_without_the_breakdown_is_unknown_not_calm() -> None:
+    pod = replace(DRILLS["BurstOverlap"][0], breakdown=())
+    status, _ = run([look(pod, 0)])
+    assert kinds(status) == set()
+
+
+def test_a_finding_clears_after_the_hold_of_judged_looks_and_blind_looks_neither_start_nor_clear() -> None:
+    pod, skew = DRILLS["BurstOverlap"]
+    hold = clear_after_seconds(SPEC)
+    assert hold == 60
+    looks = [look(pod, 0, skew)]
+    looks += [look(CALM, t, error="Prometheus at http://prom:9090: PrometheusTimeout", memory_ratio=None)
+              for t in range(10, 200, 10)]  # blind for three minutes: still active
+    status, events = run(looks)
+    assert kinds(status) == {"BurstOverlap"} and len(events) == 1
+    calm_from = 190
+    looks += [look(CALM, t) for t in range(200, calm_from + hold, 10)]
+    status, events = run(looks)
+    assert kinds(status) == {"BurstOverlap"}
+    status, events = run([*looks, look(CALM, calm_from + hold)])
+    assert kinds(status) == set()
+    assert [(t, r) for t, r, _ in events] == [("Warning", "BurstOverlap"), ("Normal", "BurstOverlapCleared")]
+
+
+def test_held_again_before_the_hold_keeps_the_finding_and_its_onset() -> None:
+    pod, skew = DRILLS["BurstOverlap"]
+    status, events = run([look(pod, 0, skew), look(CALM, 10), look(CALM, 50), look(pod, 60, skew), look(CALM, 100)])
+    assert status is not None and status.findings[0].since == T0 and len(events) == 1
+
+
+def test_restore_after_a_restart_posts_no_second_start_and_clears_only_after_a_full_hold() -> None:
+    pod, skew = DRILLS["BurstOverlap"]
+    status, _ = run([look(pod, 0, skew)])
+    restart = T0 + timedelta(seconds=300)  # the operator comes back long after the last look
+    fresh = DiagnosisMemory(blind_at=restart)
+    again, events = run([look(pod, 310, skew)], prior=status, memory=fresh)
+    assert events == [] and again is not None and again.findings[0].since == T0
+    calm, events = run([look(CALM, t) for t in (310, 320, 350)], prior=status, memory=fresh)
+    assert kinds(calm) == {"BurstOverlap"} and events == []
+    calm, events = run([look(CALM, 360)], prior=status, memory=fresh)
+    assert kinds(calm) == set() and events[0][1] == "BurstOverlapCleared"
+
+
+def test_the_diagnosis_changes_no_budget() -> None:
+    pod, skew = DRILLS["BurstOverlap"]
+    obs = Observation(time=T0, memory_ratio=0.9, skew_ratio=skew, skew_steps=10, expected_pods=("w-0",),
+                      reporting_pods=("w-0",))
+    with_signals = replace(obs, signals=DiagnosisSignals(pods=(pod,)))
+    state = PolicyState(budgets=initial_budgets(SPEC.batching))
+    assert decide(obs, state, SPEC, T0) == decide(with_signals, state, SPEC, T0)
+    assert decide(obs, state, SPEC, T0).state.budgets != state.budgets  # the look itself does tighten
+
+
+optional = st.none() | st.floats(min_value=0, max_value=1e12, allow_nan=False)
+
+
+@given(kinds_=st.sets(st.sampled_from(["native", "python_heap"])), ooms=st.integers(0, 3),
+       skew=st.none() | st.floats(min_value=1, max_value=100), gpu=optional)
+def test_no_finding_from_missing_signals(kinds_: set[str], ooms: int, skew: float | None, gpu: float | None) -> None:
+    """Every diagnosis signal missing (the pod exports none of them; skew not seen): never a finding."""
+    bare = PodSignals(pod="w-0", leak_kinds=tuple(sorted(kinds_)), gpu_reserved_bytes=gpu)
+    looks = [look(bare, t, skew, skew_steps=None, skew_unknown_pods=("w-0",), new_oom_kills=ooms) for t in (0, 10, 20)]
+    status, events = run(looks)
+    assert kinds(status) == set() and events == []
+
+
+@given(drill=st.sampled_from(sorted(DRILLS)), blind=st.lists(st.booleans(), min_size=1, max_size=8))
+def test_findings_start_only_in_visible_looks(drill: str, blind: list[bool]) -> None:
+    pod, skew = DRILLS[drill]
+    memory, status = DiagnosisMemory(blind_at=T0), None
+    for i, b in enumerate(blind):
+        lk = look(pod, 10 * i, skew, **({"error": "down", "memory_ratio": None} if b else {}))
+        out = diagnose(memory, lk, status, SPEC, lk.time)
+        if not lk.visible:
+            assert out.started == () and out.cleared == ()
+        memory, status = out.memory, out.status
+    assert set(FINDING_KINDS) >= kinds(status)
+
+
+def test_the_finding_gauge_is_1_while_active_and_0_once_cleared() -> None:
+    pod, skew = DRILLS["BurstOverlap"]
+    memory = DiagnosisMemory(blind_at=T0 - timedelta(hours=1))
+    labels = {"namespace": "ns-gauge", "moeis": "svc", "kind": "BurstOverlap"}
+    out = diagnose(memory, look(pod, 0, skew), None, SPEC, T0)
+    metrics.record_diagnosis("ns-gauge", "svc", out)
+    assert REGISTRY.get_sample_value("moeguard_operator_diagnosis_finding", labels) == 1
+    cleared = diagnose(out.memory, look(CALM, 60), out.status, SPEC, T0 + timedelta(seconds=60))
+    assert cleared.cleared == ("BurstOverlap",)
+    metrics.record_diagnosis("ns-gauge", "svc", cleared)
+    assert REGISTRY.get_sample_value("moeguard_operator_diagnosis_finding", labels) == 0
+    assert REGISTRY.get_sample_value("moeguard_operator_diagnosis_finding", {**labels, "kind": "RoutingSkew"}) is None
