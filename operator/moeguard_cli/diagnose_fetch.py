@@ -98,6 +98,10 @@ def api_client(kubeconfig: str | None, context: str | None) -> tuple[Any, str | 
     except (ConfigException, OSError, ValueError, TypeError, KeyError) as exc:
         raise DiagnoseError(f"cannot load the Kubernetes configuration: {_one_line(exc)}") from None
     api.configuration.retries = 0  # one attempt: an unreachable API server is reported at once
+    if not api.configuration.verify_ssl:  # the kubeconfig's insecure-skip-tls-verify: as kubectl, no warning
+        import urllib3
+
+        urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
     return api, namespace
 
 
