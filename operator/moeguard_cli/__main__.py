@@ -227,17 +227,17 @@ def diagnose(
     err = Console(stderr=True)
     show = not quiet and err.is_terminal
     status = err.status("moeguard diagnose") if show else nullcontext()
-    with status as spinner:
-        def progress(what: str) -> None:
-            if spinner is not None:
-                spinner.update(what)
+    try:
+        with status as spinner:
+            def progress(what: str) -> None:
+                if spinner is not None:
+                    spinner.update(what)
 
-        try:
             got = diagnose_fetch.fetch(name, namespace, prometheus_url=prometheus_url, minutes=minutes,
                                        kubeconfig=kubeconfig, context=context, progress=progress)
-        except diagnose_fetch.DiagnoseError as exc:
-            err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
-            raise typer.Exit(1) from None
+    except diagnose_fetch.DiagnoseError as exc:  # printed once the progress line is gone
+        err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
     report = build_report(got.service, got.events, got.answers, now=got.now, minutes=minutes,
                           prometheus_url=got.prometheus_url, events_problem=got.events_problem)
     if output == "json":
