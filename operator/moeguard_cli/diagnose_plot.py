@@ -9,7 +9,7 @@ panel. A missing value is a gap in its line, never 0.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from moeguard_cli.diagnose_report import GiB, Report
 
@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 PANELS = 5
+DOTS: dict[str, Any] = {"marker": ".", "markersize": 3}
+"""Every sample is marked: a lone one between two gaps shows."""
 
 
 def figure(report: Report) -> Figure:
@@ -36,23 +38,25 @@ def figure(report: Report) -> Figure:
     axes = fig.subplots(PANELS, 1, sharex=True)
     fig.suptitle(f"moeguard diagnose {report.namespace}/{report.name} (last {report.minutes} min, UTC)")
     mem, skew, budgets, refusals, batches = axes
-    mem.plot(times, gib(tl.values["memory_bytes"]), label="memory in use", color="tab:blue")
-    mem.plot(times, gib(tl.values["soft_limit_bytes"]), label="soft limit", color="tab:orange", linestyle="--")
-    mem.plot(times, gib(tl.values["hard_limit_bytes"]), label="hard limit", color="tab:red", linestyle="--")
+    mem.plot(times, gib(tl.values["memory_bytes"]), label="memory in use", color="tab:blue", **DOTS)
+    mem.plot(times, gib(tl.values["soft_limit_bytes"]), label="soft limit", color="tab:orange", linestyle="--", **DOTS)
+    mem.plot(times, gib(tl.values["hard_limit_bytes"]), label="hard limit", color="tab:red", linestyle="--", **DOTS)
     mem.set_ylabel("GiB")
-    skew.plot(times, nan(tl.values["skew_ratio"]), label="skew (top / median expert)", color="tab:purple")
+    skew.plot(times, nan(tl.values["skew_ratio"]), label="skew (top / median expert)", color="tab:purple", **DOTS)
     skew.set_ylabel("ratio")
     for key in ("max_prefill_tokens", "max_decode_tokens", "max_batch_requests", "max_concurrent_batches"):
-        budgets.plot(times, nan(tl.values[key]), label=key)
+        budgets.plot(times, nan(tl.values[key]), label=key, **DOTS)
     budgets.set_yscale("log")
     budgets.set_ylabel("budget")
     for reason, values in tl.refusals_by_reason.items():
-        refusals.plot(times, nan(values), label=reason or "(none)")
+        refusals.plot(times, nan(values), label=reason or "(none)", **DOTS)
     refusals.set_ylabel("refusals/s")
+    refusals.set_ylim(bottom=0)
     for key, label in (("batches_in_flight", "batches in flight"), ("queue_requests", "queue"),
                        ("long_requests_running", "long requests")):
-        batches.plot(times, nan(tl.values[key]), label=label)
+        batches.plot(times, nan(tl.values[key]), label=label, **DOTS)
     batches.set_ylabel("count")
+    batches.set_ylim(bottom=0)
     for f in report.findings:
         for ax in axes:
             ax.axvline(f.since, color="black", linestyle=":", linewidth=1)
