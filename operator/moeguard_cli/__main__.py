@@ -248,6 +248,11 @@ def diagnose(
         from moeguard_cli.diagnose_plot import plot
 
         try:
+            import matplotlib  # noqa: F401 - an optional dependency (moeguard[plot])
+        except ImportError:
+            err.print("error: --plot needs matplotlib (pip install 'moeguard[plot]')", markup=False, highlight=False)
+            raise typer.Exit(1) from None
+        try:
             plot(report, Path(plot_file))
         except OSError as exc:
             err.print(f"error: cannot write {plot_file}: {exc.strerror or exc}", markup=False, highlight=False)

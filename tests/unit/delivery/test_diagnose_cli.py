@@ -116,3 +116,14 @@ def test_range_answer_http_judgement() -> None:
     assert read_range_answer(502, b"<html>bad gateway</html>").problem == "PrometheusHTTPError 502"
     assert read_range_answer(200, b"not json").problem == "PrometheusMalformedAnswer"
     assert read_range_answer(200, b'{"status": "success"}').body == {"status": "success"}
+
+
+def test_plot_without_matplotlib_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import sys
+
+    monkeypatch.setattr(diagnose_fetch, "fetch", fake_fetch(fetched(), []))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    res = runner.invoke(cli.app, ["diagnose", "mixtral", "-o", "json", "--plot", str(tmp_path / "t.png")])
+    assert res.exit_code == 1
+    assert res.output.rstrip().endswith("error: --plot needs matplotlib (pip install 'moeguard[plot]')")
+    assert not (tmp_path / "t.png").exists()
