@@ -6,6 +6,7 @@
     moeguard bench replay --url http://127.0.0.1:8000 --limit 200     (from a source checkout; any bench.loadgen arguments)
     moeguard plan --preset tiny --memory 8Gi [--skew 4] [--dtype bfloat16]
     moeguard plan --config /models/qwen3-30b-a3b/config.json --memory 80Gi
+    moeguard diagnose NAME -n NAMESPACE [--minutes 10] [--plot timeline.png] [--output json]
 """
 
 from __future__ import annotations
@@ -195,6 +196,69 @@ def plan(
         console.print("[red]does not fit: the weights and overhead leave no room for a 16-token prefill[/red]")
         raise typer.Exit(1)
     console.print(batching_yaml(result), markup=False)
+
+
+@app.command("diagnose")
+def diagnose(
+    name: str = typer.Argument(..., help="the MoEInferenceService"),
+    namespace: str = typer.Option(None, "--namespace", "-n", help="its namespace (default: the context's, else "
+                                  "default)"),
+    prometheus_url: str = typer.Option(None, "--prometheus-url", help="Prometheus base URL (default: the service's "
+                                       "spec.control.prometheusUrl, else env MOEGUARD_PROMETHEUS_URL, else "
+                                       "http://127.0.0.1:9090)"),
+    minutes: int = typer.Option(10, min=1, max=1440, help="length of the timeline, minutes (one row per 30 s)"),
+    plot_file: str = typer.Option(None, "--plot", help="also draw the timeline into this PNG file"),
+    output: str = typer.Option("text", "--output", "-o", help="text (for people) or json (the whole report)"),
+    kubeconfig: str = typer.Option(None, "--kubeconfig", help="kubeconfig file (default: KUBECONFIG, "
+                                   "~/.kube/config, or in-cluster)"),
+    context: str = typer.Option(None, "--context", help="kubeconfig context (default: the current one)"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress on stderr"),
+) -> None:
+    """Why is this service in trouble? Its findings (status.diagnosis) with evidence, remedy and the kubectl
+    patch, the signals missing, a timeline of the last minutes from Prometheus, and its Events. Exit code 1
+    when the API server cannot be reached or the service is absent; Prometheus missing only leaves gaps."""
+    from contextlib import nullcontext
+
+    from moeguard_cli import diagnose_fetch
+    from moeguard_cli.diagnose_report import build_report, render
+
+    if output not in ("text", "json"):
+        raise typer.BadParameter("must be text or json", param_hint="--output")
+    err = Console(stderr=True)
+    show = not quiet and err.is_terminal
+    status = err.status("moeguard diagnose") if show else nullcontext()
+    try:
+        with status as spinner:
+            def progress(what: str) -> None:
+                if spinner is not None:
+                    spinner.update(what)
+
+            got = diagnose_fetch.fetch(name, namespace, prometheus_url=prometheus_url, minutes=minutes,
+                                       kubeconfig=kubeconfig, context=context, progress=progress)
+    except diagnose_fetch.DiagnoseError as exc:  # printed once the progress line is gone
+        err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    report = build_report(got.service, got.events, got.answers, now=got.now, minutes=minutes,
+                          prometheus_url=got.prometheus_url, events_problem=got.events_problem)
+    if output == "json":
+        print(report.model_dump_json(indent=2))
+    else:
+        render(report, console)
+    if plot_file is not None:
+        from moeguard_cli.diagnose_plot import plot
+
+        try:
+            import matplotlib  # noqa: F401 - an optional dependency (moeguard[plot])
+        except ImportError:
+            err.print("error: --plot needs matplotlib (pip install 'moeguard[plot]')", markup=False, highlight=False)
+            raise typer.Exit(1) from None
+        try:
+            plot(report, Path(plot_file))
+        except OSError as exc:
+            err.print(f"error: cannot write {plot_file}: {exc.strerror or exc}", markup=False, highlight=False)
+            raise typer.Exit(1) from None
+        if output != "json":
+            console.print(f"timeline drawn into {plot_file}", markup=False)
 
 
 def main() -> None:

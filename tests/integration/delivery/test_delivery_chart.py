@@ -28,6 +28,7 @@ import yaml
 from hack.stack import ROOT, tools_env, wait_for
 
 from moeguard_operator.crdgen import build_crd
+from moeguard_operator.models import FINDING_KINDS
 
 CHART = ROOT / "charts" / "moeguard"
 CRD_NAME = "moeinferenceservices.moeguard.dev"
@@ -128,8 +129,18 @@ def test_monitoring_templates(template: Any, tmp_path: Path) -> None:
     assert sm["spec"]["endpoints"][0]["port"] == svc["spec"]["ports"][0]["name"] == "metrics"
     rule = _by_kind(docs, "PrometheusRule")[0]
     alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
+    findings = {f"Moeguard{kind}" for kind in FINDING_KINDS}
     assert alerts == {"MoeguardBudgetAtFloor", "MoeguardMemoryNearHardLimit", "MoeguardMemoryLeakSuspected",
-                      "MoeguardOperatorMetricsUnavailable", "MoeguardMetricsUnavailable", "MoeguardOOMKilled"}
+                      "MoeguardOperatorMetricsUnavailable", "MoeguardMetricsUnavailable", "MoeguardOOMKilled",
+                      "MoeguardWorkerUCXUnbounded", *findings}
+    by_name = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    for kind in FINDING_KINDS:
+        alert = by_name[f"Moeguard{kind}"]
+        assert alert["expr"] == f'max by (namespace, moeis) (moeguard_operator_diagnosis_finding{{kind="{kind}"}}) == 1'
+        assert alert["labels"]["kind"] == kind
+        assert alert["annotations"]["runbook_url"].endswith(f"docs/runbook.md#{kind.lower()}")
+        assert alert["annotations"]["diagnose"] == "moeguard diagnose {{ $labels.moeis }} -n {{ $labels.namespace }}"
+        assert f"### {kind}\n" in (ROOT / "docs" / "runbook.md").read_text()
     off = _by_kind(_docs(template("prometheusRule.enabled=true", "prometheusRule.disabled={MoeguardOOMKilled}")),
                    "PrometheusRule")[0]
     assert "MoeguardOOMKilled" not in {r["alert"] for g in off["spec"]["groups"] for r in g["rules"]}

@@ -85,8 +85,10 @@ def test_values_match_the_schema() -> None:
     assert not jsonschema_rs.validator_for(schema).is_valid(bad)
 
 
-OPERATOR_METRICS = {"moeguard_operator_budget_at_floor", "moeguard_operator_metrics_available"}
-"""Operator metrics the chart's alerts read (the operator's --metrics-port endpoint, issue 4)."""
+OPERATOR_METRICS = {"moeguard_operator_budget_at_floor", "moeguard_operator_metrics_available",
+                    "moeguard_operator_diagnosis_finding"}
+"""Operator metrics the chart's alerts read (the operator's --metrics-port endpoint, issue 4; the diagnosis
+findings, issue 14)."""
 KUBE_METRICS = {"kube_pod_container_resource_limits", "kube_pod_container_status_restarts_total",
                 "kube_pod_container_status_last_terminated_reason", "up"}
 """kube-state-metrics and Prometheus' own series."""
