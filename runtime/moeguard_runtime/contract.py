@@ -415,7 +415,9 @@ OPERATOR_READS = (
     METRIC_MEMORY_LIMIT_STATE,
     METRIC_GPU_MEMORY_ALLOCATED_BYTES,
     METRIC_GPU_MEMORY_RESERVED_BYTES,
+    METRIC_MEMORY_CHUNK_SHRINKS_TOTAL,
+    METRIC_PROCESS_MEMORY_MAPPINGS_GROWTH,
 )
-"""Every worker series the operator's Prometheus queries name, or will (issue 14's diagnosis): a test checks
-that the worker's registry declares each, and that the queries name none outside it. The GPU gauges are declared
+"""Every worker series the operator's Prometheus queries name (the budget look and issue 14's diagnosis): a
+test checks that the worker's registry declares each, and that the queries name none outside it. The GPU gauges are declared
 on every worker but carry a value only on CUDA."""
