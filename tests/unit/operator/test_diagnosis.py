@@ -118,8 +118,9 @@ def test_the_burst_finding_names_its_values_the_pod_and_the_lowered_concurrency(
     assert status is not None
     (finding,) = status.findings
     assert finding.since == T0 and finding.pods == ["w-0"]
-    assert finding.message == ("burst overlap on w-0: 3 prefill batches in flight at once with 12 requests queued, "
-                               "peak 700 MiB of expert buffers and dense MLP against 250 MiB of KV cache and attention")
+    assert finding.message == ("burst overlap on w-0: 3 prefill batches in flight at once with 12 requests queued and "
+                               "no long-request pile-up, peak 700 MiB of expert buffers and dense MLP and 250 MiB of "
+                               "KV cache and attention")
     values = {e.signal: e.value for e in finding.evidence}
     assert values["prefill batches in flight"] == 3 and values["queue requests (window max)"] == 12
     assert values["memory in use / hardLimit"] == 0.9 and values["memory failures in the window"] == 4
@@ -222,9 +223,21 @@ def test_missing_signals_start_nothing_and_are_named() -> None:
 
 
 def test_a_pod_without_the_breakdown_is_unknown_not_calm() -> None:
-    pod = replace(DRILLS["BurstOverlap"][0], breakdown=())
+    pod = replace(DRILLS["LongContextPileUp"][0], breakdown=())
     status, _ = run([look(pod, 0)])
     assert kinds(status) == set()
+
+
+def test_a_burst_of_ordinary_prompts_is_a_burst_whatever_its_breakdown_and_long_prompts_are_not() -> None:
+    """On small models attention outweighs the experts even for ordinary prompts: the burst is told from a
+    pile-up by its long requests, not by the breakdown."""
+    pod = replace(DRILLS["BurstOverlap"][0], breakdown=KV_HEAVY)
+    status, _ = run([look(pod, 0)])
+    assert kinds(status) == {"BurstOverlap"}
+    status, _ = run([look(replace(pod, long_running=2), 0)])
+    assert kinds(status) == {"LongContextPileUp"}
+    status, _ = run([look(replace(pod, long_running=None, long_admitted=None), 0)])
+    assert kinds(status) == set()  # the long-request signals missing: unknown, no finding
 
 
 def test_a_finding_clears_after_the_hold_of_judged_looks_and_blind_looks_neither_start_nor_clear() -> None:
