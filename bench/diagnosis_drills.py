@@ -28,10 +28,11 @@ The injections:
 * ``NativeMemoryLeak`` / ``PythonHeapLeak``: the worker's leak faults (``MOEGUARD_TEST_FAULTS=1``), armed
   from the start, leaking only while a lock file exists (``MOEGUARD_FAULT_LEAK_LOCK_FILE``): the drill
   creates the file. Anonymous memory at :data:`NATIVE_LEAK_BPS`, Python objects at :data:`PYTHON_LEAK_BPS`.
-* ``UCXRiskyConfig``: the worker Deployment gets ``MOEGUARD_FAULT_LOAD_LIBRARY`` = Debian's real
-  ``libucs.so.0`` (package ``libucx0``) by hand, as an admin would; the pod rolls and the new worker has
-  UCX mapped with its default settings (mmap hooks on, rcache unbounded). The onset is the patch, so the
-  time includes the new pod's start.
+* ``UCXRiskyConfig``: the worker loads Debian's real ``libucs.so.0`` (package ``libucx0``) from the start
+  (the test fault ``MOEGUARD_FAULT_LOAD_LIBRARY``, as NIXL or a UCX-enabled build would): with moeguard's
+  default UCX settings (``UCX_MEM_MMAP_HOOK_MODE=none``, a bounded rcache) that is no finding. The injection
+  is the spec change a user makes to get UCX's own defaults back, ``ucx.mode: passthrough`` (mmap hooks on,
+  rcache bound unset); the pods roll, so the time to the finding includes the new pod's start.
 
 ``AllocatorFragmentation`` has no drill: it needs a GPU's caching allocator (none here).
 """
@@ -239,6 +240,11 @@ def drill_env(kind: str, lock_file: Path) -> dict[str, str] | None:
     if kind == "PythonHeapLeak":
         return {"MOEGUARD_TEST_FAULTS": "1", "MOEGUARD_FAULT_LEAK_PYTHON_BYTES_PER_SECOND": str(PYTHON_LEAK_BPS),
                 "MOEGUARD_FAULT_LEAK_LOCK_FILE": str(lock_file)}
+    if kind == "UCXRiskyConfig":
+        library = ucx_library()
+        if library is None:
+            raise RuntimeError("libucx0 is not installed (hack/install-deps.sh installs it): no UCX library to load")
+        return {"MOEGUARD_TEST_FAULTS": "1", "MOEGUARD_FAULT_LOAD_LIBRARY": str(library)}
     return None
 
 
@@ -325,10 +331,8 @@ def inject(kind: str, namespace: str, name: str, url: str, traffic: SteadyTraffi
     if kind in ("NativeMemoryLeak", "PythonHeapLeak"):
         lock_file.write_text("")
         return None
-    library = ucx_library()
-    if library is None:
-        raise RuntimeError("libucx0 is not installed (hack/install-deps.sh installs it): no UCX library to load")
-    cp.patch_worker_env(namespace, name, {"MOEGUARD_TEST_FAULTS": "1", "MOEGUARD_FAULT_LOAD_LIBRARY": str(library)})
+    stack.kubectl("-n", namespace, "patch", "moeis", name, "--type", "merge", "-p",
+                  json.dumps({"spec": {"ucx": {"mode": "passthrough"}}}))
     return None
 
 

@@ -57,6 +57,7 @@ from moeguard_operator.models import (
 from moeguard_operator.policy import LEAK_NOISE_BYTES_PER_SECOND, Observation
 from moeguard_operator.signals import DiagnosisSignals, PodSignals, UcxInfo
 from moeguard_runtime import contract
+from moeguard_runtime.ucx import risky_labels
 
 BURST_MIN_PREFILL_BATCHES = 2.0
 """Prefill batches in flight at one step from which prefills overlap (one batch's prefill alone is the normal
@@ -354,15 +355,11 @@ def long_context_pile_up(pod: PodSignals, look: DiagnosisLook, spec: MoEInferenc
         pods=(pod.pod,))
 
 
-def _effective(value: str) -> str:
-    return value.removeprefix("default:").strip().lower()
-
-
 def ucx_risky(ucx: UcxInfo) -> bool:
-    """UCX loaded with mmap hooks on and an unbounded rcache invalidation queue (``default:`` values read as
-    UCX's defaults)."""
-    return ucx.loaded and _effective(ucx.mmap_hook_mode) != "none" and _effective(ucx.rcache_max_unreleased) in (
-        "", "inf", "infinity", "unlimited")
+    """UCX loaded with mmap hooks on and an unbounded rcache invalidation queue: the worker's own judgement
+    (:func:`moeguard_runtime.ucx.risky_labels`; an unset ``UCX_RCACHE_MAX_UNRELEASED``, ``default:...``, is
+    judged unbounded after NIXL PR #1210)."""
+    return risky_labels(ucx.loaded, ucx.mmap_hook_mode, ucx.rcache_max_unreleased)
 
 
 def _ucx_detail(ucx: UcxInfo | None) -> str:

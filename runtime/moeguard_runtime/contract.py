@@ -352,9 +352,10 @@ METRIC_BATCHES_IN_FLIGHT = "moeguard_batches_in_flight"
 """Gauge: batches in flight now (at most ``max_concurrent_batches``)."""
 METRIC_STEP_PREFILL_BATCHES = "moeguard_step_prefill_batches"
 """Histogram: one observation per engine step that carries prefill tokens, the number of batches in flight
-that hold a partly prefilled prompt at that step (buckets :data:`BATCH_COUNT_BUCKETS`). Its window maximum
-(``histogram_quantile(1, ...)``) is the burst-overlap signal: several expensive prefills overlapping in one
-worker."""
+whose prefill work overlaps it: this one, those holding a partly prefilled prompt, and those whose last step
+carried prefill (buckets :data:`BATCH_COUNT_BUCKETS`). Its window maximum (``histogram_quantile(1, ...)``) is
+the burst-overlap signal: several expensive prefills overlapping in one worker (each batch's activations and
+new KV caches are live across the round robin)."""
 BATCH_COUNT_BUCKETS = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0)
 """Upper bounds of :data:`METRIC_STEP_PREFILL_BATCHES`' buckets (batches)."""
 METRIC_LONG_REQUESTS_RUNNING = "moeguard_long_requests_running"

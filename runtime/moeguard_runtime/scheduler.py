@@ -255,9 +255,11 @@ class StepPlan:
     (their first chunk is in ``prefill``); ``resumed``: preempted ids that
     re-entered a batch (their KV cache was kept: they go on from where they
     stopped); ``budgets``: the budgets this step was planned under;
-    ``active_batches``: batches in flight when it was planned; ``prefill_batches``: batches in flight
-    holding a partly prefilled prompt at this step (this one, when it carries prefill, counted; 0 when
-    it carries none); ``long_admitted``: ids of ``admitted`` whose prompt is long.
+    ``active_batches``: batches in flight when it was planned; ``prefill_batches``: when this step carries
+    prefill, the batches in flight whose prefill work overlaps it: this one, those holding a partly
+    prefilled prompt, and those whose last step carried prefill (a burst admitted into several batches
+    in one round of the round robin); 0 when it carries none; ``long_admitted``: how many of
+    ``admitted`` have a long prompt.
     """
 
     step: int
@@ -345,6 +347,8 @@ class Scheduler:
         self._queue_tokens = 0
         self._requests: dict[str, _Request] = {}
         self._batches: list[list[str]] = []
+        self._prefilled_last: set[int] = set()
+        """``id()`` of the batches in flight whose last step carried prefill tokens."""
         self._rr = 0
         self._step = 0
         self._decode_stamp = 0
@@ -743,9 +747,13 @@ class Scheduler:
             r.last_decode_step = self._decode_stamp
             self._decode_stamp += 1
             r.decoded += 1
+        live = {id(other) for other in self._batches}
+        self._prefilled_last = {k for k in self._prefilled_last if k in live and k != id(batch)}
         prefill_batches = 0
         if prefill:
-            prefill_batches = 1 + sum(1 for other in self._batches if other is not batch and self._prefilling(other))
+            self._prefilled_last.add(id(batch))
+            prefill_batches = sum(1 for other in self._batches
+                                  if other is batch or self._prefilling(other) or id(other) in self._prefilled_last)
         long_admitted = sum(1 for r in admitted if self.is_long(self._requests[r].prompt_tokens))
         return StepPlan(self._step, index, tuple(prefill), tuple(r.req_id for r in decode),
                         tuple(admitted), b, len(self._batches), tuple(resumed), prefill_batches, long_admitted)

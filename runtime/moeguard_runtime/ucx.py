@@ -118,10 +118,16 @@ def risky(info: UcxInfo) -> bool:
     ``UCX_RCACHE_MAX_UNRELEASED`` is judged unbounded after NIXL #1210, although ``uct_md.c``'s table says
     512M (the rcache of the UCX builds NIXL ships reads its own default): the safe side.
     """
-    if not info.loaded or info.mmap_hook_mode.lower() == contract.UCX_SAFE_MMAP_HOOK_MODE:
+    return risky_labels(info.loaded, info.mmap_hook_mode, info.rcache_max_unreleased)
+
+
+def risky_labels(loaded: bool, mmap_hook_mode: str, rcache_max_unreleased: str) -> bool:
+    """:func:`risky` over ``moeguard_ucx_info``'s label values (the operator's diagnosis reads them from
+    Prometheus): ``default:`` values are UCX's defaults, an unset rcache bound is judged unbounded."""
+    if not loaded or mmap_hook_mode.strip().lower().removeprefix(DEFAULT_PREFIX) == contract.UCX_SAFE_MMAP_HOOK_MODE:
         return False
-    return (info.rcache_max_unreleased.startswith(DEFAULT_PREFIX)
-            or info.rcache_max_unreleased.lower() in UNBOUNDED)
+    rcache = rcache_max_unreleased.strip().lower()
+    return not rcache or rcache.startswith(DEFAULT_PREFIX) or rcache in UNBOUNDED
 
 
 def read_maps(path: str = "/proc/self/maps") -> str:

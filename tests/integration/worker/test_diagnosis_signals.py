@@ -74,11 +74,10 @@ def test_overlapping_prefills_long_requests_kv_and_the_peak_breakdown(
     assert value(m, "moeguard_kv_cache_bytes") == 0
     assert value(m, "moeguard_batches_in_flight") == 0 and value(m, "moeguard_long_requests_running") == 0
     assert value(m, "moeguard_long_requests_admitted_total") == REQUESTS
-    # overlapping prefills: some prefill step had 2 batches holding partly prefilled prompts
-    # (the prefill batch cap is ceil(4 / 2) = 2, so never more)
+    # overlapping prefills: some prefill step overlapped another batch's prefill (at most the 4 batches in flight)
     assert value(m, "moeguard_step_prefill_batches_bucket", le="1.0") < value(
-        m, "moeguard_step_prefill_batches_bucket", le="2.0")
-    assert value(m, "moeguard_step_prefill_batches_bucket", le="2.0") == value(
+        m, "moeguard_step_prefill_batches_count")
+    assert value(m, "moeguard_step_prefill_batches_bucket", le="4.0") == value(
         m, "moeguard_step_prefill_batches_count")
     stages = {lab["stage"]: v for lab, v in m["moeguard_memory_peak_breakdown_bytes"]}
     assert set(stages) == set(contract.MEMORY_STAGES)

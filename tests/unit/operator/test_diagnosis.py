@@ -184,6 +184,7 @@ def test_a_leak_flag_with_a_slope_at_the_noise_floor_is_no_leak() -> None:
 @pytest.mark.parametrize(("mode", "rcache", "risky"), [
     ("default:bistro", "default:inf", True), ("bistro", "inf", True), ("reloc", "", True),
     ("none", "default:inf", False), ("default:none", "inf", False), ("default:bistro", "1024", False),
+    ("default:bistro", "default:512M", True),  # UCX 1.13's table says 512M; unset is judged unbounded (NIXL #1210)
 ])
 def test_ucx_risky_reads_default_values(mode: str, rcache: str, risky: bool) -> None:
     assert ucx_risky(UcxInfo(True, "libucp.so.0", mode, rcache)) is risky

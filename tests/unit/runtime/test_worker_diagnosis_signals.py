@@ -128,6 +128,24 @@ def test_plans_count_prefilling_batches_and_long_admissions() -> None:
     assert s.long_requests_running == 1 and s.batches_in_flight == 1
 
 
+def test_a_burst_admitted_into_several_batches_in_one_round_overlaps_though_no_prompt_is_chunked() -> None:
+    # 4 batches of one request each, every prompt prefilled whole in its batch's first step
+    s = Scheduler(_budgets(), QueueLimits(long_request_threshold_tokens=1000), lambda: 0.0)
+    for i in range(4):
+        s.submit(f"r{i}", 40, 3)
+    overlaps = []
+    for _ in range(4):
+        plan = s.schedule().plan
+        assert plan is not None and len(plan.prefill) == 1 and plan.prefill[0][2] == 40  # whole, not chunked
+        overlaps.append(plan.prefill_batches)
+    assert overlaps == [1, 2, 3, 4] and s.batches_in_flight == 4
+    plan = s.schedule().plan  # batch 0 decodes: no prefill, and it no longer counts as prefilling
+    assert plan is not None and plan.prefill == () and plan.prefill_batches == 0
+    s.submit("late", 40, 3)
+    plan = s.schedule().plan  # batch 1 decodes too (its turn), the late one waits for a room
+    assert plan is not None and plan.prefill_batches == 0
+
+
 def test_a_decode_only_step_has_no_prefill_batches_and_preempted_long_requests_count() -> None:
     s = Scheduler(_budgets(max_concurrent_batches=1), QueueLimits(long_request_threshold_tokens=100),
                   lambda: 0.0, priority=PriorityPolicy("priority"))
