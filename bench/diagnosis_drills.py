@@ -52,6 +52,7 @@ from typing import Any
 
 import httpx
 from hack import stack
+from moeguard_operator.diagnosis import LEAK_WARMUP_SECONDS
 
 from bench import control_plane as cp
 from bench.loadgen import prompt_of_length
@@ -105,10 +106,11 @@ def ucx_library() -> Path | None:
 
 
 def warmup_seconds(spec: dict[str, Any]) -> float:
-    """Seconds of traffic before the onset: every pod's series must span the leak window and the look
-    window, plus two looks."""
+    """Seconds of traffic before the onset: every pod's series must span the look window, and its leak window
+    must start after the worker's warm-up (:data:`moeguard_operator.diagnosis.LEAK_WARMUP_SECONDS`: a younger
+    worker's growth is never a leak), plus two looks."""
     c = spec["control"]
-    return float(max(c["leakWindowSeconds"], c["windowSeconds"]) + 2 * c["queryIntervalSeconds"])
+    return float(max(LEAK_WARMUP_SECONDS + c["leakWindowSeconds"], c["windowSeconds"]) + 2 * c["queryIntervalSeconds"])
 
 
 def active_kinds(obj: dict[str, Any]) -> list[str]:

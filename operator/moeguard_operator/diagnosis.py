@@ -21,8 +21,9 @@ held when a pod with all its signals holds it, else unknown when some pod's sign
   dense_mlp``). The long-request test excludes the two: a pile-up is never a burst.
 * **RoutingSkew**: the skew ratio at or above ``control.skewThreshold`` in :data:`CONSECUTIVE_LOOKS` looks in a
   row (no memory gate: skew is the cause, whatever memory does yet).
-* **NativeMemoryLeak** / **PythonHeapLeak**: a pod flags the kind (``moeguard_memory_leak_suspected{kind}``) and
-  its *steady growth* (the smallest RSS slope of the sub-windows of the leak window) is above the noise floor
+* **NativeMemoryLeak** / **PythonHeapLeak**: a pod whose worker is past its warm-up (at least
+  :data:`LEAK_WARMUP_SECONDS` + ``leakWindowSeconds`` old) flags the kind (``moeguard_memory_leak_suspected{kind}``)
+  and its *steady growth* (the smallest RSS slope of the sub-windows of the leak window) is above the noise floor
   :data:`policy.LEAK_NOISE_BYTES_PER_SECOND`, in :data:`CONSECUTIVE_LOOKS` looks in a row. A leak grows in every
   sub-window; a burst's one-off jump leaves flat sub-windows, so its minimum slope stays at the floor.
 * **UCXRiskyConfig**: a pod has UCX loaded with mmap hooks on (``UCX_MEM_MMAP_HOOK_MODE`` not ``none``) and an
@@ -75,6 +76,12 @@ FRAGMENTATION_RATIO = 1.5
 """Reserved / allocated GPU memory from which the caching allocator's cache is fragmentation, not reuse."""
 FRAGMENTATION_MIN_BYTES = 2**30
 """Reserved minus allocated GPU memory from which fragmentation matters (1 GiB), bytes."""
+LEAK_WARMUP_SECONDS = 90
+"""A worker's first seconds are its warm-up, seconds: lazy initialisation, the allocator's first arenas, caches
+filling with the first batches of each size. Its RSS grows there, steadily enough to pass the steady-growth test
+(+5 to +10 MiB/min under 1 request/s on the drills' model, with the worker flagging ``python_heap`` for its first
+~100 s), and it is not a leak: a leak finding needs a leak window that starts after the warm-up (a worker at least
+this plus ``leakWindowSeconds`` old)."""
 MIN_CLEAR_SECONDS = 60
 """The shortest calm before a finding clears, seconds (:func:`clear_after_seconds`)."""
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
@@ -390,6 +397,10 @@ def _leak(kind: str) -> Callable[[PodSignals, DiagnosisLook, MoEInferenceService
     def rule(pod: PodSignals, look: DiagnosisLook, spec: MoEInferenceServiceSpec) -> Verdict:
         if kind not in pod.leak_kinds:
             return False
+        if pod.age_seconds is None:
+            return None
+        if pod.age_seconds < LEAK_WARMUP_SECONDS + spec.control.leak_window_seconds:
+            return False  # the leak window still holds the worker's warm-up
         slope = pod.steady_growth_bytes_per_second
         if slope is None:
             return None

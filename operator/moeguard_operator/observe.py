@@ -481,10 +481,12 @@ def problems(url: str, answers: Mapping[str, Answer]) -> str | None:
 
 
 def diagnosis_signals(answers: Mapping[str, Answer], reporting: Sequence[str], memory: Mapping[str, float],
-                      counts: Callable[[str], bool]) -> tuple[DiagnosisSignals | None, str | None]:
+                      counts: Callable[[str], bool],
+                      ages: Mapping[str, float] | None = None) -> tuple[DiagnosisSignals | None, str | None]:
     """The diagnosis signals of the ``reporting`` pods from one service's sliced answers (:data:`DIAG_FIELDS`,
     plus ``leak_kinds`` and ``growth``), pure; ``memory``: each pod's window max memory in use, bytes;
-    ``counts``: whether a pod's leak window counts (older than it).
+    ``counts``: whether a pod's leak window counts (older than it); ``ages``: each pod's worker age
+    (``worker_age``: since its telemetry started, so a restarted container is young again), seconds.
 
     Returns ``(signals, None)``, or ``(None, why)`` when a diagnosis query failed or had malformed series (the
     fixed problem text, never a byte of the answer): missing, never 0.
@@ -510,7 +512,7 @@ def diagnosis_signals(answers: Mapping[str, Answer], reporting: Sequence[str], m
             values["steady_growth_bytes_per_second"] = None  # start-up growth is never a leak
         layers = sorted(((layer, v) for (p, layer), v in shares.items() if p == pod), key=lambda lv: (-lv[1], lv[0]))
         pods.append(PodSignals(
-            pod=pod, memory_bytes=memory.get(pod), **values,
+            pod=pod, memory_bytes=memory.get(pod), age_seconds=(ages or {}).get(pod), **values,
             breakdown=tuple(sorted((st, v) for (p, st), v in stages.items() if p == pod)),
             top_layers=tuple(TopLayer(layer, v, *hot.get((pod, layer), (None, None))) for layer, v in layers[:3]),
             ucx=ucx.get(pod),
@@ -638,7 +640,7 @@ def slice_look(url: str, answers: Mapping[str, Answer], look: Look, now: datetim
     rejections = per_pod("rejection_rate")
     p99s = per_pod("p99_latency")
     all_full = not short and bool(reporting)
-    signals, signals_missing = diagnosis_signals(mine, reporting, per_pod("memory"), counts)
+    signals, signals_missing = diagnosis_signals(mine, reporting, per_pod("memory"), counts, ages)
     missing = [trouble] if trouble else []
     if memory_err and memory_err != MALFORMED:
         missing.append(f"memory: {memory_err}")

@@ -69,6 +69,8 @@ class PodSignals:
         ucx: the worker's UCX info, or None.
         leak_kinds: the leak kinds the worker flags itself (``native``, ``python_heap``), sorted.
         growth: ``(part, bytes/s)``: the worker's own growth slopes (``moeguard_memory_growth_bytes_per_second``).
+        age_seconds: seconds since the worker process started its telemetry (a restarted container is young
+            again), or None when unknown.
     """
 
     pod: str
@@ -90,6 +92,7 @@ class PodSignals:
     ucx: UcxInfo | None = None
     leak_kinds: tuple[str, ...] = ()
     growth: tuple[tuple[str, float], ...] = ()
+    age_seconds: float | None = None
 
     def stage(self, name: str) -> float | None:
         """Bytes of one stage of the peak breakdown, or None when the worker does not export it."""

@@ -16,6 +16,7 @@ from prometheus_client import REGISTRY
 from moeguard_operator import metrics
 from moeguard_operator.diagnosis import (
     ALLOC_CONF,
+    LEAK_WARMUP_SECONDS,
     DiagnosisLook,
     DiagnosisMemory,
     alloc_conf_patch,
@@ -48,7 +49,7 @@ KV_HEAVY = (("attention", 500 * MIB), ("dense_mlp", 50 * MIB), ("expert_buffers"
 CALM = PodSignals(pod="w-0", memory_bytes=0.5 * HARD, prefill_batches=1, queue_requests=0, batches_in_flight=1,
                   long_running=0, long_admitted=0, kv_cache_bytes=200 * MIB, memory_failures=0, limit_state=0,
                   steady_growth_bytes_per_second=0.0, mappings_growth_per_second=0.0, breakdown=EXPERT_HEAVY,
-                  top_layers=(TopLayer("3", 0.2, "5", 900.0),), ucx=SAFE_UCX)
+                  top_layers=(TopLayer("3", 0.2, "5", 900.0),), ucx=SAFE_UCX, age_seconds=3600.0)
 
 DRILLS: dict[str, tuple[PodSignals, float]] = {
     # pod signals, and the service's skew ratio
@@ -174,6 +175,15 @@ def test_native_leak_with_ucx_loaded_patches_ucx_and_says_which_settings() -> No
     assert values["anonymous RSS growth"] == 2 * MIB and values["memory mappings growth"] == 0.5
     status, _ = run([look(pod, 0), look(pod, 10)])  # UCX not loaded: profile the native heap
     assert status is not None and status.findings[0].patch is None and "heaptrack" in status.findings[0].remedy
+
+
+@pytest.mark.parametrize("kind", ["NativeMemoryLeak", "PythonHeapLeak"])
+def test_a_worker_in_its_warm_up_has_no_leak_finding_and_one_of_unknown_age_none(kind: str) -> None:
+    pod = DRILLS[kind][0]
+    young = LEAK_WARMUP_SECONDS + SPEC.control.leak_window_seconds - 1
+    assert kinds(run([look(replace(pod, age_seconds=young), t) for t in (0, 10, 20)])[0]) == set()
+    assert kinds(run([look(replace(pod, age_seconds=None), t) for t in (0, 10, 20)])[0]) == set()
+    assert kinds(run([look(replace(pod, age_seconds=young + 1), t) for t in (0, 10, 20)])[0]) == {kind}
 
 
 def test_a_leak_flag_with_a_slope_at_the_noise_floor_is_no_leak() -> None:
