@@ -56,7 +56,7 @@ from hack import stack
 from bench import control_plane as cp
 from bench.loadgen import prompt_of_length
 from bench.steady_traffic import SteadyTraffic
-from moeguard_operator.diagnosis import LEAK_WARMUP_SECONDS
+from moeguard_operator.policy import LEAK_WARMUP_SECONDS
 
 MODEL_OVERRIDES = {"dim": 256, "nHead": 4, "nKvHead": 4, "maxSeqLen": 4096}
 """The ``tiny`` preset (2 layers, 8 experts, top-2) widened so that a burst moves memory by ~140 MiB (the

@@ -31,7 +31,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
@@ -51,7 +51,7 @@ from moeguard_operator.observe import (
     safe_url,
 )
 from moeguard_operator.podstate import pod_facts
-from moeguard_operator.policy import Observation, floors
+from moeguard_operator.policy import Observation, floors, leak_window_start
 from moeguard_operator.spec_checks import (
     SpecError,
     check_model_source,
@@ -319,7 +319,7 @@ class ControlLoop:
                 mem.last_look = now
                 facts = pod_facts(pods)
                 target = Target(key[0], key[1], spec, facts.running,
-                                facts.running_since(now - timedelta(seconds=spec.control.leak_window_seconds)),
+                                facts.running_since(leak_window_start(now, spec.control.leak_window_seconds)),
                                 new_ooms)
                 if not url:
                     blind_now.append((key, Observation(time=now, expected_pods=facts.running, error=(

@@ -55,7 +55,7 @@ from moeguard_operator.models import (
     Finding,
     MoEInferenceServiceSpec,
 )
-from moeguard_operator.policy import LEAK_NOISE_BYTES_PER_SECOND, Observation
+from moeguard_operator.policy import LEAK_NOISE_BYTES_PER_SECOND, LEAK_WARMUP_SECONDS, Observation
 from moeguard_operator.signals import DiagnosisSignals, PodSignals, UcxInfo
 from moeguard_runtime import contract
 from moeguard_runtime.ucx import risky_labels
@@ -76,12 +76,6 @@ FRAGMENTATION_RATIO = 1.5
 """Reserved / allocated GPU memory from which the caching allocator's cache is fragmentation, not reuse."""
 FRAGMENTATION_MIN_BYTES = 2**30
 """Reserved minus allocated GPU memory from which fragmentation matters (1 GiB), bytes."""
-LEAK_WARMUP_SECONDS = 90
-"""A worker's first seconds are its warm-up, seconds: lazy initialisation, the allocator's first arenas, caches
-filling with the first batches of each size. Its RSS grows there, steadily enough to pass the steady-growth test
-(+5 to +10 MiB/min under 1 request/s on the drills' model, with the worker flagging ``python_heap`` for its first
-~100 s), and it is not a leak: a leak finding needs a leak window that starts after the warm-up (a worker at least
-this plus ``leakWindowSeconds`` old)."""
 MIN_CLEAR_SECONDS = 60
 """The shortest calm before a finding clears, seconds (:func:`clear_after_seconds`)."""
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"

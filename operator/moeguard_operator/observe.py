@@ -43,7 +43,7 @@ import re
 import ssl
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -51,7 +51,7 @@ import httpx
 
 from moeguard_operator.models import MoEInferenceServiceSpec
 from moeguard_operator.podstate import PodFacts
-from moeguard_operator.policy import Observation
+from moeguard_operator.policy import Observation, leak_window_start
 from moeguard_operator.signals import DiagnosisSignals, PodSignals, TopLayer, UcxInfo
 from moeguard_runtime.contract import (
     LABEL_NAMESPACE,
@@ -390,7 +390,9 @@ def diagnosis_queries(sel: str, window_seconds: int, leak_window_seconds: int) -
         "queue_requests": window_max(METRIC_QUEUE_REQUESTS),
         "batches_in_flight": window_max(METRIC_BATCHES_IN_FLIGHT),
         "long_running": window_max(METRIC_LONG_REQUESTS_RUNNING),
-        "long_admitted": f"sum by ({g}) (increase({METRIC_LONG_REQUESTS_ADMITTED_TOTAL}{{{sel}}}[{w}]))",
+        # Exact (a count people read in the finding), where increase() would extrapolate to the window's edges.
+        "long_admitted": f"sum by ({g}) (max_over_time({METRIC_LONG_REQUESTS_ADMITTED_TOTAL}{{{sel}}}[{w}]) "
+                         f"- min_over_time({METRIC_LONG_REQUESTS_ADMITTED_TOTAL}{{{sel}}}[{w}]))",
         "kv_cache_bytes": window_max(METRIC_KV_CACHE_BYTES),
         # Labelled counters appear with their first increment: a reporting pod without any has had none.
         "memory_failures": f"(sum by ({g}) (increase({METRIC_OOM_ERRORS_TOTAL}{{{sel}}}[{w}]) "
@@ -784,5 +786,5 @@ def observe_service(default_url: str | None, namespace: str, name: str, spec: Mo
         return Observation(time=now, expected_pods=facts.running, new_oom_kills=new_oom_kills,
                            error="no Prometheus URL configured (spec.control.prometheusUrl or --prometheus-url)")
     target = Target(namespace, name, spec, facts.running,
-                    facts.running_since(now - timedelta(seconds=spec.control.leak_window_seconds)), new_oom_kills)
+                    facts.running_since(leak_window_start(now, spec.control.leak_window_seconds)), new_oom_kills)
     return observe_services(url, [target], now, ca_file=ca_file)[(namespace, name)]

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Literal
 
 from moeguard_operator.models import BUDGET_FIELDS, BatchingSpec, MoEInferenceServiceSpec
@@ -176,6 +176,13 @@ LEAK_NOISE_BYTES_PER_SECOND = 64 * 1024
 """RSS growth at or below this (3.75 MiB/min) is never a leak, however close the hard limit: a steady
 worker's noise (allocator caches, KV blocks reused). The workers' own classification uses the same floor
 (``moeguard_runtime.leak.DEFAULT_THRESHOLD_BYTES_PER_S``)."""
+LEAK_WARMUP_SECONDS = 90
+"""A worker's first seconds are its warm-up, seconds: lazy initialisation, the allocator's first arenas, caches
+filling with the first batches of each size. Its RSS grows there, steadily (+5 to +10 MiB/min under 1 request/s
+on the diagnosis drills' model, and +240 MiB/min for a few seconds at the first requests, with the worker flagging
+``python_heap`` for its first ~100 s), and that is not a leak: a pod's RSS slope counts only once its leak window
+starts after the warm-up (the pod Running for at least this plus ``leakWindowSeconds``; :func:`leak_window_start`),
+for the leak judgement and the diagnosis alike."""
 LEAK_KIND_REASONS = {"native": "NativeLeak", "python_heap": "PythonHeapLeak", "unclassified": "RSSGrowing"}
 """The MemoryLeakSuspected condition's reason for each leak kind."""
 
@@ -418,3 +425,9 @@ def decide(observation: Observation, state: PolicyState, spec: MoEInferenceServi
         restart=restart,
         leak=verdict,
     )
+
+
+def leak_window_start(now: datetime, leak_window_seconds: int) -> datetime:
+    """The pods Running since before this time have a leak window past their warm-up (:data:`LEAK_WARMUP_SECONDS`):
+    their RSS slope counts."""
+    return now - timedelta(seconds=leak_window_seconds + LEAK_WARMUP_SECONDS)

@@ -27,6 +27,8 @@ from tests.integration.e2e.test_control_loop import (  # noqa: F401 - restore_pr
     start,
 )
 
+from moeguard_operator.policy import LEAK_WARMUP_SECONDS
+
 DEADLINE = 120
 
 
@@ -126,8 +128,9 @@ def test_after_prometheus_restarts_with_wiped_data_nothing_is_concluded_or_loose
     lw = 30
     control = SPEC["control"] | {"leakWindowSeconds": lw, "leakHorizonSeconds": 60}
     (url,) = start(cluster, ns, name, pod_workers, control=control)
+    # the first judged leak window starts after the worker's warm-up (policy.LEAK_WARMUP_SECONDS)
     wait_cr(cluster, ns, name, lambda o: (stack.condition(o, "MemoryLeakSuspected") or {}).get("reason") == "RSSFlat",
-            DEADLINE, "a judged leak window (RSSFlat)")
+            DEADLINE + LEAK_WARMUP_SECONDS + lw, "a judged leak window (RSSFlat)")
     burst(url)
     tight = prefill(wait_cr(cluster, ns, name, lambda o: prefill(o) < 2048, 60, "tightened"))
     pid = prometheus_pid(cluster)

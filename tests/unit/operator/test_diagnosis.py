@@ -16,7 +16,6 @@ from prometheus_client import REGISTRY
 from moeguard_operator import metrics
 from moeguard_operator.diagnosis import (
     ALLOC_CONF,
-    LEAK_WARMUP_SECONDS,
     DiagnosisLook,
     DiagnosisMemory,
     alloc_conf_patch,
@@ -27,7 +26,13 @@ from moeguard_operator.diagnosis import (
     ucx_risky,
 )
 from moeguard_operator.models import FINDING_KINDS, DiagnosisStatus, MoEInferenceServiceSpec
-from moeguard_operator.policy import Observation, PolicyState, decide, initial_budgets
+from moeguard_operator.policy import (
+    LEAK_WARMUP_SECONDS,
+    Observation,
+    PolicyState,
+    decide,
+    initial_budgets,
+)
 from moeguard_operator.signals import DiagnosisSignals, PodSignals, TopLayer, UcxInfo
 
 pytestmark = pytest.mark.unit
