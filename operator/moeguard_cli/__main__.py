@@ -33,6 +33,8 @@ worker_app = typer.Typer(help="The torch MoE worker.", no_args_is_help=True)
 app.add_typer(operator_app, name="operator")
 app.add_typer(worker_app, name="worker")
 console = Console()
+REPORT_WIDTH = 140
+"""Columns of a ``moeguard diagnose`` report written to a file or a pipe."""
 
 
 @operator_app.command("run", context_settings=PASS_THROUGH)
@@ -243,7 +245,10 @@ def diagnose(
     if output == "json":
         print(report.model_dump_json(indent=2))
     else:
-        render(report, console)
+        # Piped or redirected, rich would wrap at 80 columns and cut the timeline's times: a report in a file or
+        # a ticket reads better wide (COLUMNS still wins).
+        wide = console if console.is_terminal or os.environ.get("COLUMNS") else Console(width=REPORT_WIDTH)
+        render(report, wide)
     if plot_file is not None:
         from moeguard_cli.diagnose_plot import plot
 
