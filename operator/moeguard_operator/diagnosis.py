@@ -101,15 +101,15 @@ def all3(values: Iterable[Tri]) -> Tri:
     return out
 
 
+def not3(value: Tri) -> Tri:
+    """Three-valued NOT: unknown stays unknown."""
+    return None if value is None else not value
+
+
 def any3(values: Iterable[Tri]) -> Tri:
-    """Three-valued OR: True when any is True, else None when any is unknown, else False."""
-    out: Tri = False
-    for v in values:
-        if v is True:
-            return True
-        if v is None:
-            out = None
-    return out
+    """Three-valued OR (De Morgan over :func:`all3`): True when any is True, else None when any is unknown,
+    else False."""
+    return not3(all3(not3(v) for v in values))
 
 
 def at_least(value: float | None, bound: float) -> Tri:
@@ -302,7 +302,7 @@ def burst_overlap(pod: PodSignals, look: DiagnosisLook, spec: MoEInferenceServic
     context = _sum_stages(pod, STAGES_CONTEXT) if pod.breakdown else None
     longs = any3((at_least(pod.long_running, LONG_MIN_REQUESTS), at_least(pod.long_admitted, LONG_MIN_REQUESTS)))
     held = all3((symptom, at_least(pod.prefill_batches, BURST_MIN_PREFILL_BATCHES),
-                 at_least(pod.queue_requests, BURST_MIN_QUEUE), None if longs is None else not longs))
+                 at_least(pod.queue_requests, BURST_MIN_QUEUE), not3(longs)))
     if held is not True:
         return held
     assert pod.prefill_batches is not None and pod.queue_requests is not None
