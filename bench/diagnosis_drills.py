@@ -23,8 +23,8 @@ The injections:
 * ``LongContextPileUp``: :data:`LONG_REQUESTS` concurrent prompts of :data:`LONG_PROMPT_TOKENS`
   (near the 4,096-token context; the threshold is 1,536).
 * ``RoutingSkew``: the background traffic switches to repetitive prompts (one or two letters,
-  :func:`bench.loadgen.repetitive_prompt`, seed :data:`SKEW_SEED`: 194-300 on this model against a
-  threshold of 32; real text measures 2-3).
+  :func:`bench.loadgen.repetitive_prompt`, seed :data:`SKEW_SEED`: 1,024 on this model against a threshold
+  of 128; real text measures 2-48).
 * ``NativeMemoryLeak`` / ``PythonHeapLeak``: the worker's leak faults (``MOEGUARD_TEST_FAULTS=1``), armed
   from the start, leaking only while a lock file exists (``MOEGUARD_FAULT_LEAK_LOCK_FILE``): the drill
   creates the file. Anonymous memory at :data:`NATIVE_LEAK_BPS`, Python objects at :data:`PYTHON_LEAK_BPS`.
@@ -68,11 +68,14 @@ BASE_SPEC: dict[str, Any] = {
     "resources": {"gpus": 0, "cpu": "1", "softLimit": "1792Mi", "hardLimit": "2Gi"},
     "batching": {"maxPrefillTokens": 2048, "maxDecodeTokens": 64, "maxBatchRequests": 8, "maxConcurrentBatches": 4,
                  "longRequestThresholdTokens": 1536, "maxLongRequestsPerBatch": 2},
-    "control": {"queryIntervalSeconds": 5, "windowSeconds": 15, "leakWindowSeconds": 30, "skewThreshold": 32,
+    "control": {"queryIntervalSeconds": 5, "windowSeconds": 15, "leakWindowSeconds": 60, "skewThreshold": 128,
                 "cooldownSeconds": 10, "stabilizationWindowSeconds": 60},
 }
-"""One replica on the CPU. ``skewThreshold`` 32 as in :mod:`bench.control_latency`: real text on this
-random-weight router reaches 30-s maxima of 6-10 now and then, above the default 4."""
+"""One replica on the CPU. ``skewThreshold`` 128: real text on this random-weight router reaches window maxima
+of 48 under the shared trace (the first full run, ``bench/results/diagnosis_run1.md``; 6-10 on the plain
+``tiny`` preset, :mod:`bench.control_latency`), repetitive prompts 1,024. ``leakWindowSeconds`` 60: a leak is
+found within two minutes of its onset (the default 600 s would take ten), and a leak of 2 MB/s adds more than
+the 64 MiB a leak must add over its window (``moeguard_operator.diagnosis.LEAK_MIN_WINDOW_GROWTH_BYTES``)."""
 SOFT_MARGIN_BYTES = 48 << 20
 """``rssSoftFraction`` is set to (steady memory + this) / hardLimit: a burst or a pile-up crosses it, the
 background traffic does not."""
@@ -86,7 +89,7 @@ SKEW_RPS = 2.0
 SKEW_PROMPT_TOKENS = 600
 SKEW_SEED = 1
 NATIVE_LEAK_BPS = 2_000_000
-PYTHON_LEAK_BPS = 1_000_000
+PYTHON_LEAK_BPS = 2_000_000
 DEADLINE_S = 120.0
 """The issue's bound: the right finding within 2 minutes of the onset."""
 GRACE_S = 20.0

@@ -22,8 +22,10 @@ held when a pod with all its signals holds it, else unknown when some pod's sign
 * **RoutingSkew**: the skew ratio at or above ``control.skewThreshold`` in :data:`CONSECUTIVE_LOOKS` looks in a
   row (no memory gate: skew is the cause, whatever memory does yet).
 * **NativeMemoryLeak** / **PythonHeapLeak**: a pod whose worker is past its warm-up (at least
-  :data:`LEAK_WARMUP_SECONDS` + ``leakWindowSeconds`` old) flags the kind (``moeguard_memory_leak_suspected{kind}``)
-  and its *steady growth* (the smallest RSS slope of the sub-windows of the leak window) is above the noise floor
+  :data:`LEAK_WARMUP_SECONDS` + ``leakWindowSeconds`` old) whose *steady growth* (the smallest RSS slope of the
+  sub-windows of the leak window) adds at least :data:`LEAK_MIN_WINDOW_GROWTH_BYTES` over the window, and whose
+  kind over that window (:func:`leak_kind`: anonymous RSS against Python heap blocks) is the finding's; the
+  steady growth must also be above the noise floor
   :data:`policy.LEAK_NOISE_BYTES_PER_SECOND`, in :data:`CONSECUTIVE_LOOKS` looks in a row. A leak grows in every
   sub-window; a burst's one-off jump leaves flat sub-windows, so its minimum slope stays at the floor.
 * **UCXRiskyConfig**: a pod has UCX loaded with mmap hooks on (``UCX_MEM_MMAP_HOOK_MODE`` not ``none``) and an
@@ -76,6 +78,13 @@ FRAGMENTATION_RATIO = 1.5
 """Reserved / allocated GPU memory from which the caching allocator's cache is fragmentation, not reuse."""
 FRAGMENTATION_MIN_BYTES = 2**30
 """Reserved minus allocated GPU memory from which fragmentation matters (1 GiB), bytes."""
+LEAK_MIN_WINDOW_GROWTH_BYTES = 64 * 2**20
+"""The least growth a leak adds over its window, bytes: the steady slope times ``leakWindowSeconds``. A worker
+under varied traffic grows its allocator's arenas and caches by up to ~120 MiB in steps over its first minutes and
+then stays flat (the calm trace run of ``bench/diagnosis.md``: 898 to 1,022 MiB in 5 minutes, 30-s rises up to
++66 MiB); steps leave flat sub-windows, and a leak that adds less than this over a short window is not told from
+them. With the default 600-s window it asks for 6.4 MiB/min; slower leaks are the budget loop's
+``MemoryLeakSuspected`` (time to the hard limit)."""
 MIN_CLEAR_SECONDS = 60
 """The shortest calm before a finding clears, seconds (:func:`clear_after_seconds`)."""
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
@@ -387,22 +396,43 @@ def ucx_risky_config(pod: PodSignals, look: DiagnosisLook, spec: MoEInferenceSer
         patch=ucx_patch(spec), pods=(pod.pod,))
 
 
+def leak_kind(pod: PodSignals) -> str | None:
+    """``native`` when the Python heap's blocks grow by fewer than one per
+    ``contract.LEAK_BYTES_PER_BLOCK_NATIVE`` bytes of anonymous RSS growth over the leak window, else
+    ``python_heap``; None when either slope is missing. The worker's rule (``moeguard_runtime.leak.classify``),
+    over the leak window itself rather than the worker's last 60 s, which at a leak's onset still describe what
+    came before."""
+    anon, blocks = pod.anonymous_growth_bytes_per_second, pod.python_blocks_growth_per_second
+    if anon is None or blocks is None:
+        return None
+    return "native" if blocks * contract.LEAK_BYTES_PER_BLOCK_NATIVE < anon else "python_heap"
+
+
 def _leak(kind: str) -> Callable[[PodSignals, DiagnosisLook, MoEInferenceServiceSpec], Verdict]:
     def rule(pod: PodSignals, look: DiagnosisLook, spec: MoEInferenceServiceSpec) -> Verdict:
-        if kind not in pod.leak_kinds:
-            return False
         if pod.age_seconds is None:
             return None
-        if pod.age_seconds < LEAK_WARMUP_SECONDS + spec.control.leak_window_seconds:
+        lw = spec.control.leak_window_seconds
+        if pod.age_seconds < LEAK_WARMUP_SECONDS + lw:
             return False  # the leak window still holds the worker's warm-up
         slope = pod.steady_growth_bytes_per_second
         if slope is None:
             return None
-        if slope <= LEAK_NOISE_BYTES_PER_SECOND:
+        if slope <= LEAK_NOISE_BYTES_PER_SECOND or slope * lw < LEAK_MIN_WINDOW_GROWTH_BYTES:
+            return False
+        judged = leak_kind(pod)
+        if judged is None:
+            return None
+        if judged != kind:
             return False
         growth = dict(pod.growth)
         evidence = [_ev("steady RSS growth (smallest sub-window slope)", slope, "bytes/s",
-                        f"min_over_time(deriv({contract.METRIC_PROCESS_RSS_BYTES}))", pod.pod)]
+                        f"min_over_time(deriv({contract.METRIC_PROCESS_RSS_BYTES}))", pod.pod),
+                    _ev("anonymous RSS growth over the leak window", pod.anonymous_growth_bytes_per_second or 0.0,
+                        "bytes/s", f"deriv({contract.METRIC_PROCESS_RSS_ANONYMOUS_BYTES}[{lw}s])", pod.pod),
+                    _ev("Python heap blocks growth over the leak window", pod.python_blocks_growth_per_second or 0.0,
+                        "blocks/s", f"deriv({contract.METRIC_PYTHON_ALLOCATED_BLOCKS}[{lw}s])", pod.pod,
+                        f"the worker's own flag over its last 60 s: {', '.join(pod.leak_kinds) or 'none'}")]
         for part, label in (("rss_anonymous", "anonymous RSS growth"), ("malloc_in_use", "malloc in use growth")):
             if part in growth:
                 evidence.append(_ev(label, growth[part], "bytes/s", contract.METRIC_MEMORY_GROWTH_BYTES_PER_SECOND,

@@ -74,7 +74,9 @@ from moeguard_runtime.contract import (
     METRIC_MEMORY_USAGE_BYTES,
     METRIC_OOM_ERRORS_TOTAL,
     METRIC_PROCESS_MEMORY_MAPPINGS_GROWTH,
+    METRIC_PROCESS_RSS_ANONYMOUS_BYTES,
     METRIC_PROCESS_RSS_BYTES,
+    METRIC_PYTHON_ALLOCATED_BLOCKS,
     METRIC_QUEUE_REQUESTS,
     METRIC_REJECTIONS_TOTAL,
     METRIC_STEP_EXPERT_SKEW_RATIO,
@@ -303,7 +305,8 @@ MEMORY_REFUSALS = ("memory_predicted", "memory_hard_limit")
 ``memory_guard.MemoryGuard``'s 503 above the hard limit)."""
 DIAG_SIGNALS = ("prefill_batches", "queue_requests", "batches_in_flight", "long_running", "long_admitted",
                 "kv_cache_bytes", "memory_failures", "limit_state", "gpu_reserved_bytes", "gpu_allocated_bytes",
-                "steady_growth_bytes_per_second", "mappings_growth_per_second")
+                "steady_growth_bytes_per_second", "mappings_growth_per_second", "anonymous_growth_bytes_per_second",
+                "python_blocks_growth_per_second")
 """The ``signal`` label values of the ``diag`` query: :class:`signals.PodSignals` field names."""
 REQUIRED_SIGNALS = ("prefill_batches", "queue_requests", "long_running", "long_admitted", "memory_failures")
 """The ``diag`` signals every current worker exports (the GPU figures exist only with a GPU, the mapping
@@ -404,6 +407,11 @@ def diagnosis_queries(sel: str, window_seconds: int, leak_window_seconds: int) -
         "gpu_allocated_bytes": window_max(METRIC_GPU_MEMORY_ALLOCATED_BYTES),
         "steady_growth_bytes_per_second": f"max by ({g}) (min_over_time(deriv({rss}[{sub}s])[{span}s:{step}s]))",
         "mappings_growth_per_second": f"max by ({g}) ({METRIC_PROCESS_MEMORY_MAPPINGS_GROWTH}{{{sel}}})",
+        # The leak's kind, judged over the leak window itself (the worker's own flag looks at its last 60 s).
+        "anonymous_growth_bytes_per_second":
+            f"max by ({g}) (deriv({METRIC_PROCESS_RSS_ANONYMOUS_BYTES}{{{sel}}}[{leak_window_seconds}s]))",
+        "python_blocks_growth_per_second":
+            f"max by ({g}) (deriv({METRIC_PYTHON_ALLOCATED_BLOCKS}{{{sel}}}[{leak_window_seconds}s]))",
     }
     share = f"max by ({g}, layer) (max_over_time({METRIC_EXPERT_TOP_SHARE_RATIO}{{{sel}}}[{w}]))"
     top3 = f"topk by ({g}) (3, {share})"
@@ -510,8 +518,10 @@ def diagnosis_signals(answers: Mapping[str, Answer], reporting: Sequence[str], m
     lacking: dict[str, list[str]] = {}
     for pod in reporting:
         values: dict[str, float | None] = {name: numbers.get((pod, name)) for name in DIAG_SIGNALS}
-        if not counts(pod):
-            values["steady_growth_bytes_per_second"] = None  # start-up growth is never a leak
+        if not counts(pod):  # start-up growth is never a leak
+            for name in ("steady_growth_bytes_per_second", "anonymous_growth_bytes_per_second",
+                         "python_blocks_growth_per_second"):
+                values[name] = None
         layers = sorted(((layer, v) for (p, layer), v in shares.items() if p == pod), key=lambda lv: (-lv[1], lv[0]))
         pods.append(PodSignals(
             pod=pod, memory_bytes=memory.get(pod), age_seconds=(ages or {}).get(pod), **values,

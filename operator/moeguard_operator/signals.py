@@ -71,6 +71,8 @@ class PodSignals:
         growth: ``(part, bytes/s)``: the worker's own growth slopes (``moeguard_memory_growth_bytes_per_second``).
         age_seconds: seconds since the worker process started its telemetry (a restarted container is young
             again), or None when unknown.
+        anonymous_growth_bytes_per_second: anonymous RSS slope over the leak window (PromQL ``deriv``), bytes/s.
+        python_blocks_growth_per_second: Python heap block count slope over the leak window, blocks/s.
     """
 
     pod: str
@@ -93,6 +95,8 @@ class PodSignals:
     leak_kinds: tuple[str, ...] = ()
     growth: tuple[tuple[str, float], ...] = ()
     age_seconds: float | None = None
+    anonymous_growth_bytes_per_second: float | None = None
+    python_blocks_growth_per_second: float | None = None
 
     def stage(self, name: str) -> float | None:
         """Bytes of one stage of the peak breakdown, or None when the worker does not export it."""

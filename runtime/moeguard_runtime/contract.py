@@ -392,6 +392,12 @@ for the diagnosis)."""
 METRIC_PROCESS_MEMORY_MAPPINGS_GROWTH = "moeguard_process_memory_mappings_growth_per_second"
 """Gauge: the worker's own slope of its memory mappings count (native leak evidence), mappings/s."""
 
+LEAK_BYTES_PER_BLOCK_NATIVE = 4096
+"""Growth with fewer than one new Python heap block (``moeguard_python_allocated_blocks``) per this many bytes of
+anonymous RSS is not the Python heap's (a block is 16 to 512 bytes; a Python leak of small objects adds one block
+per few hundred bytes): the worker's leak classification (``moeguard_runtime.leak``) and the operator's diagnosis
+use the same bound."""
+
 OPERATOR_READS = (
     METRIC_STEP_EXPERT_SKEW_RATIO,
     METRIC_WORKER_START_TIME_SECONDS,
@@ -418,6 +424,8 @@ OPERATOR_READS = (
     METRIC_GPU_MEMORY_RESERVED_BYTES,
     METRIC_MEMORY_CHUNK_SHRINKS_TOTAL,
     METRIC_PROCESS_MEMORY_MAPPINGS_GROWTH,
+    METRIC_PROCESS_RSS_ANONYMOUS_BYTES,
+    METRIC_PYTHON_ALLOCATED_BLOCKS,
 )
 """Every worker series the operator's Prometheus queries name (the budget look and issue 14's diagnosis): a
 test checks that the worker's registry declares each, and that the queries name none outside it. The GPU gauges are declared

@@ -21,9 +21,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from moeguard_runtime import contract
 from moeguard_runtime.procmem import ProcessMemory
 
-BYTES_PER_BLOCK_NATIVE = 4096
+BYTES_PER_BLOCK_NATIVE = contract.LEAK_BYTES_PER_BLOCK_NATIVE
 """Growth with fewer than one new Python block per this many bytes is not the Python heap's."""
 DEFAULT_THRESHOLD_BYTES_PER_S = 64 * 1024
 """Anonymous RSS growth below this (3.75 MiB/min) is read as no growth."""

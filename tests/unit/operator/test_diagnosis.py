@@ -16,11 +16,13 @@ from prometheus_client import REGISTRY
 from moeguard_operator import metrics
 from moeguard_operator.diagnosis import (
     ALLOC_CONF,
+    LEAK_MIN_WINDOW_GROWTH_BYTES,
     DiagnosisLook,
     DiagnosisMemory,
     alloc_conf_patch,
     clear_after_seconds,
     diagnose,
+    leak_kind,
     lowered_budget_patch,
     ucx_patch,
     ucx_risky,
@@ -52,6 +54,7 @@ EXPERT_HEAVY = (("attention", 50 * MIB), ("dense_mlp", 100 * MIB), ("expert_buff
 KV_HEAVY = (("attention", 500 * MIB), ("dense_mlp", 50 * MIB), ("expert_buffers", 200 * MIB),
             ("kv_cache", 2 * GIB), ("weights", 2 * GIB))
 CALM = PodSignals(pod="w-0", memory_bytes=0.5 * HARD, prefill_batches=1, queue_requests=0, batches_in_flight=1,
+                  anonymous_growth_bytes_per_second=0.0, python_blocks_growth_per_second=0.0,
                   long_running=0, long_admitted=0, kv_cache_bytes=200 * MIB, memory_failures=0, limit_state=0,
                   steady_growth_bytes_per_second=0.0, mappings_growth_per_second=0.0, breakdown=EXPERT_HEAVY,
                   top_layers=(TopLayer("3", 0.2, "5", 900.0),), ucx=SAFE_UCX, age_seconds=3600.0)
@@ -73,9 +76,12 @@ DRILLS: dict[str, tuple[PodSignals, float]] = {
                             top_layers=(TopLayer("7", 0.61, "3", 5e4), TopLayer("2", 0.4, "0", 3e4))), 12.0),
     "NativeMemoryLeak": (replace(CALM, memory_bytes=0.7 * HARD, leak_kinds=("native",),
                                  steady_growth_bytes_per_second=2 * MIB, mappings_growth_per_second=0.5,
-                                 growth=(("rss_anonymous", 2 * MIB),)), 1.5),
-    "PythonHeapLeak": (replace(CALM, memory_bytes=0.7 * HARD, leak_kinds=("python_heap",),
-                               steady_growth_bytes_per_second=1 * MIB, growth=(("malloc_in_use", 1 * MIB),)), 1.5),
+                                 growth=(("rss_anonymous", 2 * MIB),), anonymous_growth_bytes_per_second=2 * MIB,
+                                 python_blocks_growth_per_second=40.0), 1.5),
+    # the worker's own flag still says python_heap (its 60 s began before the leak): the window's slopes decide
+    "PythonHeapLeak": (replace(CALM, memory_bytes=0.7 * HARD, leak_kinds=("native",),
+                               steady_growth_bytes_per_second=1 * MIB, growth=(("malloc_in_use", 1 * MIB),),
+                               anonymous_growth_bytes_per_second=1 * MIB, python_blocks_growth_per_second=7500.0), 1.5),
     "UCXRiskyConfig": (replace(CALM, ucx=UcxInfo(True, "libucp.so.0,libucs.so.0", "default:bistro",
                                                  "default:inf")), 1.5),
     "AllocatorFragmentation": (replace(CALM, gpu_reserved_bytes=7 * GIB, gpu_allocated_bytes=3 * GIB,
@@ -189,6 +195,21 @@ def test_a_worker_in_its_warm_up_has_no_leak_finding_and_one_of_unknown_age_none
     assert kinds(run([look(replace(pod, age_seconds=young), t) for t in (0, 10, 20)])[0]) == set()
     assert kinds(run([look(replace(pod, age_seconds=None), t) for t in (0, 10, 20)])[0]) == set()
     assert kinds(run([look(replace(pod, age_seconds=young + 1), t) for t in (0, 10, 20)])[0]) == {kind}
+
+
+def test_a_leak_must_add_its_minimum_over_the_window_and_its_kind_comes_from_the_window() -> None:
+    lw = SPEC.control.leak_window_seconds
+    pod = DRILLS["NativeMemoryLeak"][0]
+    just = LEAK_MIN_WINDOW_GROWTH_BYTES / lw
+    assert kinds(run([look(replace(pod, steady_growth_bytes_per_second=just * 0.99), t) for t in (0, 10)])[0]) == set()
+    assert kinds(run([look(replace(pod, steady_growth_bytes_per_second=just), t) for t in (0, 10)])[0]) == {
+        "NativeMemoryLeak"}
+    # the same growth with the Python heap growing a block per 2 KiB: a Python heap leak, whatever the worker flags
+    heap = replace(pod, python_blocks_growth_per_second=2 * MIB / 2048)
+    assert kinds(run([look(heap, t) for t in (0, 10)])[0]) == {"PythonHeapLeak"}
+    assert leak_kind(heap) == "python_heap" and leak_kind(pod) == "native"
+    assert leak_kind(replace(pod, python_blocks_growth_per_second=None)) is None
+    assert kinds(run([look(replace(pod, anonymous_growth_bytes_per_second=None), t) for t in (0, 10)])[0]) == set()
 
 
 def test_a_leak_flag_with_a_slope_at_the_noise_floor_is_no_leak() -> None:

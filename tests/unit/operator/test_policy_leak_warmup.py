@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
+
 from moeguard_operator.podstate import pod_facts
 from moeguard_operator.policy import LEAK_WARMUP_SECONDS, leak_window_start
 
