@@ -58,6 +58,7 @@ from moeguard_operator.models import (
     MoEInferenceServiceSpec,
 )
 from moeguard_operator.policy import LEAK_NOISE_BYTES_PER_SECOND, LEAK_WARMUP_SECONDS, Observation
+from moeguard_operator.report import Event
 from moeguard_operator.signals import DiagnosisSignals, PodSignals, UcxInfo
 from moeguard_runtime import contract
 from moeguard_runtime.ucx import risky_labels
@@ -204,15 +205,6 @@ class DiagnosisMemory:
 
 
 @dataclass(frozen=True)
-class DiagnosisEvent:
-    """An Event to post: a finding started (Warning, reason = the kind) or cleared (Normal, ``<Kind>Cleared``)."""
-
-    type: str
-    reason: str
-    message: str
-
-
-@dataclass(frozen=True)
 class Diagnosis:
     """The diagnosis after one look.
 
@@ -224,7 +216,7 @@ class Diagnosis:
     """
 
     status: DiagnosisStatus
-    events: tuple[DiagnosisEvent, ...]
+    events: tuple[Event, ...]
     memory: DiagnosisMemory
     started: tuple[str, ...] = ()
     cleared: tuple[str, ...] = ()
@@ -547,8 +539,8 @@ def judge(look: DiagnosisLook, spec: MoEInferenceServiceSpec) -> dict[str, Verdi
     return {kind: out[kind] for kind in FINDING_KINDS}
 
 
-def _event_start(finding: Finding) -> DiagnosisEvent:
-    return DiagnosisEvent("Warning", finding.kind, f"{finding.message}. Remedy: {finding.remedy}")
+def _event_start(finding: Finding) -> Event:
+    return Event("Warning", finding.kind, f"{finding.message}. Remedy: {finding.remedy}")
 
 
 def diagnose(memory: DiagnosisMemory, look: DiagnosisLook, prior: DiagnosisStatus | None,
@@ -565,7 +557,7 @@ def diagnose(memory: DiagnosisMemory, look: DiagnosisLook, prior: DiagnosisStatu
     now_v = judge(look, spec)
     hold = clear_after_seconds(spec)
     findings: list[Finding] = []
-    events: list[DiagnosisEvent] = []
+    events: list[Event] = []
     started: list[str] = []
     cleared: list[str] = []
     for kind in FINDING_KINDS:
@@ -597,7 +589,7 @@ def diagnose(memory: DiagnosisMemory, look: DiagnosisLook, prior: DiagnosisStatu
         if verdict is False and (now - calm_from).total_seconds() >= hold:
             cleared.append(kind)
             last_held.pop(kind, None)
-            events.append(DiagnosisEvent("Normal", f"{kind}Cleared",
+            events.append(Event("Normal", f"{kind}Cleared",
                                          f"{kind} cleared: its rule has not held for {hold}s of judged looks "
                                          f"(active since {was.since.isoformat()}; last held {was.last_seen.isoformat()})"))
             continue

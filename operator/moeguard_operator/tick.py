@@ -167,8 +167,7 @@ def diagnosed(status: MoEInferenceServiceStatus, found: Diagnosis, now: datetime
         conditions = set_condition(conditions, finding.kind, "True", finding.kind, finding.message, now, generation)
     for kind in found.cleared:
         conditions = set_condition(conditions, kind, "False", CLEARED, f"{kind} cleared", now, generation)
-    events = [report.Event("Warning" if e.type == "Warning" else "Normal", e.reason, e.message) for e in found.events]
-    return status.model_copy(update={"diagnosis": found.status, "conditions": conditions}), events
+    return status.model_copy(update={"diagnosis": found.status, "conditions": conditions}), list(found.events)
 
 
 def stable(prior: MoEInferenceServiceStatus, new: MoEInferenceServiceStatus,
