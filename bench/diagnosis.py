@@ -32,7 +32,7 @@ from bench import diagnosis_drills as drills
 from bench.headline import machine
 from bench.loadgen import load_schedule
 from bench.loadgen.client import replay
-from bench.loadgen.stats import status_key
+from bench.loadgen.stats import summarize as summarize_run
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results"
@@ -59,10 +59,7 @@ def calm_run(minutes: float, namespace: str, log: Any = print) -> dict[str, Any]
         time.sleep(drills.warmup_seconds(drills.BASE_SPEC))
         log(f"calm: replaying {len(requests)} requests of the trace over {minutes} min")
         run = asyncio.run(replay(list(urls.values()), requests, progress=False, request_timeout_s=120.0))
-        statuses: dict[str, int] = {}
-        for r in run.results:
-            statuses[status_key(r)] = statuses.get(status_key(r), 0) + 1
-        out["statuses"] = statuses
+        out["statuses"] = summarize_run(run).by_status
         time.sleep(2 * drills.BASE_SPEC["control"]["queryIntervalSeconds"])
     finally:
         if watch is not None:

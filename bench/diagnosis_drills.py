@@ -39,6 +39,7 @@ The injections:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import subprocess
@@ -50,11 +51,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 from hack import stack
 
 from bench import control_plane as cp
 from bench.loadgen import prompt_of_length
+from bench.loadgen.client import burst
+from bench.loadgen.stats import summarize
 from bench.steady_traffic import SteadyTraffic
 from moeguard_operator.policy import LEAK_WARMUP_SECONDS
 
@@ -213,26 +215,16 @@ def size_tightly(namespace: str, name: str, url: str, samples: int = 5) -> float
 
 
 def fire(url: str, prompts: list[str], max_tokens: int = 8) -> Callable[[], dict[str, int]]:
-    """Send ``prompts`` at once (one thread each); returns a function that waits for the answers and
-    counts them by HTTP status."""
-    pool = ThreadPoolExecutor(max_workers=len(prompts))
-
-    def one(prompt: str) -> str:
-        try:
-            return str(httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt,
-                                                                 "max_tokens": max_tokens, "temperature": 0},
-                                  timeout=300, trust_env=False).status_code)
-        except httpx.HTTPError:
-            return "transport"
-
-    futures = [pool.submit(one, p) for p in prompts]
+    """Send ``prompts`` at once (:func:`bench.loadgen.burst`, in a thread); returns a function that waits for the
+    answers and counts them by status (:func:`bench.loadgen.stats.status_key`)."""
+    pool = ThreadPoolExecutor(max_workers=1)
+    future = pool.submit(lambda: asyncio.run(burst(url, prompts, max_tokens=max_tokens, progress=False,
+                                                   request_timeout_s=300.0)))
 
     def done() -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for f in futures:
-            counts[f.result()] = counts.get(f.result(), 0) + 1
+        run = future.result()
         pool.shutdown()
-        return counts
+        return summarize(run).by_status
 
     return done
 
