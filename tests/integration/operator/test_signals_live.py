@@ -318,6 +318,7 @@ def test_the_diagnosis_queries_are_valid_promql_and_read_the_workers_series(pods
         h["tokens"].labels(**lab, layer="7", expert="1").inc(0)
         for name in ("queue", "inflight", "long", "kv"):
             h[name].labels(**lab).set(0)
+    hot.telemetry.oom.labels(**hot.telemetry.labels, kind="host").inc(0)  # the calm pod has none at all
     pods.scraped("diag-0", "diag-1", samples=3)
     time.sleep(W + SCRAPE)
     lab, h = hot.telemetry.labels, handles["diag-0"]
@@ -334,11 +335,14 @@ def test_the_diagnosis_queries_are_valid_promql_and_read_the_workers_series(pods
     h["tokens"].labels(**lab, layer="7", expert="1").inc(40)
     h["ucx"].labels(**lab, loaded="true", libraries="libucp.so.0", mmap_hook_mode="default:bistro",
                     rcache_max_unreleased="default:inf").set(1)
-    hot.telemetry.oom.labels(**lab, kind="host").inc(0)
-    time.sleep(SCRAPE + 0.5)
     hot.telemetry.oom.labels(**lab, kind="host").inc(2)
     hot.telemetry.rejections.labels(**lab, reason="memory_predicted").inc(0)
-    time.sleep(2 * SCRAPE + 0.5)
+    # Look as soon as Prometheus holds the new values: the sample before them must still be in the window
+    # (increase() and max - min compare the two), so a fixed sleep near the window's length is flaky.
+    stack.wait_for(lambda: [float(r["value"][1]) for r in stack.prom_results(
+        f'{contract.METRIC_QUEUE_REQUESTS}{{namespace="{pods.namespace}",pod="diag-0"}}')] == [12.0],
+        30, "Prometheus to scrape the burst", interval=0.2)
+    time.sleep(SCRAPE / 2)
     obs = observe_one(look(pods, "diag", ("diag-0", "diag-1"), slope_pods=()))
     assert obs.signals is not None and obs.signals_missing is None, obs
     a, b = obs.signals.pods
