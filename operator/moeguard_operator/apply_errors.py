@@ -43,6 +43,7 @@ _FIELD_MAP: tuple[tuple[str, str], ...] = (
     ("spec.replicas", "spec.replicas"),
     ("metadata.name", "metadata.name"),
 )
+_LWS_TEMPLATE = "spec.leaderWorkerTemplate.workerTemplate"
 _PATH = re.compile(r"\.?((?:metadata|spec)(?:\.[A-Za-z0-9_]+|\[[^\]]*\])*)")
 _CONTAINER_KEY = re.compile(r'containers\[name="?worker"?\]')
 
@@ -90,6 +91,7 @@ def spec_field(message: str) -> str | None:
     """The spec field behind the first child field path in the API server's ``message``, or None."""
     for match in _PATH.finditer(message):
         path = _CONTAINER_KEY.sub("containers[0]", match.group(1))  # server-side apply's key form
+        path = path.replace(_LWS_TEMPLATE, "spec.template", 1)  # a LeaderWorkerSet's pods: the same fields
         for child, field in _FIELD_MAP:
             if path == child or path.startswith((child + ".", child + "[")):
                 return field

@@ -131,7 +131,11 @@ def worker_env(owner: Owner, spec: MoEInferenceServiceSpec) -> list[dict[str, An
     overrides = spec.model.overrides.model_dump(exclude_none=True)
     if overrides:
         plain[k.ENV_MODEL_OVERRIDES] = json.dumps(overrides, sort_keys=True)
-    plain.update(ucx_env(spec))
+    par = spec.parallelism
+    if par.expert_parallel_size > 1:
+        plain[k.ENV_EXPERT_PARALLEL_SIZE] = str(par.expert_parallel_size)
+        plain[k.ENV_EP_PORT] = str(k.EP_PORT)
+    plain.update(ucx_env(spec))  # every rank's process: the UCX settings hold for the whole group
     env: list[dict[str, Any]] = [
         {"name": k.ENV_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": k.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -154,12 +158,9 @@ def model_volume(source: ModelSource) -> Manifest:
     return volume
 
 
-def build_deployment(owner: Owner, spec: MoEInferenceServiceSpec) -> Manifest:
-    """The worker Deployment: GPU limit, memory limit = ``hardLimit``, restricted pod security.
-
-    A change of the spec changes the pod template and so rolls the workers; budget
-    changes do not (they travel through the ConfigMap).
-    """
+def pod_template(owner: Owner, spec: MoEInferenceServiceSpec) -> Manifest:
+    """The worker pod template (of the Deployment, or of every pod of a LeaderWorkerSet group): GPU limit,
+    memory limit = ``hardLimit``, restricted pod security, probes, the budget ConfigMap's ServiceAccount."""
     res = spec.resources
     limits: dict[str, str] = {"memory": res.hard_limit, "cpu": res.cpu}
     if res.gpus:
@@ -176,7 +177,9 @@ def build_deployment(owner: Owner, spec: MoEInferenceServiceSpec) -> Manifest:
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["python", "-m", "moeguard_runtime"],
-        "ports": [{"name": "http", "containerPort": k.WORKER_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": k.WORKER_PORT, "protocol": "TCP"}]
+        + ([{"name": "ep", "containerPort": k.EP_PORT, "protocol": "TCP"}]
+           if spec.parallelism.expert_parallel_size > 1 else []),
         "env": worker_env(owner, spec),
         "resources": {"limits": limits, "requests": {"memory": res.hard_limit, "cpu": res.cpu}},
         "livenessProbe": probe,
@@ -222,6 +225,15 @@ def build_deployment(owner: Owner, spec: MoEInferenceServiceSpec) -> Manifest:
     template_meta: dict[str, Any] = {"labels": labels(owner)}
     if spec.template.annotations:
         template_meta["annotations"] = dict(spec.template.annotations)
+    return {"metadata": template_meta, "spec": pod_spec}
+
+
+def build_deployment(owner: Owner, spec: MoEInferenceServiceSpec) -> Manifest:
+    """The worker Deployment (``parallelism.podsPerReplica: 1``), one pod per replica.
+
+    A change of the spec changes the pod template and so rolls the workers; budget
+    changes do not (they travel through the ConfigMap).
+    """
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -229,20 +241,64 @@ def build_deployment(owner: Owner, spec: MoEInferenceServiceSpec) -> Manifest:
         "spec": {
             "replicas": spec.replicas,
             "selector": {"matchLabels": selector_labels(owner)},
-            "template": {"metadata": template_meta, "spec": pod_spec},
+            "template": pod_template(owner, spec),
         },
     }
 
 
+def build_leader_worker_set(owner: Owner, spec: MoEInferenceServiceSpec) -> Manifest:
+    """The worker LeaderWorkerSet (``parallelism.podsPerReplica`` above 1): one group of ``podsPerReplica``
+    pods per replica, every pod from :func:`pod_template`; LWS adds the group's labels and the env
+    ``LWS_LEADER_ADDRESS``, ``LWS_GROUP_SIZE``, ``LWS_WORKER_INDEX``.
+
+    ``RecreateGroupOnPodRestart``: a restart of any pod (an OOM kill, a crash) recreates the whole group, as
+    the ranks' process group cannot take a new member (LWS API, ``leaderWorkerTemplate.restartPolicy``).
+    ``rolloutStrategy`` RollingUpdate with maxUnavailable 1, LWS's default, made explicit.
+    """
+    return {
+        "apiVersion": c.LWS_API_VERSION,
+        "kind": c.LWS_KIND,
+        "metadata": _metadata(owner, worker_name(owner)),
+        "spec": {
+            "replicas": spec.replicas,
+            "startupPolicy": "LeaderCreated",
+            "rolloutStrategy": {"type": "RollingUpdate", "rollingUpdateConfiguration": {"maxUnavailable": 1,
+                                                                                          "maxSurge": 0}},
+            "leaderWorkerTemplate": {
+                "size": spec.parallelism.pods_per_replica,
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "workerTemplate": pod_template(owner, spec),
+            },
+        },
+    }
+
+
+def build_workload(owner: Owner, spec: MoEInferenceServiceSpec) -> Manifest:
+    """The workers' workload: a LeaderWorkerSet when a replica spans several pods, else a Deployment."""
+    return build_leader_worker_set(owner, spec) if spec.parallelism.multi_node else build_deployment(owner, spec)
+
+
+def stale_workload(spec: MoEInferenceServiceSpec) -> tuple[str, str]:
+    """(apiVersion, kind) of the workload kind the spec does not use: deleted after a change of
+    ``parallelism.podsPerReplica`` across 1 (a Deployment cannot become a LeaderWorkerSet in place)."""
+    return ("apps/v1", "Deployment") if spec.parallelism.multi_node else (c.LWS_API_VERSION, c.LWS_KIND)
+
+
+def workload_pod_spec(manifest: Manifest) -> Manifest:
+    """The pod spec inside a Deployment's or a LeaderWorkerSet's manifest (``{}`` where there is none)."""
+    spec = manifest.get("spec") or {}
+    template = spec.get("template") or ((spec.get("leaderWorkerTemplate") or {}).get("workerTemplate")) or {}
+    return dict(template.get("spec") or {})
+
+
 def dropped_volumes(sent: Manifest, stored: Manifest) -> list[str]:
-    """Names of the pod volumes of Deployment ``sent`` that the API server did not store in ``stored``.
+    """Names of the pod volumes of workload ``sent`` that the API server did not store in ``stored``.
 
     The API server silently drops a field of a disabled feature: on Kubernetes 1.33-1.34 without the
     ``ImageVolume`` feature gate, an ``image`` volume (and its mounts) vanish from an accepted Deployment.
     """
     def names(manifest: Manifest) -> set[str]:
-        pod = (((manifest.get("spec") or {}).get("template") or {}).get("spec") or {})
-        return {str(v.get("name")) for v in pod.get("volumes") or []}
+        return {str(v.get("name")) for v in workload_pod_spec(manifest).get("volumes") or []}
 
     return sorted(names(sent) - names(stored))
 
@@ -270,20 +326,28 @@ def build_pod_monitor(owner: Owner) -> Manifest:
     }
 
 
-def restart_patch(now_iso: str) -> Manifest:
-    """The pod-template annotation that makes the Deployment roll its pods (as ``kubectl rollout restart``)."""
-    return {"spec": {"template": {"metadata": {"annotations": {RESTARTED_AT_ANNOTATION: now_iso}}}}}
+def restart_patch(spec: MoEInferenceServiceSpec, now_iso: str) -> Manifest:
+    """The pod-template annotation that makes the workload roll its pods (as ``kubectl rollout restart``): the
+    Deployment's template, or the LeaderWorkerSet's worker template (every group is recreated in turn)."""
+    template = {"metadata": {"annotations": {RESTARTED_AT_ANNOTATION: now_iso}}}
+    if spec.parallelism.multi_node:
+        return {"spec": {"leaderWorkerTemplate": {"workerTemplate": template}}}
+    return {"spec": {"template": template}}
 
 
-def build_service(owner: Owner) -> Manifest:
-    """A ClusterIP Service in front of the workers' HTTP port."""
+def build_service(owner: Owner, spec: MoEInferenceServiceSpec) -> Manifest:
+    """A ClusterIP Service in front of the workers' HTTP port: every worker pod, or with a LeaderWorkerSet
+    only the groups' leaders (LWS worker index 0), the pods that serve HTTP."""
+    selector = selector_labels(owner)
+    if spec.parallelism.multi_node:
+        selector[c.LWS_WORKER_INDEX_LABEL] = "0"
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _metadata(owner, owner.name),
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(owner),
+            "selector": selector,
             "ports": [{"name": "http", "port": k.WORKER_PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     }
@@ -340,7 +404,7 @@ def build_children(owner: Owner, spec: MoEInferenceServiceSpec) -> list[Manifest
         build_service_account(owner),
         build_role(owner),
         build_role_binding(owner),
-        build_service(owner),
-        build_deployment(owner, spec),
+        build_service(owner, spec),
+        build_workload(owner, spec),
         build_pod_disruption_budget(owner),
     ]

@@ -13,6 +13,13 @@ LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_PART_OF = "app.kubernetes.io/part-of"
 
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
+LWS_KIND = "LeaderWorkerSet"
+LWS_CRD = "leaderworkersets.leaderworkerset.x-k8s.io"
+LWS_GROUP_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+"""Labels LeaderWorkerSet's pod webhook puts on every pod of a group (worker index 0: the leader)."""
+
 WORKER_NAME = "moeguard-worker"
 WORKER_COMPONENT = "worker"
 MANAGED_BY = "moeguard"

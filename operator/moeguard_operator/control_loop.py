@@ -38,7 +38,7 @@ from kubernetes.client.exceptions import ApiException
 
 from moeguard_operator import budget_document, children, kube, metrics, report, tick
 from moeguard_operator import constants as c
-from moeguard_operator.builders import Owner, restart_patch, worker_name
+from moeguard_operator.builders import Owner, build_workload, restart_patch, worker_name
 from moeguard_operator.config import OperatorConfig
 from moeguard_operator.constants import FIELD_MANAGER
 from moeguard_operator.diagnosis import DiagnosisMemory
@@ -522,7 +522,9 @@ class ControlLoop:
                 status = status.model_copy(update={"budget_generation": written.generation})
             self._pause("after-configmap")
         if writes.restart:
-            kube.patch_deployment(owner.namespace, worker_name(owner), restart_patch(now.isoformat()))
+            workload = build_workload(owner, spec)
+            kube.patch_workload(workload["apiVersion"], workload["kind"], owner.namespace, worker_name(owner),
+                                restart_patch(spec, now.isoformat()))
         stored = None
         patch = report.status_patch(prior, status)
         if patch:

@@ -22,6 +22,7 @@ import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
+from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
 from moeguard_operator.constants import FIELD_MANAGER
 from moeguard_runtime.contract import API_GROUP, API_VERSION, PLURAL
@@ -84,9 +85,32 @@ def read_configmap(namespace: str, name: str) -> dict[str, Any] | None:
     return dict(client.ApiClient().sanitize_for_serialization(cm))
 
 
-def patch_deployment(namespace: str, name: str, body: dict[str, Any]) -> None:
-    """Strategic-merge patch a Deployment (used for the rolling restart annotation only)."""
-    client.AppsV1Api().patch_namespaced_deployment(name, namespace, body, _request_timeout=REQUEST_TIMEOUT)
+def patch_workload(api_version: str, kind: str, namespace: str, name: str, body: dict[str, Any]) -> None:
+    """Merge-patch the workers' Deployment or LeaderWorkerSet (used for the rolling restart annotation only)."""
+    resource = _dynamic().resources.get(api_version=api_version, kind=kind)
+    resource.patch(body=body, name=name, namespace=namespace, content_type="application/merge-patch+json",
+                   _request_timeout=REQUEST_TIMEOUT)
+
+
+def delete_if_exists(api_version: str, kind: str, namespace: str, name: str) -> bool:
+    """Delete an object (foreground propagation: its pods go with it); whether there was one to delete. A kind
+    whose API is not installed (no LeaderWorkerSet CRD) has none.
+
+    Raises:
+        kubernetes.client.exceptions.ApiException: the API server refused (other than 404).
+    """
+    try:
+        resource = _dynamic().resources.get(api_version=api_version, kind=kind)
+    except ResourceNotFoundError:
+        return False
+    try:
+        resource.delete(name=name, namespace=namespace, propagation_policy="Foreground",
+                        _request_timeout=REQUEST_TIMEOUT)
+    except ApiException as exc:
+        if exc.status == 404:
+            return False
+        raise
+    return True
 
 
 def crd_exists(name: str) -> bool:

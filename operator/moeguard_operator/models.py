@@ -453,6 +453,47 @@ class UcxSpec(_Model):
         return env
 
 
+class ParallelismSpec(_Model):
+    """Expert parallelism (EP): one replica's experts spread over ranks, and its ranks over pods.
+
+    ``podsPerReplica: 1`` keeps a Deployment of single-pod replicas. Above 1, each replica is a
+    LeaderWorkerSet group (LWS, a Kubernetes SIG project, ``leaderworkerset.x-k8s.io/v1``) of that many pods:
+    the leader pod (LWS worker index 0) serves HTTP, runs attention, the router, the scheduler and the
+    budgets; every rank holds ``numExperts / expertParallelSize`` experts, and each MoE layer dispatches the
+    routed tokens to the ranks that own their experts (``torch.distributed``: gloo on CPUs, NCCL on GPUs).
+    """
+
+    model_config = ConfigDict(json_schema_extra=_cel(
+        ("self.expertParallelSize % self.podsPerReplica == 0",
+         "parallelism.expertParallelSize must be divisible by parallelism.podsPerReplica "
+         "(every pod holds the same number of ranks)", ".expertParallelSize"),
+    ))
+
+    expert_parallel_size: int = Field(default=1, ge=1, le=1024)
+    """Ranks per replica (EP size). The model's expert count must be divisible by it; each rank holds
+    ``numExperts / expertParallelSize`` experts."""
+    pods_per_replica: int = Field(default=1, ge=1, le=256)
+    """Pods one replica spans (the LeaderWorkerSet group size). Ranks per pod = ``expertParallelSize /
+    podsPerReplica``; with GPUs it must equal ``resources.gpus`` (one rank per GPU)."""
+
+    @model_validator(mode="after")
+    def _ranks_per_pod(self) -> ParallelismSpec:
+        if self.expert_parallel_size % self.pods_per_replica:
+            raise ValueError(f"parallelism.expertParallelSize ({self.expert_parallel_size}) must be divisible by "
+                             f"parallelism.podsPerReplica ({self.pods_per_replica}) (every pod holds the same number "
+                             "of ranks)")
+        return self
+
+    @property
+    def ranks_per_pod(self) -> int:
+        return self.expert_parallel_size // self.pods_per_replica
+
+    @property
+    def multi_node(self) -> bool:
+        """Whether a replica spans several pods (a LeaderWorkerSet, not a Deployment)."""
+        return self.pods_per_replica > 1
+
+
 QUALIFIED_NAME = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 """A label or annotation key (Kubernetes' qualified name: an optional DNS-subdomain prefix and a name)."""
 LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
@@ -590,13 +631,32 @@ NAME_RULES = (
 ``9-moe`` or ``x08.moe`` is a valid custom-resource name but not a valid Service name)."""
 
 
+PARALLELISM_RULES = (
+    ("!has(self.parallelism) || !has(self.model) || !has(self.model.overrides) "
+     "|| !has(self.model.overrides.numExperts) "
+     "|| self.model.overrides.numExperts % self.parallelism.expertParallelSize == 0",
+     "model.overrides.numExperts must be divisible by parallelism.expertParallelSize (each rank holds the "
+     "same number of experts)", ".parallelism.expertParallelSize"),
+    ("!has(self.parallelism) || self.parallelism.expertParallelSize == 1 || !has(self.resources) "
+     "|| self.resources.gpus == 0 "
+     "|| self.resources.gpus * self.parallelism.podsPerReplica == self.parallelism.expertParallelSize",
+     "resources.gpus must equal parallelism.expertParallelSize / parallelism.podsPerReplica (one rank per GPU), "
+     "or be 0 (CPU ranks), when parallelism.expertParallelSize is above 1", ".parallelism.expertParallelSize"),
+)
+"""CEL rules across ``parallelism``, ``model`` and ``resources`` (the API server applies defaults first, so an
+unset ``resources.gpus`` is its default, 1)."""
+
+
 class MoEInferenceServiceSpec(_Model):
     """Desired state of a MoEInferenceService."""
+
+    model_config = ConfigDict(json_schema_extra=_cel(*PARALLELISM_RULES))
 
     model: ModelSpec = Field(default_factory=ModelSpec)
     """Model to serve."""
     replicas: int = Field(default=1, ge=0, le=1024)
-    """Number of worker pods (the scale subresource: ``kubectl scale`` and HPAs work)."""
+    """Number of replicas (the scale subresource: ``kubectl scale`` and HPAs work): worker pods, or with
+    ``parallelism.podsPerReplica`` above 1, LeaderWorkerSet groups of that many pods."""
     image: str = Field(default=DEFAULT_IMAGE, min_length=1, max_length=512)
     """Worker container image."""
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
@@ -613,6 +673,22 @@ class MoEInferenceServiceSpec(_Model):
     """UCX environment of the worker."""
     template: PodTemplateSpec = Field(default_factory=PodTemplateSpec)
     """Pod template extras: node selector, tolerations, affinity, priority class, env, volumes."""
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
+    """Expert parallelism across ranks and pods (multi-node replicas on LeaderWorkerSet)."""
+
+    @model_validator(mode="after")
+    def _parallelism_fits(self) -> MoEInferenceServiceSpec:
+        par, gpus = self.parallelism, self.resources.gpus
+        experts = self.model.overrides.num_experts
+        if experts is not None and experts % par.expert_parallel_size:
+            raise ValueError(f"model.overrides.numExperts ({experts}) must be divisible by "
+                             f"parallelism.expertParallelSize ({par.expert_parallel_size}) (each rank holds the "
+                             "same number of experts)")
+        if par.expert_parallel_size > 1 and gpus and gpus != par.ranks_per_pod:
+            raise ValueError(f"resources.gpus ({gpus}) must equal parallelism.expertParallelSize / "
+                             f"parallelism.podsPerReplica ({par.ranks_per_pod}) (one rank per GPU), or be 0 "
+                             "(CPU ranks)")
+        return self
 
     @field_validator("image")
     @classmethod
@@ -761,6 +837,21 @@ class DiagnosisStatus(_Model):
     """Signals that were missing in the last look (Prometheus down, silent pods): no finding is made from them."""
 
 
+class GroupStatus(_Model):
+    """One replica of a multi-node service: a LeaderWorkerSet group."""
+
+    index: int
+    """The group's index (LeaderWorkerSet label ``leaderworkerset.sigs.k8s.io/group-index``)."""
+    leader: str | None = None
+    """Name of the group's leader pod (the one that serves HTTP); None while it does not exist."""
+    ready_pods: int
+    """Pods of the group whose Ready condition is True."""
+    ready_ranks: int
+    """Ranks on those pods (ready pods × ranks per pod)."""
+    ranks: int
+    """Ranks the group should have (``parallelism.expertParallelSize``)."""
+
+
 class MoEInferenceServiceStatus(_Model):
     """Observed state, written by the operator only."""
 
@@ -772,9 +863,12 @@ class MoEInferenceServiceStatus(_Model):
     """kstatus conditions (Ready, Reconciling, Stalled) and moeguard's own (MetricsAvailable,
     BudgetTightened, Overloaded, MemoryLeakSuspected, and one per diagnosis finding typed by its kind)."""
     replicas: int | None = None
-    """Worker pods desired."""
+    """Replicas desired: worker pods, or LeaderWorkerSet groups (``parallelism.podsPerReplica`` above 1)."""
     ready_replicas: int | None = None
-    """Worker pods ready."""
+    """Replicas ready: worker pods, or groups whose every pod is ready."""
+    groups: list[GroupStatus] | None = None
+    """Per group of a multi-node service (``parallelism.podsPerReplica`` above 1), by index: its leader and
+    its ranks ready. None for single-pod replicas."""
     selector: str | None = None
     """Label selector of the worker pods (for the scale subresource and HPAs)."""
     budgets: Budgets | None = None

@@ -24,6 +24,7 @@ from moeguard_operator.conditions import (
 from moeguard_operator.models import (
     Adjustment,
     ControlStatus,
+    GroupStatus,
     MoEInferenceServiceSpec,
     MoEInferenceServiceStatus,
     Observed,
@@ -122,16 +123,18 @@ STARTUP_FAILED = "WorkerStartupFailed"
 """Reason of Ready=False while worker containers fail to start (:attr:`PodFacts.startup_failures`)."""
 
 
-def readiness(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, ready: int, now: datetime,
-              generation: int | None,
+def readiness(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, ready: int,
+              groups: list[GroupStatus] | None, now: datetime, generation: int | None,
               startup_failures: Sequence[tuple[str, str]] = ()) -> MoEInferenceServiceStatus:
-    """Ready and Reconciling from the worker Deployment's ``ready`` replicas. While some are missing and
-    ``startup_failures`` (pod, why) is not empty, the reason is ``WorkerStartupFailed`` and the message
-    carries the first pod's failure (the worker's own words: its termination message) and how many
-    other pods fail."""
+    """Ready and Reconciling from the ``ready`` replicas (worker pods, or LeaderWorkerSet ``groups`` whose every
+    pod is ready: ``tick.replica_readiness``). While some are missing and ``startup_failures`` (pod, why) is not
+    empty, the reason is ``WorkerStartupFailed`` and the message carries the first pod's failure (the worker's
+    own words: its termination message) and how many other pods fail."""
     state: Status = "True" if ready >= spec.replicas else "False"
     why = "AllReplicasReady" if state == "True" else "WaitingForReplicas"
-    message = f"{ready}/{spec.replicas} worker pods ready"
+    message = f"{ready}/{spec.replicas} worker pods ready" if groups is None else (
+        f"{ready}/{spec.replicas} groups ready ({spec.parallelism.pods_per_replica} pods, "
+        f"{spec.parallelism.expert_parallel_size} ranks each)")
     if state == "False" and startup_failures:
         why = STARTUP_FAILED
         pod, failure = startup_failures[0]
@@ -140,7 +143,8 @@ def readiness(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, r
     conditions = set_condition(prior.conditions, c.CONDITION_READY, state, why, message, now, generation)
     conditions = set_condition(conditions, c.CONDITION_RECONCILING, "False" if state == "True" else "True", why,
                                message, now, generation)
-    return prior.model_copy(update={"conditions": conditions, "ready_replicas": ready, "replicas": spec.replicas})
+    return prior.model_copy(update={"conditions": conditions, "ready_replicas": ready, "replicas": spec.replicas,
+                                    "groups": groups})
 
 
 def readiness_events(prior: MoEInferenceServiceStatus, new: MoEInferenceServiceStatus) -> list[Event]:

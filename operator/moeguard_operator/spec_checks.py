@@ -79,6 +79,11 @@ def parse_spec(spec: Mapping[str, Any], *, allow_secrets: bool = False) -> MoEIn
     if weights is not None and weights[0] >= parsed.resources.hard_limit_bytes:
         issues.append(f"spec.resources.hardLimit ({parsed.resources.hard_limit}) is below the model's weights alone "
                       f"({weights[0] / 2**30:.2f} GiB, {weights[1]})")
+    ep = parsed.parallelism.expert_parallel_size
+    if ep > 1 and parsed.model.source is None and args.num_experts % ep:
+        issues.append(f"spec.parallelism.expertParallelSize ({ep}) must divide the model's expert count "
+                      f"({args.num_experts}, preset {parsed.model.preset}): each rank holds the same number of "
+                      "experts")
     cap = parsed.overload.max_context_tokens
     if cap is not None and cap > args.max_seq_len and parsed.model.source is None:
         issues.append(f"spec.overload.maxContextTokens ({cap}) is above the model's context ({args.max_seq_len})")

@@ -29,6 +29,7 @@ from datetime import datetime
 from typing import Any
 
 from moeguard_operator import budget_document, report
+from moeguard_operator import constants as c
 from moeguard_operator.conditions import set_condition
 from moeguard_operator.diagnosis import (
     Diagnosis,
@@ -40,6 +41,7 @@ from moeguard_operator.diagnosis import (
 from moeguard_operator.models import (
     ControlStatus,
     DiagnosisStatus,
+    GroupStatus,
     MoEInferenceServiceSpec,
     MoEInferenceServiceStatus,
 )
@@ -90,6 +92,33 @@ def ready_pods(pods: Iterable[Pod]) -> int:
     return sum(1 for pod in pods if is_ready(pod))
 
 
+def replica_readiness(pods: Iterable[Pod], spec: MoEInferenceServiceSpec) -> tuple[int, list[GroupStatus] | None]:
+    """Ready replicas and, for a multi-node service, every group's readiness (indexes 0 to ``replicas - 1``
+    and any other group that still has pods), from the LeaderWorkerSet labels of ``pods``.
+
+    A group is ready when all its ``podsPerReplica`` pods are (:func:`is_ready`); pods being deleted count
+    for nothing (a group being recreated is not ready). Single-pod replicas: (ready pods, None).
+    """
+    par = spec.parallelism
+    if not par.multi_node:
+        return ready_pods(pods), None
+    ready: dict[int, int] = {}
+    leaders: dict[int, str] = {}
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        index = (meta.get("labels") or {}).get(c.LWS_GROUP_INDEX_LABEL)
+        if index is None or not str(index).isdigit() or meta.get("deletionTimestamp"):
+            continue
+        group = int(index)
+        ready[group] = ready.get(group, 0) + is_ready(pod)
+        if (meta.get("labels") or {}).get(c.LWS_WORKER_INDEX_LABEL) == "0":
+            leaders[group] = str(meta.get("name"))
+    groups = [GroupStatus(index=i, leader=leaders.get(i), ready_pods=ready.get(i, 0),
+                          ready_ranks=ready.get(i, 0) * par.ranks_per_pod, ranks=par.expert_parallel_size)
+              for i in sorted(set(range(spec.replicas)) | set(ready))]
+    return sum(1 for g in groups if g.ready_pods >= par.pods_per_replica and g.index < spec.replicas), groups
+
+
 def document_in(data: Mapping[str, str] | None) -> BudgetDocument | None:
     """The valid budget document in a ConfigMap's ``data``, or None."""
     if data is None:
@@ -106,7 +135,7 @@ def readiness_step(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSp
     ``prior``; no look."""
     status = budget_document.caught_up(prior, None if data is None else dict(data), ours)
     facts = pod_facts(pods)
-    new = report.readiness(status, spec, ready_pods(pods), now, generation, facts.startup_failures)
+    new = report.readiness(status, spec, *replica_readiness(pods, spec), now, generation, facts.startup_failures)
     return Writes(new, tuple(report.readiness_events(status, new)))
 
 
@@ -135,7 +164,7 @@ def look_step(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, p
     raw = None if data is None else dict(data)
     status = budget_document.caught_up(prior, raw, ours)
     facts = pod_facts(pods)
-    new = report.readiness(status, spec, ready_pods(pods), now, generation, facts.startup_failures)
+    new = report.readiness(status, spec, *replica_readiness(pods, spec), now, generation, facts.startup_failures)
     events = report.readiness_events(status, new)
     new, new_ooms = report.oom_check(new, facts, now)
     obs = replace(obs, new_oom_kills=new_ooms, crash_looping_pods=facts.crash_looping)

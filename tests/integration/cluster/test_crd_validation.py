@@ -90,6 +90,18 @@ REFUSED = [
      "/tmp and /moeguard/model are where the operator mounts its own volumes"),
     ("mount-of-the-model-volume", {"template": {"volumeMounts": [{"name": "moeguard-model", "mountPath": "/m"}]}},
      "template.volumeMounts must name a volume of template.volumes"),
+    ("ranks-not-divisible-by-pods", {"parallelism": {"expertParallelSize": 4, "podsPerReplica": 3}},
+     "parallelism.expertParallelSize must be divisible by parallelism.podsPerReplica"),
+    ("experts-not-divisible-by-ranks", {"parallelism": {"expertParallelSize": 3, "podsPerReplica": 3},
+                                        "model": {"overrides": {"numExperts": 8}}},
+     "model.overrides.numExperts must be divisible by parallelism.expertParallelSize"),
+    ("gpus-not-one-per-rank", {"parallelism": {"expertParallelSize": 4, "podsPerReplica": 2},
+                               "resources": {"gpus": 1}},
+     "resources.gpus must equal parallelism.expertParallelSize / parallelism.podsPerReplica"),
+    ("gpus-defaulted-not-one-per-rank", {"parallelism": {"expertParallelSize": 8, "podsPerReplica": 2},
+                                         "resources": {"cpu": "2"}},
+     "resources.gpus must equal parallelism.expertParallelSize / parallelism.podsPerReplica"),
+    ("pods-per-replica-zero", {"parallelism": {"podsPerReplica": 0}}, "spec.parallelism.podsPerReplica: Invalid value"),
 ]
 
 

@@ -86,9 +86,9 @@ def test_stalled() -> None:
 
 
 def test_readiness() -> None:
-    waiting = report.readiness(_reconciled(), SPEC, 1, NOW, 1)
+    waiting = report.readiness(_reconciled(), SPEC, 1, None, NOW, 1)
     assert _types(waiting)["Ready"] == ("False", "WaitingForReplicas") and waiting.ready_replicas == 1
-    ready = report.readiness(waiting, SPEC, 2, NOW + timedelta(seconds=5), 1)
+    ready = report.readiness(waiting, SPEC, 2, None, NOW + timedelta(seconds=5), 1)
     assert _types(ready)["Ready"] == ("True", "AllReplicasReady")
     assert _types(ready)["Reconciling"] == ("False", "AllReplicasReady")
     assert [c.last_transition_time for c in ready.conditions if c.type == "Ready"] == [NOW + timedelta(seconds=5)]
@@ -110,7 +110,7 @@ def test_oom_check_counts_only_kills_after_the_last_check() -> None:
 
 
 def test_a_skew_look_tightens_and_says_why() -> None:
-    prior = report.readiness(_reconciled(), SPEC, 2, NOW, 1)
+    prior = report.readiness(_reconciled(), SPEC, 2, None, NOW, 1)
     seen = _obs(skew_ratio=9.5)
     decision = decide(seen, report.policy_state(prior, SPEC), SPEC, NOW)
     doc = BudgetDocument(generation=2, budgets=decision.state.budgets)
@@ -132,7 +132,7 @@ def test_a_skew_look_tightens_and_says_why() -> None:
 
 
 def test_an_oom_kill_look_warns_and_turns_overload_on() -> None:
-    prior = report.readiness(_reconciled(), SPEC, 2, NOW, 1)
+    prior = report.readiness(_reconciled(), SPEC, 2, None, NOW, 1)
     seen = _obs(new_oom_kills=1)
     decision = decide(seen, report.policy_state(prior, SPEC), SPEC, NOW)
     doc = BudgetDocument(generation=2, budgets=decision.state.budgets, overload_mode="On")
@@ -194,7 +194,7 @@ def test_a_start_up_failure_is_the_ready_conditions_message_and_warns_once() -> 
                         "model-00002-of-00002.safetensors (CrashLoopBackOff)"),
                 ("w-1", "container worker exited 3 (Error): model_load_error: missing shard"))
     prior = _reconciled()
-    failing = report.readiness(prior, SPEC, 0, NOW, 1, failures)
+    failing = report.readiness(prior, SPEC, 0, None, NOW, 1, failures)
     ready = next(c for c in failing.conditions if c.type == "Ready")
     assert (ready.status, ready.reason) == ("False", "WorkerStartupFailed")
     assert ready.message == ("0/2 worker pods ready; pod w-0: container worker exited 3 (Error): model_load_error: "
@@ -202,9 +202,9 @@ def test_a_start_up_failure_is_the_ready_conditions_message_and_warns_once() -> 
                              "(and 1 more pods failing)")
     assert _types(failing)["Reconciling"] == ("True", "WorkerStartupFailed")
     assert report.readiness_events(prior, failing) == [report.Event("Warning", "WorkerStartupFailed", ready.message)]
-    later = report.readiness(failing, SPEC, 0, NOW + timedelta(seconds=5), 1, failures)
+    later = report.readiness(failing, SPEC, 0, None, NOW + timedelta(seconds=5), 1, failures)
     assert report.readiness_events(failing, later) == []  # once, not every tick
     # all replicas ready: an old crash in lastState says nothing any more
-    healed = report.readiness(later, SPEC, 2, NOW + timedelta(seconds=10), 1, failures)
+    healed = report.readiness(later, SPEC, 2, None, NOW + timedelta(seconds=10), 1, failures)
     assert _types(healed)["Ready"] == ("True", "AllReplicasReady")
     assert report.readiness_events(later, healed) == []

@@ -45,7 +45,7 @@ def status(budgets: Any = TIGHT, generation: int = 3, last_pressure: datetime | 
            last_blind: datetime | None = None) -> MoEInferenceServiceStatus:
     doc = BudgetDocument(generation=generation, budgets=budgets)
     base = report.reconciled(MoEInferenceServiceStatus(), SPEC, doc, "a=b", NOW - timedelta(hours=1), 1)
-    ready = report.readiness(base, SPEC, 1, NOW - timedelta(hours=1), 1)
+    ready = report.readiness(base, SPEC, 1, None, NOW - timedelta(hours=1), 1)
     return ready.model_copy(update={"control": ControlStatus(
         last_change_time=NOW - timedelta(hours=1), last_pressure_time=last_pressure, last_blind_time=last_blind,
         oom_checked_time=NOW - timedelta(hours=1))})
