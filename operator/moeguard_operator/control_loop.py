@@ -220,14 +220,19 @@ class ControlLoop:
                 self.views.hand_edited.add(key)
         self._touch(key)
 
-    def on_deployment(self, event_type: str | None, obj: dict[str, Any]) -> None:
-        """A Deployment event: only the services' worker Deployments (``<name>-worker``)."""
+    def on_workload(self, event_type: str | None, obj: dict[str, Any]) -> None:
+        """A Deployment or LeaderWorkerSet event: only the services' worker workloads (``<name>-worker``). A
+        deleted one is missing only when it is of the kind the service's spec uses (the operator itself deletes
+        the other kind after ``parallelism.podsPerReplica`` changes across 1)."""
         key = _owner_key(obj)
         if key is None or obj["metadata"]["name"] != f"{key[1]}-worker":
             return
         if event_type == "DELETED":
             self.views.deployments.discard(key)
-            self._child_gone(key, "Deployment")
+            svc = self.views.services.get(key) or {}
+            pods_per_replica = (((svc.get("spec") or {}).get("parallelism") or {}).get("podsPerReplica") or 1)
+            if (obj.get("kind") == c.LWS_KIND) == (int(pods_per_replica) > 1):
+                self._child_gone(key, str(obj.get("kind") or "Deployment"))
         else:
             self.views.deployments.add(key)
         self._touch(key)

@@ -71,7 +71,9 @@ def register(config: OperatorConfig, registry: kopf.OperatorRegistry) -> Control
         (RESOURCE, None, loop.on_service),
         (("", "v1", "pods"), children_only, loop.on_pod),
         (("", "v1", "configmaps"), children_only, loop.on_configmap),
-        (("apps", "v1", "deployments"), children_only, loop.on_deployment),
+        (("apps", "v1", "deployments"), children_only, loop.on_workload),
+        # Served once LeaderWorkerSet's CRD is installed (kopf waits for unresolved resources).
+        (("leaderworkerset.x-k8s.io", "v1", "leaderworkersets"), children_only, loop.on_workload),
     ]
     for resource, labels, feed in feeds:
         kopf.on.event(*resource, labels=labels, registry=registry, id=f"{WATCH_PREFIX}{resource[2]}")(
