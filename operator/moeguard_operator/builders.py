@@ -134,7 +134,7 @@ def worker_env(owner: Owner, spec: MoEInferenceServiceSpec) -> list[dict[str, An
     par = spec.parallelism
     if par.expert_parallel_size > 1:
         plain[k.ENV_EXPERT_PARALLEL_SIZE] = str(par.expert_parallel_size)
-        plain[k.ENV_EP_PORT] = str(k.EP_PORT)
+        plain[k.ENV_EP_PORT] = str(k.DEFAULT_EP_PORT)
     plain.update(ucx_env(spec))  # every rank's process: the UCX settings hold for the whole group
     env: list[dict[str, Any]] = [
         {"name": k.ENV_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
@@ -178,7 +178,7 @@ def pod_template(owner: Owner, spec: MoEInferenceServiceSpec) -> Manifest:
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["python", "-m", "moeguard_runtime"],
         "ports": [{"name": "http", "containerPort": k.WORKER_PORT, "protocol": "TCP"}]
-        + ([{"name": "ep", "containerPort": k.EP_PORT, "protocol": "TCP"}]
+        + ([{"name": "ep", "containerPort": k.DEFAULT_EP_PORT, "protocol": "TCP"}]
            if spec.parallelism.expert_parallel_size > 1 else []),
         "env": worker_env(owner, spec),
         "resources": {"limits": limits, "requests": {"memory": res.hard_limit, "cpu": res.cpu}},

@@ -59,6 +59,7 @@ from moeguard_runtime.contract import (
     LABEL_SERVICE,
     METRIC_BATCHES_IN_FLIGHT,
     METRIC_E2E_LATENCY_SECONDS,
+    METRIC_EP_RANK_TOKENS_TOTAL,
     METRIC_EXPERT_TOKENS_TOTAL,
     METRIC_EXPERT_TOP_SHARE_RATIO,
     METRIC_GPU_MEMORY_ALLOCATED_BYTES,
@@ -340,14 +341,25 @@ def queries(namespaces: str | Iterable[str], names: str | Iterable[str], window_
     by = f"by ({', '.join(GROUP_LABELS)})"
     buckets, steps = f"{METRIC_STEP_EXPERT_SKEW_RATIO}_bucket{{{sel}}}", f"{METRIC_STEP_EXPERT_SKEW_RATIO}_count{{{sel}}}"
     rss = f"{METRIC_PROCESS_RSS_BYTES}{{{sel}}}"
+    g = ", ".join(GROUP_LABELS)
+    ranks = f"{METRIC_EP_RANK_TOKENS_TOTAL}{{{sel}}}"
+    in_window = f"({ranks} - {ranks} offset {w})"
+
+    def with_rank_imbalance(expert_skew: str, tokens: str) -> str:
+        # Expert parallelism: the rank imbalance (max / mean token-slots per rank of a layer, 1 / EPLB's
+        # balancedness) is skew too, for the pod (the group's leader) that counts every rank's tokens.
+        imbalance = f"max by ({g}, layer) ({tokens}) / avg by ({g}, layer) ({tokens})"
+        return f"max by ({g}) (({expert_skew}) or ({imbalance}))"
+
     return Queries(
         # The steps in the window, exactly: counter now minus counter at the window's start (no extrapolation);
         # absent for a pod without a sample that old, or whose counter reset within the window.
-        skew=f"histogram_quantile(1, sum by ({', '.join(GROUP_LABELS)}, le) ({buckets} - {buckets} offset {w}))",
+        skew=with_rank_imbalance(
+            f"histogram_quantile(1, sum by ({g}, le) ({buckets} - {buckets} offset {w}))", in_window),
         skew_steps=f"sum {by} ({steps} - {steps} offset {w}) unless on ({', '.join(GROUP_LABELS)}) "
                    f"(resets({steps}[{w}]) > 0)",
         # A worker younger than the window: all its counts are in it (a new pod, a restarted container).
-        skew_all=f"histogram_quantile(1, sum by ({', '.join(GROUP_LABELS)}, le) ({buckets}))",
+        skew_all=with_rank_imbalance(f"histogram_quantile(1, sum by ({g}, le) ({buckets}))", ranks),
         skew_steps_all=f"sum {by} ({steps})",
         worker_age=f"max {by} (time() - {METRIC_WORKER_START_TIME_SECONDS}{{{sel}}})",
         memory=f"max {by} (max_over_time({METRIC_MEMORY_USAGE_BYTES}{{{sel}}}[{w}]))",

@@ -81,20 +81,16 @@ ENV_PORT = "MOEGUARD_PORT"
 WORKER_PORT = 8000
 
 
-# --- expert parallelism (multi-node replicas on LeaderWorkerSet) ---------------------------------------
-ENV_EXPERT_PARALLEL_SIZE = "MOEGUARD_EXPERT_PARALLEL_SIZE"
-"""Ranks per replica (``spec.parallelism.expertParallelSize``); absent or 1: a single-process worker."""
-ENV_EP_PORT = "MOEGUARD_EP_PORT"
-"""Port of the ranks' ``torch.distributed`` rendezvous at the leader pod (``LWS_LEADER_ADDRESS``)."""
-EP_PORT = 29500
-"""Default rendezvous port (torchrun's ``MASTER_PORT`` default); the pods' container port ``ep``."""
-ENV_EP_TIMEOUT_SECONDS = "MOEGUARD_EP_TIMEOUT_SECONDS"
-"""Timeout of every collective, seconds: a dead or hung rank fails the group within it."""
-LWS_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"
-LWS_GROUP_SIZE = "LWS_GROUP_SIZE"
-LWS_WORKER_INDEX = "LWS_WORKER_INDEX"
-"""The env LeaderWorkerSet's pod webhook injects (``leaderworkerset.x-k8s.io/v1`` constants)."""
 
+# --- expert parallelism (issue 15): one replica = a LeaderWorkerSet group of pods ---------------
+ENV_EXPERT_PARALLEL_SIZE = "MOEGUARD_EXPERT_PARALLEL_SIZE"
+"""Ranks per replica (``spec.parallelism.expertParallelSize``); unset or 1: the single-process worker."""
+ENV_EP_PORT = "MOEGUARD_EP_PORT"
+"""TCP port of the group's rendezvous (``torch.distributed`` TCPStore) on the leader."""
+DEFAULT_EP_PORT = 29500
+METRIC_EP_RANK_TOKENS_TOTAL = "moeguard_ep_rank_tokens_total"
+"""Counter, labels ``layer`` and ``rank``: token-slots routed to each rank's experts (expert parallelism; on the
+leader, for every rank; on a follower, its own)."""
 MODEL_MOUNT_PATH = "/moeguard/model"
 """Where the worker container sees ``spec.model.source``, read-only."""
 MODEL_VOLUME = "moeguard-model"

@@ -357,3 +357,28 @@ def test_the_diagnosis_queries_are_valid_promql_and_read_the_workers_series(pods
     assert (b.pod, b.prefill_batches, b.queue_requests, b.memory_failures, b.long_admitted) == (
         "diag-1", 0.0, 0.0, 0.0, 0.0), b  # its only prefill step was before the window
     assert b.ucx is None and "ucx info: diag-1" in obs.signals.missing
+
+
+def test_rank_imbalance_of_an_expert_parallel_leader_is_skew(pods: Pods) -> None:
+    """Expert parallelism: the leader counts every rank's token-slots per layer; max / mean over the ranks of a
+    layer in the window (1 / EPLB balancedness) joins the expert skew, whichever is higher."""
+    from prometheus_client import Counter
+
+    from moeguard_runtime import contract
+
+    leader, member = pods.start("ep", "ep-0"), pods.start("ep", "ep-0-1")
+    lab = leader.telemetry.labels
+    tokens = Counter(contract.METRIC_EP_RANK_TOKENS_TOTAL.removesuffix("_total"), "token-slots per rank",
+                     [*lab, "layer", "rank"], registry=leader.telemetry.registry)
+    for rank in ("0", "1", "2", "3"):
+        tokens.labels(**lab, layer="0", rank=rank).inc(100)  # balanced before the window
+    pods.scraped("ep-0", "ep-0-1")
+    time.sleep(W + SCRAPE)
+    leader.steps(1.5, 4)  # the experts look even
+    member.steps(1.5, 4)
+    for rank, n in (("0", 700), ("1", 100), ("2", 100), ("3", 100)):  # rank 0 takes 70 %: max/mean 2.8
+        tokens.labels(**lab, layer="0", rank=rank).inc(n)
+    time.sleep(2 * SCRAPE)
+    obs = observe_one(look(pods, "ep", ("ep-0", "ep-0-1")))
+    assert obs.skew_ratio == pytest.approx(2.8), obs
+    assert obs.skew_steps == 8 and obs.fully_visible, obs

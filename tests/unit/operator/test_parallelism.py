@@ -61,7 +61,7 @@ def test_several_pods_per_replica_become_a_leader_worker_set_with_the_same_pod()
     # the same pod as a Deployment's, plus the EP env and the rendezvous port
     env, single_env = _env(pod), _env(single)
     assert {k: v for k, v in env.items() if k not in single_env} == {
-        contract.ENV_EXPERT_PARALLEL_SIZE: "4", contract.ENV_EP_PORT: str(contract.EP_PORT)}
+        contract.ENV_EXPERT_PARALLEL_SIZE: "4", contract.ENV_EP_PORT: str(contract.DEFAULT_EP_PORT)}
     assert [p["name"] for p in pod["containers"][0]["ports"]] == ["http", "ep"]
     assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"  # one GPU per rank
     assert pod["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
