@@ -76,10 +76,11 @@ def parse_spec(spec: Mapping[str, Any], *, allow_secrets: bool = False) -> MoEIn
     args = dataclasses.replace(preset, **parsed.model.overrides.model_dump(exclude_none=True))
     issues = [f"spec.model.overrides: {p}" for p in shape_problems(args)]
     weights = weight_bytes(parsed, parameter_count(args))
-    if weights is not None and weights[0] >= parsed.resources.hard_limit_bytes:
-        issues.append(f"spec.resources.hardLimit ({parsed.resources.hard_limit}) is below the model's weights alone "
-                      f"({weights[0] / 2**30:.2f} GiB, {weights[1]})")
     ep = parsed.parallelism.expert_parallel_size
+    if weights is not None and weights[0] // ep >= parsed.resources.hard_limit_bytes:
+        share = "" if ep == 1 else f" / {ep} ranks: every pod holds at least its share of them"
+        issues.append(f"spec.resources.hardLimit ({parsed.resources.hard_limit}) is below the model's weights alone "
+                      f"({weights[0] // ep / 2**30:.2f} GiB, {weights[1]}{share})")
     if ep > 1 and parsed.model.source is None and args.num_experts % ep:
         issues.append(f"spec.parallelism.expertParallelSize ({ep}) must divide the model's expert count "
                       f"({args.num_experts}, preset {parsed.model.preset}): each rank holds the same number of "
@@ -101,9 +102,10 @@ def memory_warnings(spec: MoEInferenceServiceSpec) -> list[str]:
     0) of a preset: a request at the model's full context whose smallest step (its KV cache and its last
     16-token chunk, float32, the CPU's dtype) does not fit in ``hardLimit`` above the weights. The
     process's own baseline (the torch runtime) is not counted, so a warning is certain; its absence is
-    not a promise. Empty for GPU workers (the step's memory is on the device) and checkpoint sources
-    (the operator does not read their shape)."""
-    if spec.resources.gpus or spec.model.source is not None:
+    not a promise. Empty for GPU workers (the step's memory is on the device), checkpoint sources
+    (the operator does not read their shape) and expert-parallel groups (the leader's share of the weights
+    is not the model's)."""
+    if spec.resources.gpus or spec.model.source is not None or spec.parallelism.expert_parallel_size > 1:
         return []
     try:
         args = dataclasses.replace(get_preset(spec.model.preset),

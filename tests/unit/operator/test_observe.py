@@ -38,8 +38,11 @@ def answer(*series: Any) -> Answer:
 
 def test_query_selects_the_service() -> None:
     b = 'moeguard_step_expert_skew_ratio_bucket{namespace="ns1",moeis="svc"}'
-    assert skew_query("ns1", "svc", 30) == \
-        f"max(histogram_quantile(1, sum by (namespace, moeis, pod, le) ({b} - {b} offset 30s)))"
+    r = 'moeguard_ep_rank_tokens_total{namespace="ns1",moeis="svc"}'
+    g = "namespace, moeis, pod"
+    assert skew_query("ns1", "svc", 30) == (
+        f"max(max by ({g}) ((histogram_quantile(1, sum by ({g}, le) ({b} - {b} offset 30s))) or "
+        f"(max by ({g}, layer) (({r} - {r} offset 30s)) / avg by ({g}, layer) (({r} - {r} offset 30s)))))")
 
 
 @pytest.mark.parametrize(

@@ -144,3 +144,13 @@ def test_a_refusal_inside_the_leader_worker_set_template_names_the_spec_field() 
     message = ('LeaderWorkerSet.leaderworkerset.x-k8s.io "big-worker" is invalid: '
                "spec.leaderWorkerTemplate.workerTemplate.spec.tolerations[0].key: Invalid value")
     assert spec_field(message) == "spec.template.tolerations"
+
+
+def test_the_weights_check_counts_each_pods_share_of_the_experts() -> None:
+    # 400 GiB of weights: 8 ranks hold at least 50 GiB each, so a 64 GiB pod passes and a 48 GiB pod cannot
+    body: dict[str, Any] = {"model": {"weightBytes": "400Gi"}, "resources": {"gpus": 1, "softLimit": "40Gi"},
+                            "parallelism": {"expertParallelSize": 8, "podsPerReplica": 8}}
+    parse_spec({**body, "resources": {**body["resources"], "hardLimit": "64Gi"}})
+    with pytest.raises(SpecError, match=r"below the model's weights alone \(50.00 GiB, spec.model.weightBytes / 8 "
+                                        "ranks"):
+        parse_spec({**body, "resources": {**body["resources"], "hardLimit": "48Gi"}})
