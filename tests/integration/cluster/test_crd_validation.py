@@ -95,12 +95,12 @@ REFUSED = [
     ("experts-not-divisible-by-ranks", {"parallelism": {"expertParallelSize": 3, "podsPerReplica": 3},
                                         "model": {"overrides": {"numExperts": 8}}},
      "model.overrides.numExperts must be divisible by parallelism.expertParallelSize"),
-    ("gpus-not-one-per-rank", {"parallelism": {"expertParallelSize": 4, "podsPerReplica": 2},
-                               "resources": {"gpus": 1}},
+    ("gpus-not-one-per-rank", {"parallelism": {"expertParallelSize": 2, "podsPerReplica": 2},
+                               "resources": {"gpus": 2}},
      "resources.gpus must equal parallelism.expertParallelSize / parallelism.podsPerReplica"),
-    ("gpus-defaulted-not-one-per-rank", {"parallelism": {"expertParallelSize": 8, "podsPerReplica": 2},
-                                         "resources": {"cpu": "2"}},
-     "resources.gpus must equal parallelism.expertParallelSize / parallelism.podsPerReplica"),
+    ("several-ranks-per-pod", {"parallelism": {"expertParallelSize": 8, "podsPerReplica": 2},
+                               "resources": {"gpus": 4}},
+     "this version runs one rank per pod"),
     ("pods-per-replica-zero", {"parallelism": {"podsPerReplica": 0}}, "spec.parallelism.podsPerReplica: Invalid value"),
 ]
 

@@ -24,7 +24,7 @@ from moeguard_operator.tick import replica_readiness
 from moeguard_runtime import contract
 
 OWNER = Owner("big", "ns", "uid-1")
-EP = {"parallelism": {"expertParallelSize": 4, "podsPerReplica": 2}, "resources": {"gpus": 2}, "replicas": 2}
+EP = {"parallelism": {"expertParallelSize": 2, "podsPerReplica": 2}, "resources": {"gpus": 1}, "replicas": 2}
 
 
 def _spec(body: dict[str, Any]) -> MoEInferenceServiceSpec:
@@ -56,14 +56,14 @@ def test_several_pods_per_replica_become_a_leader_worker_set_with_the_same_pod()
     template = lws["spec"]["leaderWorkerTemplate"]
     assert (template["size"], template["restartPolicy"]) == (2, "RecreateGroupOnPodRestart")
     pod = workload_pod_spec(lws)
-    single = workload_pod_spec(next(m for m in build_children(OWNER, _spec({"resources": {"gpus": 2}}))
+    single = workload_pod_spec(next(m for m in build_children(OWNER, _spec({"resources": {"gpus": 1}}))
                                     if m["kind"] == "Deployment"))
     # the same pod as a Deployment's, plus the EP env and the rendezvous port
     env, single_env = _env(pod), _env(single)
     assert {k: v for k, v in env.items() if k not in single_env} == {
-        contract.ENV_EXPERT_PARALLEL_SIZE: "4", contract.ENV_EP_PORT: str(contract.DEFAULT_EP_PORT)}
+        contract.ENV_EXPERT_PARALLEL_SIZE: "2", contract.ENV_EP_PORT: str(contract.DEFAULT_EP_PORT)}
     assert [p["name"] for p in pod["containers"][0]["ports"]] == ["http", "ep"]
-    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"  # one GPU per rank
+    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"  # one GPU per rank
     assert pod["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
     assert pod["serviceAccountName"] == "big-worker"
     assert template["workerTemplate"]["metadata"]["labels"][c.LABEL_INSTANCE] == "big"
@@ -86,9 +86,12 @@ def test_a_rolling_restart_patches_the_template_of_the_workload_in_use() -> None
 @pytest.mark.parametrize(("body", "needle"), [
     ({"parallelism": {"expertParallelSize": 4, "podsPerReplica": 3}},
      "parallelism.expertParallelSize (4) must be divisible by parallelism.podsPerReplica (3)"),
-    ({"parallelism": {"expertParallelSize": 4, "podsPerReplica": 2}, "resources": {"gpus": 1}},
-     "resources.gpus (1) must equal parallelism.expertParallelSize / parallelism.podsPerReplica (2)"),
-    ({"parallelism": {"expertParallelSize": 3, "podsPerReplica": 1}, "resources": {"gpus": 3},
+    ({"parallelism": {"expertParallelSize": 4, "podsPerReplica": 2}, "resources": {"gpus": 2}},
+     "parallelism.expertParallelSize (4) must equal parallelism.podsPerReplica (2): this version runs one rank "
+     "per pod"),
+    ({"parallelism": {"expertParallelSize": 2, "podsPerReplica": 2}, "resources": {"gpus": 2}},
+     "resources.gpus (2) must equal parallelism.expertParallelSize / parallelism.podsPerReplica (1)"),
+    ({"parallelism": {"expertParallelSize": 3, "podsPerReplica": 3}, "resources": {"gpus": 1},
       "model": {"overrides": {"numExperts": 8}}},
      "model.overrides.numExperts (8) must be divisible by parallelism.expertParallelSize (3)"),
 ])
@@ -99,8 +102,8 @@ def test_inconsistent_parallelism_is_refused_naming_the_fields(body: dict[str, A
 
 def test_gpus_are_free_without_expert_parallelism_and_cpu_ranks_are_allowed() -> None:
     assert _spec({"resources": {"gpus": 4}}).parallelism.ranks_per_pod == 1
-    assert _spec({"parallelism": {"expertParallelSize": 4, "podsPerReplica": 2},
-                  "resources": {"gpus": 0}}).parallelism.ranks_per_pod == 2
+    assert _spec({"parallelism": {"expertParallelSize": 4, "podsPerReplica": 4},
+                  "resources": {"gpus": 0}}).parallelism.ranks_per_pod == 1
 
 
 def test_a_preset_whose_experts_do_not_split_over_the_ranks_is_refused_at_reconcile() -> None:
@@ -128,7 +131,7 @@ def test_groups_are_ready_when_every_pod_is_and_ranks_are_counted_per_group() ->
     assert ready == 1
     assert groups is not None
     assert [(g.index, g.leader, g.ready_pods, g.ready_ranks, g.ranks) for g in groups] == [
-        (0, "big-worker-0", 2, 4, 4), (1, "big-worker-1", 1, 2, 4)]
+        (0, "big-worker-0", 2, 2, 2), (1, "big-worker-1", 1, 1, 2)]
     # a group being recreated (its pods deleting) is not ready; a group with no pod yet is listed empty
     pods = [_pod("big-worker-0", 0, 0, True, deleting=True), _pod("big-worker-0-1", 0, 1, True, deleting=True)]
     ready, groups = replica_readiness(pods, spec)
