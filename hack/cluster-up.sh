@@ -99,7 +99,15 @@ start() {
   local name=$1; shift
   if alive "$name"; then log "$name already running (pid $(cat "$RUN/pids/$name.pid"))"; return 0; fi
   printf '\n=== %s start %s\n' "$(date -Is)" "$name" >>"$RUN/logs/$name.log"
-  setsid "$@" >>"$RUN/logs/$name.log" 2>&1 </dev/null &
+  (
+    # The daemon keeps no descriptor of ours but 0-2: under `flock LOCK hack/cluster-up.sh` it would
+    # otherwise hold LOCK for as long as the cluster runs.
+    for fd in /proc/$BASHPID/fd/*; do
+      fd=${fd##*/}
+      if [ "$fd" -gt 2 ]; then eval "exec $fd>&-"; fi
+    done
+    exec setsid "$@"
+  ) >>"$RUN/logs/$name.log" 2>&1 </dev/null &
   echo $! >"$RUN/pids/$name.pid"
   log "started $name (pid $!, log $RUN/logs/$name.log)"
 }
