@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
+from hack import pod_workers
 from tests.integration.conftest import PodWorkers
 
 from moeguard_operator import constants as c
@@ -179,6 +180,9 @@ def test_lws_group_runs_and_a_killed_member_recreates_the_group(cluster: Cluster
     group = wait("leader and member running and Ready", lambda: group_running(cluster, namespace, lws_workers), 60)
     print(f"\nLWS group 0 Ready with 2 worker processes {time.monotonic() - t0:.1f} s after the apply")
     port = check_group(namespace, group)
+    # The harness's default selector (moeguard's worker labels; it also leaves out stand-ins) takes LWS pods.
+    taken = cluster.kubectl_json("-n", namespace, "get", "pods", "-l", pod_workers.SELECTOR)["items"]
+    assert {p["metadata"]["name"] for p in taken} == {LEADER, MEMBER}
     lws = cluster.kubectl_json("-n", namespace, "get", "leaderworkerset", LWS_NAME)
     assert lws["spec"]["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
 
