@@ -216,15 +216,16 @@ class Harness:
 
     def lws_env(self, pod: Any, key: str, env: dict[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
         """For a LeaderWorkerSet pod: the env a pod network would make work here (the leader's address
-        on loopback, the group's rendezvous port) and what workers.json records; else nothing."""
+        on loopback, the group's rendezvous port) and what workers.json records; else nothing. Call with
+        ``self.lock`` held, and add the pod to ``self.pods`` in the same hold (the group's port lives as
+        long as a pod of the group is there)."""
         group = lws_group(pod.metadata.namespace, pod.metadata.labels)
         if group is None:
             return {}, {}
-        with self.lock:
-            if group not in self.group_ports:
-                self.group_ports[group] = free_port()
-                log(f"LWS group {group}: {EP_PORT_ENV}={self.group_ports[group]}")
-            ep_port = self.group_ports[group]
+        if group not in self.group_ports:
+            self.group_ports[group] = free_port()
+            log(f"LWS group {group}: {EP_PORT_ENV}={self.group_ports[group]}")
+        ep_port = self.group_ports[group]
         missing = [n for n in (LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX) if n not in env]
         if missing:  # LWS's pod webhook did not run (not registered, or the pod was made without LWS)
             log(f"{key}: LeaderWorkerSet pod without {', '.join(missing)} (LWS's pod webhook did not inject them)")
@@ -237,32 +238,21 @@ class Harness:
         ns, name = pod.metadata.namespace, pod.metadata.name
         pythonpath = os.pathsep.join(filter(None, [str(ROOT / "runtime"), os.environ.get("PYTHONPATH")]))
         pod_env = self.resolve_env(pod)
-        lws_env, info = self.lws_env(pod, key, pod_env)
-        env = {**os.environ, **pod_env, **lws_env, **test_env(pod.metadata.annotations, key),
-               "MOEGUARD_PORT": str(port), "PYTHONPATH": pythonpath, "KUBECONFIG": self.pod_kubeconfig(pod, key)}
+        last = {**test_env(pod.metadata.annotations, key), "MOEGUARD_PORT": str(port), "PYTHONPATH": pythonpath,
+                "KUBECONFIG": self.pod_kubeconfig(pod, key)}
         as_json = client.ApiClient().sanitize_for_serialization(pod)  # type: ignore[no-untyped-call]
-        pc = PodContainer(key, as_json, env, port,
-                          self.workers_dir / f"{ns}_{name}.log", self.options, client.CoreV1Api(),
-                          self.changed, log, info=info)
-        try:
+        with self.lock:
+            pc = PodContainer(key, as_json, {**os.environ, **pod_env, **last}, port,
+                              self.workers_dir / f"{ns}_{name}.log", self.options, client.CoreV1Api(),
+                              self.changed, log)
             pc.limit_bytes()  # no memory limit: refused here, before anything runs
-        except ValueError:
-            self.release_group(pc)
-            raise
+            lws_env, pc.info = self.lws_env(pod, key, pod_env)
+            pc.env = {**os.environ, **pod_env, **lws_env, **last}
+            self.pods[key] = pc
         moeis = (pod.metadata.labels or {}).get("app.kubernetes.io/instance", "")
         target = [{"targets": [f"127.0.0.1:{port}"], "labels": {"namespace": ns, "pod": name, "moeis": moeis}}]
         write_atomic(self.targets / f"{ns}_{name}.json", json.dumps(target))
-        with self.lock:
-            self.pods[key] = pc
         pc.start()
-
-    def release_group(self, pc: PodContainer) -> None:
-        """Forget the group port of ``pc``'s LWS group once no pod of that group runs here."""
-        group = (pc.info.get("lws") or {}).get("group")
-        with self.lock:
-            if group in self.group_ports and not any(
-                    (other.info.get("lws") or {}).get("group") == group for other in self.pods.values()):
-                log(f"LWS group {group}: no pod left here; {EP_PORT_ENV} {self.group_ports.pop(group)} released")
 
     def changed(self, pc: PodContainer) -> None:
         """A pod worker started a process or ended (called from its thread)."""
@@ -275,9 +265,11 @@ class Harness:
                     f.unlink(missing_ok=True)
                 successor = pc.key in self.waiting
                 self.waiting.discard(pc.key)
+                group = (pc.info.get("lws") or {}).get("group")
+                if group in self.group_ports and not any(
+                        (other.info.get("lws") or {}).get("group") == group for other in self.pods.values()):
+                    log(f"LWS group {group}: no pod left here; {EP_PORT_ENV} {self.group_ports.pop(group)} released")
             self.save()
-        if not pc.alive:
-            self.release_group(pc)
         if successor:  # a new pod of the same name waited for this one to stop: start it now
             self.start_successor(pc.key)
 
