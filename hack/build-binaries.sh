@@ -8,6 +8,8 @@
 #                                 staging modules (read from its own go.mod)
 #   kwok                          sigs.k8s.io/kwok/cmd/kwok (+ its stage files)
 #   helm                          helm.sh/helm/v3/cmd/helm
+#   lws                           sigs.k8s.io/lws/cmd (the LeaderWorkerSet controller and its
+#                                 webhooks, as lws-manager) + its CRD and webhook manifests
 #
 # Usage: hack/build-binaries.sh [component...]   (default: all)
 # Prints nothing but progress; exits non-zero on the first failure.
@@ -58,6 +60,26 @@ build_helm() {
   rm -rf "$out" && mv "$out.tmp" "$out"
 }
 
+build_lws() {
+  local out; out=$(bin_dir lws)
+  [ -x "$out/lws-manager" ] && [ -f "$out/crd/leaderworkerset.x-k8s.io_leaderworkersets.yaml" ] &&
+    [ -f "$out/webhook/validating-patch.yaml" ] && return 0
+  log "lws $LWS_VERSION"
+  # A temp module requiring the pinned version: `go install pkg@version` and `go get` first ask the
+  # proxy for the module's version list (deprecation check), which proxy.golang.org refuses for lws.
+  mkdir -p "$WORK/lws" "$out.tmp/crd" "$out.tmp/webhook" && cd "$WORK/lws"
+  go mod init moeguard.local/lwsbuild >/dev/null 2>&1
+  go mod edit -require="sigs.k8s.io/lws@$LWS_VERSION"
+  go build -trimpath -ldflags "-s -w -X sigs.k8s.io/lws/pkg/version.GitVersion=$LWS_VERSION" \
+    -o "$out.tmp/lws-manager" sigs.k8s.io/lws/cmd
+  local src; src=$(go env GOMODCACHE)/sigs.k8s.io/lws@$LWS_VERSION
+  cp "$src/config/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml" "$out.tmp/crd/"
+  # the webhooks and the kustomize patches that narrow the pod webhooks to LWS's pods (hack/lws_webhooks.py)
+  cp "$src/config/webhook/"{manifests,mutating-patch,validating-patch}.yaml "$out.tmp/webhook/"
+  chmod -R u+w "$out.tmp"
+  rm -rf "$out" && mv "$out.tmp" "$out"
+}
+
 build_kubernetes() {
   local out; out=$(bin_dir kubernetes)
   [ -x "$out/kube-apiserver" ] && [ -x "$out/kubectl" ] && return 0
@@ -95,6 +117,6 @@ build_kubernetes() {
   rm -rf "$out" && mv "$out.tmp" "$out"
 }
 
-want=${*:-etcd kwok helm kubernetes}
+want=${*:-etcd kwok helm lws kubernetes}
 for c in $want; do "build_$c"; done
 log "done: $(for c in $want; do bin_dir "$c"; done | tr '\n' ' ')"

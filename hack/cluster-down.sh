@@ -67,7 +67,7 @@ for d in /sys/fs/cgroup/memory/moeguard-pods-"$run_id"-* /sys/fs/cgroup/unified/
   for p in $(cat "$d"/*/cgroup.procs 2>/dev/null); do log "stopping worker left in $d (pid $p)"; stop "$p"; done
   find "$d" -depth -type d -exec rmdir {} \; 2>/dev/null || log "could not remove cgroup $d"
 done
-stop_named kwok kube-scheduler kube-controller-manager prometheus
+stop_named lws-manager kwok kube-scheduler kube-controller-manager prometheus
 stop_named kube-apiserver
 stop_named etcd
 # Stragglers: anything else still pointing into the run dir (not this script).

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Start moeguard's local control plane: etcd, kube-apiserver, kube-controller-
-# manager, kube-scheduler, kwok with two fake GPU nodes, and Prometheus. All of
-# it listens on 127.0.0.1 only and lives in one run dir:
+# manager, kube-scheduler, kwok with two fake GPU nodes, the LeaderWorkerSet
+# controller (lws-manager: its CRD, its webhooks on loopback), and Prometheus. All
+# of it listens on 127.0.0.1 only and lives in one run dir:
 #
 #   ${MOEGUARD_RUN_DIR:-/tmp/moeguard-run}/
 #     kubeconfig          admin (system:masters) token, insecure-skip-tls-verify
-#     pki/                service-account RSA key, token file, apiserver cert-dir
+#     pki/                service-account RSA key, token file, apiserver cert-dir;
+#                         pki/lws/: the CA and serving cert (SAN IP 127.0.0.1) of LWS's webhooks
+#     lws/config.yaml     lws-manager's Configuration (config.lws.x-k8s.io/v1alpha1)
 #     pids/<name>.pid     one per process started here (cluster-down.sh reads them)
 #     logs/<name>.log     one per process
 #     etcd/  prometheus/  data; prometheus/targets/*.json is the file_sd folder
@@ -13,7 +16,8 @@
 #     cluster.env         the URLs below, for scripts and tests to source
 #
 # Ports: etcd 12379 (peer 12380), kube-apiserver 16443, controller-manager 16257,
-# scheduler 16259, Prometheus 19090; kwok serves nothing. MOEGUARD_PORT_OFFSET=N
+# scheduler 16259, Prometheus 19090, lws-manager's webhooks 19443 (health 18081,
+# no metrics); kwok serves nothing. MOEGUARD_PORT_OFFSET=N
 # adds N to every port, so that a second cluster (another run dir) can run beside.
 #
 # Idempotent: a healthy cluster is left alone (exit 0 at once); a process that
@@ -29,7 +33,10 @@ RUN=${MOEGUARD_RUN_DIR:-/tmp/moeguard-run}
 off=${MOEGUARD_PORT_OFFSET:-0}
 ETCD_PORT=$((12379 + off)) ETCD_PEER_PORT=$((12380 + off)) APISERVER_PORT=$((16443 + off))
 KCM_PORT=$((16257 + off)) SCHED_PORT=$((16259 + off)) PROM_PORT=$((19090 + off))
-K8S=$(bin_dir kubernetes) ETCD=$(bin_dir etcd)/etcd KWOK_DIR=$(bin_dir kwok)
+LWS_WEBHOOK_PORT=$((19443 + off)) LWS_HEALTH_PORT=$((18081 + off))
+K8S=$(bin_dir kubernetes) ETCD=$(bin_dir etcd)/etcd KWOK_DIR=$(bin_dir kwok) LWS_DIR=$(bin_dir lws)
+PYTHON=${PYTHON:-$(cd "$HERE/.." && pwd)/.venv/bin/python}
+LWS_CRD=leaderworkersets.leaderworkerset.x-k8s.io
 PROMETHEUS=${PROMETHEUS:-/usr/bin/prometheus}
 KUBECTL=("$K8S/kubectl" --kubeconfig="$RUN/kubeconfig" --request-timeout=5s)
 NODES=(moeguard-gpu-0 moeguard-gpu-1)
@@ -51,6 +58,18 @@ etcd_ok() { curl -sf --max-time 2 "http://127.0.0.1:$ETCD_PORT/health" | grep -q
 apiserver_ok() { "${KUBECTL[@]}" get --raw /readyz >/dev/null 2>&1; }
 secure_ok() { curl -skf --max-time 2 "https://127.0.0.1:$1/healthz" >/dev/null; }
 prom_ok() { curl -sf --max-time 2 "http://127.0.0.1:$PROM_PORT/-/ready" >/dev/null; }
+# lws-manager: its readyz, and its webhook server answering TLS with the certificate our CA signed
+# (any HTTP status: "/" is no webhook, a 404) -- what the API server needs to call it.
+lws_ok() {
+  curl -sf --max-time 2 "http://127.0.0.1:$LWS_HEALTH_PORT/readyz" >/dev/null || return 1
+  local code
+  code=$(curl -s -o /dev/null -w '%{http_code}' --max-time 2 --cacert "$RUN/pki/lws/ca.crt" \
+    "https://127.0.0.1:$LWS_WEBHOOK_PORT/") || true
+  [ -n "$code" ] && [ "$code" != 000 ]
+}
+crd_established() {
+  [ "$("${KUBECTL[@]}" get crd "$1" -o jsonpath='{.status.conditions[?(@.type=="Established")].status}' 2>/dev/null)" = True ]
+}
 nodes_ok() {
   local ready
   ready=$("${KUBECTL[@]}" get node "${NODES[@]}" \
@@ -59,10 +78,10 @@ nodes_ok() {
 }
 healthy() {
   local c
-  for c in etcd kube-apiserver kube-controller-manager kube-scheduler kwok prometheus; do
+  for c in etcd kube-apiserver kube-controller-manager kube-scheduler kwok prometheus lws-manager; do
     alive "$c" || return 1
   done
-  etcd_ok && apiserver_ok && secure_ok "$KCM_PORT" && secure_ok "$SCHED_PORT" && nodes_ok && prom_ok
+  etcd_ok && apiserver_ok && secure_ok "$KCM_PORT" && secure_ok "$SCHED_PORT" && nodes_ok && prom_ok && lws_ok
 }
 
 if [ -f "$RUN/kubeconfig" ] && healthy; then
@@ -71,7 +90,7 @@ if [ -f "$RUN/kubeconfig" ] && healthy; then
 fi
 
 for b in "$ETCD" "$K8S/kube-apiserver" "$K8S/kube-controller-manager" "$K8S/kube-scheduler" \
-  "$K8S/kubectl" "$KWOK_DIR/kwok" "$PROMETHEUS"; do
+  "$K8S/kubectl" "$KWOK_DIR/kwok" "$LWS_DIR/lws-manager" "$PROMETHEUS"; do
   [ -x "$b" ] || die "missing $b: build it with hack/build-binaries.sh (Prometheus: apt-get install prometheus)"
 done
 
@@ -80,7 +99,15 @@ start() {
   local name=$1; shift
   if alive "$name"; then log "$name already running (pid $(cat "$RUN/pids/$name.pid"))"; return 0; fi
   printf '\n=== %s start %s\n' "$(date -Is)" "$name" >>"$RUN/logs/$name.log"
-  setsid "$@" >>"$RUN/logs/$name.log" 2>&1 </dev/null &
+  (
+    # The daemon keeps no descriptor of ours but 0-2: under `flock LOCK hack/cluster-up.sh` it would
+    # otherwise hold LOCK for as long as the cluster runs.
+    for fd in /proc/$BASHPID/fd/*; do
+      fd=${fd##*/}
+      if [ "$fd" -gt 2 ]; then eval "exec $fd>&-"; fi
+    done
+    exec setsid "$@"
+  ) >>"$RUN/logs/$name.log" 2>&1 </dev/null &
   echo $! >"$RUN/pids/$name.pid"
   log "started $name (pid $!, log $RUN/logs/$name.log)"
 }
@@ -103,7 +130,7 @@ wait_for() {
   log "$name healthy"
 }
 
-mkdir -p "$RUN"/{pki/apiserver,pki/kcm,pki/scheduler,pids,logs,etcd,prometheus/targets,prometheus/data,workers}
+mkdir -p "$RUN"/{pki/apiserver,pki/kcm,pki/scheduler,pki/lws,lws,pids,logs,etcd,prometheus/targets,prometheus/data,workers}
 
 # --- credentials (made once; kept with --keep-data) ---------------------------
 if [ ! -f "$RUN/pki/sa.key" ]; then
@@ -113,6 +140,19 @@ if [ ! -f "$RUN/pki/sa.key" ]; then
 fi
 if [ ! -f "$RUN/pki/tokens.csv" ]; then
   (umask 077; echo "$(openssl rand -hex 32),moeguard-admin,moeguard-admin,\"system:masters\"" >"$RUN/pki/tokens.csv")
+fi
+# LWS's webhooks: the API server calls https://127.0.0.1:$LWS_WEBHOOK_PORT; it trusts this CA (caBundle).
+if [ ! -f "$RUN/pki/lws/tls.crt" ]; then
+  (
+    cd "$RUN/pki/lws"
+    openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.crt -days 3650 -subj "/CN=moeguard-lws-webhook-ca" \
+      -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" 2>/dev/null
+    openssl req -newkey rsa:2048 -nodes -keyout tls.key.tmp -out tls.csr -subj "/CN=127.0.0.1" 2>/dev/null
+    printf 'subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n' >tls.ext
+    openssl x509 -req -in tls.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 3650 -extfile tls.ext -out tls.crt.tmp 2>/dev/null
+    chmod 600 ca.key tls.key.tmp
+    mv tls.key.tmp tls.key && mv tls.crt.tmp tls.crt
+  ) || die "openssl could not make the LWS webhook certificates in $RUN/pki/lws"
 fi
 TOKEN=$(cut -d, -f1 "$RUN/pki/tokens.csv")
 (umask 077; cat >"$RUN/kubeconfig" <<EOF
@@ -134,12 +174,31 @@ users:
 EOF
 )
 sed "s#@RUN_DIR@#$RUN#g" "$HERE/cluster/prometheus.yml.tmpl" >"$RUN/prometheus/prometheus.yml"
+# lws-manager (sigs.k8s.io/lws/cmd): no cert rotation (our CA signed its cert), one instance (no leader
+# election), webhooks and health on loopback, metrics off (they would need TokenReview-authenticated HTTPS).
+cat >"$RUN/lws/config.yaml" <<EOF
+apiVersion: config.lws.x-k8s.io/v1alpha1
+kind: Configuration
+leaderElection:
+  leaderElect: false
+internalCertManagement:
+  enable: false
+webhook:
+  host: 127.0.0.1
+  port: $LWS_WEBHOOK_PORT
+  certDir: $RUN/pki/lws
+health:
+  healthProbeBindAddress: 127.0.0.1:$LWS_HEALTH_PORT
+metrics:
+  bindAddress: "0"
+EOF
 cat >"$RUN/cluster.env" <<EOF
 KUBECONFIG=$RUN/kubeconfig
 KUBECTL=$K8S/kubectl
 APISERVER_URL=https://127.0.0.1:$APISERVER_PORT
 PROMETHEUS_URL=http://127.0.0.1:$PROM_PORT
 ETCD_URL=http://127.0.0.1:$ETCD_PORT
+LWS_WEBHOOK_URL=https://127.0.0.1:$LWS_WEBHOOK_PORT
 EOF
 
 # --- etcd, Prometheus and kube-apiserver start together --------------------------
@@ -202,6 +261,24 @@ done
 
 wait_for kube-controller-manager 60 secure_ok "$KCM_PORT"
 wait_for kube-scheduler 60 secure_ok "$SCHED_PORT"
+
+# --- LeaderWorkerSet: CRD, controller, webhooks -------------------------------------
+# The CRD first (the manager's informers need the kind), server-side: it is too large for the
+# last-applied annotation. One version (v1): no conversion webhook.
+"${KUBECTL[@]}" --request-timeout=60s apply --server-side --force-conflicts --field-manager=moeguard-hack \
+  -f "$LWS_DIR/crd/leaderworkerset.x-k8s.io_leaderworkersets.yaml" >/dev/null || die "applying the LWS CRD failed"
+deadline=$(($(date +%s) + 60))
+until crd_established "$LWS_CRD"; do
+  [ "$(date +%s)" -lt "$deadline" ] || die "CRD $LWS_CRD not Established after 60 s"
+  sleep 0.2
+done
+start lws-manager "$LWS_DIR/lws-manager" --config="$RUN/lws/config.yaml" --kubeconfig="$RUN/kubeconfig"
+wait_for lws-manager 60 lws_ok
+# Its webhooks (failurePolicy Fail; the pod ones only for pods labelled leaderworkerset.sigs.k8s.io/name)
+# after it serves them: the pod webhook injects LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX.
+"$PYTHON" "$HERE/lws_webhooks.py" "$LWS_DIR/webhook" "$LWS_WEBHOOK_PORT" "$RUN/pki/lws/ca.crt" |
+  "${KUBECTL[@]}" apply --server-side --force-conflicts --field-manager=moeguard-hack -f - >/dev/null ||
+  die "applying LWS's webhook configurations failed"
 wait_for kwok 60 nodes_ok
 wait_for prometheus 60 prom_ok
-log "cluster ready in $(elapsed)s: export KUBECONFIG=$RUN/kubeconfig; kubectl: $K8S/kubectl; Prometheus: http://127.0.0.1:$PROM_PORT"
+log "cluster ready in $(elapsed)s: export KUBECONFIG=$RUN/kubeconfig; kubectl: $K8S/kubectl; Prometheus: http://127.0.0.1:$PROM_PORT; LWS webhooks: https://127.0.0.1:$LWS_WEBHOOK_PORT"

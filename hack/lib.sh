@@ -6,6 +6,7 @@ bin_dir() {
     etcd) echo "$MOEGUARD_CACHE/bin/etcd-$ETCD_VERSION" ;;
     kwok) echo "$MOEGUARD_CACHE/bin/kwok-$KWOK_VERSION" ;;
     helm) echo "$MOEGUARD_CACHE/bin/helm-$HELM_VERSION" ;;
+    lws) echo "$MOEGUARD_CACHE/bin/lws-$LWS_VERSION" ;;
     kubernetes) echo "$MOEGUARD_CACHE/bin/kubernetes-$KUBERNETES_VERSION" ;;
     *) echo "unknown component $1" >&2; return 1 ;;
   esac

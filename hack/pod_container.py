@@ -70,6 +70,8 @@ class PodContainer:
     api: client.CoreV1Api
     on_change: Callable[[PodContainer], None]
     log: Callable[[str], None]
+    info: dict[str, Any] = field(default_factory=dict)
+    """What the harness records about this pod beside its process (workers.json), e.g. its LWS group."""
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     last_state: dict[str, Any] = field(default_factory=dict)

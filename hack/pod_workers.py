@@ -29,10 +29,20 @@ worker pods) and acts as their kubelet for what moeguard depends on:
   (path, period, thresholds from the pod spec, sent to the local port).
 * **Deletion** (``kubectl delete pod``, a rollout): SIGTERM, SIGKILL after the pod's grace period, then
   the pod object is removed (grace 0). Without a harness kwok removes an annotated pod when its grace
-  period ends (``pod-delete-harness.yaml``).
+  period ends (``pod-delete-harness.yaml``). A pod deleted and created again under the same name (a
+  StatefulSet's, e.g. a LeaderWorkerSet group being recreated) gets its new process once the old one
+  is gone.
+* **LeaderWorkerSet pods** (label ``leaderworkerset.sigs.k8s.io/name``) run like any other, with what a
+  pod network would give them: ``LWS_LEADER_ADDRESS`` (the leader's DNS name, which does not resolve
+  here) becomes ``127.0.0.1``, and ``MOEGUARD_EP_PORT`` is one free loopback port per group (the same
+  for every pod of the group, kept while any pod of the group runs here; group: the label
+  ``leaderworkerset.sigs.k8s.io/group-key``), where the group's ranks rendezvous. ``LWS_GROUP_SIZE`` and
+  ``LWS_WORKER_INDEX`` are the pod's own (injected by LWS's pod webhook). A death is written to the
+  pod status as for any pod (``restartCount``), which is what LWS's ``RecreateGroupOnPodRestart`` acts on.
 
 Each worker is a Prometheus file_sd target 127.0.0.1:<port>; <run dir>/workers.json maps
-namespace/pod -> port, pid, url, moeis, uid, cgroup, restarts.
+namespace/pod -> port, pid, url, moeis, uid, cgroup, restarts, and for LWS pods ``lws``: group,
+leaderAddress (the pod's own value), epPort, groupSize, workerIndex.
 
     hack/pod_workers.py run | start | stop   # foreground | background (<run dir>/pids/pod-workers.pid)
 
@@ -87,6 +97,29 @@ ANNOTATION = "harness.moeguard.dev/instance"
 """The pods a harness manages carry this annotation (value: its ``--instance``); kwok's stages key on it."""
 TEST_ENV_ANNOTATION = "harness.moeguard.dev/test-env"
 """A JSON object of extra env for the pod's process (tests: the worker's fault switches)."""
+LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
+LWS_GROUP_KEY_LABEL = "leaderworkerset.sigs.k8s.io/group-key"
+LWS_GROUP_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
+LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX = "LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX"
+EP_PORT_ENV = "MOEGUARD_EP_PORT"
+"""The loopback port of an LWS group's rendezvous (the worker's expert-parallel process group)."""
+
+
+def free_port() -> int:
+    """A free loopback port (the kernel's pick; free now, not reserved)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def lws_group(namespace: str, labels: dict[str, str] | None) -> str | None:
+    """``namespace/<group>`` of a LeaderWorkerSet pod (LWS's group-key label, set on the leader by its
+    pod webhook and copied to the workers; else set name and group index), or None for any other pod."""
+    labels = labels or {}
+    if LWS_NAME_LABEL not in labels:
+        return None
+    group = labels.get(LWS_GROUP_KEY_LABEL) or f"{labels[LWS_NAME_LABEL]}-{labels.get(LWS_GROUP_INDEX_LABEL, '')}"
+    return f"{namespace}/{group}"
 
 
 def test_env(annotations: dict[str, str] | None, key: str) -> dict[str, str]:
@@ -120,7 +153,10 @@ class Harness:
         self.state_file = self.run_dir / f"workers{args.sfx}.json"
         self.targets, self.workers_dir = self.run_dir / "prometheus" / "targets", self.run_dir / "workers"
         self.pods: dict[str, PodContainer] = {}
+        self.group_ports: dict[str, int] = {}  # LWS group -> MOEGUARD_EP_PORT, while a pod of it runs here
+        self.waiting: set[str] = set()  # pods whose predecessor of the same name is still stopping
         self.lock = threading.Lock()
+        self.reconciling = threading.RLock()  # the watch and the pod threads (a successor's start) reconcile
         self.targets.mkdir(parents=True, exist_ok=True)
         self.workers_dir.mkdir(parents=True, exist_ok=True)
         hierarchy = memory_hierarchy()  # raises MemcgUnavailable, naming what it tried
@@ -178,35 +214,76 @@ class Harness:
             "contexts": [{"name": "pod", "context": {"cluster": "c", "namespace": ns, "user": user}}]}), 0o600)
         return str(path)
 
+    def lws_env(self, pod: Any, key: str, env: dict[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
+        """For a LeaderWorkerSet pod: the env a pod network would make work here (the leader's address
+        on loopback, the group's rendezvous port) and what workers.json records; else nothing. Call with
+        ``self.lock`` held, and add the pod to ``self.pods`` in the same hold (the group's port lives as
+        long as a pod of the group is there)."""
+        group = lws_group(pod.metadata.namespace, pod.metadata.labels)
+        if group is None:
+            return {}, {}
+        if group not in self.group_ports:
+            self.group_ports[group] = free_port()
+            log(f"LWS group {group}: {EP_PORT_ENV}={self.group_ports[group]}")
+        ep_port = self.group_ports[group]
+        missing = [n for n in (LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX) if n not in env]
+        if missing:  # LWS's pod webhook did not run (not registered, or the pod was made without LWS)
+            log(f"{key}: LeaderWorkerSet pod without {', '.join(missing)} (LWS's pod webhook did not inject them)")
+        info = {"group": group, "leaderAddress": env.get(LWS_LEADER_ADDRESS), "epPort": ep_port,
+                "groupSize": env.get(LWS_GROUP_SIZE), "workerIndex": env.get(LWS_WORKER_INDEX)}
+        return {LWS_LEADER_ADDRESS: "127.0.0.1", EP_PORT_ENV: str(ep_port)}, {"lws": info}
+
     def start_pod(self, pod: Any, key: str) -> None:
-        with socket.socket() as s:  # a free loopback port
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
+        port = free_port()
         ns, name = pod.metadata.namespace, pod.metadata.name
         pythonpath = os.pathsep.join(filter(None, [str(ROOT / "runtime"), os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, **self.resolve_env(pod), **test_env(pod.metadata.annotations, key),
-               "MOEGUARD_PORT": str(port), "PYTHONPATH": pythonpath, "KUBECONFIG": self.pod_kubeconfig(pod, key)}
+        pod_env = self.resolve_env(pod)
+        last = {**test_env(pod.metadata.annotations, key), "MOEGUARD_PORT": str(port), "PYTHONPATH": pythonpath,
+                "KUBECONFIG": self.pod_kubeconfig(pod, key)}
         as_json = client.ApiClient().sanitize_for_serialization(pod)  # type: ignore[no-untyped-call]
-        pc = PodContainer(key, as_json, env, port,
-                          self.workers_dir / f"{ns}_{name}.log", self.options, client.CoreV1Api(),
-                          self.changed, log)
-        pc.limit_bytes()  # no memory limit: refused here, before anything runs
+        with self.lock:
+            pc = PodContainer(key, as_json, {**os.environ, **pod_env, **last}, port,
+                              self.workers_dir / f"{ns}_{name}.log", self.options, client.CoreV1Api(),
+                              self.changed, log)
+            pc.limit_bytes()  # no memory limit: refused here, before anything runs
+            lws_env, pc.info = self.lws_env(pod, key, pod_env)
+            pc.env = {**os.environ, **pod_env, **lws_env, **last}
+            self.pods[key] = pc
         moeis = (pod.metadata.labels or {}).get("app.kubernetes.io/instance", "")
         target = [{"targets": [f"127.0.0.1:{port}"], "labels": {"namespace": ns, "pod": name, "moeis": moeis}}]
         write_atomic(self.targets / f"{ns}_{name}.json", json.dumps(target))
-        with self.lock:
-            self.pods[key] = pc
         pc.start()
 
     def changed(self, pc: PodContainer) -> None:
         """A pod worker started a process or ended (called from its thread)."""
+        successor = False
         with self.lock:
             if not pc.alive and self.pods.get(pc.key) is pc:
                 del self.pods[pc.key]
                 for f in (self.targets / f"{pc.key.replace('/', '_')}.json",
                           self.workers_dir / f"{pc.key.replace('/', '_')}.kubeconfig"):
                     f.unlink(missing_ok=True)
+                successor = pc.key in self.waiting
+                self.waiting.discard(pc.key)
+                group = (pc.info.get("lws") or {}).get("group")
+                if group in self.group_ports and not any(
+                        (other.info.get("lws") or {}).get("group") == group for other in self.pods.values()):
+                    log(f"LWS group {group}: no pod left here; {EP_PORT_ENV} {self.group_ports.pop(group)} released")
             self.save()
+        if successor:  # a new pod of the same name waited for this one to stop: start it now
+            self.start_successor(pc.key)
+
+    def start_successor(self, key: str) -> None:
+        """Reconcile the current pod ``key`` if the selector still takes it (read afresh: the event that
+        announced it is old)."""
+        ns, name = key.split("/", 1)
+        try:
+            pods = self.api.list_namespaced_pod(ns, label_selector=self.selector, field_selector=f"metadata.name={name}")
+        except (client.ApiException, urllib3.exceptions.HTTPError) as exc:
+            log(f"{key}: cannot read the new pod ({exc!r}); it starts on its next event")
+            return
+        for pod in pods.items:
+            self.reconcile(pod)
 
     def save(self) -> None:
         state = {}
@@ -216,10 +293,14 @@ class Harness:
             moeis = (pc.pod["metadata"].get("labels") or {}).get("app.kubernetes.io/instance", "")
             state[key] = {"port": pc.port, "pid": pc.proc.pid, "url": f"http://127.0.0.1:{pc.port}", "moeis": moeis,
                           "uid": pc.pod["metadata"]["uid"], "restarts": pc.restarts,
-                          "cgroup": str(pc.cgroup.path) if pc.cgroup else None}
+                          "cgroup": str(pc.cgroup.path) if pc.cgroup else None, **pc.info}
         write_atomic(self.state_file, json.dumps(state, indent=1))
 
     def reconcile(self, pod: Any, deleted: bool = False) -> None:
+        with self.reconciling:
+            self._reconcile(pod, deleted)
+
+    def _reconcile(self, pod: Any, deleted: bool) -> None:
         key = f"{pod.metadata.namespace}/{pod.metadata.name}"
         owner = (pod.metadata.annotations or {}).get(ANNOTATION)
         gone = deleted or pod.metadata.deletion_timestamp is not None
@@ -230,7 +311,13 @@ class Harness:
             if grace is None:
                 grace = pod.spec.termination_grace_period_seconds if pod.spec.termination_grace_period_seconds \
                     is not None else 30
-            current.terminate(float(grace), delete_pod=current.pod["metadata"]["uid"] == pod.metadata.uid)
+            same = current.pod["metadata"]["uid"] == pod.metadata.uid
+            with self.lock:
+                if not gone and not same:  # a new pod of this name: started once the old process is gone
+                    self.waiting.add(key)
+                elif same:
+                    self.waiting.discard(key)
+            current.terminate(float(grace), delete_pod=same)
             return
         if gone or current is not None:
             return

@@ -41,7 +41,7 @@ def _versions() -> dict[str, str]:
 
 
 def bin_dir(component: str) -> Path:
-    """The cache folder of a pinned component (``kubernetes``, ``helm``, ``etcd``, ``kwok``), as
+    """The cache folder of a pinned component (``kubernetes``, ``helm``, ``etcd``, ``kwok``, ``lws``), as
     ``bin_dir`` in hack/lib.sh."""
     version = _versions()[f"{component.upper()}_VERSION"]
     cache = Path(os.environ.get("MOEGUARD_CACHE", Path.home() / ".cache" / "moeguard")) / "bin"

@@ -2,8 +2,8 @@
 
 Serves on 127.0.0.1:$MOEGUARD_PORT:
 
-* ``/healthz``, ``/metrics`` (one gauge), ``/env`` (the MOEGUARD_* variables, KUBECONFIG and PYTHONPATH
-  it was given, as JSON), ``/cgroup`` (its ``/proc/self/cgroup``);
+* ``/healthz``, ``/metrics`` (one gauge), ``/env`` (the MOEGUARD_* and LWS_* variables, KUBECONFIG and
+  PYTHONPATH it was given, as JSON), ``/cgroup`` (its ``/proc/self/cgroup``);
 * ``/readyz``: 200, or 503 after ``/unready`` (``/ready`` makes it 200 again);
 * ``/alloc/<MiB>``: allocates and touches that much memory and keeps it (to be OOM-killed);
 
@@ -46,7 +46,7 @@ class Handler(BaseHTTPRequestHandler):
             body, ctype = b"# TYPE moeguard_standin_up gauge\nmoeguard_standin_up 1\n", "text/plain; version=0.0.4"
         elif self.path == "/env":
             env = {k: v for k, v in os.environ.items()
-                   if k.startswith("MOEGUARD_") or k in ("KUBECONFIG", "PYTHONPATH")}
+                   if k.startswith(("MOEGUARD_", "LWS_")) or k in ("KUBECONFIG", "PYTHONPATH")}
             body, ctype = json.dumps(env).encode(), "application/json"
         elif self.path == "/cgroup":
             body = Path("/proc/self/cgroup").read_bytes()
