@@ -262,6 +262,7 @@ def build_leader_worker_set(owner: Owner, spec: MoEInferenceServiceSpec) -> Mani
         "spec": {
             "replicas": spec.replicas,
             "startupPolicy": "LeaderCreated",
+            "networkConfig": {"subdomainPolicy": "Shared"},
             "rolloutStrategy": {"type": "RollingUpdate", "rollingUpdateConfiguration": {"maxUnavailable": 1,
                                                                                           "maxSurge": 0}},
             "leaderWorkerTemplate": {
