@@ -18,7 +18,7 @@ import pytest
 import yaml
 from hack.stack import ROOT
 
-from moeguard_operator.builders import Owner, build_deployment
+from moeguard_operator.builders import Owner, build_workload, workload_pod_spec
 from moeguard_operator.spec_checks import parse_spec
 
 sys.path.insert(0, str(ROOT / "tests" / "unit" / "delivery"))
@@ -75,14 +75,16 @@ def test_gitops_chart_values_render_and_dry_run(cluster: Any, helm_bin: Any, nam
         cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", input=text)
 
 
-REAL_CHECKPOINT_EXAMPLES = {"qwen3-30b-a3b-pvc.yaml": "persistentVolumeClaim", "qwen1.5-moe-image.yaml": "image"}
+REAL_CHECKPOINT_EXAMPLES = {"qwen3-30b-a3b-pvc.yaml": "persistentVolumeClaim", "qwen1.5-moe-image.yaml": "image",
+                            "qwen3-235b-a22b-multinode.yaml": "persistentVolumeClaim"}
 """The examples that serve a real checkpoint, and their source's kind."""
 
 
 @pytest.mark.parametrize("example", sorted(REAL_CHECKPOINT_EXAMPLES))
 def test_real_checkpoint_examples_and_their_deployments_dry_run(cluster: Any, namespace: str, example: str) -> None:
     """Each example (the PVC too) is accepted by the API server as written, passes the operator's own checks,
-    and the worker Deployment the operator would build from it is accepted as well."""
+    and the worker workload the operator would build from it (a Deployment, or for the multi-node example a
+    LeaderWorkerSet, through LWS's own webhooks) is accepted as well."""
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
     path = ROOT / "examples" / example
     cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", str(path))
@@ -98,9 +100,10 @@ def test_real_checkpoint_examples_and_their_deployments_dry_run(cluster: Any, na
         assert source.persistent_volume_claim.claim_name == claim["metadata"]["name"]
     else:
         assert source.image is not None
-    deployment = build_deployment(Owner(service["metadata"]["name"], namespace, "uid-1"), parsed)
-    res = cluster.kubectl("apply", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(deployment))
-    container = json.loads(res.stdout)["spec"]["template"]["spec"]["containers"][0]
+    workload = build_workload(Owner(service["metadata"]["name"], namespace, "uid-1"), parsed)
+    assert workload["kind"] == ("LeaderWorkerSet" if parsed.parallelism.multi_node else "Deployment")
+    res = cluster.kubectl("apply", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(workload))
+    container = workload_pod_spec(json.loads(res.stdout))["containers"][0]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["MOEGUARD_SERVED_MODEL_NAME"] == parsed.model.served_model_name
     assert env["MOEGUARD_CHECKPOINT_PATH"] == source.checkpoint_path
