@@ -264,8 +264,14 @@ class ExpertParallelGroup:
                 store = dist.TCPStore(  # type: ignore[attr-defined]
                     ep.leader_address, ep.port, ep.size, ep.is_leader,
                     timedelta(seconds=ep.join_timeout_s), wait_for_workers=True)
+            # The default group waits as long as the join may take (ranks finish loading at different
+            # times, and gloo's connect waits with the group's timeout); the group every exchange uses is
+            # made once all are in, with the collective timeout.
             dist.init_process_group(backend, store=store, rank=ep.rank, world_size=ep.size,
-                                    timeout=self.timeout)
+                                    timeout=timedelta(seconds=ep.join_timeout_s))
+            pg = dist.new_group(list(range(ep.size)), timeout=self.timeout, backend=backend)
+            assert isinstance(pg, dist.ProcessGroup)  # every rank is a member
+            self.pg: dist.ProcessGroup = pg
             self._barrier_join()
         except Exception as exc:
             raise GroupUnavailable(f"joining the group of {ep.size} ranks at {ep.leader_address}:{ep.port} "
@@ -274,7 +280,7 @@ class ExpertParallelGroup:
 
     def _barrier_join(self) -> None:
         t = torch.zeros(1, device=self.device)
-        dist.all_reduce(t)  # every rank's transport is up
+        dist.all_reduce(t, group=self.pg)  # every rank's transport is up
 
     # -- plumbing --
     def _fail(self, what: str, exc: BaseException) -> GroupUnavailable:
@@ -312,8 +318,8 @@ class ExpertParallelGroup:
         Raises:
             GroupUnavailable: a rank died or timed out (the group is then broken for good).
         """
-        self._check()
         with self._lock:
+            self._check()  # under the lock: a heartbeat that found the group broken held it
             t0 = time.perf_counter()
             try:
                 if self.mode == "broadcast":
@@ -336,7 +342,7 @@ class ExpertParallelGroup:
         self.counters.per_layer_ranks.append([b.slots for b in batches])
         header = self._header(OP_MOE, layer, x.shape[0], experts.shape[1],
                               [(b.num_tokens, b.slots) for b in batches])
-        dist.broadcast(header, 0)
+        dist.broadcast(header, 0, group=self.pg)
         sends, recvs, partials = [], [], [torch.empty(0)] * self.ep.size
         for r, b in enumerate(batches[1:], start=1):
             if not b.slots:
@@ -344,10 +350,10 @@ class ExpertParallelGroup:
             xr = x.index_select(0, b.tokens)  # [u_r, D]
             meta = torch.stack([b.rows, b.local_expert])  # [2, n_r]
             for t in (xr, meta, b.weight):
-                sends.append((dist.isend(t, r), t))
+                sends.append((dist.isend(t, r, group=self.pg), t))
                 self.counters.bytes_sent += _nbytes(t)
             partials[r] = x.new_empty(b.num_tokens, x.shape[1])
-            recvs.append(dist.irecv(partials[r], r))
+            recvs.append(dist.irecv(partials[r], r, group=self.pg))
             self.counters.bytes_received += _nbytes(partials[r])
         self.counters.bytes_sent += _nbytes(header) * (self.ep.size - 1)
         t_own = time.perf_counter()
@@ -365,18 +371,18 @@ class ExpertParallelGroup:
         per_rank = plan_dispatch(weights, experts, num_experts, self.ep.size)
         self.counters.per_layer_ranks.append([b.slots for b in per_rank])
         header = self._header(OP_MOE, layer, x.shape[0], experts.shape[1])
-        dist.broadcast(header, 0)
+        dist.broadcast(header, 0, group=self.pg)
         routing = torch.cat([experts.to(torch.float32), weights.float()], dim=1).contiguous()  # [T, 2k]
         xc = x.contiguous()
-        dist.broadcast(xc, 0)
-        dist.broadcast(routing, 0)
+        dist.broadcast(xc, 0, group=self.pg)
+        dist.broadcast(routing, 0, group=self.pg)
         t_own = time.perf_counter()
         b0 = per_rank[0]
         part = expert_block_forward(x.index_select(0, b0.tokens), b0.rows, b0.local_expert, b0.weight,
                                     w13, w2, backend)
         out = combine(x.shape[0], x.shape[1], [b0], [part], x)
         own_s = time.perf_counter() - t_own
-        dist.reduce(out, 0)
+        dist.reduce(out, 0, group=self.pg)
         n = self.ep.size - 1
         self.counters.bytes_sent += n * (_nbytes(header) + _nbytes(xc) + _nbytes(routing))
         self.counters.bytes_received += n * _nbytes(out)
@@ -388,13 +394,13 @@ class ExpertParallelGroup:
         Raises:
             GroupUnavailable: a rank died or timed out.
         """
-        self._check()
         with self._lock:
+            self._check()
             try:
-                dist.broadcast(self._header(OP_PING), 0)
+                dist.broadcast(self._header(OP_PING), 0, group=self.pg)
                 mine = torch.tensor([rss], dtype=torch.int64, device=self.device)
                 gathered = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.ep.size)]
-                dist.gather(mine, gathered, dst=0)
+                dist.gather(mine, gathered, dst=0, group=self.pg)
             except Exception as exc:
                 raise self._fail("heartbeat", exc) from None
             self._last_exchange = time.monotonic()
@@ -410,7 +416,7 @@ class ExpertParallelGroup:
         """Tell the followers the leader is stopping (best effort), then leave the group."""
         if self.lost is None and self.ep.is_leader:
             with self._lock, contextlib.suppress(Exception):  # leaving anyway
-                dist.broadcast(self._header(OP_STOP), 0)
+                dist.broadcast(self._header(OP_STOP), 0, group=self.pg)
         self.close()
 
     def close(self) -> None:
@@ -440,13 +446,14 @@ class ExpertParallelGroup:
         header = torch.zeros(self.header_len, dtype=torch.int64, device=self.device)
         t0 = time.perf_counter()
         try:
-            dist.broadcast(header, 0)
+            dist.broadcast(header, 0, group=self.pg)
             h = header.tolist()
             op, layer = int(h[0]), int(h[1])
             t_wait = time.perf_counter()
             waited = t_wait - t0
             if op == OP_PING:
-                dist.gather(torch.tensor([rss()], dtype=torch.int64, device=self.device), None, dst=0)
+                mine = torch.tensor([rss()], dtype=torch.int64, device=self.device)
+                dist.gather(mine, None, dst=0, group=self.pg)
                 return op, layer, 0, time.perf_counter() - t_wait
             if op != OP_MOE:
                 return op, layer, 0, 0.0
@@ -460,11 +467,11 @@ class ExpertParallelGroup:
             x = torch.empty(u, self.dim, dtype=self.dtype, device=self.device)
             meta = torch.empty(2, n, dtype=torch.int64, device=self.device)
             w = torch.empty(n, dtype=torch.float32, device=self.device)
-            self._wait([dist.irecv(t, 0) for t in (x, meta, w)])
+            self._wait([dist.irecv(t, 0, group=self.pg) for t in (x, meta, w)])
             t2 = time.perf_counter()
             y = expert_block_forward(x, meta[0], meta[1], w, w13, w2, backend)
             t3 = time.perf_counter()
-            self._wait([dist.isend(y, 0)])
+            self._wait([dist.isend(y, 0, group=self.pg)])
             return op, layer, n, (t2 - t1) + (time.perf_counter() - t3)
         except Exception as exc:
             raise self._fail("following the leader", exc) from None
@@ -475,8 +482,8 @@ class ExpertParallelGroup:
         t1 = time.perf_counter()
         x = torch.empty(t, self.dim, dtype=self.dtype, device=self.device)
         routing = torch.empty(t, 2 * k, dtype=torch.float32, device=self.device)
-        dist.broadcast(x, 0)
-        dist.broadcast(routing, 0)
+        dist.broadcast(x, 0, group=self.pg)
+        dist.broadcast(routing, 0, group=self.pg)
         t2 = time.perf_counter()
         experts, weights = routing[:, :k].to(torch.int64), routing[:, k:]
         lo, _ = self.ep.expert_range(w13.shape[0] * self.ep.size)
@@ -485,7 +492,7 @@ class ExpertParallelGroup:
                                     mine.weight, w13, w2, backend)
         out = combine(t, self.dim, [mine], [part], x)
         t3 = time.perf_counter()
-        dist.reduce(out, 0)
+        dist.reduce(out, 0, group=self.pg)
         del lo
         return OP_MOE, layer, mine.slots, (t2 - t1) + (time.perf_counter() - t3)
 
