@@ -192,6 +192,21 @@ def _handler(state: FollowerState, rank: int) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+def report_ucx(registry: CollectorRegistry, labels: dict[str, str], log: RateLimitedLog) -> None:
+    """A follower's UCX state, as the leader reports its own (:mod:`moeguard_runtime.ucx`): the settings come
+    from the pod's env (the operator sets them on every pod of the group), the libraries from this process's
+    maps (gloo/NCCL may map UCX); ``moeguard_ucx_info`` and ``event=ucx_info``, once after joining."""
+    from prometheus_client import Gauge
+
+    from moeguard_runtime.telemetry import UCX_LABELS
+    from moeguard_runtime.ucx import current_info, risky
+
+    info = current_info()
+    Gauge(contract.METRIC_UCX_INFO, "1 for the UCX state of the process.", [*labels, *UCX_LABELS],
+          registry=registry).labels(**labels, **info.labels()).set(1)
+    log.event("ucx_info", force=True, risky="true" if risky(info) else "false", **info.labels())
+
+
 def build_follower_model(settings: Settings, args: ModelArgs) -> nn.Module:
     """The same model the leader builds (checkpoint, or preset and seed), before sharding."""
     from moeguard_runtime.hf_checkpoint import BuildOptions, is_hf_folder, load_hf_checkpoint
@@ -265,17 +280,18 @@ def _follow(settings: Settings, ep: EpSettings, args: ModelArgs, labels: dict[st
     state.joined = True
     state.metrics.set_up(True)
     log_group(log, ep, num_experts, "follower", own_experts=f"{lo}-{hi}")
+    report_ucx(state.registry, labels, log)
     backend = follower_kernel(settings, weights[0])
     try:
         while True:
-            op, layer, slots, coll_s = group.follow_once(lambda layer: weights[layer], backend, _rss)
-            if op == OP_STOP:
+            served = group.follow_once(lambda layer: weights[layer], backend, _rss)
+            if served.op == OP_STOP:
                 log.event("ep_leader_stopped", force=True, rank=ep.rank)
                 group.close()
                 return 0
-            if coll_s:
-                state.metrics.observe_collective(coll_s)
-            state.metrics.observe_follower_layer(layer, slots)
+            if served.comm_s:
+                state.metrics.observe_collective(served.comm_s)
+            state.metrics.observe_follower_layer(served.layer, served.slots)
     except GroupUnavailable as exc:
         state.lost = str(exc)
         state.metrics.set_up(False)

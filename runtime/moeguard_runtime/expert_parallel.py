@@ -231,6 +231,18 @@ class StepCounters:
     per_layer_ranks: list[list[int]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Served:
+    """What a follower served for one header: ``op`` and ``layer`` from it, the token-slots its experts ran,
+    seconds receiving and sending (``comm_s``) and running its experts (``compute_s``)."""
+
+    op: int
+    layer: int
+    slots: int
+    comm_s: float
+    compute_s: float
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -433,36 +445,34 @@ class ExpertParallelGroup:
 
     # -- follower --
     def follow_once(self, w13_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-                    backend: MatmulChoice, rss: Callable[[], int]) -> tuple[int, int, int, float]:
+                    backend: MatmulChoice, rss: Callable[[], int]) -> Served:
         """Wait for the leader's next header and serve it (follower). ``w13_of(layer)``: this rank's
         ``(w13, w2)`` of MoE layer ``layer``; ``rss()``: this process's RSS for a heartbeat.
 
         Returns:
-            ``(op, layer, slots served, seconds in collectives)``.
+            What was served (:class:`Served`; the wait for the header itself is in neither time).
 
         Raises:
             GroupUnavailable: the leader left or went silent past the timeout.
         """
         header = torch.zeros(self.header_len, dtype=torch.int64, device=self.device)
-        t0 = time.perf_counter()
         try:
             dist.broadcast(header, 0, group=self.pg)
             h = header.tolist()
             op, layer = int(h[0]), int(h[1])
             t_wait = time.perf_counter()
-            waited = t_wait - t0
             if op == OP_PING:
                 mine = torch.tensor([rss()], dtype=torch.int64, device=self.device)
                 dist.gather(mine, None, dst=0, group=self.pg)
-                return op, layer, 0, time.perf_counter() - t_wait
+                return Served(op, layer, 0, time.perf_counter() - t_wait, 0.0)
             if op != OP_MOE:
-                return op, layer, 0, 0.0
+                return Served(op, layer, 0, 0.0, 0.0)
             w13, w2 = w13_of(layer)
             if self.mode == "broadcast":
-                return self._follow_broadcast(h, layer, w13, w2, backend, waited)
+                return self._follow_broadcast(h, layer, w13, w2, backend)
             u, n = h[HEADER_FIXED + 2 * self.ep.rank], h[HEADER_FIXED + 2 * self.ep.rank + 1]
             if n == 0:
-                return op, layer, 0, 0.0
+                return Served(op, layer, 0, 0.0, 0.0)
             t1 = time.perf_counter()
             x = torch.empty(u, self.dim, dtype=self.dtype, device=self.device)
             meta = torch.empty(2, n, dtype=torch.int64, device=self.device)
@@ -472,12 +482,12 @@ class ExpertParallelGroup:
             y = expert_block_forward(x, meta[0], meta[1], w, w13, w2, backend)
             t3 = time.perf_counter()
             self._wait([dist.isend(y, 0, group=self.pg)])
-            return op, layer, n, (t2 - t1) + (time.perf_counter() - t3)
+            return Served(op, layer, n, (t2 - t1) + (time.perf_counter() - t3), t3 - t2)
         except Exception as exc:
             raise self._fail("following the leader", exc) from None
 
     def _follow_broadcast(self, h: list[int], layer: int, w13: torch.Tensor, w2: torch.Tensor,
-                          backend: MatmulChoice, waited: float) -> tuple[int, int, int, float]:
+                          backend: MatmulChoice) -> Served:
         t, k = int(h[2]), int(h[3])
         t1 = time.perf_counter()
         x = torch.empty(t, self.dim, dtype=self.dtype, device=self.device)
@@ -486,15 +496,13 @@ class ExpertParallelGroup:
         dist.broadcast(routing, 0, group=self.pg)
         t2 = time.perf_counter()
         experts, weights = routing[:, :k].to(torch.int64), routing[:, k:]
-        lo, _ = self.ep.expert_range(w13.shape[0] * self.ep.size)
         mine = plan_dispatch(weights, experts, w13.shape[0] * self.ep.size, self.ep.size)[self.ep.rank]
         part = expert_block_forward(x.index_select(0, mine.tokens), mine.rows, mine.local_expert,
                                     mine.weight, w13, w2, backend)
         out = combine(t, self.dim, [mine], [part], x)
         t3 = time.perf_counter()
         dist.reduce(out, 0, group=self.pg)
-        del lo
-        return OP_MOE, layer, mine.slots, (t2 - t1) + (time.perf_counter() - t3)
+        return Served(OP_MOE, layer, mine.slots, (t2 - t1) + (time.perf_counter() - t3), t3 - t2)
 
 
 class LayerDispatch:
