@@ -347,7 +347,7 @@ def render(data: dict[str, Any]) -> str:
         "broadcast, sends, waiting for and receiving the followers' results, i.e. including the followers' expert "
         "time it waits on); *compute* = wall - exchange (attention, routers, the leader's own experts, combine); "
         "*bytes* sent + received by the leader per step (all 6 layers); *follower compute / comm* a follower's "
-        "mean expert time and transfer time per step.",
+        "expert time and transfer time, mean over all its steps (prefill and decode together).",
         "",
         "| ranks | dispatch | prefill wall ms | prefill compute ms | prefill exchange ms | prefill bytes/step | "
         "decode wall ms | decode compute ms | decode exchange ms | decode bytes/step | follower compute ms/step | "
@@ -372,6 +372,9 @@ def render(data: dict[str, Any]) -> str:
                 f"its prefill step takes {ro['prefill']['wall_ms']:.0f} ms against {br['prefill']['wall_ms']:.0f} ms, "
                 f"its decode step {ro['decode']['wall_ms']:.1f} ms against {br['decode']['wall_ms']:.1f} ms.")
     lines += [
+        "",
+        "With 4 ranks on 2 cores the ranks' expert work cannot overlap, so step times there say little about the "
+        "dispatch; the bytes, which do not depend on the machine, are what the choice rests on.",
         "",
         "The worker uses the routed dispatch (`moeguard_runtime.expert_parallel`): a follower receives only the "
         "tokens that chose one of its experts, once per token, and returns their weighted sum; the bytes fall "

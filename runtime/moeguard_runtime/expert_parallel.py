@@ -26,8 +26,10 @@ outputs back): with ``k`` of ``E`` experts per token, a rank is chosen by a toke
 node), so routed dispatch moves that fraction of the bytes, and a decode step whose few tokens miss a
 rank sends it nothing but the header. It is the scheme of DeepEP's dispatch/combine kernels (tokens
 sent to the ranks of their top-k experts, combined back weighted). Measured on the 2-core machine
-(``bench/results/expert_parallel.md``), routed dispatch moved 0.3 to 0.6 times the bytes of broadcast
-+ reduce; see there for the step times.
+(``bench/results/expert_parallel.md``, ``small`` preset, E=8, k=2), routed dispatch moved 0.78x the bytes
+of broadcast + reduce with 2 ranks and 0.46x with 4, and its steps were faster with 2 ranks (prefill
+297 against 350 ms, decode 62 against 80 ms) and at decode with 4 (94 against 105 ms; prefill even,
+4 ranks on 2 cores).
 
 **Failures.** The process group has a timeout (``MOEGUARD_EP_TIMEOUT_SECONDS``) on every collective and
 every point-to-point wait; an idle leader sends a header (``OP_PING``, with a gather of every rank's RSS)
@@ -266,6 +268,7 @@ class ExpertParallelGroup:
         self.on_lost = on_lost
         self.timeout = timedelta(seconds=ep.timeout_s)
         self.lost: str | None = None
+        self._stopped = False
         self._lock = threading.Lock()
         self._last_exchange = time.monotonic()
         self.counters = StepCounters()
@@ -311,6 +314,8 @@ class ExpertParallelGroup:
     def _check(self) -> None:
         if self.lost is not None:
             raise GroupUnavailable(self.lost)
+        if self._stopped:
+            raise GroupUnavailable("the leader stopped the group")
 
     def _header(self, op: int, layer: int = 0, t: int = 0, k: int = 0,
                 pairs: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
@@ -427,13 +432,17 @@ class ExpertParallelGroup:
     def stop(self) -> None:
         """Tell the followers the leader is stopping (best effort), then leave the group."""
         if self.lost is None and self.ep.is_leader:
-            with self._lock, contextlib.suppress(Exception):  # leaving anyway
-                dist.broadcast(self._header(OP_STOP), 0, group=self.pg)
+            with self._lock:
+                if not self._stopped:
+                    with contextlib.suppress(Exception):  # leaving anyway
+                        dist.broadcast(self._header(OP_STOP), 0, group=self.pg)
+                self._stopped = True  # a heartbeat after this is no loss
         self.close()
 
     def close(self) -> None:
         """Leave the group (not after it broke: a broken gloo group may block in its teardown, and the
         process exits next anyway)."""
+        self._stopped = True
         if self.lost is None and dist.is_initialized():
             with contextlib.suppress(Exception):  # a broken group may refuse; the process exits next
                 dist.destroy_process_group()

@@ -5,7 +5,8 @@ LeaderWorkerSet and the operator give a pod (``LWS_LEADER_ADDRESS=127.0.0.1``, `
 ``LWS_WORKER_INDEX``, ``MOEGUARD_EXPERT_PARALLEL_SIZE``, ``MOEGUARD_EP_PORT``,
 ``MOEGUARD_EP_TIMEOUT_SECONDS``), the followers started first as LWS may start them:
 
-* greedy completions through the leader equal a single-process worker's, token for token;
+* greedy completions through the leader equal a single-process worker's, token for token; after a SIGTERM
+  drain the leader stops the group and every rank exits 0;
 * a follower answers completions with 503 ``not_the_leader``, is ready once in the group, and exports its
   own per-rank series; the leader exports every rank's tokens, the balancedness and every rank's RSS;
 * a follower killed (SIGKILL) while a streamed request is answering: the stream ends with an
@@ -88,6 +89,11 @@ def test_greedy_through_the_leader_equals_one_process(start_worker: Callable[...
     fm = httpx.get(f"{followers[-1].base_url}/metrics", timeout=10).text
     assert f'rank="{ranks - 1}"' in fm and "moeguard_ep_rank_tokens_total" in fm and "moeguard_ep_group_up" in fm
     assert "event=ep_group_formed" in leader.logs() and f"expert_ranges=0:0-{8 // ranks}" in leader.logs()
+    leader.proc.send_signal(signal.SIGTERM)  # a drain: the leader stops its group, every rank exits 0
+    assert _exit_code(leader, 30) == 0, leader.logs()[-2000:]
+    for f in followers:
+        assert _exit_code(f, 10) == 0, f.logs()[-2000:]
+        assert "event=ep_leader_stopped" in f.logs()
 
 
 def test_killed_follower_ends_requests_with_503_and_the_group_exits(
