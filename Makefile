@@ -69,6 +69,10 @@ test-delivery: deps ## Chart, GitOps, image, CLI and docs tests (unit, then agai
 bench-runtime: ## Runtime benchmarks (MoE layer vs HF loop, decode vs bandwidth, loop overhead) -> bench/results/runtime.md.
 	$(PY) -m bench.runtime_bench
 
+.PHONY: bench-ep
+bench-ep: ## Expert parallelism: per-step compute vs collectives and bytes for 1, 2, 4 local ranks, DeepEP on paper -> bench/results/expert_parallel.md.
+	$(PY) -m bench.expert_parallel_bench
+
 .PHONY: bench-soak
 bench-soak: ## C6 at full length: 10 minutes of steady traffic, RSS slope -> bench/results/soak.md.
 	$(PY) -m bench.soak --minutes 10

@@ -38,6 +38,7 @@ from moeguard_runtime.telemetry import (
 )
 
 if TYPE_CHECKING:
+    from moeguard_runtime.ep_config import EpSettings
     from moeguard_runtime.memory_admission import MemoryAdmission, StepPredictor
     from moeguard_runtime.moe import MatmulBackend
     from moeguard_runtime.presets import ModelArgs
@@ -54,9 +55,13 @@ def main(env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     configure_logging()
     log = RateLimitedLog()
+    from moeguard_runtime.ep_config import ConfigError as EpConfigError
+    from moeguard_runtime.ep_config import load_ep_settings
+
     try:
         settings = load_settings(env)
-    except ConfigError as exc:
+        ep = load_ep_settings(env, settings.capacity_factor)
+    except (ConfigError, EpConfigError) as exc:
         _fail(log, "config_error", str(exc))
         return 2
     import torch
@@ -83,6 +88,16 @@ def main(env: Mapping[str, str] | None = None) -> int:
             return 2
     num_experts = hf_info.num_experts if hf_info else args.num_experts
     max_seq_len = hf_info.max_seq_len if hf_info else args.max_seq_len
+    if ep is not None:
+        try:
+            ep.expert_range(num_experts)
+        except EpConfigError as exc:
+            _fail(log, "config_error", str(exc))
+            return 2
+        if not ep.is_leader:  # a follower rank: no HTTP API, no scheduler (moeguard_runtime.ep_worker)
+            from moeguard_runtime.ep_worker import run_follower
+
+            return run_follower(settings, ep, args, env, RateLimitedLog(settings.log_interval_s))
     from moeguard_runtime.checkpoint_tokenizer import TokenizerError, load_tokenizer
 
     try:  # before serving: a bad tokenizer or chat template stops the worker, naming the file
@@ -106,7 +121,8 @@ def main(env: Mapping[str, str] | None = None) -> int:
                       model_type=hf_info.model_type if hf_info else "mixtral",
                       chat_template=chat_template)
     failed = threading.Event()
-    loader = threading.Thread(target=_load, args=(settings, args, slot, log, failed, env),
+    group_lost = threading.Event()
+    loader = threading.Thread(target=_load, args=(settings, args, slot, log, failed, env, ep, group_lost),
                               name="model-loader", daemon=True)
     loader.start()  # /healthz answers and /readyz says "loading" meanwhile
     app = create_app(slot, settings.max_body_bytes)
@@ -114,14 +130,27 @@ def main(env: Mapping[str, str] | None = None) -> int:
                             access_log=False, timeout_graceful_shutdown=2)
     server = _draining_server(uvicorn, config, slot, settings.drain_s, log)
     threading.Thread(target=_stop_on_failure, args=(failed, server), daemon=True).start()
+    threading.Thread(target=_stop_on_failure, args=(group_lost, server, EP_EXIT_GRACE_S), daemon=True).start()
     server.run()
     if slot.worker is not None:
         slot.worker.stop()
+        if slot.worker.ep_group is not None:
+            slot.worker.ep_group.stop()
+    if group_lost.is_set():
+        from moeguard_runtime.contract import EXIT_EP_GROUP_LOST
+
+        return EXIT_EP_GROUP_LOST
     return 3 if failed.is_set() else 0
 
 
+EP_EXIT_GRACE_S = 1.0
+"""After the expert-parallel group broke and the requests in flight were answered with 503, how long the
+leader keeps answering (503, ``/readyz`` 503) before it exits: the answers leave before the socket closes."""
+
+
 def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimitedLog,
-          failed: threading.Event, env: Mapping[str, str]) -> None:
+          failed: threading.Event, env: Mapping[str, str], ep: EpSettings | None = None,
+          group_lost: threading.Event | None = None) -> None:
     """Build (or load) the model, start the engine loop and the budget watch."""
     from moeguard_runtime import presets
     from moeguard_runtime.engine import Engine
@@ -162,6 +191,15 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
         _fail(log, "model_load_error", str(exc)[:1000])
         failed.set()
         return
+    if ep is not None:
+        from torch import nn
+
+        from moeguard_runtime.ep_worker import num_experts_of
+        from moeguard_runtime.expert_parallel import shard_experts
+
+        assert isinstance(model, nn.Module)
+        ep_experts = num_experts_of(model)
+        shard_experts(model, 0, ep.size)  # the leader keeps its block; the others live on the followers
     kernel = choose_matmul_kernel(settings, model, slot.telemetry, log)
     weight_bytes = slot.telemetry.set_model_weights(model.parameters())
     admission, predictor = step_models(settings, shape, log)
@@ -182,6 +220,21 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
               max_concurrent_requests=settings.limits.max_concurrent_requests,
               memory_admission=settings.memory_admission if admission is not None else "off",
               **settings.budgets.model_dump())
+    if ep is not None:
+        from moeguard_runtime.ep_worker import join_as_leader
+        from moeguard_runtime.expert_parallel import GroupUnavailable
+
+        if group_lost is not None:
+            worker.on_group_lost = lambda _msg: group_lost.set()
+        try:
+            assert isinstance(model, nn.Module)
+            first = next(model.parameters())
+            worker.ep_group = join_as_leader(ep, model, worker, slot.telemetry.registry, slot.telemetry.labels,
+                                             ep_experts, log, first.device, first.dtype)
+        except GroupUnavailable as exc:
+            _fail(log, "ep_join_failed", str(exc))
+            failed.set()
+            return
     worker.start()
     slot.worker = worker
     _start_budget_watch(settings, worker, log, env)
@@ -293,8 +346,9 @@ def _draining_server(uvicorn: Any, config: Any, slot: WorkerSlot, drain_s: float
     return DrainingServer(config)
 
 
-def _stop_on_failure(failed: threading.Event, server: Any) -> None:
+def _stop_on_failure(failed: threading.Event, server: Any, grace_s: float = 0.0) -> None:
     failed.wait()
+    time.sleep(grace_s)
     server.should_exit = True
 
 

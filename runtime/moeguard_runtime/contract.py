@@ -81,16 +81,31 @@ ENV_PORT = "MOEGUARD_PORT"
 WORKER_PORT = 8000
 
 
-
 # --- expert parallelism (issue 15): one replica = a LeaderWorkerSet group of pods ---------------
+ENV_LWS_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"
+"""Set by LeaderWorkerSet on every pod of a group: the leader pod's address (the rendezvous host)."""
+ENV_LWS_GROUP_SIZE = "LWS_GROUP_SIZE"
+"""Set by LeaderWorkerSet: pods in the group."""
+ENV_LWS_WORKER_INDEX = "LWS_WORKER_INDEX"
+"""Set by LeaderWorkerSet: this pod's index in its group, 0 for the leader."""
 ENV_EXPERT_PARALLEL_SIZE = "MOEGUARD_EXPERT_PARALLEL_SIZE"
 """Ranks per replica (``spec.parallelism.expertParallelSize``); unset or 1: the single-process worker."""
 ENV_EP_PORT = "MOEGUARD_EP_PORT"
 """TCP port of the group's rendezvous (``torch.distributed`` TCPStore) on the leader."""
 DEFAULT_EP_PORT = 29500
-METRIC_EP_RANK_TOKENS_TOTAL = "moeguard_ep_rank_tokens_total"
-"""Counter, labels ``layer`` and ``rank``: token-slots routed to each rank's experts (expert parallelism; on the
-leader, for every rank; on a follower, its own)."""
+ENV_EP_TIMEOUT_SECONDS = "MOEGUARD_EP_TIMEOUT_SECONDS"
+"""Timeout of every collective of the group, seconds: a rank dead or hung longer fails the group."""
+DEFAULT_EP_TIMEOUT_SECONDS = 30.0
+ENV_EP_JOIN_TIMEOUT_SECONDS = "MOEGUARD_EP_JOIN_TIMEOUT_SECONDS"
+"""How long a rank waits for the whole group to join at start-up (model loads differ), seconds."""
+DEFAULT_EP_JOIN_TIMEOUT_SECONDS = 600.0
+EP_GROUP_UNAVAILABLE = "expert_parallel_group_unavailable"
+"""Reason of the leader's 503s (and its readiness) once a rank of its group died or hung."""
+EP_NOT_LEADER = "not_the_leader"
+"""Reason of a follower rank's 503 to a completion request: only the group's leader serves them."""
+EXIT_EP_GROUP_LOST = 4
+"""Exit status of any rank whose group broke (a peer died or hung): the kubelet restarts the container and
+LeaderWorkerSet's ``RecreateGroupOnPodRestart`` recreates the group."""
 MODEL_MOUNT_PATH = "/moeguard/model"
 """Where the worker container sees ``spec.model.source``, read-only."""
 MODEL_VOLUME = "moeguard-model"
@@ -396,6 +411,23 @@ METRIC_UCX_INFO = "moeguard_ucx_info"
 ``default:<value>``)."""
 UCX_ENV_MMAP_HOOK_MODE = "UCX_MEM_MMAP_HOOK_MODE"
 UCX_ENV_RCACHE_MAX_UNRELEASED = "UCX_RCACHE_MAX_UNRELEASED"
+METRIC_EP_RANK_TOKENS_TOTAL = "moeguard_ep_rank_tokens_total"
+"""Counter, labels ``layer`` and ``rank``: token-slots routed to each rank's experts (expert parallelism; on the
+leader, for every rank; on a follower, its own)."""
+METRIC_EP_BALANCEDNESS_RATIO = "moeguard_ep_balancedness_ratio"
+"""Gauge per ``layer``: mean / max token-slots per rank, last step (vLLM EPLB's and SGLang's
+``eplb_balancedness``; 1.0 balanced, ``1/ranks`` everything on one rank). Leader only."""
+METRIC_EP_COLLECTIVE_SECONDS = "moeguard_ep_collective_seconds"
+"""Histogram, label ``rank``: wall time a step spent in the group's collectives (sending, waiting, receiving;
+on the leader the whole step's, on a follower its share of each MoE layer's), seconds."""
+METRIC_EP_RANK_RSS_BYTES = "moeguard_ep_rank_resident_memory_bytes"
+"""Gauge, label ``rank``: resident set size of each rank's process (the leader gathers the followers' about
+once a second; every rank exports its own), bytes. The operator's memory signal takes the worst rank."""
+METRIC_EP_RANK_INFO = "moeguard_ep_rank_info"
+"""Info gauge (value 1), labels ``rank``, ``ranks``, ``experts`` (``lo-hi``, the half-open block this rank owns)
+and ``role`` (``leader``/``follower``)."""
+METRIC_EP_GROUP_UP = "moeguard_ep_group_up"
+"""Gauge: 1 while this rank is in a working group, 0 before it joined and after the group broke."""
 METRIC_GPU_MEMORY_ALLOCATED_BYTES = "moeguard_gpu_memory_allocated_bytes"
 METRIC_GPU_MEMORY_RESERVED_BYTES = "moeguard_gpu_memory_reserved_bytes"
 METRIC_MEMORY_CHUNK_SHRINKS_TOTAL = "moeguard_memory_chunk_shrinks_total"

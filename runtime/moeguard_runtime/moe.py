@@ -38,7 +38,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -472,6 +472,23 @@ def dispatch_experts(
     return out, host_counts, overflow
 
 
+class ExpertDispatch(Protocol):
+    """Runs a layer's routed experts somewhere else (expert parallelism,
+    :class:`moeguard_runtime.expert_parallel.LayerDispatch`): ``x`` [T, D], ``weights`` [T, k] float32,
+    ``experts`` [T, k] int64 → ``[T, D]`` in ``x.dtype``, the weighted sum over each token's experts."""
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor: ...
+
+
+def ep_routing(dispatch: ExpertDispatch, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+               num_experts: int, t0: Mark, t1: Mark) -> tuple[torch.Tensor, RoutingStats]:
+    """The layer's output through ``dispatch`` and its routing statistics (the router's full ``E`` counts,
+    dropless; the experts' time includes the group's collectives)."""
+    out = dispatch(x, weights, experts)
+    counts: list[int] = torch.bincount(experts.reshape(-1), minlength=num_experts).tolist()
+    return out, routing_stats(counts, 0, (t0, t1, mark(x.device)), 1 if counts else 0)
+
+
 class MOEFeedForward(GateUpViews, nn.Module):
     """Router plus stacked SwiGLU experts (gpt-fast ``MOEFeedForward``), gate and up fused
     (``w13`` ``[E, 2I, D]``; ``w1``/``w3`` are views of it).
@@ -495,6 +512,8 @@ class MOEFeedForward(GateUpViews, nn.Module):
         self.capacity_factor = capacity_factor
         self.matmul_backend: MatmulChoice = matmul_backend
         self.dispatch: MoeDispatch = dispatch
+        self.expert_parallel: ExpertDispatch | None = None
+        """Set on an expert-parallel leader: the routed experts run across the group."""
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingStats | PendingRouting]:
         """``x`` [T, D] → ``([T, D], routing)``: :class:`RoutingStats` from the host
@@ -503,6 +522,8 @@ class MOEFeedForward(GateUpViews, nn.Module):
         t0 = mark(x.device)
         weights, experts = route(self.gate(x), self.top_k)  # [T, k] each
         t1 = mark(x.device)
+        if self.expert_parallel is not None:
+            return ep_routing(self.expert_parallel, x, weights, experts, self.num_experts, t0, t1)
         capacity = None
         if self.capacity_factor > 0:
             capacity = expert_capacity(x.shape[0], self.top_k, self.num_experts,

@@ -26,6 +26,7 @@ from moeguard_runtime.budget_watch import NO_GENERATION, decide_update
 from moeguard_runtime.config import Settings
 from moeguard_runtime.contract import Budgets
 from moeguard_runtime.engine import Engine
+from moeguard_runtime.expert_parallel import ExpertParallelGroup
 from moeguard_runtime.faults import FaultLeaker
 from moeguard_runtime.generation import Event, GenerationRequest, Sink
 from moeguard_runtime.leak_sampler import LeakSampler
@@ -83,6 +84,12 @@ class Worker:
         self._leaker = FaultLeaker.from_faults(settings.faults)
         self._stop = threading.Event()
         self._draining = False
+        self.ep_lost: str | None = None
+        """Why the expert-parallel group broke (:meth:`group_lost`), None while it works or without one."""
+        self.ep_group: ExpertParallelGroup | None = None
+        """The expert-parallel group of a leader (``__main__``), None for the single-process worker."""
+        self.on_group_lost: Callable[[str], None] | None = None
+        """Called once after :meth:`group_lost` answered the requests in flight (``__main__``: exit)."""
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         telemetry.set_budgets(settings.budgets)
         self.overload_trigger.apply(self.scheduler)
@@ -136,6 +143,25 @@ class Worker:
         self.log.event("drain_cut", force=True, requests=len(ids))
         return len(ids)
 
+    def group_lost(self, message: str) -> None:
+        """The expert-parallel group broke (a rank died or hung; any thread): end every request in flight
+        with 503 ``expert_parallel_group_unavailable``, refuse new ones the same way, fail readiness, then
+        call :attr:`on_group_lost` (the process exits, LeaderWorkerSet recreates the group)."""
+        if self.ep_lost is not None:
+            return
+        self.ep_lost = message
+        ids = self.loop.in_flight()
+        for priority in self.loop.classes(ids):
+            self.telemetry.refused(contract.EP_GROUP_UNAVAILABLE, priority)
+        if ids:
+            self.loop.fail(ids, 503, contract.EP_GROUP_UNAVAILABLE,
+                           f"the expert-parallel group is unavailable ({message}); retry on another replica")
+        self.log.event("ep_group_lost", force=True, reason=message, requests_failed=len(ids))
+        with self.loop.cond:
+            self.loop.cond.notify_all()
+        if self.on_group_lost is not None:
+            self.on_group_lost(message)
+
     @property
     def alive(self) -> bool:
         return self.not_alive_reason is None
@@ -162,6 +188,8 @@ class Worker:
         are never served in place of the spec's)."""
         if self._draining:
             return "shutting down (SIGTERM): draining the requests in flight"
+        if self.ep_lost is not None:
+            return f"{contract.EP_GROUP_UNAVAILABLE}: {self.ep_lost}"
         if not self.alive:
             return self.not_alive_reason or "engine loop stopped"
         if self.memory.state == MemoryState.HARD:
@@ -225,6 +253,10 @@ class Worker:
             raise refusal
 
     def _refuse_shutting_down(self) -> None:
+        if self.ep_lost is not None:
+            raise Rejected(contract.EP_GROUP_UNAVAILABLE,
+                           f"the expert-parallel group is unavailable ({self.ep_lost}); retry on another replica",
+                           retry_after_s=5, status=503)
         if self._draining:
             raise Rejected("shutting_down", "the worker is shutting down (SIGTERM); retry on another replica",
                            retry_after_s=1, status=503)

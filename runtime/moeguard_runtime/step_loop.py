@@ -22,7 +22,8 @@ budgets drop as on a soft-limit breach (the ``on_allocation_failure`` callback:
 :meth:`memory_guard.MemoryGuard.allocation_failed`), and the loop goes on;
 :class:`allocation.AllocationHealth` turns repeated failures into readiness and
 liveness answers, with probe steps while not ready. Any other error in a step
-is a 500 ``engine_error``.
+is a 500 ``engine_error``, but a broken expert-parallel group
+(:class:`expert_parallel.GroupUnavailable`) is a 503 ``expert_parallel_group_unavailable``.
 
 **Memory** (with a :class:`memory_admission.MemoryAdmission`): each step is planned through a
 ``StepFit`` above the memory in use, read just before (:mod:`moeguard_runtime.memory_admission`);
@@ -53,8 +54,9 @@ from moeguard_runtime.allocation import (
     AllocationHealth,
     allocation_failure_kind,
 )
-from moeguard_runtime.contract import Budgets
+from moeguard_runtime.contract import EP_GROUP_UNAVAILABLE, Budgets
 from moeguard_runtime.engine import Engine, StepOutput
+from moeguard_runtime.expert_parallel import GroupUnavailable
 from moeguard_runtime.faults import AllocationFault, Faults, delay_step
 from moeguard_runtime.generation import Event, GenerationRequest, Sink
 from moeguard_runtime.memory_admission import MemoryAdmission, StepFit, StepPredictor
@@ -348,6 +350,9 @@ class StepLoop:
             log_batch_start(self.log, plan, self.engine, prefill, decode, self.scheduler.long_requests_running)
             self._memory_snapshot("post_pack_pre_forward")
             out = self.forward(prefill, decode)
+        except GroupUnavailable as exc:  # a rank of the expert-parallel group died or hung
+            self.fail(step_ids, 503, EP_GROUP_UNAVAILABLE, f"the expert-parallel group is unavailable: {exc}"[:500])
+            return
         except Exception as exc:
             kind = allocation_failure_kind(exc)
             if kind is None:

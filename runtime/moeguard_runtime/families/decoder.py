@@ -25,12 +25,14 @@ from moeguard_runtime.family_shape import qwen_sparse_layers
 from moeguard_runtime.hf_checkpoint import BuildOptions, HFConfig
 from moeguard_runtime.model import KVCache, RMSNorm, Segment
 from moeguard_runtime.moe import (
+    ExpertDispatch,
     GateUpViews,
     MatmulChoice,
     MoeDispatch,
     RoutingStats,
     device_expert_chunks,
     dispatch_experts,
+    ep_routing,
     expert_capacity,
     host_expert_chunks,
     routing_stats,
@@ -147,6 +149,8 @@ class SparseMoE(GateUpViews, nn.Module):
         self.router_fp32 = router_fp32
         """Keep ``gate.weight`` and the bias float32 whatever the model's dtype (HF DeepSeek-V3's
         ``_keep_in_fp32_modules_strict``): a bfloat16 bias would reorder close experts."""
+        self.expert_parallel: ExpertDispatch | None = None
+        """Set on an expert-parallel leader: the routed experts run across the group."""
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingStats | PendingRouting]:
         """``x`` [T, D] → ``([T, D], routing)``, the dispatch chosen as
@@ -160,7 +164,9 @@ class SparseMoE(GateUpViews, nn.Module):
         if self.capacity_factor > 0:
             capacity = expert_capacity(x.shape[0], self.top_k, self.num_experts, self.capacity_factor)
         routing: RoutingStats | PendingRouting
-        if self.dispatch == "device" or (self.dispatch == "auto" and grouped_mm_available(x)):
+        if self.expert_parallel is not None:
+            out, routing = ep_routing(self.expert_parallel, x, weights, experts, self.num_experts, t0, t1)
+        elif self.dispatch == "device" or (self.dispatch == "auto" and grouped_mm_available(x)):
             out, pending, dropped = device_dispatch(x, weights, experts, self.w13, self.w2,
                                                     self.expert_chunk_tokens, capacity)
             routing = PendingRouting(pending, dropped, (t0, t1, mark(x.device)),

@@ -1,0 +1,140 @@
+"""Expert-parallel settings from the environment (issue 15): pure, no torch.
+
+LeaderWorkerSet sets ``LWS_LEADER_ADDRESS``, ``LWS_GROUP_SIZE`` and ``LWS_WORKER_INDEX`` on every pod of
+a group; the operator sets ``MOEGUARD_EXPERT_PARALLEL_SIZE`` (ranks per replica), ``MOEGUARD_EP_PORT``
+(default 29500) and ``MOEGUARD_EP_TIMEOUT_SECONDS`` (default 30). The global rank of a pod's process is
+``worker_index * ranks_per_pod + local_rank`` with ``ranks_per_pod = ep_size / group_size``. Rank ``r``
+owns the contiguous expert block ``[r * E / ep_size, (r + 1) * E / ep_size)`` (vLLM's and SGLang's
+default, linear placement without EPLB's rebalancing).
+
+This version runs one rank per process and one process per pod: ``ranks_per_pod`` above 1 is refused
+(:class:`ConfigError`), as are a capacity factor (the drop decision needs every rank's counts first) and
+an EP size that does not divide the expert count.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from moeguard_runtime import contract
+
+
+class ConfigError(ValueError):
+    """A bad expert-parallel setting, naming the variable (``config.ConfigError`` derives from it)."""
+
+
+@dataclass(frozen=True)
+class EpSettings:
+    """One rank's place in its group.
+
+    Attributes:
+        size: ranks in the group (``MOEGUARD_EXPERT_PARALLEL_SIZE``).
+        rank: this process's global rank (0: the leader, which serves HTTP).
+        leader_address: host of the rendezvous (``LWS_LEADER_ADDRESS``).
+        port: TCP port of the rendezvous on the leader.
+        timeout_s: timeout of every collective, seconds.
+        join_timeout_s: how long to wait for the whole group at start-up, seconds.
+        group_size: pods in the group (``LWS_GROUP_SIZE``).
+    """
+
+    size: int
+    rank: int
+    leader_address: str
+    port: int
+    timeout_s: float
+    join_timeout_s: float
+    group_size: int
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def expert_range(self, num_experts: int) -> tuple[int, int]:
+        """This rank's experts, ``[lo, hi)``."""
+        return expert_range(self.rank, self.size, num_experts)
+
+
+def expert_range(rank: int, size: int, num_experts: int) -> tuple[int, int]:
+    """The contiguous block ``[rank * E / size, (rank + 1) * E / size)`` of rank ``rank``.
+
+    Raises:
+        ConfigError: ``size`` does not divide ``num_experts``.
+    """
+    if num_experts % size:
+        raise ConfigError(f"{contract.ENV_EXPERT_PARALLEL_SIZE}={size} must divide the model's "
+                          f"{num_experts} experts (each rank holds E / size experts)")
+    per = num_experts // size
+    return rank * per, (rank + 1) * per
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None, minimum: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        if default is None:
+            raise ConfigError(f"{name} is required with {contract.ENV_EXPERT_PARALLEL_SIZE} > 1 "
+                              f"(LeaderWorkerSet sets it on every pod of a group)")
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise ConfigError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number") from None
+    if not math.isfinite(value) or not 0 < value <= 3600:
+        raise ConfigError(f"{name}={value:g} must be in (0, 3600] seconds")
+    return value
+
+
+def load_ep_settings(env: Mapping[str, str], capacity_factor: float = 0.0) -> EpSettings | None:
+    """The group this process belongs to, or None for the single-process worker
+    (``MOEGUARD_EXPERT_PARALLEL_SIZE`` unset or 1: today's behaviour, the LWS variables ignored).
+
+    Raises:
+        ConfigError: a malformed variable, a missing LWS variable, ``ep_size`` not a multiple of
+            ``LWS_GROUP_SIZE``, more than one rank per pod, a worker index outside the group, or a
+            capacity factor (not supported with expert parallelism).
+    """
+    size = _int(env, contract.ENV_EXPERT_PARALLEL_SIZE, 1, 1)
+    if size == 1:
+        return None
+    group_size = _int(env, contract.ENV_LWS_GROUP_SIZE, None, 1)
+    index = _int(env, contract.ENV_LWS_WORKER_INDEX, None, 0)
+    address = (env.get(contract.ENV_LWS_LEADER_ADDRESS) or "").strip()
+    if not address:
+        raise ConfigError(f"{contract.ENV_LWS_LEADER_ADDRESS} is required with "
+                          f"{contract.ENV_EXPERT_PARALLEL_SIZE} > 1 (LeaderWorkerSet sets it)")
+    if size % group_size:
+        raise ConfigError(f"{contract.ENV_EXPERT_PARALLEL_SIZE}={size} must be a multiple of "
+                          f"{contract.ENV_LWS_GROUP_SIZE}={group_size} (ranks per pod = size / pods)")
+    if index >= group_size:
+        raise ConfigError(f"{contract.ENV_LWS_WORKER_INDEX}={index} must be < "
+                          f"{contract.ENV_LWS_GROUP_SIZE}={group_size}")
+    per_pod = size // group_size
+    if per_pod != 1:
+        raise ConfigError(f"{contract.ENV_EXPERT_PARALLEL_SIZE}={size} over {contract.ENV_LWS_GROUP_SIZE}="
+                          f"{group_size} pods is {per_pod} ranks per pod: this worker runs one rank per pod "
+                          f"(set podsPerReplica = expertParallelSize)")
+    port = _int(env, contract.ENV_EP_PORT, contract.DEFAULT_EP_PORT, 1)
+    if port > 65535:
+        raise ConfigError(f"{contract.ENV_EP_PORT}={port} must be a TCP port, 1-65535")
+    if capacity_factor > 0:
+        raise ConfigError(f"MOEGUARD_CAPACITY_FACTOR={capacity_factor:g} is not supported with "
+                          f"{contract.ENV_EXPERT_PARALLEL_SIZE} > 1 (expert parallelism is dropless)")
+    return EpSettings(size=size, rank=index * per_pod, leader_address=address, port=port,
+                      timeout_s=_seconds(env, contract.ENV_EP_TIMEOUT_SECONDS, contract.DEFAULT_EP_TIMEOUT_SECONDS),
+                      join_timeout_s=_seconds(env, contract.ENV_EP_JOIN_TIMEOUT_SECONDS,
+                                              contract.DEFAULT_EP_JOIN_TIMEOUT_SECONDS),
+                      group_size=group_size)
