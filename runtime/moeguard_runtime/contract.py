@@ -470,6 +470,8 @@ OPERATOR_READS = (
     METRIC_PROCESS_MEMORY_MAPPINGS_GROWTH,
     METRIC_PROCESS_RSS_ANONYMOUS_BYTES,
     METRIC_PYTHON_ALLOCATED_BLOCKS,
+    # an expert-parallel group's rank imbalance, part of the skew signal (issue 15)
+    METRIC_EP_RANK_TOKENS_TOTAL,
 )
 """Every worker series the operator's Prometheus queries name (the budget look and issue 14's diagnosis): a
 test checks that the worker's registry declares each, and that the queries name none outside it. The GPU gauges are declared

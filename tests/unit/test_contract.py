@@ -30,6 +30,7 @@ from moeguard_operator.policy import floors, initial_budgets
 from moeguard_runtime import contract
 from moeguard_runtime.budget_watch import NO_GENERATION, decide_update
 from moeguard_runtime.config import load_settings
+from moeguard_runtime.ep_telemetry import EpMetrics
 from moeguard_runtime.presets import get_preset
 from moeguard_runtime.telemetry import Telemetry
 
@@ -110,6 +111,7 @@ def _exported_series() -> set[str]:
     """Series names the worker's registry exposes, from each family's name and type
     (a labelled family has no samples before its first observation, but it is declared)."""
     telemetry = Telemetry({"moeis": "svc", "namespace": "ns", "pod": "p"}, num_experts=4)
+    EpMetrics(telemetry.registry, telemetry.labels, rank=0, ranks=2, experts=(0, 2))  # an expert-parallel leader's
     text = generate_latest(telemetry.registry).decode()
     return {family.name + suffix for family in text_string_to_metric_families(text)
             for suffix in SUFFIXES[family.type]}
