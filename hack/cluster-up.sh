@@ -16,7 +16,7 @@
 #     cluster.env         the URLs below, for scripts and tests to source
 #
 # Ports: etcd 12379 (peer 12380), kube-apiserver 16443, controller-manager 16257,
-# scheduler 16259, Prometheus 19090, lws-manager's webhooks 19443 (health 18081,
+# scheduler 16259, Prometheus 19090, lws-manager's webhooks 19443 (health 19444,
 # no metrics); kwok serves nothing. MOEGUARD_PORT_OFFSET=N
 # adds N to every port, so that a second cluster (another run dir) can run beside.
 #
@@ -33,7 +33,7 @@ RUN=${MOEGUARD_RUN_DIR:-/tmp/moeguard-run}
 off=${MOEGUARD_PORT_OFFSET:-0}
 ETCD_PORT=$((12379 + off)) ETCD_PEER_PORT=$((12380 + off)) APISERVER_PORT=$((16443 + off))
 KCM_PORT=$((16257 + off)) SCHED_PORT=$((16259 + off)) PROM_PORT=$((19090 + off))
-LWS_WEBHOOK_PORT=$((19443 + off)) LWS_HEALTH_PORT=$((18081 + off))
+LWS_WEBHOOK_PORT=$((19443 + off)) LWS_HEALTH_PORT=$((19444 + off))
 K8S=$(bin_dir kubernetes) ETCD=$(bin_dir etcd)/etcd KWOK_DIR=$(bin_dir kwok) LWS_DIR=$(bin_dir lws)
 PYTHON=${PYTHON:-$(cd "$HERE/.." && pwd)/.venv/bin/python}
 LWS_CRD=leaderworkersets.leaderworkerset.x-k8s.io
