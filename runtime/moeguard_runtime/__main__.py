@@ -94,10 +94,13 @@ def main(env: Mapping[str, str] | None = None) -> int:
         except EpConfigError as exc:
             _fail(log, "config_error", str(exc))
             return 2
-        if not ep.is_leader:  # a follower rank: no HTTP API, no scheduler (moeguard_runtime.ep_worker)
-            from moeguard_runtime.ep_worker import run_follower
+        from moeguard_runtime.ep_worker import run_follower, spawn_local_ranks
 
-            return run_follower(settings, ep, args, env, RateLimitedLog(settings.log_interval_s))
+        if ep.local_rank == 0 and ep.ranks_per_pod > 1:  # the pod's other ranks, as child processes
+            spawn_local_ranks(ep, env, settings.device, log)
+        if not ep.is_leader:  # a follower rank: no API, no scheduler; HTTP only on the pod's main process
+            return run_follower(settings, ep, args, env, RateLimitedLog(settings.log_interval_s),
+                                serve_http=ep.local_rank == 0)
     from moeguard_runtime.checkpoint_tokenizer import TokenizerError, load_tokenizer
 
     try:  # before serving: a bad tokenizer or chat template stops the worker, naming the file

@@ -7,9 +7,11 @@ a group; the operator sets ``MOEGUARD_EXPERT_PARALLEL_SIZE`` (ranks per replica)
 owns the contiguous expert block ``[r * E / ep_size, (r + 1) * E / ep_size)`` (vLLM's and SGLang's
 default, linear placement without EPLB's rebalancing).
 
-This version runs one rank per process and one process per pod: ``ranks_per_pod`` above 1 is refused
-(:class:`ConfigError`), as are a capacity factor (the drop decision needs every rank's counts first) and
-an EP size that does not divide the expert count.
+One rank per process. With ``ranks_per_pod`` above 1 the pod's main process (local rank 0: the leader on
+the leader pod, else a follower) starts the pod's other ranks as child processes of the same command,
+telling each its local rank in :data:`ENV_EP_LOCAL_RANK` (:func:`local_rank_env`); they are followers
+without an HTTP endpoint. Refused (:class:`ConfigError`): a capacity factor (the drop decision needs every
+rank's counts first) and an EP size that does not divide the expert count.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from moeguard_runtime import contract
+
+ENV_EP_LOCAL_RANK = "MOEGUARD_EP_LOCAL_RANK"
+"""Internal: the local rank of a child rank process, set by the pod's main process (absent: 0)."""
 
 
 class ConfigError(ValueError):
@@ -37,6 +42,8 @@ class EpSettings:
         timeout_s: timeout of every collective, seconds.
         join_timeout_s: how long to wait for the whole group at start-up, seconds.
         group_size: pods in the group (``LWS_GROUP_SIZE``).
+        ranks_per_pod: ``size / group_size``.
+        local_rank: this process's rank within its pod (0: the pod's main process, which serves HTTP).
     """
 
     size: int
@@ -46,6 +53,8 @@ class EpSettings:
     timeout_s: float
     join_timeout_s: float
     group_size: int
+    ranks_per_pod: int = 1
+    local_rank: int = 0
 
     @property
     def is_leader(self) -> bool:
@@ -123,18 +132,26 @@ def load_ep_settings(env: Mapping[str, str], capacity_factor: float = 0.0) -> Ep
         raise ConfigError(f"{contract.ENV_LWS_WORKER_INDEX}={index} must be < "
                           f"{contract.ENV_LWS_GROUP_SIZE}={group_size}")
     per_pod = size // group_size
-    if per_pod != 1:
-        raise ConfigError(f"{contract.ENV_EXPERT_PARALLEL_SIZE}={size} over {contract.ENV_LWS_GROUP_SIZE}="
-                          f"{group_size} pods is {per_pod} ranks per pod: this worker runs one rank per pod "
-                          f"(set podsPerReplica = expertParallelSize)")
+    local = _int(env, ENV_EP_LOCAL_RANK, 0, 0)
+    if local >= per_pod:
+        raise ConfigError(f"{ENV_EP_LOCAL_RANK}={local} must be < {per_pod} ranks per pod")
     port = _int(env, contract.ENV_EP_PORT, contract.DEFAULT_EP_PORT, 1)
     if port > 65535:
         raise ConfigError(f"{contract.ENV_EP_PORT}={port} must be a TCP port, 1-65535")
     if capacity_factor > 0:
         raise ConfigError(f"MOEGUARD_CAPACITY_FACTOR={capacity_factor:g} is not supported with "
                           f"{contract.ENV_EXPERT_PARALLEL_SIZE} > 1 (expert parallelism is dropless)")
-    return EpSettings(size=size, rank=index * per_pod, leader_address=address, port=port,
+    return EpSettings(size=size, rank=index * per_pod + local, leader_address=address, port=port,
                       timeout_s=_seconds(env, contract.ENV_EP_TIMEOUT_SECONDS, contract.DEFAULT_EP_TIMEOUT_SECONDS),
                       join_timeout_s=_seconds(env, contract.ENV_EP_JOIN_TIMEOUT_SECONDS,
                                               contract.DEFAULT_EP_JOIN_TIMEOUT_SECONDS),
-                      group_size=group_size)
+                      group_size=group_size, ranks_per_pod=per_pod, local_rank=local)
+
+
+def local_rank_env(env: Mapping[str, str], ep: EpSettings, local_rank: int, device: str) -> dict[str, str]:
+    """The environment of the pod's child rank ``local_rank``: the pod's, with its local rank and, on CUDA,
+    its own device (``cuda:<local_rank>``: one GPU per rank)."""
+    out = {**env, ENV_EP_LOCAL_RANK: str(local_rank)}
+    if device.startswith("cuda"):
+        out[contract.ENV_DEVICE] = f"cuda:{local_rank}"
+    return out

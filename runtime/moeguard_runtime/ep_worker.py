@@ -17,7 +17,11 @@ joined the group and while the group works), ``/metrics`` (its own per-rank seri
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -29,7 +33,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from torch import nn
 
 from moeguard_runtime import contract
-from moeguard_runtime.ep_config import EpSettings, expert_range
+from moeguard_runtime.ep_config import EpSettings, expert_range, local_rank_env
 from moeguard_runtime.ep_telemetry import EpMetrics
 from moeguard_runtime.expert_parallel import (
     HEARTBEAT_S,
@@ -237,12 +241,16 @@ def follower_kernel(settings: Settings, experts: tuple[torch.Tensor, torch.Tenso
 
 
 def run_follower(settings: Settings, ep: EpSettings, args: ModelArgs, env: Mapping[str, str],
-                 log: RateLimitedLog, build: Callable[[], nn.Module] | None = None) -> int:
+                 log: RateLimitedLog, build: Callable[[], nn.Module] | None = None,
+                 serve_http: bool = True) -> int:
     """Serve as follower rank ``ep.rank`` until the leader stops (0) or the group breaks
-    (``contract.EXIT_EP_GROUP_LOST``); 3 when the model cannot be loaded."""
+    (``contract.EXIT_EP_GROUP_LOST``); 3 when the model cannot be loaded. ``serve_http``: the small
+    endpoint on ``MOEGUARD_PORT`` (the pod's main process; a child rank has none)."""
     registry = CollectorRegistry(auto_describe=True)
     labels = worker_labels(env)
     state = FollowerState(registry)
+    if not serve_http:
+        return _follow(settings, ep, args, labels, log, state, build)
     server = ThreadingHTTPServer((settings.host, settings.port), _handler(state, ep.rank))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="follower-http", daemon=True).start()
@@ -251,6 +259,41 @@ def run_follower(settings: Settings, ep: EpSettings, args: ModelArgs, env: Mappi
     finally:
         server.shutdown()
         server.server_close()
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """``prctl(PR_SET_PDEATHSIG, SIGKILL)``: a child rank never outlives the pod's main process."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+
+
+def spawn_local_ranks(ep: EpSettings, env: Mapping[str, str], device: str,
+                      log: RateLimitedLog) -> list[subprocess.Popen[bytes]]:
+    """Start the pod's ranks ``1 .. ranks_per_pod - 1`` as child processes of the same command (followers
+    without HTTP; on CUDA each on ``cuda:<local rank>``). They die with this process (``PR_SET_PDEATHSIG``)
+    and are stopped when it exits; their output goes to this process's (the container's log)."""
+    children = []
+    for local in range(1, ep.ranks_per_pod):
+        children.append(subprocess.Popen([sys.executable, "-m", "moeguard_runtime"],
+                                         env=local_rank_env(env, ep, local, device), preexec_fn=_die_with_parent))
+    log.event("ep_local_ranks_started", force=True, pod_rank=ep.rank, ranks_per_pod=ep.ranks_per_pod,
+              child_pids=",".join(str(c.pid) for c in children))
+
+    def stop() -> None:
+        for c in children:
+            if c.poll() is None:
+                c.terminate()
+        for c in children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                c.wait(5)
+            if c.poll() is None:
+                c.kill()
+
+    atexit.register(stop)
+    return children
 
 
 def _follow(settings: Settings, ep: EpSettings, args: ModelArgs, labels: dict[str, str], log: RateLimitedLog,

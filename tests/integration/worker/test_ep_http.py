@@ -5,7 +5,8 @@ LeaderWorkerSet and the operator give a pod (``LWS_LEADER_ADDRESS=127.0.0.1``, `
 ``LWS_WORKER_INDEX``, ``MOEGUARD_EXPERT_PARALLEL_SIZE``, ``MOEGUARD_EP_PORT``,
 ``MOEGUARD_EP_TIMEOUT_SECONDS``), the followers started first as LWS may start them:
 
-* greedy completions through the leader equal a single-process worker's, token for token; after a SIGTERM
+* greedy completions through the leader equal a single-process worker's, token for token, with one rank per
+  pod and with 2 ranks per pod (each pod's main process starting its second rank); after a SIGTERM
   drain the leader stops the group and every rank exits 0;
 * a follower answers completions with 503 ``not_the_leader``, is ready once in the group, and exports its
   own per-rank series; the leader exports every rank's tokens, the balancedness and every rank's RSS;
@@ -40,13 +41,15 @@ def _complete(base_url: str, prompt: str, max_tokens: int = 24) -> httpx.Respons
                                                           "temperature": 0}, timeout=30)
 
 
-def _group(start: Callable[..., WorkerProcess], ranks: int, **env: str) -> list[WorkerProcess]:
-    """Start a group: followers first (each waits until its model is loaded), then the leader, then wait until
-    the leader is ready (the group formed). Returns [leader, followers...]."""
-    common = {"MOEGUARD_EXPERT_PARALLEL_SIZE": str(ranks), "LWS_GROUP_SIZE": str(ranks),
+def _group(start: Callable[..., WorkerProcess], ranks: int, pods: int | None = None, **env: str) -> list[WorkerProcess]:
+    """Start a group of ``pods`` pods (default one per rank): followers first (each waits until its model is
+    loaded), then the leader, then wait until the leader is ready (the group formed). Returns the pods' main
+    processes, [leader, followers...]; with several ranks per pod each starts its other ranks itself."""
+    pods = ranks if pods is None else pods
+    common = {"MOEGUARD_EXPERT_PARALLEL_SIZE": str(ranks), "LWS_GROUP_SIZE": str(pods),
               "LWS_LEADER_ADDRESS": "127.0.0.1", "MOEGUARD_EP_PORT": str(free_port()),
               "MOEGUARD_EP_TIMEOUT_SECONDS": str(TIMEOUT_S), **env}
-    followers = [start(**common, LWS_WORKER_INDEX=str(i), MOEGUARD_POD_NAME=f"g-{i}") for i in range(1, ranks)]
+    followers = [start(**common, LWS_WORKER_INDEX=str(i), MOEGUARD_POD_NAME=f"g-{i}") for i in range(1, pods)]
     leader = start(**common, LWS_WORKER_INDEX="0", MOEGUARD_POD_NAME="g-0")
     assert wait_ready(leader.base_url, leader.proc, 60) is None, leader.logs()
     for f in followers:
@@ -71,10 +74,10 @@ def single_texts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         w.stop()
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize(("ranks", "pods"), [(2, 2), (4, 4), (4, 2)])
 def test_greedy_through_the_leader_equals_one_process(start_worker: Callable[..., WorkerProcess],
-                                                      single_texts: dict[str, str], ranks: int) -> None:
-    leader, *followers = _group(start_worker, ranks)
+                                                      single_texts: dict[str, str], ranks: int, pods: int) -> None:
+    leader, *followers = _group(start_worker, ranks, pods)
     for p in PROMPTS:
         r = _complete(leader.base_url, p)
         assert r.status_code == 200, r.text
@@ -87,13 +90,14 @@ def test_greedy_through_the_leader_equals_one_process(start_worker: Callable[...
     assert "moeguard_ep_balancedness_ratio{" in lm and 'moeguard_ep_rank_tokens_total{layer="0"' in lm
     assert 'moeguard_ep_rank_info{experts="0-' in lm
     fm = httpx.get(f"{followers[-1].base_url}/metrics", timeout=10).text
-    assert f'rank="{ranks - 1}"' in fm and "moeguard_ep_rank_tokens_total" in fm and "moeguard_ep_group_up" in fm
+    assert f'rank="{(pods - 1) * (ranks // pods)}"' in fm and "moeguard_ep_rank_tokens_total" in fm
+    assert "moeguard_ep_group_up" in fm
     assert "event=ep_group_formed" in leader.logs() and f"expert_ranges=0:0-{8 // ranks}" in leader.logs()
     leader.proc.send_signal(signal.SIGTERM)  # a drain: the leader stops its group, every rank exits 0
     assert _exit_code(leader, 30) == 0, leader.logs()[-2000:]
     for f in followers:
         assert _exit_code(f, 10) == 0, f.logs()[-2000:]
-        assert "event=ep_leader_stopped" in f.logs()
+        assert f.logs().count("event=ep_leader_stopped") == ranks // pods  # the pod's every rank
 
 
 def test_killed_follower_ends_requests_with_503_and_the_group_exits(

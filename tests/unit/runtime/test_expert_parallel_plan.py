@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from moeguard_runtime import contract
-from moeguard_runtime.ep_config import ConfigError, expert_range, load_ep_settings
+from moeguard_runtime.ep_config import (
+    ENV_EP_LOCAL_RANK,
+    ConfigError,
+    expert_range,
+    load_ep_settings,
+    local_rank_env,
+)
 from moeguard_runtime.expert_parallel import (
     balancedness,
     combine,
@@ -123,7 +129,7 @@ def test_ep_settings_from_the_lws_env() -> None:
 @pytest.mark.parametrize(("env", "words"), [
     ({contract.ENV_EXPERT_PARALLEL_SIZE: "4"}, "LWS_GROUP_SIZE is required"),
     ({contract.ENV_EXPERT_PARALLEL_SIZE: "6", **LWS}, "must be a multiple of LWS_GROUP_SIZE=4"),
-    ({contract.ENV_EXPERT_PARALLEL_SIZE: "8", **LWS}, "2 ranks per pod"),
+    ({contract.ENV_EXPERT_PARALLEL_SIZE: "8", **LWS, ENV_EP_LOCAL_RANK: "2"}, "must be < 2 ranks per pod"),
     ({contract.ENV_EXPERT_PARALLEL_SIZE: "x", **LWS}, "is not an integer"),
     ({contract.ENV_EXPERT_PARALLEL_SIZE: "4", **LWS, contract.ENV_LWS_WORKER_INDEX: "4"}, "must be < LWS_GROUP_SIZE"),
     ({contract.ENV_EXPERT_PARALLEL_SIZE: "4", **LWS, contract.ENV_LWS_LEADER_ADDRESS: ""}, "LWS_LEADER_ADDRESS"),
@@ -134,6 +140,16 @@ def test_bad_ep_env_is_refused_naming_the_variable(env: dict[str, str], words: s
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
                        .replace("]", r"\]")):
         load_ep_settings(env)
+
+
+def test_several_ranks_per_pod_number_the_pods_ranks_and_give_each_child_its_gpu() -> None:
+    ep = load_ep_settings({contract.ENV_EXPERT_PARALLEL_SIZE: "8", **LWS})  # 4 pods, 2 ranks each; pod 2
+    assert ep is not None and (ep.rank, ep.ranks_per_pod, ep.local_rank) == (4, 2, 0)
+    child_env = local_rank_env({"A": "1", **LWS}, ep, 1, "cuda")
+    assert child_env[ENV_EP_LOCAL_RANK] == "1" and child_env[contract.ENV_DEVICE] == "cuda:1" and child_env["A"] == "1"
+    child = load_ep_settings({contract.ENV_EXPERT_PARALLEL_SIZE: "8", **child_env})
+    assert child is not None and (child.rank, child.local_rank) == (5, 1)
+    assert contract.ENV_DEVICE not in local_rank_env({}, ep, 1, "cpu")
 
 
 def test_capacity_factor_and_indivisible_experts_are_refused() -> None:
