@@ -135,6 +135,8 @@ def worker_env(owner: Owner, spec: MoEInferenceServiceSpec) -> list[dict[str, An
     if par.expert_parallel_size > 1:
         plain[k.ENV_EXPERT_PARALLEL_SIZE] = str(par.expert_parallel_size)
         plain[k.ENV_EP_PORT] = str(k.DEFAULT_EP_PORT)
+        if not par.multi_node:  # one pod holds the group: what LeaderWorkerSet would inject for a group of 1
+            plain.update({k.ENV_LWS_LEADER_ADDRESS: "127.0.0.1", k.ENV_LWS_GROUP_SIZE: "1", k.ENV_LWS_WORKER_INDEX: "0"})
     plain.update(ucx_env(spec))  # every rank's process: the UCX settings hold for the whole group
     env: list[dict[str, Any]] = [
         {"name": k.ENV_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},

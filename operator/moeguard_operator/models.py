@@ -467,9 +467,6 @@ class ParallelismSpec(_Model):
         ("self.expertParallelSize % self.podsPerReplica == 0",
          "parallelism.expertParallelSize must be divisible by parallelism.podsPerReplica "
          "(every pod holds the same number of ranks)", ".expertParallelSize"),
-        ("self.expertParallelSize == self.podsPerReplica",
-         "parallelism.expertParallelSize must equal parallelism.podsPerReplica: this version runs one rank per pod",
-         ".expertParallelSize"),
     ))
 
     expert_parallel_size: int = Field(default=1, ge=1, le=1024)
@@ -477,9 +474,8 @@ class ParallelismSpec(_Model):
     ``numExperts / expertParallelSize`` experts."""
     pods_per_replica: int = Field(default=1, ge=1, le=256)
     """Pods one replica spans (the LeaderWorkerSet group size). Ranks per pod = ``expertParallelSize /
-    podsPerReplica``; with GPUs it must equal ``resources.gpus`` (one rank per GPU). This version runs one
-    rank per pod: ``podsPerReplica`` equals ``expertParallelSize``, and ``resources.gpus`` is 1 (or 0: CPU
-    ranks)."""
+    podsPerReplica``; with GPUs it must equal ``resources.gpus`` (one rank per GPU). A pod's main process
+    runs its first rank and starts the others as child processes."""
 
     @model_validator(mode="after")
     def _ranks_per_pod(self) -> ParallelismSpec:
@@ -487,10 +483,6 @@ class ParallelismSpec(_Model):
             raise ValueError(f"parallelism.expertParallelSize ({self.expert_parallel_size}) must be divisible by "
                              f"parallelism.podsPerReplica ({self.pods_per_replica}) (every pod holds the same number "
                              "of ranks)")
-        if self.expert_parallel_size != self.pods_per_replica:
-            raise ValueError(f"parallelism.expertParallelSize ({self.expert_parallel_size}) must equal "
-                             f"parallelism.podsPerReplica ({self.pods_per_replica}): this version runs one rank "
-                             "per pod")
         return self
 
     @property

@@ -98,9 +98,9 @@ REFUSED = [
     ("gpus-not-one-per-rank", {"parallelism": {"expertParallelSize": 2, "podsPerReplica": 2},
                                "resources": {"gpus": 2}},
      "resources.gpus must equal parallelism.expertParallelSize / parallelism.podsPerReplica"),
-    ("several-ranks-per-pod", {"parallelism": {"expertParallelSize": 8, "podsPerReplica": 2},
-                               "resources": {"gpus": 4}},
-     "this version runs one rank per pod"),
+    ("gpus-not-the-ranks-per-pod", {"parallelism": {"expertParallelSize": 8, "podsPerReplica": 2},
+                                    "resources": {"gpus": 2}},
+     "resources.gpus must equal parallelism.expertParallelSize / parallelism.podsPerReplica"),
     ("pods-per-replica-zero", {"parallelism": {"podsPerReplica": 0}}, "spec.parallelism.podsPerReplica: Invalid value"),
 ]
 

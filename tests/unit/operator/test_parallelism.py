@@ -86,9 +86,6 @@ def test_a_rolling_restart_patches_the_template_of_the_workload_in_use() -> None
 @pytest.mark.parametrize(("body", "needle"), [
     ({"parallelism": {"expertParallelSize": 4, "podsPerReplica": 3}},
      "parallelism.expertParallelSize (4) must be divisible by parallelism.podsPerReplica (3)"),
-    ({"parallelism": {"expertParallelSize": 4, "podsPerReplica": 2}, "resources": {"gpus": 2}},
-     "parallelism.expertParallelSize (4) must equal parallelism.podsPerReplica (2): this version runs one rank "
-     "per pod"),
     ({"parallelism": {"expertParallelSize": 2, "podsPerReplica": 2}, "resources": {"gpus": 2}},
      "resources.gpus (2) must equal parallelism.expertParallelSize / parallelism.podsPerReplica (1)"),
     ({"parallelism": {"expertParallelSize": 3, "podsPerReplica": 3}, "resources": {"gpus": 1},
@@ -100,10 +97,26 @@ def test_inconsistent_parallelism_is_refused_naming_the_fields(body: dict[str, A
         _spec(body)
 
 
+def test_several_ranks_in_one_pod_are_a_deployment_with_the_env_of_a_group_of_one() -> None:
+    spec = _spec({"parallelism": {"expertParallelSize": 8, "podsPerReplica": 1}, "resources": {"gpus": 8}})
+    workload = next(m for m in build_children(OWNER, spec) if m["kind"] in ("Deployment", "LeaderWorkerSet"))
+    assert workload["kind"] == "Deployment"
+    env = _env(workload_pod_spec(workload))
+    assert {name: env[name] for name in (contract.ENV_EXPERT_PARALLEL_SIZE, contract.ENV_LWS_LEADER_ADDRESS,
+                                         contract.ENV_LWS_GROUP_SIZE, contract.ENV_LWS_WORKER_INDEX)} == {
+        contract.ENV_EXPERT_PARALLEL_SIZE: "8", contract.ENV_LWS_LEADER_ADDRESS: "127.0.0.1",
+        contract.ENV_LWS_GROUP_SIZE: "1", contract.ENV_LWS_WORKER_INDEX: "0"}
+    # in a LeaderWorkerSet these come from LWS's webhook, never from the operator
+    lws = next(m for m in build_children(OWNER, _spec(EP)) if m["kind"] == "LeaderWorkerSet")
+    assert contract.ENV_LWS_LEADER_ADDRESS not in _env(workload_pod_spec(lws))
+    assert _spec({"parallelism": {"expertParallelSize": 8, "podsPerReplica": 2},
+                  "resources": {"gpus": 4}}).parallelism.ranks_per_pod == 4
+
+
 def test_gpus_are_free_without_expert_parallelism_and_cpu_ranks_are_allowed() -> None:
     assert _spec({"resources": {"gpus": 4}}).parallelism.ranks_per_pod == 1
-    assert _spec({"parallelism": {"expertParallelSize": 4, "podsPerReplica": 4},
-                  "resources": {"gpus": 0}}).parallelism.ranks_per_pod == 1
+    assert _spec({"parallelism": {"expertParallelSize": 4, "podsPerReplica": 2},
+                  "resources": {"gpus": 0}}).parallelism.ranks_per_pod == 2
 
 
 def test_a_preset_whose_experts_do_not_split_over_the_ranks_is_refused_at_reconcile() -> None:
