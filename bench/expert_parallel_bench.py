@@ -59,13 +59,14 @@ class ModelSpec:
     checkpoint: str | None = None
 
 
-def build(spec: ModelSpec) -> nn.Module:
-    """The unsharded model of ``spec`` (host dispatch, ``F.linear`` kernels on every rank)."""
+def build(spec: ModelSpec, block: tuple[int, int] | None = None) -> nn.Module:
+    """The model of ``spec`` (host dispatch, ``F.linear`` kernels on every rank): a checkpoint with only the
+    experts ``block`` read, as the worker loads a rank's share (``BuildOptions.expert_block``), else whole."""
     if spec.checkpoint is not None:
         from moeguard_runtime.hf_checkpoint import BuildOptions, load_hf_checkpoint
 
         model = load_hf_checkpoint(spec.checkpoint, torch.float32, torch.device("cpu"),
-                                   BuildOptions(2048, 0.0, "torch", "host")).model
+                                   BuildOptions(2048, 0.0, "torch", "host", expert_block=block)).model
         assert isinstance(model, nn.Module)
         return model
     from moeguard_runtime.model import build_model
@@ -153,13 +154,19 @@ def _unpack(data: bytes) -> Any:
 def _rank_main(rank: int, ranks: int, port: int, spec: ModelSpec, job: str, job_args: dict[str, Any],
                mode: DispatchMode, timeout_s: float, queue: Any) -> None:
     torch.set_num_threads(1)
-    model = build(spec)
+    ep = EpSettings(size=ranks, rank=rank, leader_address="127.0.0.1", port=port, timeout_s=timeout_s,
+                    join_timeout_s=120.0, group_size=ranks)
+    block = None
+    if spec.checkpoint is not None and ranks > 1:  # a checkpoint is loaded sharded, as the worker loads it
+        from moeguard_runtime.hf_checkpoint import read_checkpoint_info
+
+        block = ep.expert_range(read_checkpoint_info(spec.checkpoint).num_experts)
+    model = build(spec, block)
     if ranks == 1:
         queue.put((0, _pack(JOBS[job](model, None, job_args))))
         return
-    ep = EpSettings(size=ranks, rank=rank, leader_address="127.0.0.1", port=port, timeout_s=timeout_s,
-                    join_timeout_s=120.0, group_size=ranks)
-    shard_experts(model, rank, ranks)
+    if block is None:
+        shard_experts(model, rank, ranks)
     dim = int(expert_weights(model)[0][0].shape[2])
     if rank > 0:
         strip_to_experts(model)

@@ -168,13 +168,18 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
 
             torch.cuda.set_device(settings.torch_device)  # cuda:N: caches and streams there
         model: ServingModel
+        block: tuple[int, int] | None = None
         if settings.checkpoint is not None and is_hf_folder(settings.checkpoint):
+            if ep is not None:  # the leader's experts only are read (the followers read theirs)
+                from moeguard_runtime.ep_worker import checkpoint_block
+
+                block = checkpoint_block(settings, ep)
             loaded = load_hf_checkpoint(settings.checkpoint, settings.torch_dtype,
                                         settings.torch_device,
                                         BuildOptions(settings.expert_chunk_tokens,
                                                      settings.capacity_factor,
                                                      _initial_kernel(settings),
-                                                     settings.moe_dispatch))
+                                                     settings.moe_dispatch, expert_block=block))
             model, model_type = loaded.model, loaded.model_type
             shape: ModelArgs | dict[str, Any] = loaded.config
             parameters = sum(p.numel() for p in model.parameters())
@@ -201,8 +206,11 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
         from moeguard_runtime.expert_parallel import shard_experts
 
         assert isinstance(model, nn.Module)
-        ep_experts = num_experts_of(model)
-        shard_experts(model, 0, ep.size)  # the leader keeps its block; the others live on the followers
+        if block is not None:  # loaded sharded
+            ep_experts = (block[1] - block[0]) * ep.size
+        else:
+            ep_experts = num_experts_of(model)
+            shard_experts(model, 0, ep.size)  # the leader keeps its block; the others live on the followers
     kernel = choose_matmul_kernel(settings, model, slot.telemetry, log)
     weight_bytes = slot.telemetry.set_model_weights(model.parameters())
     admission, predictor = step_models(settings, shape, log)

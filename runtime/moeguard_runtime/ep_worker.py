@@ -211,14 +211,32 @@ def report_ucx(registry: CollectorRegistry, labels: dict[str, str], log: RateLim
     log.event("ucx_info", force=True, risky="true" if risky(info) else "false", **info.labels())
 
 
-def build_follower_model(settings: Settings, args: ModelArgs) -> nn.Module:
-    """The same model the leader builds (checkpoint, or preset and seed), before sharding."""
+def checkpoint_block(settings: Settings, ep: EpSettings) -> tuple[int, int] | None:
+    """This rank's experts ``[lo, hi)`` when the model is an HF checkpoint folder (then it is loaded sharded:
+    :attr:`hf_checkpoint.BuildOptions.expert_block`), else None (a preset is built whole, from its seed, and
+    sharded after).
+
+    Raises:
+        CheckpointError: the folder's ``config.json`` is unreadable; ConfigError: the EP size does not divide
+            its expert count.
+    """
+    from moeguard_runtime.hf_checkpoint import is_hf_folder, read_checkpoint_info
+
+    if settings.checkpoint is None or not is_hf_folder(settings.checkpoint):
+        return None
+    return ep.expert_range(read_checkpoint_info(settings.checkpoint).num_experts)
+
+
+def build_follower_model(settings: Settings, args: ModelArgs, block: tuple[int, int] | None = None) -> nn.Module:
+    """The same model the leader builds (checkpoint, or preset and seed): a checkpoint with only the experts
+    ``block`` read (:func:`checkpoint_block`), a preset whole, before sharding."""
     from moeguard_runtime.hf_checkpoint import BuildOptions, is_hf_folder, load_hf_checkpoint
     from moeguard_runtime.model import build_model
 
     if settings.checkpoint is not None and is_hf_folder(settings.checkpoint):
         loaded = load_hf_checkpoint(settings.checkpoint, settings.torch_dtype, settings.torch_device,
-                                    BuildOptions(settings.expert_chunk_tokens, 0.0, "onednn", "host"))
+                                    BuildOptions(settings.expert_chunk_tokens, 0.0, "onednn", "host",
+                                                 expert_block=block))
         model = loaded.model
         assert isinstance(model, nn.Module)
         return model
@@ -300,9 +318,13 @@ def _follow(settings: Settings, ep: EpSettings, args: ModelArgs, labels: dict[st
             state: FollowerState, build: Callable[[], nn.Module] | None) -> int:
     t0 = time.monotonic()
     try:
-        model = build() if build is not None else build_follower_model(settings, args)
-        num_experts = num_experts_of(model)
-        lo, hi = shard_experts(model, ep.rank, ep.size)
+        block = None if build is not None else checkpoint_block(settings, ep)
+        model = build() if build is not None else build_follower_model(settings, args, block)
+        if block is not None:  # loaded sharded
+            (lo, hi), num_experts = block, (block[1] - block[0]) * ep.size
+        else:
+            num_experts = num_experts_of(model)
+            lo, hi = shard_experts(model, ep.rank, ep.size)
         freed = strip_to_experts(model)
         weights = expert_weights(model)
         dim = int(weights[0][0].shape[2])

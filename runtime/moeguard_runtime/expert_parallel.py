@@ -201,12 +201,21 @@ def shard_experts(model: nn.Module, rank: int, ranks: int) -> tuple[int, int]:
     """
     lo = hi = 0
     for m in moe_modules(model):
+        w13 = m.w13
+        assert isinstance(w13, torch.Tensor)
+        lo, hi = expert_range(rank, ranks, w13.shape[0])
+    keep_experts(model, lo, hi)
+    return lo, hi
+
+
+def keep_experts(model: nn.Module, lo: int, hi: int) -> None:
+    """Keep only the experts ``[lo, hi)`` of every MoE layer's ``w13``/``w2`` (copied out, so the full stack is
+    freed)."""
+    for m in moe_modules(model):
         w13, w2 = m.w13, m.w2
         assert isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)
-        lo, hi = expert_range(rank, ranks, w13.shape[0])
         m.w13 = nn.Parameter(w13.data[lo:hi].clone(), requires_grad=False)
         m.w2 = nn.Parameter(w2.data[lo:hi].clone(), requires_grad=False)
-    return lo, hi
 
 
 def strip_to_experts(model: nn.Module) -> int:

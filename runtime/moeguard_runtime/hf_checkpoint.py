@@ -119,6 +119,8 @@ class TensorSource:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
+        self.expert_block: tuple[int, int] | None = None
+        """The routed experts ``[lo, hi)`` to read (:attr:`BuildOptions.expert_block`); None: all."""
         self._stack = ExitStack()
         self._where: dict[str, Path] = {}
         self._handles: dict[Path, Any] = {}
@@ -193,6 +195,22 @@ class TensorSource:
         tensor: torch.Tensor = handle.get_tensor(name)
         return tensor
 
+    def skip(self, name: str, shape: Sequence[int]) -> None:
+        """Check the tensor ``name`` as :meth:`take` does (present, ``shape``) and count it used, without
+        reading it (another rank's expert).
+
+        Raises:
+            CheckpointError: as :meth:`take`.
+        """
+        f = self._where.get(name)
+        if f is None:
+            raise CheckpointError(f"{self.folder}: tensor {name!r} is missing (no shard holds it)")
+        stored = tuple(self._handles[f].get_slice(name).get_shape())
+        if stored != tuple(shape):
+            raise CheckpointError(f"{f}: tensor {name!r} has shape {stored}, "
+                                  f"{CONFIG_FILE} implies {tuple(shape)}")
+        self._used.add(name)
+
     def check_all_used(self, ignore: Sequence[str] = ()) -> None:
         """Raises CheckpointError naming a tensor no module took (names starting with one of
         ``ignore`` are skipped)."""
@@ -213,6 +231,10 @@ class BuildOptions:
     capacity_factor: float = 0.0
     matmul_backend: MatmulChoice = "onednn"
     dispatch: MoeDispatch = "auto"
+    expert_block: tuple[int, int] | None = None
+    """Expert parallelism: the routed experts ``[lo, hi)`` this process keeps. Only their tensors are read;
+    the others are checked (present, right shape) and skipped, so a rank's host and device memory hold its
+    block, never the whole stack. None: every expert."""
 
 
 @dataclass(frozen=True)
@@ -309,8 +331,17 @@ def load_hf_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
     config = HFConfig.read(folder)
     family = families.get(info.model_type)
     assert family is not None
+    options = options or BuildOptions()
     with TensorSource(folder) as source:
-        model: ServingModel = family(config, source, options or BuildOptions())
+        source.expert_block = options.expert_block
+        model: ServingModel = family(config, source, options)
+    if options.expert_block is not None:  # before the cast and the move: only the block is ever copied
+        from torch import nn
+
+        from moeguard_runtime.expert_parallel import keep_experts
+
+        assert isinstance(model, nn.Module)
+        keep_experts(model, *options.expert_block)
     from moeguard_runtime.families.decoder import HFDecoder
 
     if isinstance(model, HFDecoder):

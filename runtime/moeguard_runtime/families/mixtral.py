@@ -12,9 +12,9 @@ import torch
 from moeguard_runtime.checkpoint import hf_to_interleaved
 from moeguard_runtime.families.decoder import check_activation
 from moeguard_runtime.families.rope import rope_scaling
+from moeguard_runtime.families.weights import expert_stack
 from moeguard_runtime.hf_checkpoint import BuildOptions, HFConfig, TensorSource
 from moeguard_runtime.model import Transformer
-from moeguard_runtime.moe import stack_gate_up
 from moeguard_runtime.presets import ModelArgs, shape_problems
 
 
@@ -71,11 +71,17 @@ def build(cfg: HFConfig, source: TensorSource, options: BuildOptions) -> Transfo
         state[f"{ours}feed_forward.gate.weight"] = source.take(
             f"{hf}block_sparse_moe.gate.weight", (args.num_experts, d))
         experts = f"{hf}block_sparse_moe.experts."
-        state[f"{ours}feed_forward.w13"] = stack_gate_up(  # [E, 2I, D]: w1 (gate) rows, then w3 (up)
-            [source.take(f"{experts}{e}.w1.weight", (inter, d)) for e in range(args.num_experts)],
-            [source.take(f"{experts}{e}.w3.weight", (inter, d)) for e in range(args.num_experts)])
-        state[f"{ours}feed_forward.w2"] = torch.stack([
-            source.take(f"{experts}{e}.w2.weight", (d, inter)) for e in range(args.num_experts)])  # [E, D, I]
+        e_all = args.num_experts
+
+        def gate_up(e: int, x: str = experts) -> tuple[str, ...]:
+            return f"{x}{e}.w1.weight", f"{x}{e}.w3.weight"
+
+        def down(e: int, x: str = experts) -> tuple[str, ...]:
+            return (f"{x}{e}.w2.weight",)
+
+        # [E, 2I, D]: w1 (gate) rows, then w3 (up); [E, D, I]
+        state[f"{ours}feed_forward.w13"] = expert_stack(source, gate_up, (inter, d), (e_all, 2 * inter, d))
+        state[f"{ours}feed_forward.w2"] = expert_stack(source, down, (d, inter), (e_all, d, inter))
         state[f"{ours}attention_norm.weight"] = source.take(f"{hf}input_layernorm.weight", (d,))
         state[f"{ours}ffn_norm.weight"] = source.take(f"{hf}post_attention_layernorm.weight", (d,))
     model.load_state_dict(state, assign=True, strict=True)

@@ -16,7 +16,6 @@ from torch import nn
 
 from moeguard_runtime.checkpoint import hf_to_interleaved
 from moeguard_runtime.hf_checkpoint import TensorSource
-from moeguard_runtime.moe import stack_gate_up
 
 
 def to_interleaved(t: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -46,12 +45,10 @@ def moe_tensor(source: TensorSource, name: str, shape: tuple[int, ...],
         return None
     hf = f"model.{prefix}.mlp."
     if leaf == "w13":
-        half = (shape[1] // 2, shape[2])
-        return stack_gate_up([source.take(f"{hf}experts.{e}.gate_proj.weight", half) for e in range(shape[0])],
-                             [source.take(f"{hf}experts.{e}.up_proj.weight", half) for e in range(shape[0])])
+        return expert_stack(source, lambda e: (f"{hf}experts.{e}.gate_proj.weight", f"{hf}experts.{e}.up_proj.weight"),
+                            (shape[1] // 2, shape[2]), shape)
     if leaf == "w2":
-        return torch.stack([source.take(f"{hf}experts.{e}.down_proj.weight", shape[1:])
-                            for e in range(shape[0])])  # [E, D, I]
+        return expert_stack(source, lambda e: (f"{hf}experts.{e}.down_proj.weight",), shape[1:], shape)  # [E, D, I]
     if leaf.startswith("shared."):
         return source.take(f"{hf}{shared_name}.{leaf.removeprefix('shared.')}", shape)
     if leaf == "shared_gate.weight":
@@ -59,6 +56,40 @@ def moe_tensor(source: TensorSource, name: str, shape: tuple[int, ...],
     if leaf == "e_score_correction_bias":
         return source.take(f"{hf}gate.e_score_correction_bias", shape)
     return None
+
+
+def expert_stack(source: TensorSource, names: Callable[[int], Sequence[str]], part: tuple[int, ...],
+                 shape: tuple[int, ...]) -> torch.Tensor:
+    """The ``[E, ...]`` stack ``shape`` of per-expert tensors: expert ``e``'s row block is its ``names(e)``
+    tensors (each ``part``) concatenated along rows (``w13``: gate rows, then up rows, as
+    :func:`moeguard_runtime.moe.stack_gate_up`; ``w2``: one ``down_proj``), copied once, in the first tensor's dtype.
+
+    Expert parallelism (``source.expert_block`` ``[lo, hi)``): only the block's tensors are read; the others are
+    checked (present, ``part``) and skipped (:meth:`TensorSource.skip`) and their rows never written: the
+    ``torch.empty`` stack is virtual memory whose untouched pages are never resident, and
+    :func:`moeguard_runtime.expert_parallel.keep_experts` copies the block out before the cast and the move to the
+    device, so a rank's memory holds its block, never the whole stack.
+
+    Raises:
+        CheckpointError: a tensor is missing or of another shape (:meth:`TensorSource.take`).
+    """
+    lo, hi = source.expert_block or (0, shape[0])
+    out: torch.Tensor | None = None
+    for e in range(shape[0]):
+        if not lo <= e < hi:
+            for name in names(e):
+                source.skip(name, part)
+            continue
+        parts = [source.take(name, part) for name in names(e)]
+        if out is None:
+            out = torch.empty(shape, dtype=parts[0].dtype)
+        row = 0
+        for t in parts:
+            out[e, row:row + t.shape[0]].copy_(t)
+            row += t.shape[0]
+    if out is None:
+        raise ValueError(f"no expert in the block [{lo}, {hi}) of {shape[0]}")
+    return out
 
 
 def load_by_name(model: nn.Module, source: TensorSource,

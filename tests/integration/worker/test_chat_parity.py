@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 import pytest
+from bench.worker_process import free_port, wait_ready
 from tests.integration.worker.conftest import WorkerProcess, start_worker_process
 from tests.unit.runtime.bpe_folder import write_bpe_tokenizer
 
@@ -126,6 +127,29 @@ def test_chat_completions_equal_transformers_generate(folder: tuple[Path, int],
                       if line.startswith("data: {")]
         assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == text
     print(f"parity: {compared} generated tokens over {len(expected)} conversations equal")
+
+
+def test_an_expert_parallel_group_loading_its_shares_answers_as_transformers(
+        folder: tuple[Path, int], tmp_path: Path) -> None:
+    """Issue 15: the same folder served by a group of 2 ranks (one pod each, the env LeaderWorkerSet gives), each
+    reading only its 4 of the 8 experts from the shards: the chat answers are transformers' greedy ones."""
+    path, _ = folder
+    expected = reference(path)
+    common = {"MOEGUARD_CHECKPOINT_PATH": str(path), "MOEGUARD_SERVED_MODEL_NAME": SERVED,
+              "MOEGUARD_DTYPE": "float32", "MOEGUARD_DEVICE": "cpu", "MOEGUARD_EXPERT_PARALLEL_SIZE": "2",
+              "LWS_GROUP_SIZE": "2", "LWS_LEADER_ADDRESS": "127.0.0.1", "MOEGUARD_EP_PORT": str(free_port())}
+    member = start_worker_process(tmp_path, {**common, "LWS_WORKER_INDEX": "1"})
+    leader = start_worker_process(tmp_path, {**common, "LWS_WORKER_INDEX": "0"})
+    try:
+        assert wait_ready(leader.base_url, leader.proc, 60) is None, leader.logs()  # the group formed
+        assert "event=ep_follower_loaded" in member.logs() and "experts=4-8" in member.logs()
+        for i, (_, generated, text, _) in enumerate(expected):
+            data = httpx.post(f"{leader.base_url}/v1/chat/completions", timeout=120, json={
+                "model": SERVED, "messages": CONVERSATIONS[i], "max_tokens": NEW_TOKENS, "temperature": 0}).json()
+            assert data["choices"][0]["message"]["content"] == text, (i, generated, data)
+    finally:
+        leader.stop()
+        member.stop()
 
 
 def test_bad_tokenizer_folders_stop_the_worker_naming_the_file(
