@@ -107,4 +107,4 @@ def test_real_checkpoint_examples_and_their_deployments_dry_run(cluster: Any, na
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["MOEGUARD_SERVED_MODEL_NAME"] == parsed.model.served_model_name
     assert env["MOEGUARD_CHECKPOINT_PATH"] == source.checkpoint_path
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == str(parsed.parallelism.ranks_per_pod)
