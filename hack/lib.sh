@@ -7,6 +7,7 @@ bin_dir() {
     kwok) echo "$MOEGUARD_CACHE/bin/kwok-$KWOK_VERSION" ;;
     helm) echo "$MOEGUARD_CACHE/bin/helm-$HELM_VERSION" ;;
     kubernetes) echo "$MOEGUARD_CACHE/bin/kubernetes-$KUBERNETES_VERSION" ;;
+    node) echo "$MOEGUARD_CACHE/bin/node-$KUBERNETES_VERSION" ;;
     *) echo "unknown component $1" >&2; return 1 ;;
   esac
 }
