@@ -1,0 +1,196 @@
+"""The worker image's pod, exactly as the operator renders it, on the real node (hack/node-up.sh).
+
+The operator runs as a local process (``-n <namespace>``); the MoEInferenceService names the image
+that hack/build-images.sh built and loaded into the node's containerd (``<run dir>/node/images.env``),
+a toleration of the node's taint and its label as nodeSelector: the rest of the pod is the
+operator's (restricted security context, read-only root, probes, the memory limit, the budget
+ConfigMap read under the worker's own ServiceAccount token through the ``kubernetes`` Service).
+The completion goes through ``kubectl port-forward`` to the Service (the node has no kube-proxy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hack import stack
+from hack.stack import RUN_DIR
+
+from moeguard_operator.builders import Owner, build_workload
+from moeguard_operator.models import MoEInferenceServiceSpec
+
+pytestmark = pytest.mark.node
+
+NODE_ENV = RUN_DIR / "node" / "node.env"
+IMAGES_ENV = RUN_DIR / "node" / "images.env"
+READY_TIMEOUT = 420  # a cold node unpacks nothing (images are loaded), but torch's import takes a while on 2 cores
+
+
+def _env_file(path: Path) -> dict[str, str]:
+    if not path.exists():
+        pytest.fail(f"{path} is missing: run `make test-node` (or hack/node-up.sh and "
+                    f"hack/build-images.sh --load operator worker > {IMAGES_ENV})")
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+    return {k.strip(): v.strip() for k, v in pairs}
+
+
+@pytest.fixture(scope="module")
+def node() -> str:
+    name = _env_file(NODE_ENV)["NODE_NAME"]
+    ready = stack.kubectl("get", "node", name, "-o",
+                          'jsonpath={.status.conditions[?(@.type=="Ready")].status}', check=False)
+    assert ready.stdout.strip() == "True", f"node {name} is not Ready: {ready.stdout} {ready.stderr}"
+    return name
+
+
+@pytest.fixture(scope="module")
+def images() -> dict[str, str]:
+    return _env_file(IMAGES_ENV)
+
+
+@pytest.fixture(scope="module")
+def namespace() -> Iterator[str]:
+    ns = f"mg-node-{uuid.uuid4().hex[:8]}"
+    stack.kubectl("create", "namespace", ns)
+    yield ns
+    stack.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def operator(namespace: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    stack.apply_crds()
+    log = RUN_DIR / "logs" / f"operator-{namespace}.log"
+    proc = stack.start_operator(log, args=("-n", namespace, "--standalone"))
+    yield log
+    stack.stop_process(proc)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def port_forward(namespace: str, target: str, remote: int) -> Iterator[str]:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [str(stack.bin_dir("kubernetes") / "kubectl"), "-n", namespace, "port-forward", target, f"{port}:{remote}"],
+        env=stack.tools_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # "Forwarding from 127.0.0.1:PORT -> 8000"
+        assert "Forwarding from" in line, f"kubectl port-forward: {line}{proc.stdout.read() if proc.poll() is not None else ''}"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def moeis_manifest(name: str, namespace: str, image: str, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "moeguard.dev/v1alpha1",
+        "kind": "MoEInferenceService",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "image": image,
+            "model": {"preset": "tiny"},
+            "replicas": 1,
+            "resources": {"gpus": 1, "cpu": "1", "softLimit": "3Gi", "hardLimit": "4Gi"},
+            "template": {
+                "nodeSelector": {"moeguard.dev/node": "real"},
+                "tolerations": [{"key": "moeguard.dev/node", "operator": "Equal", "value": "real",
+                                 "effect": "NoSchedule"}],
+            },
+            **spec,
+        },
+    }
+
+
+def worker_pods(namespace: str, name: str) -> list[dict[str, Any]]:
+    pods = stack.kubectl_json("-n", namespace, "get", "pods", "-l", f"app.kubernetes.io/instance={name}")
+    return list(pods["items"])
+
+
+def ready(pod: dict[str, Any]) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod.get("status", {}).get("conditions", []))
+
+
+def describe(namespace: str, name: str) -> str:
+    out = stack.kubectl("-n", namespace, "describe", "pods", "-l", f"app.kubernetes.io/instance={name}", check=False)
+    logs = stack.kubectl("-n", namespace, "logs", "-l", f"app.kubernetes.io/instance={name}", "--tail=40",
+                         "--all-containers", "--prefix", check=False)
+    return f"{out.stdout[-6000:]}\n--- logs\n{logs.stdout[-4000:]}{logs.stderr[-1000:]}"
+
+
+def test_worker_pod_runs_on_the_real_node_and_serves(node: str, images: dict[str, str], namespace: str,
+                                                     operator: Path) -> None:
+    name = "tiny"
+    manifest = moeis_manifest(name, namespace, images["worker"])
+    stack.kubectl("apply", "-f", "-", stdin=json.dumps(manifest))
+    t0 = time.monotonic()
+    try:
+        pod = stack.wait_for(
+            lambda: next((p for p in worker_pods(namespace, name) if ready(p)), None),
+            READY_TIMEOUT, "a Ready worker pod")
+    except TimeoutError:
+        pytest.fail(f"no Ready worker pod after {READY_TIMEOUT}s\n{describe(namespace, name)}\n"
+                    f"--- operator\n{operator.read_text()[-3000:]}")
+    ready_s = time.monotonic() - t0
+    print(f"worker pod Ready {ready_s:.1f}s after the apply")
+    assert pod["spec"]["nodeName"] == node
+
+    # The pod is the operator's rendering of the spec: compare with the builder's template.
+    moeis = stack.kubectl_json("-n", namespace, "get", "moeis", name)
+    spec = MoEInferenceServiceSpec.model_validate(moeis["spec"])
+    rendered = build_workload(Owner(name, namespace, moeis["metadata"]["uid"]), spec)
+    want = rendered["spec"]["template"]["spec"]
+    got = pod["spec"]
+    (wc,), gc = want["containers"], got["containers"][0]
+    assert gc["image"] == images["worker"]
+    for field in ("command", "securityContext", "terminationMessagePath", "terminationMessagePolicy"):
+        assert gc[field] == wc[field], field
+    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+        assert gc[probe]["httpGet"]["path"] == wc[probe]["httpGet"]["path"], probe
+    assert gc["resources"]["limits"]["memory"] == wc["resources"]["limits"]["memory"] == "4Gi"
+    assert gc["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert got["securityContext"]["runAsUser"] == want["securityContext"]["runAsUser"] == 65532
+    assert got["serviceAccountName"] == want["serviceAccountName"]
+    assert {e["name"] for e in gc["env"]} >= {e["name"] for e in wc["env"]}
+    # The kubelet ran it as it said: the status it wrote is a real container's.
+    (cs,) = pod["status"]["containerStatuses"]
+    assert cs["ready"] and cs["containerID"].startswith("containerd://"), cs
+    assert re.fullmatch(r"10\.85\.0\.\d+", pod["status"]["podIP"]), pod["status"].get("podIP")
+
+    with port_forward(namespace, f"svc/{name}", 8000) as url:
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "The experts of a mixture", "max_tokens": 8},
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["text"], body
+        assert body["usage"]["completion_tokens"] >= 1, body
+        models = httpx.get(f"{url}/v1/models", timeout=30).json()
+        assert models["data"], models
+
+
+def test_images_run_as_built(images: dict[str, str]) -> None:
+    """The images' configuration (user, entrypoint, env) as the structure tests expect."""
+    for name, user, entry in (("worker", "65532:65532", ["python", "-m", "moeguard_runtime"]),
+                              ("operator", "65532:65532", ["python", "-m", "moeguard_operator"])):
+        out = subprocess.run(["buildah", "inspect", "--type", "image", images[name]], capture_output=True,
+                             text=True, check=True, timeout=60)
+        config = json.loads(out.stdout)["OCIv1"]["config"]
+        assert config["User"] == user, name
+        assert config["Entrypoint"] == entry, name
+        assert any(e.startswith("PATH=/opt/venv/bin:") for e in config["Env"]), name
+
