@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 from hack import stack
-from hack.stack import RUN_DIR
+from hack.stack import ROOT, RUN_DIR
 
 from moeguard_operator.builders import Owner, build_workload
 from moeguard_operator.models import MoEInferenceServiceSpec
@@ -106,7 +106,7 @@ def moeis_manifest(name: str, namespace: str, image: str, **spec: Any) -> dict[s
             "image": image,
             "model": {"preset": "tiny"},
             "replicas": 1,
-            "resources": {"gpus": 1, "cpu": "1", "softLimit": "3Gi", "hardLimit": "4Gi"},
+            "resources": {"gpus": 1, "cpu": "500m", "softLimit": "3Gi", "hardLimit": "4Gi"},
             "template": {
                 "nodeSelector": {"moeguard.dev/node": "real"},
                 "tolerations": [{"key": "moeguard.dev/node", "operator": "Equal", "value": "real",
@@ -194,3 +194,85 @@ def test_images_run_as_built(images: dict[str, str]) -> None:
         assert config["Entrypoint"] == entry, name
         assert any(e.startswith("PATH=/opt/venv/bin:") for e in config["Env"]), name
 
+
+
+def test_kernel_oom_kill_drives_the_operator(node: str, images: dict[str, str], namespace: str,
+                                             operator: Path) -> None:
+    """A hardLimit below the worker's start-up RSS: the kernel kills it in the kubelet's memory cgroup,
+    the kubelet writes ``OOMKilled`` (exit 137) and the restart, and the operator, reading only that
+    Pod status (no harness on this node), counts the kill and cuts every budget."""
+    name = "oom"
+    manifest = moeis_manifest(name, namespace, images["worker"])
+    manifest["spec"]["resources"].update({"softLimit": "256Mi", "hardLimit": "320Mi"})
+    stack.kubectl("apply", "-f", "-", stdin=json.dumps(manifest))
+
+    def killed() -> dict[str, Any] | None:
+        for p in worker_pods(namespace, name):
+            for cs in p.get("status", {}).get("containerStatuses", []):
+                term = cs.get("lastState", {}).get("terminated") or {}
+                if term.get("reason") == "OOMKilled":
+                    return {"pod": p, "status": cs, "terminated": term}
+        return None
+
+    try:
+        seen = stack.wait_for(killed, 240, "an OOMKilled worker container")
+    except TimeoutError:
+        pytest.fail(f"no OOM kill\n{describe(namespace, name)}")
+    assert seen["pod"]["spec"]["nodeName"] == node
+    assert seen["terminated"]["exitCode"] == 137
+    assert seen["status"]["restartCount"] >= 1
+
+    def reacted() -> dict[str, Any] | None:
+        status = stack.kubectl_json("-n", namespace, "get", "moeis", name).get("status", {})
+        return status if status.get("observed", {}).get("oomKills", 0) >= 1 and \
+            status.get("budgets", {}).get("maxPrefillTokens", 0) < status.get("initialBudgets", {}).get("maxPrefillTokens", 0) \
+            else None
+
+    status = stack.wait_for(reacted, 60, "the operator to count the OOM kill and cut the budgets")
+    print(f"OOM kills {status['observed']['oomKills']}: budgets {status['initialBudgets']} -> {status['budgets']}")
+    stack.kubectl("-n", namespace, "delete", "moeis", name, "--wait=false")
+
+
+def test_chart_installs_the_operator_as_a_pod(node: str, images: dict[str, str]) -> None:
+    """helm installs the operator from the built image as a pod on the real node (its Service account
+    token, the API server through the `kubernetes` Service); it reconciles a MoEInferenceService whose
+    worker pod runs there and serves."""
+    ns, release_ns = f"mg-node-chart-{uuid.uuid4().hex[:6]}", f"mg-node-op-{uuid.uuid4().hex[:6]}"
+    repo, tag = images["operator"].rsplit(":", 1)
+    toleration = {"key": "moeguard.dev/node", "operator": "Equal", "value": "real", "effect": "NoSchedule"}
+    values = {"image": {"repository": repo, "tag": tag, "pullPolicy": "IfNotPresent"},
+              "crds": {"enabled": False}, "operator": {"watchNamespaces": [ns]},
+              "nodeSelector": {"moeguard.dev/node": "real"}, "tolerations": [toleration]}
+    stack.apply_crds()
+    stack.kubectl("create", "namespace", ns)
+    helm = str(stack.bin_dir("helm") / "helm")
+    try:
+        out = subprocess.run([helm, "install", "moeguard", str(ROOT / "charts" / "moeguard"), "-n", release_ns,
+                              "--create-namespace", "-f", "-", "--wait", "--timeout", "180s"],
+                             input=json.dumps(values), env=stack.tools_env(), capture_output=True, text=True,
+                             timeout=240)
+        assert out.returncode == 0, out.stderr
+        (op,) = stack.kubectl_json("-n", release_ns, "get", "pods")["items"]
+        assert op["spec"]["nodeName"] == node and ready(op)
+        assert op["spec"]["containers"][0]["image"] == images["operator"]
+
+        name = "served"
+        stack.kubectl("apply", "-f", "-", stdin=json.dumps(moeis_manifest(name, ns, images["worker"])))
+        try:
+            pod = stack.wait_for(lambda: next((p for p in worker_pods(ns, name) if ready(p)), None),
+                                 READY_TIMEOUT, "a Ready worker pod of the chart's operator")
+        except TimeoutError:
+            oplog = stack.kubectl("-n", release_ns, "logs", "deploy/moeguard", "--tail=60", check=False).stdout
+            pytest.fail(f"no Ready worker pod\n{describe(ns, name)}\n--- operator pod\n{oplog}")
+        assert pod["spec"]["nodeName"] == node
+        with port_forward(ns, f"svc/{name}", 8000) as url:
+            r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=120)
+            assert r.status_code == 200, r.text
+        moeis = stack.kubectl_json("-n", ns, "get", "moeis", name)
+        ready_cond = next(c for c in moeis["status"]["conditions"] if c["type"] == "Ready")
+        assert ready_cond["status"] == "True", ready_cond
+    finally:
+        stack.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+        subprocess.run([helm, "uninstall", "moeguard", "-n", release_ns, "--wait", "--timeout", "60s"],
+                       env=stack.tools_env(), capture_output=True, timeout=90)
+        stack.kubectl("delete", "namespace", release_ns, "--wait=false", check=False)
