@@ -339,7 +339,7 @@ def two_ready_pods(namespace: str, name: str, images: dict[str, str]) -> set[str
     return {p["metadata"]["name"] for p in worker_pods(namespace, name)}
 
 
-@pytest.mark.xfail(strict=False, reason=(
+@pytest.mark.xfail(strict=False, raises=AssertionError, reason=(
     "fault found by the real node: on SIGTERM with nothing in flight the worker exits at once "
     "(__main__._draining_server), before Service endpoints stop pointing at it; a client routed by "
     "kube-proxy (here: by the EndpointSlices, re-read every 0.3 s) then meets a refused connection "
