@@ -173,6 +173,12 @@ def test_worker_pod_runs_on_the_real_node_and_serves(node: str, images: dict[str
     assert cs["ready"] and cs["containerID"].startswith("containerd://"), cs
     assert re.fullmatch(r"10\.85\.0\.\d+", pod["status"]["podIP"]), pod["status"].get("podIP")
 
+    # The device plugin allocated one of its nvidia.com/gpu devices (its env, as NVIDIA's plugin sets it,
+    # over the image's NVIDIA_VISIBLE_DEVICES=all); exec goes API server -> kubelet -> containerd.
+    env = stack.kubectl("-n", namespace, "exec", pod["metadata"]["name"], "--", "python", "-c",
+                        "import os; print(os.environ['NVIDIA_VISIBLE_DEVICES'])").stdout.strip()
+    assert re.fullmatch(r"gpu-[0-7]", env), env
+
     with port_forward(namespace, f"svc/{name}", 8000) as url:
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "The experts of a mixture", "max_tokens": 8},
                        timeout=120)
