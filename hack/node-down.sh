@@ -74,6 +74,10 @@ if [ -f "$RUN/kubeconfig" ]; then
   "$(bin_dir kubernetes)/kubectl" --kubeconfig="$RUN/kubeconfig" --request-timeout=5s \
     delete node "$NODE_NAME" --ignore-not-found >/dev/null 2>&1 || true
 fi
+# The device-plugin folder is fixed (/var/lib/kubelet/device-plugins): the kubelet's and the plugin's
+# sockets and the kubelet's checkpoint of allocations go with the node.
+rm -f /var/lib/kubelet/device-plugins/kubelet.sock /var/lib/kubelet/device-plugins/kubelet_internal_checkpoint \
+  /var/lib/kubelet/device-plugins/moeguard-*.sock
 [ "$(cat "$OWNER" 2>/dev/null)" = "$RUN" ] && rm -f "$OWNER"
 rm -rf "$N"
 log "stopped"

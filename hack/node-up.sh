@@ -285,7 +285,7 @@ shutdownGracePeriod: 0s
 EOF
 $cgroup_v1 || sed -i '/^failCgroupV1:/d' "$N/kubelet/config.yaml"
 start kubelet "$NODE_BIN/kubelet" --config="$N/kubelet/config.yaml" --kubeconfig="$N/kubelet/kubeconfig" \
-  --root-dir="$N/kubelet/root" --hostname-override="$NODE_NAME" --node-ip="$NODE_IP" \
+  --root-dir="$N/kubelet/root" --cert-dir="$N/kubelet/pki" --hostname-override="$NODE_NAME" --node-ip="$NODE_IP" \
   --node-labels="moeguard.dev/node=real,nvidia.com/gpu.present=true" --v=1
 wait_for kubelet 60 kubelet_ok
 wait_for kubelet 60 node_ready
