@@ -37,12 +37,37 @@ lint: ## ruff and mypy --strict.
 	$(PY) -m mypy
 
 .PHONY: cluster-up
-cluster-up: deps ## Start etcd, kube-apiserver, controller-manager, scheduler, kwok (2 fake GPU nodes) and Prometheus.
+cluster-up: deps ## Start etcd, kube-apiserver, controller-manager, scheduler, kwok (2 fake GPU nodes) and Prometheus; NODE=1: and the real node.
 	hack/cluster-up.sh
+	@if [ "$${NODE:-0}" = 1 ]; then hack/install-node-deps.sh && hack/node-up.sh; fi
 
 .PHONY: cluster-down
 cluster-down: ## Stop the local control plane and Prometheus.
 	hack/cluster-down.sh
+
+.PHONY: node-deps
+node-deps: ## Install what the real node and the image builds need (Debian: containerd, runc, CNI, buildah, mmdebstrap; Go: kubelet, crictl).
+	hack/install-node-deps.sh
+
+.PHONY: node-up
+node-up: deps node-deps ## Start the real node (containerd, a kubelet of the pinned version, the GPU device plugin) in the local cluster.
+	hack/cluster-up.sh
+	hack/node-up.sh
+
+.PHONY: node-down
+node-down: ## Stop the real node (the control plane keeps running; cluster-down stops both).
+	hack/node-down.sh
+
+.PHONY: images
+images: node-deps ## Build the operator and worker images with buildah on a local Debian base (cached by the hash of their inputs).
+	hack/build-images.sh operator worker
+
+.PHONY: test-node
+test-node: deps node-deps ## e2e on the real node: the images built and loaded, the operator's worker pod serving (tests/node; not in `make test`).
+	hack/cluster-up.sh
+	hack/node-up.sh
+	hack/build-images.sh --load operator worker >$(MOEGUARD_RUN_DIR)/node/images.env
+	MOEGUARD_TEST_NODE=1 $(PY) -m pytest tests/node -m node $(PYTEST_ARGS)
 
 .PHONY: operator
 operator: ## Run the operator against KUBECONFIG (default: the local control plane).

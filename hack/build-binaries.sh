@@ -10,8 +10,13 @@
 #   helm                          helm.sh/helm/v3/cmd/helm
 #   lws                           sigs.k8s.io/lws/cmd (the LeaderWorkerSet controller and its
 #                                 webhooks, as lws-manager) + its CRD and webhook manifests
+#   node (not in the default)     kubelet from the same k8s.io/kubernetes module, the
+#                                 pause binary from its build/pause/linux/pause.c (static,
+#                                 gcc), crictl (sigs.k8s.io/cri-tools) and
+#                                 hack/node/gpu-device-plugin (rebuilt when its source
+#                                 changes): the real node of hack/node-up.sh
 #
-# Usage: hack/build-binaries.sh [component...]   (default: all)
+# Usage: hack/build-binaries.sh [component...]   (default: etcd kwok helm lws kubernetes)
 # Prints nothing but progress; exits non-zero on the first failure.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -80,13 +85,12 @@ build_lws() {
   rm -rf "$out" && mv "$out.tmp" "$out"
 }
 
-build_kubernetes() {
-  local out; out=$(bin_dir kubernetes)
-  [ -x "$out/kube-apiserver" ] && [ -x "$out/kubectl" ] && return 0
-  log "kubernetes $KUBERNETES_VERSION (cold: tens of minutes)"
-  local staging="v0.${KUBERNETES_VERSION#v1.}"
-  mkdir -p "$WORK/k8s" "$out.tmp" && cd "$WORK/k8s"
+# k8s_module DIR: a main module in DIR that builds k8s.io/kubernetes commands at
+# $KUBERNETES_VERSION, with its staging modules at their matching tags.
+k8s_module() {
+  mkdir -p "$1" && cd "$1"
   go mod init moeguard.local/k8sbuild >/dev/null 2>&1
+  local staging="v0.${KUBERNETES_VERSION#v1.}"
   local gomod
   gomod=$(go mod download -json "k8s.io/kubernetes@$KUBERNETES_VERSION" | sed -n 's/.*"GoMod": "\(.*\)",*/\1/p')
   # Every staging module that kubernetes replaces with ./staging/... gets its matching tag.
@@ -98,23 +102,72 @@ build_kubernetes() {
   local gd
   gd=$(sed -n 's/^godebug[[:space:]]\+\(.*\)$/\1/p' "$gomod")
   [ -n "$gd" ] && go mod edit -godebug="$gd"
+  return 0
+}
+
+# k8s_ldflags: the version stamps that `make` in kubernetes would set.
+k8s_ldflags() {
+  local major minor ld="" p
+  major=$(echo "$KUBERNETES_VERSION" | sed 's/^v\([0-9]*\)\..*/\1/')
+  minor=$(echo "$KUBERNETES_VERSION" | sed 's/^v[0-9]*\.\([0-9]*\)\..*/\1/')
+  for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ld="$ld -X $p.gitVersion=$KUBERNETES_VERSION -X $p.gitMajor=$major -X $p.gitMinor=$minor -X $p.gitTreeState=clean"
+  done
+  echo "-s -w$ld"
+}
+
+build_kubernetes() {
+  local out; out=$(bin_dir kubernetes)
+  [ -x "$out/kube-apiserver" ] && [ -x "$out/kubectl" ] && return 0
+  log "kubernetes $KUBERNETES_VERSION (cold: tens of minutes)"
+  mkdir -p "$out.tmp"
+  k8s_module "$WORK/k8s"
   local cmds="kube-apiserver kube-controller-manager kube-scheduler kubectl"
   local c pkgs=""
   for c in $cmds; do pkgs="$pkgs k8s.io/kubernetes/cmd/$c@$KUBERNETES_VERSION"; done
   # shellcheck disable=SC2086
   go get -tool $pkgs >/dev/null
-  local major minor
-  major=$(echo "$KUBERNETES_VERSION" | sed 's/^v\([0-9]*\)\..*/\1/')
-  minor=$(echo "$KUBERNETES_VERSION" | sed 's/^v[0-9]*\.\([0-9]*\)\..*/\1/')
-  local ld=""
-  for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
-    ld="$ld -X $p.gitVersion=$KUBERNETES_VERSION -X $p.gitMajor=$major -X $p.gitMinor=$minor -X $p.gitTreeState=clean"
-  done
+  local ld; ld=$(k8s_ldflags)
   for c in $cmds; do
     log "  go build $c"
-    go build -trimpath -ldflags "-s -w $ld" -o "$out.tmp/$c" "k8s.io/kubernetes/cmd/$c"
+    go build -trimpath -ldflags "$ld" -o "$out.tmp/$c" "k8s.io/kubernetes/cmd/$c"
   done
   rm -rf "$out" && mv "$out.tmp" "$out"
+}
+
+build_node() {
+  local out; out=$(bin_dir node)
+  local plugin_src="$HERE/node/gpu-device-plugin/main.go" plugin_sum
+  plugin_sum=$(sha256sum "$plugin_src" | cut -c1-16)
+  if [ -x "$out/kubelet" ] && [ -x "$out/pause" ] && [ -x "$out/crictl-$CRICTL_VERSION" ] && [ -x "$out/gpu-device-plugin" ] &&
+    [ "$(cat "$out/gpu-device-plugin.sum" 2>/dev/null)" = "$plugin_sum" ]; then
+    return 0
+  fi
+  log "node: kubelet, pause, crictl, gpu-device-plugin $KUBERNETES_VERSION (cold: minutes)"
+  mkdir -p "$out"
+  k8s_module "$WORK/k8snode"
+  go get -tool "k8s.io/kubernetes/cmd/kubelet@$KUBERNETES_VERSION" >/dev/null
+  if [ ! -x "$out/kubelet" ]; then
+    log "  go build kubelet"
+    go build -trimpath -ldflags "$(k8s_ldflags)" -o "$out/kubelet.tmp" k8s.io/kubernetes/cmd/kubelet
+    mv "$out/kubelet.tmp" "$out/kubelet"
+  fi
+  if [ ! -x "$out/pause" ]; then  # the sandbox image's binary, from the same module's build/pause
+    log "  gcc pause"
+    gcc -Os -Wall -Werror -static -DVERSION="$KUBERNETES_VERSION-moeguard" -o "$out/pause.tmp" \
+      "$(go env GOMODCACHE)/k8s.io/kubernetes@$KUBERNETES_VERSION/build/pause/linux/pause.c"
+    strip "$out/pause.tmp" && mv "$out/pause.tmp" "$out/pause"
+  fi
+  if [ ! -x "$out/crictl-$CRICTL_VERSION" ]; then  # node-down stops the pods through the CRI (CNI teardown)
+    log "  go install crictl $CRICTL_VERSION"
+    (cd "$WORK" && GOBIN="$out" go install -trimpath "sigs.k8s.io/cri-tools/cmd/crictl@$CRICTL_VERSION")
+    mv "$out/crictl" "$out/crictl-$CRICTL_VERSION"
+  fi
+  log "  go build gpu-device-plugin"
+  mkdir -p "$WORK/k8snode/gpu-device-plugin" && cp "$plugin_src" "$WORK/k8snode/gpu-device-plugin/"
+  go build -trimpath -ldflags "-s -w" -o "$out/gpu-device-plugin.tmp" ./gpu-device-plugin
+  mv "$out/gpu-device-plugin.tmp" "$out/gpu-device-plugin"
+  echo "$plugin_sum" >"$out/gpu-device-plugin.sum"
 }
 
 want=${*:-etcd kwok helm lws kubernetes}

@@ -6,6 +6,7 @@
 # Usage: hack/cluster-down.sh [--keep-data]
 set -euo pipefail
 RUN=${MOEGUARD_RUN_DIR:-/tmp/moeguard-run}
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 keep=0
 for a in "$@"; do
   case "$a" in
@@ -47,6 +48,8 @@ stop_named() {
   stop "${pids[@]}"
   for n in "$@"; do rm -f "$RUN"/pids/$n.pid; done
 }
+# The real node first (hack/node-up.sh: its pods through the CRI, its mounts), while the API server runs.
+if [ -d "$RUN/node" ]; then "$HERE/node-down.sh" || log "node-down failed: see above"; fi
 # The worker harness first (it stops its workers), then the control plane top-down.
 stop_named 'pod-workers*'
 # Workers left behind by a harness that was killed: their KUBECONFIG is in the run dir.

@@ -218,6 +218,7 @@ start kube-apiserver "$K8S/kube-apiserver" \
   --service-account-issuer=https://kubernetes.default.svc.cluster.local \
   --service-account-key-file="$RUN/pki/sa.pub" --service-account-signing-key-file="$RUN/pki/sa.key" \
   --service-cluster-ip-range=10.96.0.0/16 \
+  --kubelet-preferred-address-types=InternalIP,Hostname \
   --endpoint-reconciler-type=none  # Endpoints may not hold 127.0.0.1: it would log an error every 10 s
 wait_for etcd 30 etcd_ok
 wait_for kube-apiserver 90 apiserver_ok

@@ -8,6 +8,7 @@ bin_dir() {
     helm) echo "$MOEGUARD_CACHE/bin/helm-$HELM_VERSION" ;;
     lws) echo "$MOEGUARD_CACHE/bin/lws-$LWS_VERSION" ;;
     kubernetes) echo "$MOEGUARD_CACHE/bin/kubernetes-$KUBERNETES_VERSION" ;;
+    node) echo "$MOEGUARD_CACHE/bin/node-$KUBERNETES_VERSION" ;;
     *) echo "unknown component $1" >&2; return 1 ;;
   esac
 }
