@@ -131,7 +131,7 @@ def main(env: Mapping[str, str] | None = None) -> int:
     app = create_app(slot, settings.max_body_bytes)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                             access_log=False, timeout_graceful_shutdown=2)
-    server = _draining_server(uvicorn, config, slot, settings.drain_s, log)
+    server = _draining_server(uvicorn, config, slot, settings.drain_s, log, settings.shutdown_delay_s)
     threading.Thread(target=_stop_on_failure, args=(failed, server), daemon=True).start()
     threading.Thread(target=_stop_on_failure, args=(group_lost, server, EP_EXIT_GRACE_S), daemon=True).start()
     server.run()
@@ -324,13 +324,15 @@ def _fail(log: RateLimitedLog, event: str, error: str) -> None:
 DRAIN_POLL_S = 0.1
 
 
-def _draining_server(uvicorn: Any, config: Any, slot: WorkerSlot, drain_s: float, log: RateLimitedLog) -> Any:
+def _draining_server(uvicorn: Any, config: Any, slot: WorkerSlot, drain_s: float, log: RateLimitedLog,
+                     shutdown_delay_s: float = 0.0) -> Any:
     """A uvicorn server whose first SIGTERM drains (Kubernetes stops a pod with SIGTERM, then SIGKILL
     after ``terminationGracePeriodSeconds``): the worker stops admitting (new requests get 503
     ``shutting_down`` with Retry-After, ``/readyz`` 503) while it keeps serving; the requests it accepted
     finish, or after ``drain_s`` seconds are ended with a 503 error (an SSE error event for a stream
-    already answering): none is lost silently. Then the server stops and the process exits 0. A second
-    SIGTERM, or SIGINT, stops at once (uvicorn's own handling)."""
+    already answering): none is lost silently. It keeps answering so for ``shutdown_delay_s`` seconds at
+    least (``config.ENV_SHUTDOWN_DELAY_SECONDS``: while Services stop routing to it). Then the server stops
+    and the process exits 0. A second SIGTERM, or SIGINT, stops at once (uvicorn's own handling)."""
 
     class DrainingServer(uvicorn.Server):  # type: ignore[misc]
         draining = False
@@ -351,6 +353,7 @@ def _draining_server(uvicorn: Any, config: Any, slot: WorkerSlot, drain_s: float
                 if worker.in_flight():
                     worker.cut(f"the worker is shutting down (SIGTERM) and the request did not finish within "
                                f"the drain period of {drain_s:g} s; retry on another replica")
+            time.sleep(max(0.0, shutdown_delay_s - (time.monotonic() - t0)))
             log.event("drain_done", force=True, seconds=round(time.monotonic() - t0, 3))
             self.should_exit = True
 

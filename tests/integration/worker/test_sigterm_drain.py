@@ -102,3 +102,22 @@ def test_what_outlives_the_drain_period_ends_with_an_error_not_silence(
     assert status == 200 and events[-2]["error"]["code"] == "shutting_down" and events[-1] == "[DONE]", events[-3:]
     assert worker.proc.wait(10) == 0
     assert "event=drain_cut requests=2" in worker.logs()
+
+
+def test_an_idle_worker_keeps_refusing_with_retry_after_for_the_shutdown_delay(
+        start_worker: Callable[..., WorkerProcess]) -> None:
+    """Found on the real node (issue 17): a worker that exited at once on SIGTERM was still sent requests while
+    the Service's endpoints caught up, refused without Retry-After. It now answers 503 for the delay first."""
+    worker = start_worker(MOEGUARD_SHUTDOWN_DELAY_SECONDS="2")
+    t0 = time.monotonic()
+    worker.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)  # the signal handled
+    answers = []
+    while time.monotonic() - t0 < 1.5:
+        r = httpx.post(f"{worker.base_url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+                       timeout=10)
+        answers.append((r.status_code, r.headers.get("Retry-After"), r.json()["error"]["code"]))
+        time.sleep(0.1)
+    assert answers and set(answers) == {(503, "1", "shutting_down")}, answers
+    assert worker.proc.wait(10) == 0
+    assert time.monotonic() - t0 >= 2.0
