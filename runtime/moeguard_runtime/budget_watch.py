@@ -152,28 +152,32 @@ class BudgetWatcher:
             try:
                 api = self._core()
                 if resource_version is None:
-                    try:
-                        cm = api.read_namespaced_config_map(self.name, self.namespace)
-                        self._on_data(cm.data)
-                        resource_version = cm.metadata.resource_version
-                    except ApiException as exc:
-                        if exc.status != 404:
-                            raise
-                        self._log("budget_configmap_missing", name=self.name,
-                                  namespace=self.namespace)
-                        resource_version = "0"
+                    # A list (of the one object) gives the collection's resourceVersion: the API server's now,
+                    # which its watch cache holds. The object's own is older, and a restarted API server no
+                    # longer holds it (410 at once, forever: the real node's fault, issue 17).
+                    listed = api.list_namespaced_config_map(self.namespace,
+                                                            field_selector=f"metadata.name={self.name}")
+                    if listed.items:
+                        self._on_data(listed.items[0].data)
+                    else:
+                        self._log("budget_configmap_missing", name=self.name, namespace=self.namespace)
+                    resource_version = listed.metadata.resource_version
                 w = watch.Watch()  # type: ignore[no-untyped-call]
                 events = w.stream(  # type: ignore[no-untyped-call]
                     api.list_namespaced_config_map, self.namespace,
                     field_selector=f"metadata.name={self.name}",
                     resource_version=resource_version, timeout_seconds=300,
                     allow_watch_bookmarks=True)
+                failed = False
                 for event in events:
-                    backoff = 0.5
                     obj = event["object"]
                     if event["type"] == "ERROR":
-                        resource_version = None  # 410 Gone and friends: read again
+                        resource_version = None  # 410 Gone and friends: read again, after the back-off
+                        failed = True
+                        self._log("budget_watch_error", error=str(getattr(obj, "message", obj))[:300],
+                                  retry_s=backoff)
                         break
+                    backoff = 0.5
                     resource_version = event_resource_version(obj) or resource_version
                     if event["type"] in ("ADDED", "MODIFIED"):
                         self._on_data(obj.data)
@@ -190,6 +194,7 @@ class BudgetWatcher:
             except Exception as exc:  # the watch must survive anything
                 self._log("budget_watch_error", error=repr(exc)[:300], retry_s=backoff)
             else:
-                continue  # the server closed the watch normally: reconnect at once
+                if not failed:
+                    continue  # the server closed the watch normally: reconnect at once
             self._stop.wait(backoff)
             backoff = min(backoff * 2, 30.0)

@@ -64,12 +64,11 @@ class FakeApi:
     def __init__(self) -> None:
         self.calls: list[dict[str, Any]] = []
 
-    def read_namespaced_config_map(self, name: str, namespace: str) -> Any:
-        return SimpleNamespace(data=data(1), metadata=SimpleNamespace(resource_version="10"))
-
     def list_namespaced_config_map(self, namespace: str, **kw: Any) -> Any:
-        self.calls.append(kw)
-        raise AssertionError("replaced by the fake watch")
+        """The list (the object's resourceVersion 7, the collection's 10); the watch is the fake's."""
+        assert kw == {"field_selector": "metadata.name=svc-budget"}, kw
+        obj = SimpleNamespace(data=data(1), metadata=SimpleNamespace(resource_version="7"))
+        return SimpleNamespace(items=[obj], metadata=SimpleNamespace(resource_version="10"))
 
 
 def test_watcher_gets_then_watches_one_object(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -95,6 +94,31 @@ def test_watcher_gets_then_watches_one_object(monkeypatch: pytest.MonkeyPatch) -
     assert call["namespace"] == "ns1"
     assert call["field_selector"] == "metadata.name=svc-budget"
     assert call["resource_version"] == "10"
+
+
+def test_a_watch_error_reads_again_after_a_back_off_not_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """410 Gone as a watch ERROR event (a restarted API server): the watcher lists again after its back-off
+    (0.5 s, doubling), not in a tight loop."""
+    api = FakeApi()
+    waits: list[float] = []
+    watches = 0
+
+    class FakeWatch:
+        def stream(self, func: Any, namespace: str, **kw: Any) -> Any:
+            nonlocal watches
+            watches += 1
+            if watches == 3:
+                watcher.stop()
+            yield {"type": "ERROR", "object": SimpleNamespace(message="too old resource version: 10 (75)")}
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr("kubernetes.watch.Watch", FakeWatch)
+    watcher = BudgetWatcher("svc-budget", "ns1", lambda d: None, lambda *a, **k: None, api=api)
+    monkeypatch.setattr(watcher._stop, "wait", lambda s: waits.append(s) or watcher._stop.is_set())
+    watcher.run()
+    assert watches == 3 and waits[:2] == [0.5, 1.0], waits
 
 
 def test_a_number_written_as_a_string_is_refused() -> None:
