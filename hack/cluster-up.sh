@@ -46,14 +46,6 @@ elapsed() { awk -v t0="$T0" -v t1="$(date +%s.%N)" 'BEGIN { printf "%.1f", t1 - 
 log() { printf '[cluster-up %6ss] %s\n' "$(elapsed)" "$*" >&2; }
 die() { printf '[cluster-up %6ss] ERROR: %s\n' "$(elapsed)" "$*" >&2; exit 1; }
 
-# alive NAME: its pid file names a live process whose command line points into
-# the run dir (so a recycled pid is not mistaken for ours).
-alive() {
-  local f="$RUN/pids/$1.pid" pid
-  [ -f "$f" ] && pid=$(cat "$f") && [ -r "/proc/$pid/cmdline" ] &&
-    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -qF "$RUN/"
-}
-
 etcd_ok() { curl -sf --max-time 2 "http://127.0.0.1:$ETCD_PORT/health" | grep -q '"health":"true"'; }
 apiserver_ok() { "${KUBECTL[@]}" get --raw /readyz >/dev/null 2>&1; }
 secure_ok() { curl -skf --max-time 2 "https://127.0.0.1:$1/healthz" >/dev/null; }
@@ -94,41 +86,6 @@ for b in "$ETCD" "$K8S/kube-apiserver" "$K8S/kube-controller-manager" "$K8S/kube
   [ -x "$b" ] || die "missing $b: build it with hack/build-binaries.sh (Prometheus: apt-get install prometheus)"
 done
 
-# start NAME CMD...: start CMD in its own session unless NAME is alive.
-start() {
-  local name=$1; shift
-  if alive "$name"; then log "$name already running (pid $(cat "$RUN/pids/$name.pid"))"; return 0; fi
-  printf '\n=== %s start %s\n' "$(date -Is)" "$name" >>"$RUN/logs/$name.log"
-  (
-    # The daemon keeps no descriptor of ours but 0-2: under `flock LOCK hack/cluster-up.sh` it would
-    # otherwise hold LOCK for as long as the cluster runs.
-    for fd in /proc/$BASHPID/fd/*; do
-      fd=${fd##*/}
-      if [ "$fd" -gt 2 ]; then eval "exec $fd>&-"; fi
-    done
-    exec setsid "$@"
-  ) >>"$RUN/logs/$name.log" 2>&1 </dev/null &
-  echo $! >"$RUN/pids/$name.pid"
-  log "started $name (pid $!, log $RUN/logs/$name.log)"
-}
-
-# wait_for NAME TIMEOUT_S CHECK...: poll CHECK; fail early if NAME's process died.
-wait_for() {
-  local name=$1 timeout=$2; shift 2
-  local deadline=$(($(date +%s) + timeout))
-  until "$@"; do
-    if ! alive "$name"; then
-      tail -n 20 "$RUN/logs/$name.log" >&2 || true
-      die "$name exited before it was healthy; see $RUN/logs/$name.log"
-    fi
-    if [ "$(date +%s)" -ge "$deadline" ]; then
-      tail -n 20 "$RUN/logs/$name.log" >&2 || true
-      die "$name not healthy after ${timeout}s ($*); see $RUN/logs/$name.log"
-    fi
-    sleep 0.2
-  done
-  log "$name healthy"
-}
 
 mkdir -p "$RUN"/{pki/apiserver,pki/kcm,pki/scheduler,pki/lws,lws,pids,logs,etcd,prometheus/targets,prometheus/data,workers}
 

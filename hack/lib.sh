@@ -18,3 +18,48 @@ tools_path() {
   for c in kubernetes etcd kwok helm; do p="$p$(bin_dir "$c"):"; done
   echo "${p%:}"
 }
+
+# --- daemons of a run dir: the calling script sets RUN and defines log and die ---
+# alive NAME: its pid file names a live process whose command line points into
+# the run dir (so a recycled pid is not mistaken for ours).
+alive() {
+  local f="$RUN/pids/$1.pid" pid
+  [ -f "$f" ] && pid=$(cat "$f") && [ -r "/proc/$pid/cmdline" ] &&
+    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -qF "$RUN/"
+}
+
+# start NAME CMD...: start CMD in its own session unless NAME is alive.
+start() {
+  local name=$1; shift
+  if alive "$name"; then log "$name already running (pid $(cat "$RUN/pids/$name.pid"))"; return 0; fi
+  printf '\n=== %s start %s\n' "$(date -Is)" "$name" >>"$RUN/logs/$name.log"
+  (
+    # The daemon keeps no descriptor of ours but 0-2: under `flock LOCK hack/cluster-up.sh` it would
+    # otherwise hold LOCK for as long as the cluster runs.
+    for fd in /proc/$BASHPID/fd/*; do
+      fd=${fd##*/}
+      if [ "$fd" -gt 2 ]; then eval "exec $fd>&-"; fi
+    done
+    exec setsid "$@"
+  ) >>"$RUN/logs/$name.log" 2>&1 </dev/null &
+  echo $! >"$RUN/pids/$name.pid"
+  log "started $name (pid $!, log $RUN/logs/$name.log)"
+}
+
+# wait_for NAME TIMEOUT_S CHECK...: poll CHECK; fail early if NAME's process died.
+wait_for() {
+  local name=$1 timeout=$2; shift 2
+  local deadline=$(($(date +%s) + timeout))
+  until "$@"; do
+    if ! alive "$name"; then
+      tail -n 20 "$RUN/logs/$name.log" >&2 || true
+      die "$name exited before it was healthy; see $RUN/logs/$name.log"
+    fi
+    if [ "$(date +%s)" -ge "$deadline" ]; then
+      tail -n 20 "$RUN/logs/$name.log" >&2 || true
+      die "$name not healthy after ${timeout}s ($*); see $RUN/logs/$name.log"
+    fi
+    sleep 0.2
+  done
+  log "$name healthy"
+}

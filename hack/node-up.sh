@@ -61,35 +61,7 @@ elapsed() { awk -v t0="$T0" -v t1="$(date +%s.%N)" 'BEGIN { printf "%.1f", t1 - 
 log() { printf '[node-up %6ss] %s\n' "$(elapsed)" "$*" >&2; }
 die() { printf '[node-up %6ss] ERROR: %s\n' "$(elapsed)" "$*" >&2; exit 1; }
 
-alive() {
-  local f="$RUN/pids/$1.pid" pid
-  [ -f "$f" ] && pid=$(cat "$f") && [ -r "/proc/$pid/cmdline" ] &&
-    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -qF "$RUN/"
-}
-start() {
-  local name=$1; shift
-  if alive "$name"; then log "$name already running (pid $(cat "$RUN/pids/$name.pid"))"; return 0; fi
-  printf '\n=== %s start %s\n' "$(date -Is)" "$name" >>"$RUN/logs/$name.log"
-  setsid "$@" >>"$RUN/logs/$name.log" 2>&1 </dev/null &
-  echo $! >"$RUN/pids/$name.pid"
-  log "started $name (pid $!, log $RUN/logs/$name.log)"
-}
-wait_for() {
-  local name=$1 timeout=$2; shift 2
-  local deadline=$(($(date +%s) + timeout))
-  until "$@"; do
-    if ! alive "$name"; then
-      tail -n 30 "$RUN/logs/$name.log" >&2 || true
-      die "$name exited before it was healthy; see $RUN/logs/$name.log"
-    fi
-    if [ "$(date +%s)" -ge "$deadline" ]; then
-      tail -n 30 "$RUN/logs/$name.log" >&2 || true
-      die "$name not healthy after ${timeout}s ($*); see $RUN/logs/$name.log"
-    fi
-    sleep 0.5
-  done
-  log "$name healthy"
-}
+# alive, start, wait_for: hack/lib.sh
 
 containerd_ok() { ctr --address "$SOCK" version >/dev/null 2>&1; }
 kubelet_ok() { curl -sf --max-time 2 "http://127.0.0.1:$KUBELET_HEALTHZ_PORT/healthz" >/dev/null; }
