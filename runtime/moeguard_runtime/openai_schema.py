@@ -49,7 +49,7 @@ class _Sampling(BaseModel):
                               description="The served model's name (GET /v1/models) or an alias; "
                                           "another name is a 404 model_not_found.")
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="0 is greedy.")
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    seed: int | None = Field(default=None, ge=0, le=MAX_PRIORITY, description="Up to 2**53 - 1 (I-JSON's exact range).")
     stream: bool = Field(default=False, strict=True)
     stream_options: StreamOptions | None = Field(
         default=None, description="OpenAI's stream options; only with stream: true.")

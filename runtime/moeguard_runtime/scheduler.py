@@ -129,8 +129,10 @@ CRITICALITIES = {"critical": INTERACTIVE, "standard": INTERACTIVE, "sheddable": 
 any case) to class: sheddable work is batch, the rest interactive."""
 PRIORITY_NAMES = (*PRIORITIES, "Critical", "Standard", "Sheddable", *CRITICALITIES)
 """The names a request body's ``priority`` may hold, exactly (the ``X-Priority`` header takes any case)."""
-MAX_PRIORITY = 2**63 - 1
-"""Bound of an integer priority, either sign (int64, as vLLM's is stored)."""
+MAX_PRIORITY = 2**53 - 1
+"""Bound of an integer priority, either sign: the largest integer a JSON number carries exactly (I-JSON, RFC 7493
+§2.2; beyond it a client's or a validator's double rounds: a schema bound of 2**63 - 1 let 2**63 + 191 pass a
+JSON Schema check and fail ours)."""
 PRIORITY_HELP = ("interactive or batch; a criticality (Critical, Standard, Sheddable); or an "
                  "integer as vLLM's priority (lower is earlier: <= 0 interactive, > 0 batch)")
 """What a request's priority may be, for error messages and the API's description."""

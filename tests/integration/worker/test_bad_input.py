@@ -143,7 +143,7 @@ def test_numbers_json_cannot_hold_are_a_400(worker: WorkerProcess, body: str, ne
 
 @pytest.mark.parametrize(("field", "value", "needles"), [
     ("max_tokens", "9" * 4300, ["invalid field 'max_tokens'", "limit: le 1048576"]),
-    ("seed", "9" * 4300, ["invalid field 'seed'", "limit: le 9223372036854775807"]),
+    ("seed", "9" * 4300, ["invalid field 'seed'", "limit: le 9007199254740991"]),
     ("temperature", "9" * 4300, ["invalid field 'temperature'"]),
     ("seed", "1e300", ["invalid field 'seed'"]),
     ("max_tokens", "-1e300", ["invalid field 'max_tokens'"]),
