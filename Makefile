@@ -19,7 +19,11 @@ demo: deps ## The main job end to end: control plane, Prometheus, operator, work
 	$(PY) hack/demo.py $(DEMO_ARGS)
 
 .PHONY: test
-test: deps ## All tests: unit, then integration against the real local control plane and Prometheus.
+test: test-cluster ## All tests: unit, integration against the real local control plane and Prometheus, then the real node (test-node; root).
+	$(MAKE) --no-print-directory test-node
+
+.PHONY: test-cluster
+test-cluster: deps ## Unit, then integration against the real local control plane and Prometheus (no real node: no root needed).
 	$(PY) -m pytest tests -m "unit or integration" $(PYTEST_ARGS)
 
 .PHONY: test-unit

@@ -23,6 +23,8 @@
 # buildah's store (disk: a worker image is ~6 GB).
 # Prints NAME=REF per image on stdout. Usage: hack/build-images.sh [--load] [base|operator|worker|pause]...
 set -euo pipefail
+# A failed build inside ref=$(build_app ...) must stop the script, not print a ref that does not exist.
+shopt -s inherit_errexit
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/.." && pwd)
 # shellcheck source=versions.env

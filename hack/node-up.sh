@@ -85,6 +85,13 @@ if [ -f "$OWNER" ] && [ "$(cat "$OWNER")" != "$RUN" ] &&
   MOEGUARD_RUN_DIR=$(cat "$OWNER") bash -c '[ -f "$MOEGUARD_RUN_DIR/pids/kubelet.pid" ] && kill -0 "$(cat "$MOEGUARD_RUN_DIR/pids/kubelet.pid")"' 2>/dev/null; then
   die "a real node of $(cat "$OWNER") runs on this machine (one per machine): stop it with MOEGUARD_RUN_DIR=$(cat "$OWNER") hack/node-down.sh"
 fi
+if [ -f "$OWNER" ] && [ "$(cat "$OWNER")" != "$RUN" ]; then
+  # A node of another run dir that is not running (killed, say, with the session that started it):
+  # its mounts, cgroups and stragglers go before this one starts (node-down is idempotent).
+  log "cleaning up after the stopped node of $(cat "$OWNER")"
+  MOEGUARD_RUN_DIR=$(cat "$OWNER") "$HERE/node-down.sh" || log "node-down of $(cat "$OWNER") failed: going on"
+  rm -f "$OWNER"
+fi
 if healthy; then
   log "node $NODE_NAME of $RUN is already healthy"
   exit 0
