@@ -55,13 +55,12 @@ def main(env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     configure_logging()
     log = RateLimitedLog()
-    from moeguard_runtime.ep_config import ConfigError as EpConfigError
     from moeguard_runtime.ep_config import load_ep_settings
 
     try:
         settings = load_settings(env)
         ep = load_ep_settings(env, settings.capacity_factor)
-    except (ConfigError, EpConfigError) as exc:
+    except ConfigError as exc:
         _fail(log, "config_error", str(exc))
         return 2
     import torch
@@ -91,7 +90,7 @@ def main(env: Mapping[str, str] | None = None) -> int:
     if ep is not None:
         try:
             ep.expert_range(num_experts)
-        except EpConfigError as exc:
+        except ConfigError as exc:
             _fail(log, "config_error", str(exc))
             return 2
         from moeguard_runtime.ep_worker import run_follower, spawn_local_ranks

@@ -36,6 +36,11 @@ import torch
 from moeguard_runtime import contract
 from moeguard_runtime.allocation import DEFAULT_UNRECOVERED_S
 from moeguard_runtime.contract import Budgets
+from moeguard_runtime.env_values import (
+    ConfigError as ConfigError,  # re-exported: callers catch config.ConfigError
+)
+from moeguard_runtime.env_values import env_float as _float
+from moeguard_runtime.env_values import env_int as _int
 from moeguard_runtime.faults import Faults, load_faults
 from moeguard_runtime.moe import (
     DEFAULT_EXPERT_CHUNK_TOKENS,
@@ -105,10 +110,6 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 DEFAULT_BUDGETS = contract.DEFAULT_BUDGETS
 """The initial budgets when the variables are unset: the contract's, the same as the operator's spec defaults."""
-
-
-class ConfigError(ValueError):
-    """A malformed environment variable; the message names it."""
 
 
 @dataclass(frozen=True)
@@ -205,27 +206,6 @@ def resolve_dtype(raw: str | None, device: str) -> str:
         raise ConfigError(f"{contract.ENV_DTYPE}={value!r} must be auto or one of "
                           f"{', '.join(DTYPES)}")
     return str(DTYPES[value]).removeprefix("torch.")
-
-
-def _int(env: Mapping[str, str], name: str, default: int | None, minimum: int = 0) -> int | None:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not an integer") from None
-    if value < minimum:
-        raise ConfigError(f"{name}={value} must be >= {minimum}")
-    return value
-
-
-def _float(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name, "").strip()
-    try:
-        return float(raw) if raw else default
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number") from None
 
 
 def _overrides(env: Mapping[str, str]) -> tuple[tuple[str, int | float], ...]:

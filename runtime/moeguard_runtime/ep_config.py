@@ -21,13 +21,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from moeguard_runtime import contract
+from moeguard_runtime.env_values import ConfigError, env_float, env_int
 
 ENV_EP_LOCAL_RANK = "MOEGUARD_EP_LOCAL_RANK"
 """Internal: the local rank of a child rank process, set by the pod's main process (absent: 0)."""
-
-
-class ConfigError(ValueError):
-    """A bad expert-parallel setting, naming the variable (``config.ConfigError`` derives from it)."""
 
 
 @dataclass(frozen=True)
@@ -79,29 +76,15 @@ def expert_range(rank: int, size: int, num_experts: int) -> tuple[int, int]:
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None, minimum: int) -> int:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        if default is None:
-            raise ConfigError(f"{name} is required with {contract.ENV_EXPERT_PARALLEL_SIZE} > 1 "
-                              f"(LeaderWorkerSet sets it on every pod of a group)")
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not an integer") from None
-    if value < minimum:
-        raise ConfigError(f"{name}={value} must be >= {minimum}")
+    value = env_int(env, name, default, minimum)
+    if value is None:
+        raise ConfigError(f"{name} is required with {contract.ENV_EXPERT_PARALLEL_SIZE} > 1 "
+                          f"(LeaderWorkerSet sets it on every pod of a group)")
     return value
 
 
 def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number") from None
+    value = env_float(env, name, default)
     if not math.isfinite(value) or not 0 < value <= 3600:
         raise ConfigError(f"{name}={value:g} must be in (0, 3600] seconds")
     return value

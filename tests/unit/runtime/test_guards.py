@@ -87,11 +87,20 @@ def test_settings_read_every_contract_variable() -> None:
      "MOEGUARD_FAULT_LEAK_ANON_BYTES_PER_SECOND=-1 must be >= 0"),
     ({"MOEGUARD_MATMUL_BACKEND": "cublas"}, "MOEGUARD_MATMUL_BACKEND='cublas' must be one of"),
     ({"MOEGUARD_MOE_DISPATCH": "gpu"}, "MOEGUARD_MOE_DISPATCH='gpu' must be one of auto, host, device"),
+    ({"MOEGUARD_SHUTDOWN_DELAY_SECONDS": "soon"}, "MOEGUARD_SHUTDOWN_DELAY_SECONDS='soon' is not a number"),
+    ({"MOEGUARD_SHUTDOWN_DELAY_SECONDS": "-1"}, "MOEGUARD_SHUTDOWN_DELAY_SECONDS=-1 must be between 0 and 3600"),
+    ({"MOEGUARD_SHUTDOWN_DELAY_SECONDS": "nan"}, "MOEGUARD_SHUTDOWN_DELAY_SECONDS=nan must be between 0 and 3600"),
 ])
 def test_bad_environment_names_the_variable(env: dict[str, str], needle: str) -> None:
     with pytest.raises(ConfigError) as exc:
         load_settings(env)
     assert needle in str(exc.value)
+
+
+def test_shutdown_delay_is_read_in_seconds() -> None:
+    assert load_settings({}).shutdown_delay_s == 5.0
+    assert load_settings({"MOEGUARD_SHUTDOWN_DELAY_SECONDS": "0"}).shutdown_delay_s == 0.0
+    assert load_settings({"MOEGUARD_SHUTDOWN_DELAY_SECONDS": " 12.5 "}).shutdown_delay_s == 12.5
 
 
 def test_faults_are_read_only_behind_the_test_switch() -> None:
