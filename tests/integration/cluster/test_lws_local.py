@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 from hack import pod_workers
+from hack.stack import wait_for
 from tests.integration.conftest import PodWorkers
 
 from moeguard_operator import constants as c
@@ -97,12 +98,8 @@ def lws_workers(cluster: Cluster, namespace: str) -> Iterator[PodWorkers]:
 
 
 def wait(what: str, check: Any, timeout: float = 30) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if result := check():
-            return result
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    """:func:`hack.stack.wait_for` with this file's argument order and a 0.25-s interval."""
+    return wait_for(check, timeout, what, interval=0.25)
 
 
 def pods(cluster: Cluster, namespace: str) -> dict[str, dict[str, Any]]:
