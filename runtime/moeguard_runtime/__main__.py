@@ -259,7 +259,8 @@ def choose_matmul_kernel(settings: Settings, model: object, telemetry: Telemetry
                          log: RateLimitedLog) -> str:
     """With ``MOEGUARD_MATMUL_BACKEND=auto``, measure the candidate kernels on the model's own
     expert shapes (or read the cached choice, :mod:`moeguard_runtime.kernel_select`) and give
-    the plan to every MoE layer; log ``event=matmul_kernel_selected`` (and
+    the plan to every MoE layer (a packed plan packs the experts' weights, replacing the dense ones:
+    called after loading and sharding, before the weight bytes are counted); log ``event=matmul_kernel_selected`` (and
     ``event=kernel_cache_off`` when the cache cannot be written), set
     ``moeguard_matmul_kernel_info``. Returns the kernel's label."""
     from torch import nn
@@ -271,6 +272,7 @@ def choose_matmul_kernel(settings: Settings, model: object, telemetry: Telemetry
     experts = kernel_select.first_experts(model) if isinstance(model, nn.Module) else None
     if settings.matmul_backend == "auto" and isinstance(model, nn.Module) and experts is not None:
         selection = kernel_select.select(*experts, threads=settings.torch_threads, cpu=cpu)
+        del experts  # a packed plan replaces the dense weights: no reference may keep them
         kernel_select.apply_plan(model, selection.plan)
         kernel = selection.plan.label
         if selection.cache_error is not None:

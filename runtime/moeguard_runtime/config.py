@@ -44,7 +44,7 @@ from moeguard_runtime.env_values import env_int as _int
 from moeguard_runtime.faults import Faults, load_faults
 from moeguard_runtime.moe import (
     DEFAULT_EXPERT_CHUNK_TOKENS,
-    MATMUL_BACKENDS,
+    DENSE_BACKENDS,
     MOE_DISPATCHES,
     MoeDispatch,
 )
@@ -62,7 +62,7 @@ ENV_MATMUL_BACKEND = "MOEGUARD_MATMUL_BACKEND"
 bucket, :mod:`moeguard_runtime.kernel_select`), ``onednn`` (oneDNN for CPU float32/bfloat16) or ``torch``
 (``F.linear``)."""
 MatmulSetting = Literal["auto", "onednn", "torch"]
-MATMUL_SETTINGS: tuple[MatmulSetting, ...] = ("auto", *MATMUL_BACKENDS)
+MATMUL_SETTINGS: tuple[MatmulSetting, ...] = ("auto", *DENSE_BACKENDS)
 ENV_MOE_DISPATCH = "MOEGUARD_MOE_DISPATCH"
 """How the MoE layers group their slots: ``auto`` (default), ``host`` or ``device`` (``moe.MoeDispatch``)."""
 ENV_MAX_QUEUE_TOKENS = "MOEGUARD_MAX_QUEUE_TOKENS"

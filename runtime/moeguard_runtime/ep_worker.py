@@ -46,7 +46,13 @@ from moeguard_runtime.expert_parallel import (
     shard_experts,
     strip_to_experts,
 )
-from moeguard_runtime.moe import MatmulChoice
+from moeguard_runtime.moe import (
+    ExpertWeights,
+    MatmulChoice,
+    PackedExperts,
+    pack_experts,
+    uses_packed,
+)
 from moeguard_runtime.procmem import read_process_memory
 from moeguard_runtime.telemetry import RateLimitedLog, worker_labels
 
@@ -68,7 +74,7 @@ def num_experts_of(model: nn.Module) -> int:
     if not mods:
         return 0
     w13 = mods[0].w13
-    assert isinstance(w13, torch.Tensor)
+    assert isinstance(w13, (torch.Tensor, PackedExperts))
     return int(w13.shape[0])
 
 
@@ -245,17 +251,28 @@ def build_follower_model(settings: Settings, args: ModelArgs, block: tuple[int, 
                        matmul_backend="onednn", dispatch="host")
 
 
-def follower_kernel(settings: Settings, experts: tuple[torch.Tensor, torch.Tensor]) -> MatmulChoice:
+def follower_kernel(settings: Settings, experts: tuple[ExpertWeights, ExpertWeights]) -> MatmulChoice:
     """The expert-matmul kernel of a follower, chosen as the leader chooses its own
     (``MOEGUARD_MATMUL_BACKEND``; ``auto``: measured on the expert shapes, or the cached choice for this CPU,
-    :mod:`moeguard_runtime.kernel_select`), so that equal hardware runs equal kernels on every rank."""
+    :mod:`moeguard_runtime.kernel_select`), so that equal hardware runs equal kernels on every rank.
+    ``experts``: the dense weights of the first layer (a plan may want them packed: :func:`pack_follower`)."""
     from moeguard_runtime import kernel_select
 
     if settings.matmul_backend != "auto":
         return "torch" if settings.matmul_backend == "torch" else "onednn"
     w13, w2 = experts
+    assert isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)
     return kernel_select.select(w13, w2, threads=settings.torch_threads,
                                 cpu=kernel_select.cpu_model()).plan
+
+
+def pack_follower(model: nn.Module, weights: list[tuple[ExpertWeights, ExpertWeights]],
+                  ) -> list[tuple[ExpertWeights, ExpertWeights]]:
+    """The follower's experts packed (:func:`moe.pack_experts`) and its new lookup table; ``weights`` (the
+    old table) is emptied first so that the dense tensors are freed as they are packed."""
+    weights.clear()
+    pack_experts(model)
+    return expert_weights(model)
 
 
 def run_follower(settings: Settings, ep: EpSettings, args: ModelArgs, env: Mapping[str, str],
@@ -347,6 +364,8 @@ def _follow(settings: Settings, ep: EpSettings, args: ModelArgs, labels: dict[st
     log_group(log, ep, num_experts, "follower", own_experts=f"{lo}-{hi}")
     report_ucx(state.registry, labels, log)
     backend = follower_kernel(settings, weights[0])
+    if uses_packed(backend):
+        weights = pack_follower(model, weights)
     try:
         while True:
             served = group.follow_once(lambda layer: weights[layer], backend, _rss)

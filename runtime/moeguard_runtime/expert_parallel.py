@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moeguard_runtime.ep_config import EpSettings, expert_range
-from moeguard_runtime.moe import MatmulChoice, swiglu_expert
+from moeguard_runtime.moe import ExpertWeights, MatmulChoice, PackedExperts, swiglu_expert
 
 DispatchMode = Literal["routed", "broadcast"]
 """``routed``: each follower receives only its tokens (the worker's choice); ``broadcast``: all tokens to
@@ -130,7 +130,7 @@ def plan_dispatch(weights: torch.Tensor, experts: torch.Tensor, num_experts: int
 
 
 def expert_block_forward(x: torch.Tensor, batch_rows: torch.Tensor, local_expert: torch.Tensor,
-                         weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                         weight: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights,
                          backend: MatmulChoice = "onednn") -> torch.Tensor:
     """A rank's experts over its tokens: ``out[i] = sum over slots s of row i: weight[s] * expert(x[i])``.
 
@@ -188,7 +188,7 @@ def moe_modules(model: nn.Module) -> list[nn.Module]:
     """The model's routed-expert modules in layer order (anything with ``w13``, ``w2`` and a ``gate``:
     ``moe.MOEFeedForward``, ``families.decoder.SparseMoE``); their index is the ``layer`` of the routing
     statistics."""
-    return [m for m in model.modules() if isinstance(getattr(m, "w13", None), torch.Tensor)
+    return [m for m in model.modules() if isinstance(getattr(m, "w13", None), (torch.Tensor, PackedExperts))
             and hasattr(m, "gate") and hasattr(m, "w2")]
 
 
@@ -221,7 +221,8 @@ def keep_experts(model: nn.Module, lo: int, hi: int) -> None:
 def strip_to_experts(model: nn.Module) -> int:
     """Free every parameter but the routed experts' (a follower's attention, routers, embeddings, shared
     experts: the leader runs them); returns the bytes freed."""
-    keep = {id(m.w13) for m in moe_modules(model)} | {id(m.w2) for m in moe_modules(model)}
+    keep = {id(p) for m in moe_modules(model) for w in (m.w13, m.w2)
+            for p in (w if isinstance(w, PackedExperts) else [w])}
     freed = 0
     for p in model.parameters():
         if id(p) not in keep:
@@ -336,7 +337,7 @@ class ExpertParallelGroup:
 
     # -- leader --
     def dispatch(self, layer: int, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                 num_experts: int, w13: torch.Tensor, w2: torch.Tensor,
+                 num_experts: int, w13: ExpertWeights, w2: ExpertWeights,
                  backend: MatmulChoice = "onednn") -> torch.Tensor:
         """One MoE layer across the group (leader only): ``x`` [T, D], ``weights``/``experts`` [T, k] →
         ``[T, D]`` routed experts' output; ``w13``/``w2`` the leader's own block.
@@ -362,7 +363,7 @@ class ExpertParallelGroup:
         return out
 
     def _dispatch_routed(self, layer: int, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                         num_experts: int, w13: torch.Tensor, w2: torch.Tensor,
+                         num_experts: int, w13: ExpertWeights, w2: ExpertWeights,
                          backend: MatmulChoice) -> tuple[torch.Tensor, float]:
         batches = plan_dispatch(weights, experts, num_experts, self.ep.size)
         self.counters.per_layer_ranks.append([b.slots for b in batches])
@@ -392,7 +393,7 @@ class ExpertParallelGroup:
         return combine(x.shape[0], x.shape[1], batches, partials, x), own_s
 
     def _dispatch_broadcast(self, layer: int, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                            num_experts: int, w13: torch.Tensor, w2: torch.Tensor,
+                            num_experts: int, w13: ExpertWeights, w2: ExpertWeights,
                             backend: MatmulChoice) -> tuple[torch.Tensor, float]:
         per_rank = plan_dispatch(weights, experts, num_experts, self.ep.size)
         self.counters.per_layer_ranks.append([b.slots for b in per_rank])
@@ -462,7 +463,7 @@ class ExpertParallelGroup:
         return c
 
     # -- follower --
-    def follow_once(self, w13_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    def follow_once(self, w13_of: Callable[[int], tuple[ExpertWeights, ExpertWeights]],
                     backend: MatmulChoice, rss: Callable[[], int]) -> Served:
         """Wait for the leader's next header and serve it (follower). ``w13_of(layer)``: this rank's
         ``(w13, w2)`` of MoE layer ``layer``; ``rss()``: this process's RSS for a heartbeat.
@@ -504,7 +505,7 @@ class ExpertParallelGroup:
         except Exception as exc:
             raise self._fail("following the leader", exc) from None
 
-    def _follow_broadcast(self, h: list[int], layer: int, w13: torch.Tensor, w2: torch.Tensor,
+    def _follow_broadcast(self, h: list[int], layer: int, w13: ExpertWeights, w2: ExpertWeights,
                           backend: MatmulChoice) -> Served:
         t, k = int(h[2]), int(h[3])
         t1 = time.perf_counter()
@@ -532,7 +533,7 @@ class LayerDispatch:
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         m = self.module
         w13, w2 = m.w13, m.w2
-        assert isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)
+        assert isinstance(w13, (torch.Tensor, PackedExperts)) and isinstance(w2, (torch.Tensor, PackedExperts))
         return self.group.dispatch(self.layer, x, weights, experts, int(w13.shape[0]) * self.group.ep.size,
                                    w13, w2, getattr(m, "matmul_backend", "onednn"))
 
@@ -545,11 +546,11 @@ def attach(model: nn.Module, group: ExpertParallelGroup) -> int:
     return len(mods)
 
 
-def expert_weights(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(w13, w2)`` of every MoE module, layer order (a follower's lookup table)."""
+def expert_weights(model: nn.Module) -> list[tuple[ExpertWeights, ExpertWeights]]:
+    """``(w13, w2)`` of every MoE module, layer order (a follower's lookup table; dense or packed)."""
     out = []
     for m in moe_modules(model):
         w13, w2 = m.w13, m.w2
-        assert isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)
+        assert isinstance(w13, (torch.Tensor, PackedExperts)) and isinstance(w2, (torch.Tensor, PackedExperts))
         out.append((w13, w2))
     return out

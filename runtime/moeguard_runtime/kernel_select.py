@@ -10,6 +10,17 @@ come from memory as in serving rather than from a cache that holds one expert) a
 :data:`ROW_BUCKETS` (decode steps give a few rows per expert, prefill chunks up to
 :data:`moe.ONEDNN_CHUNK_TOKENS`), and keeps the fastest per bucket: a :class:`moe.KernelPlan`.
 
+Packed weights (``onednn_packed``, :class:`moe.PackedExperts`): the same oneDNN primitive on
+weights reordered once into its blocked layout; they replace the dense ones, so no other kernel
+can run beside them and a plan is either packed in every bucket or a per-bucket mix of the dense
+kernels. The rule (:func:`packed_wins`): packed when the geometric mean over the buckets of
+``packed seconds / the dense plan's seconds`` (the dense plan: the fastest dense kernel per bucket)
+is at most ``1 - TIE_FRACTION``, and no bucket is more than :data:`MAX_PACKED_LOSS` slower. The
+buckets count equally, so the three decode buckets (1, 4, 16 rows) weigh three fifths. The
+packed candidate is timed on packed copies of the first :data:`PACKED_PROBE_EXPERTS` experts
+(made for the measurement and dropped after it: a transient of that many experts' weights, 69 MB
+at D=1024, I=2816 in fp32), taken in turn as the dense kernels take all of them.
+
 Timing: one warm-up call per (kernel, rows) (oneDNN creates and caches its primitive on
 the first call), then up to :data:`REPS` interleaved rounds (kernel A, kernel B, A, B, ...,
 so drift on a shared machine hits both alike), each cell's figure the fastest of its
@@ -27,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import time
@@ -40,12 +52,18 @@ from torch import nn
 
 from moeguard_runtime import contract
 from moeguard_runtime.moe import (
+    DENSE_BACKENDS,
     MATMUL_BACKENDS,
+    PACKED_BACKEND,
     KernelPlan,
     MatmulBackend,
     MatmulChoice,
+    PackedExperts,
+    can_pack,
     onednn_supports,
+    pack_experts,
     swiglu_expert,
+    uses_packed,
 )
 
 ROW_BUCKETS = (1, 4, 16, 64, 256)
@@ -56,7 +74,18 @@ REPS = 5
 BUDGET_S = 3.0
 """Wall seconds after which no further round starts (the warm-up and one round always run)."""
 TIE_FRACTION = 0.02
-"""A later candidate must be this much faster than the earlier one to win its bucket."""
+"""A later candidate must be this much faster than the earlier one to win its bucket (and packed
+weights this much faster than the dense plan, in the geometric mean of the buckets)."""
+MAX_PACKED_LOSS = 0.5
+"""Packed weights are not chosen when any bucket runs more than this fraction slower than the dense
+plan there: a guard against a pathological shape, not a tuning. Measured on the AMD EPYC of the
+benchmarks, one expert call at 1 row ran 0-33 % slower packed than dense, at 16-64 rows 13-48 %
+faster; the geometric mean takes that trade (a lone sequence's decode pays for the batches')."""
+PACKED_PROBE_EXPERTS = 2
+"""How many experts are packed (copies) to time ``onednn_packed``: two, so consecutive calls read
+different weights, as the dense kernels' calls do."""
+SELECTION_RULE = 2
+"""In the cache key: choices cached under an earlier rule (1: dense kernels only) are measured again."""
 ENV_KERNEL_CACHE_DIR = contract.ENV_KERNEL_CACHE_DIR
 DEFAULT_CACHE_DIR = "~/.cache/moeguard/kernels"
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
@@ -92,16 +121,37 @@ def _read(path: str) -> str:
 
 
 def candidates(dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[MatmulBackend, ...]:
-    """The kernels that run on ``device`` in ``dtype``: ``onednn`` and ``torch`` on the CPU in
-    float32 (and bfloat16 where oneDNN has it), else ``torch`` alone."""
+    """The kernels that run on ``device`` in ``dtype``: ``onednn``, ``torch`` and ``onednn_packed`` on
+    the CPU in float32 (and bfloat16 where oneDNN has it; packed where oneDNN's reorder exists), else
+    ``torch`` alone."""
     probe = torch.empty(0, dtype=dtype, device=device)
-    return MATMUL_BACKENDS if onednn_supports(probe) else ("torch",)
+    if not onednn_supports(probe):
+        return ("torch",)
+    return MATMUL_BACKENDS if can_pack(probe) else DENSE_BACKENDS
+
+
+def packed_wins(seconds: Mapping[int, Mapping[str, float]], dense: KernelPlan) -> bool:
+    """Whether packed weights beat the ``dense`` plan (the module docstring's rule): the geometric
+    mean over the buckets of ``seconds[rows]["onednn_packed"] / seconds[rows][dense kernel]`` is at
+    most ``1 - TIE_FRACTION``, and no ratio exceeds ``1 + MAX_PACKED_LOSS``. False when a bucket
+    lacks a packed time."""
+    ratios = []
+    for rows in dense.bounds:
+        packed = seconds.get(rows, {}).get(PACKED_BACKEND)
+        if packed is None:
+            return False
+        ratios.append(packed / seconds[rows][dense.kernel_for(rows)])
+    if not ratios or max(ratios) > 1 + MAX_PACKED_LOSS:
+        return False
+    return math.exp(sum(math.log(r) for r in ratios) / len(ratios)) <= 1 - TIE_FRACTION
 
 
 def choose(kernels: Sequence[MatmulBackend], timer: Timer, buckets: Sequence[int] = ROW_BUCKETS,
            reps: int = REPS, budget_s: float = BUDGET_S,
            clock: Callable[[], float] = time.perf_counter) -> tuple[KernelPlan, dict[int, dict[str, float]]]:
-    """The fastest of ``kernels`` per bucket of ``buckets`` rows, by ``timer``.
+    """The fastest of ``kernels`` per bucket of ``buckets`` rows, by ``timer``; with
+    ``onednn_packed`` among them, packed in every bucket when :func:`packed_wins` over the plan
+    of the others.
 
     Returns:
         ``(plan, seconds)``: the plan, and ``seconds[rows][kernel]``, the fastest call of each cell.
@@ -120,34 +170,52 @@ def choose(kernels: Sequence[MatmulBackend], timer: Timer, buckets: Sequence[int
             for kernel in kernels:
                 t = timer(kernel, rows)
                 best[rows][kernel] = min(t, best[rows].get(kernel, t))
+    dense = [k for k in kernels if k != PACKED_BACKEND]
     chosen: list[MatmulBackend] = []
     for rows in buckets:
-        winner = kernels[0]
-        for kernel in kernels[1:]:
+        winner = dense[0] if dense else PACKED_BACKEND
+        for kernel in dense[1:]:
             if best[rows][kernel] < best[rows][winner] * (1 - TIE_FRACTION):
                 winner = kernel
         chosen.append(winner)
-    return KernelPlan(tuple(buckets), tuple(chosen)), best
+    plan = KernelPlan(tuple(buckets), tuple(chosen))
+    if dense and PACKED_BACKEND in kernels and packed_wins(best, plan):
+        plan = KernelPlan(tuple(buckets), tuple(PACKED_BACKEND for _ in buckets))
+    return plan, best
 
 
 def expert_timer(w13: torch.Tensor, w2: torch.Tensor, seed: int = 0) -> Timer:
     """Times one :func:`moe.swiglu_expert` call on the experts ``w13`` ``[E, 2I, D]`` and ``w2``
     ``[E, D, I]`` (the model's own weights, no copy; one expert per call, the next one each
-    time) with ``rows`` random rows in their dtype and device."""
+    time) with ``rows`` random rows in their dtype and device. ``onednn_packed`` runs on packed
+    copies of the first :data:`PACKED_PROBE_EXPERTS` experts, made at its first call and freed
+    with the timer."""
     gen = torch.Generator().manual_seed(seed)
     dim = w13.shape[-1]
     inputs = {rows: torch.randn(rows, dim, generator=gen).to(w13.device, w13.dtype) for rows in ROW_BUCKETS}
     calls = [0]
+    packed: list[tuple[torch.Tensor, torch.Tensor]] = []
+    packed_calls = [0]
 
     def timer(kernel: MatmulBackend, rows: int) -> float:
         x = inputs.get(rows)
         if x is None:
             x = inputs[rows] = torch.randn(rows, dim, generator=gen).to(w13.device, w13.dtype)
-        e = calls[0] % w13.shape[0]
-        calls[0] += 1
+        if kernel == PACKED_BACKEND:
+            if not packed:
+                n = min(PACKED_PROBE_EXPERTS, w13.shape[0])
+                p13, p2 = PackedExperts.pack(w13[:n]), PackedExperts.pack(w2[:n])
+                packed.extend((p13[e], p2[e]) for e in range(n))
+            e = packed_calls[0] % len(packed)
+            packed_calls[0] += 1
+            a13, a2 = packed[e]
+        else:
+            e = calls[0] % w13.shape[0]
+            calls[0] += 1
+            a13, a2 = w13[e], w2[e]
         with torch.inference_mode():
             t0 = time.perf_counter()
-            swiglu_expert(x, w13[e], w2[e], kernel)
+            swiglu_expert(x, a13, a2, kernel)
             return time.perf_counter() - t0
 
     return timer
@@ -180,11 +248,12 @@ class Selection:
 def cache_key(w13: torch.Tensor, w2: torch.Tensor, kernels: Sequence[MatmulBackend],
               threads: int | None = None, cpu: str | None = None) -> dict[str, Any]:
     """The fields a cached choice must match: CPU model, ``D``, ``I``, dtype, device type,
-    torch threads, torch version, candidates and row buckets."""
+    torch threads, torch version, candidates, row buckets and :data:`SELECTION_RULE`."""
     return {"cpu": cpu if cpu is not None else cpu_model(), "dim": int(w13.shape[-1]), "inter": int(w2.shape[-1]),
             "dtype": str(w13.dtype).removeprefix("torch."), "device": w13.device.type,
             "threads": threads if threads is not None else torch.get_num_threads(),
-            "torch": torch.__version__, "kernels": list(kernels), "buckets": list(ROW_BUCKETS)}
+            "torch": torch.__version__, "kernels": list(kernels), "buckets": list(ROW_BUCKETS),
+            "rule": SELECTION_RULE}
 
 
 def cache_path(directory: str, key: Mapping[str, Any]) -> Path:
@@ -257,7 +326,13 @@ def first_experts(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 def apply_plan(model: nn.Module, plan: MatmulChoice) -> int:
     """Set ``matmul_backend`` of every module of ``model`` that has one (MoE layers, shared
-    experts) to ``plan``; returns how many."""
+    experts) to ``plan``, after packing the experts' weights (:func:`moe.pack_experts`, which frees
+    the dense ones) when the plan is packed; returns how many modules got the plan.
+
+    Call it after loading and expert-parallel sharding, and drop your own references to the dense
+    weights first (:func:`first_experts`' result), or they stay allocated beside the packed ones."""
+    if uses_packed(plan):
+        pack_experts(model)
     changed = 0
     for module in model.modules():
         if hasattr(module, "matmul_backend"):

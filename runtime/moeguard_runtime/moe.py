@@ -155,7 +155,9 @@ SMALL_BATCH_SLOTS = 256
 _ONEDNN_LINEAR = (bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
                   and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 _ONEDNN_BF16 = _ONEDNN_LINEAR and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-MatmulBackend = Literal["onednn", "torch"]
+_ONEDNN_PACK = _ONEDNN_LINEAR and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+DenseBackend = Literal["onednn", "torch"]
+MatmulBackend = DenseBackend | Literal["onednn_packed"]
 """A kernel of the expert matmuls on the host.
 
 ``onednn``: oneDNN's linear primitive (``torch.ops.mkldnn._linear_pointwise`` on the dense
@@ -165,8 +167,22 @@ On the 2-core AMD EPYC of the benchmarks it ran the [1024, 1024] x [1024, 2816] 
 expert matmul at about 130 GFLOP/s against MKL's 60; on an Intel Xeon with AVX-512 it lost
 to MKL (issue 16), so the worker chooses by measurement (:class:`KernelPlan`,
 :mod:`moeguard_runtime.kernel_select`). Other devices and dtypes use ``F.linear``.
-``torch``: ``F.linear`` everywhere (MKL sgemm for CPU float32, oneDNN's matmul for CPU bfloat16)."""
-MATMUL_BACKENDS: tuple[MatmulBackend, ...] = ("onednn", "torch")
+``torch``: ``F.linear`` everywhere (MKL sgemm for CPU float32, oneDNN's matmul for CPU bfloat16).
+``onednn_packed``: the same oneDNN primitive on expert weights reordered once into oneDNN's
+blocked layout (:class:`PackedExperts`, ``torch.ops.mkldnn._reorder_linear_weight``, the path
+inductor's CPU weight freezing takes), which *replace* the dense ones (:func:`pack_experts`).
+On the AMD EPYC, 8 experts at D=1024, I=2816 in fp32, 4 rows each: 9.4-11.5 ms against
+16.7-18.2 ms for ``onednn`` on the dense weights and 10.1 ms to read the weights once; at 1 row
+slightly slower, at 16-1024 rows 5-35 % faster. A packed weight feeds no other kernel, so a
+plan that has it has it in every bucket (:func:`moeguard_runtime.kernel_select.choose`); layers
+with dense weights (shared experts) run ``onednn`` under it."""
+DENSE_BACKENDS: tuple[DenseBackend, ...] = ("onednn", "torch")
+"""The kernels that run on the dense weights (and the ``MOEGUARD_MATMUL_BACKEND`` values besides ``auto``)."""
+PACKED_BACKEND: MatmulBackend = "onednn_packed"
+MATMUL_BACKENDS: tuple[MatmulBackend, ...] = (*DENSE_BACKENDS, PACKED_BACKEND)
+PACK_HINT_ROWS = 4
+"""The ``batch_size_hint`` of ``_reorder_linear_weight``: a decode step's rows per expert. Measured:
+a weight packed for 4 or for 64 rows ran every row count (1-1024) within noise of the other."""
 
 
 @dataclass(frozen=True)
@@ -193,6 +209,11 @@ class KernelPlan:
             if rows <= bound:
                 return kernel
         return self.kernels[-1]
+
+    @property
+    def packed(self) -> bool:
+        """Whether the plan runs the experts on packed weights (:data:`PACKED_BACKEND`)."""
+        return PACKED_BACKEND in self.kernels
 
     def replacing(self, old: MatmulBackend, new: MatmulBackend) -> KernelPlan:
         """This plan with ``old`` replaced by ``new`` in every bucket."""
@@ -221,6 +242,96 @@ def kernel_for(backend: MatmulChoice, rows: int) -> MatmulBackend:
     return backend.kernel_for(rows) if isinstance(backend, KernelPlan) else backend
 
 
+def uses_packed(backend: MatmulChoice) -> bool:
+    """Whether ``backend`` wants the experts' weights packed (:func:`pack_experts`)."""
+    return backend.packed if isinstance(backend, KernelPlan) else backend == PACKED_BACKEND
+
+
+class PackedExperts(nn.ParameterList):
+    """One layer's stacked expert weights (``[E, out, in]``) in oneDNN's blocked layout: one opaque
+    ``mkldnn`` tensor per expert (``torch.ops.mkldnn._reorder_linear_weight``), held as parameters,
+    so ``parameters()`` (the weight-bytes telemetry) sees them with their ``numel`` and dtype.
+
+    Stands where the dense ``w13``/``w2`` stood for the readers of the dispatch: ``[e]`` is expert
+    ``e``'s ``[out, in]`` weight (usable by :func:`expert_linear` only), ``shape`` is the stack's
+    ``[E, out, in]``, ``dtype``, ``device`` and ``nbytes`` as a tensor's. No slicing, no ``F.linear``,
+    no ``state_dict`` round trip (an opaque tensor has no storage): packing comes last, after the
+    checkpoint is loaded and the experts are sharded."""
+
+    def __init__(self, packed: Sequence[torch.Tensor], shape: Sequence[int], dtype: torch.dtype) -> None:
+        super().__init__([nn.Parameter(p, requires_grad=False) for p in packed])
+        self.stack_shape = torch.Size(shape)
+        self.stack_dtype = dtype
+
+    @classmethod
+    def pack(cls, w: torch.Tensor, hint: int = PACK_HINT_ROWS) -> PackedExperts:
+        """``w`` ``[E, out, in]`` (CPU, a dtype :func:`onednn_supports`), reordered expert by expert
+        into new tensors; ``w`` itself is left as it is (the caller drops it to free it)."""
+        w = w.detach()
+        return cls([torch.ops.mkldnn._reorder_linear_weight(w[e], hint) for e in range(w.shape[0])],
+                   w.shape, w.dtype)
+
+    @property
+    def shape(self) -> torch.Size:
+        """``[E, out, in]``, the dense stack's shape."""
+        return self.stack_shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype."""
+        return self.stack_dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The CPU."""
+        return torch.device("cpu")
+
+    @property
+    def nbytes(self) -> int:
+        """``numel * element_size`` summed over the experts (the dense stack's bytes; oneDNN's blocks
+        pad nothing when ``out`` and ``in`` are multiples of its block of 16 or 64)."""
+        return sum(int(p.numel()) * int(p.element_size()) for p in self)
+
+    def dim(self) -> int:
+        """3, as the dense stack."""
+        return 3
+
+
+ExpertWeights = torch.Tensor | PackedExperts
+"""A layer's ``w13`` or ``w2``: the dense ``[E, out, in]`` tensor or its :class:`PackedExperts`."""
+
+
+def can_pack(w: torch.Tensor) -> bool:
+    """Whether ``w``'s experts can be packed: oneDNN's reorder exists and :func:`onednn_supports` ``w``."""
+    return _ONEDNN_PACK and onednn_supports(w)
+
+
+def pack_experts(model: object, hint: int = PACK_HINT_ROWS) -> int:
+    """Replace every routed-expert module's dense ``w13``/``w2`` (``[E, 2I, D]``, ``[E, D, I]``) by
+    :class:`PackedExperts` (where :func:`can_pack`, and not on a module with ``dispatch == "device"``,
+    whose grouped matmul reads the dense stack); returns how many modules were packed.
+
+    The dense tensors are released as each is packed (``w13`` before ``w2`` is packed), so the
+    extra memory is one layer's ``w13`` at most, and only while that layer packs; a dense tensor
+    that something else still references (a caller's variable) stays until that reference goes.
+    Call it last: after loading and expert-parallel sharding, which slice the dense stack."""
+    packed = 0
+    if not isinstance(model, nn.Module):
+        return 0
+    for module in list(model.modules()):
+        w13, w2 = getattr(module, "w13", None), getattr(module, "w2", None)
+        if not (isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor) and w13.dim() == 3
+                and can_pack(w13) and can_pack(w2) and getattr(module, "dispatch", "host") != "device"):
+            continue
+        for name in ("w13", "w2"):
+            dense = getattr(module, name)
+            delattr(module, name)
+            setattr(module, name, PackedExperts.pack(dense, hint))
+            del dense
+        packed += 1
+    return packed
+
+
 MoeDispatch = Literal["auto", "host", "device"]
 """How :class:`MOEFeedForward` groups the slots: ``host`` (:func:`dispatch_experts`, the
 counts read on the host once per layer; any device, oneDNN on the CPU), ``device``
@@ -246,16 +357,22 @@ def leave_onednn(model: object) -> int:
     here, after an address-space limit (``prlimit --as``) was lifted, the prefills whose shapes
     had failed kept failing with "could not create a primitive" while other shapes ran, and
     torch exposes no way to reset oneDNN's caches (its ``dnnl_*`` symbols are hidden). A
-    restart brings oneDNN back."""
+    restart brings oneDNN back.
+
+    Modules whose experts are packed (:class:`PackedExperts`) stay on oneDNN: no dense weight is
+    left for ``F.linear``, and unpacking would take the memory whose lack failed the primitive."""
     changed = 0
     if isinstance(model, nn.Module):
         for module in model.modules():
+            if isinstance(getattr(module, "w13", None), PackedExperts):
+                continue
             backend = getattr(module, "matmul_backend", None)
-            if backend == "onednn":
+            if backend in ("onednn", PACKED_BACKEND):
                 setattr(module, "matmul_backend", "torch")  # noqa: B010 - nn.Module types attributes as tensors
                 changed += 1
-            elif isinstance(backend, KernelPlan) and "onednn" in backend.kernels:
-                setattr(module, "matmul_backend", backend.replacing("onednn", "torch"))  # noqa: B010
+            elif isinstance(backend, KernelPlan) and {"onednn", PACKED_BACKEND} & set(backend.kernels):
+                plan = backend.replacing("onednn", "torch").replacing(PACKED_BACKEND, "torch")
+                setattr(module, "matmul_backend", plan)  # noqa: B010
                 changed += 1
     return changed
 
@@ -268,7 +385,7 @@ def onednn_supports(x: torch.Tensor) -> bool:
 
 def _onednn(x: torch.Tensor, backend: MatmulChoice, rows: int | None = None) -> bool:
     kernel = kernel_for(backend, x.shape[0] if rows is None else rows)
-    return kernel == "onednn" and onednn_supports(x)
+    return kernel in ("onednn", PACKED_BACKEND) and onednn_supports(x)
 
 
 def padded_rows(n: int) -> int:
@@ -286,17 +403,28 @@ def padded_rows(n: int) -> int:
 
 def expert_linear(x: torch.Tensor, w: torch.Tensor,
                   backend: MatmulChoice = "onednn") -> torch.Tensor:
-    """``x @ w.T`` (``x`` [n, in], ``w`` [out, in]) → [n, out]: with the ``onednn`` kernel
-    (``backend``'s choice for ``n`` rows), oneDNN for CPU float32/bfloat16 (rows padded to
-    :func:`padded_rows`, the padding sliced off), else ``F.linear``."""
+    """``x @ w.T`` (``x`` [n, in], ``w`` [out, in]) → [n, out]: with the ``onednn`` or ``onednn_packed``
+    kernel (``backend``'s choice for ``n`` rows), oneDNN for CPU float32/bfloat16 (rows padded to
+    :func:`padded_rows`, the padding sliced off), else ``F.linear``. A packed ``w`` (an ``mkldnn``
+    tensor, :class:`PackedExperts`) always takes oneDNN, whatever ``backend`` says."""
     n = x.shape[0]
+    if w.is_mkldnn:
+        if n == 0:
+            return x.new_empty(0, w.shape[0])
+        return _onednn_linear(x, w)
     if n > 0 and _onednn(x, backend, n):
-        m = padded_rows(n)
-        if m != n:
-            x = F.pad(x, (0, 0, 0, m - n))
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-        return out if m == n else out[:n]
+        return _onednn_linear(x, w)
     return F.linear(x, w)
+
+
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """oneDNN's linear on ``n >= 1`` rows, padded to :func:`padded_rows` (the padding sliced off)."""
+    n = x.shape[0]
+    m = padded_rows(n)
+    if m != n:
+        x = F.pad(x, (0, 0, 0, m - n))
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    return out if m == n else out[:n]
 
 
 def swiglu_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -395,8 +523,8 @@ def dispatch_experts(
     x: torch.Tensor,
     weights: torch.Tensor,
     experts: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: ExpertWeights,
+    w2: ExpertWeights,
     expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS,
     capacity: int | None = None,
     backend: MatmulChoice = "onednn",
@@ -407,7 +535,8 @@ def dispatch_experts(
         x: ``[T, D]`` hidden states.
         weights: ``[T, k]`` router weights (float32).
         experts: ``[T, k]`` int64 expert indices.
-        w13: ``[E, 2I, D]`` fused gate and up projections; w2: ``[E, D, I]``.
+        w13: ``[E, 2I, D]`` fused gate and up projections; w2: ``[E, D, I]`` (dense, or
+            :class:`PackedExperts`).
         expert_chunk_tokens: most token-slots one expert processes at once.
         capacity: most token-slots per expert (None: dropless).
         backend: kernel of the expert matmuls (:data:`MatmulChoice`).

@@ -200,8 +200,9 @@ class Telemetry:
         self.matmul_kernel = gauge(
             "moeguard_matmul_kernel_info",
             "1 for the expert-matmul kernel in use (set once the model is loaded): kernel is onednn, torch "
-            "(F.linear), or a per-row-bucket plan measured at start-up such as torch<=4,onednn; cpu is the "
-            "CPU model from /proc/cpuinfo.", ["kernel", "cpu"])
+            "(F.linear), onednn_packed (oneDNN on expert weights packed once into its blocked layout, which "
+            "replace the dense ones), or a per-row-bucket plan measured at start-up such as torch<=4,onednn; "
+            "cpu is the CPU model from /proc/cpuinfo.", ["kernel", "cpu"])
         self.memory_step_peak = gauge(
             "moeguard_memory_step_peak_bytes",
             "The last engine step's peak above the resident set before it: figure=predicted (the memory "

@@ -64,7 +64,7 @@ def test_the_budget_stops_further_rounds() -> None:
 
 def test_selection_is_cached_per_key(tmp_path: Path) -> None:
     w13, w2 = torch.randn(4, 2 * 48, 32), torch.randn(4, 32, 48)
-    table = {(k, r): (1.0 if k == "torch" else 2.0) for k in ("onednn", "torch") for r in kernel_select.ROW_BUCKETS}
+    table = {(k, r): (1.0 if k == "torch" else 2.0) for k in moe.MATMUL_BACKENDS for r in kernel_select.ROW_BUCKETS}
     calls: list[tuple[str, int]] = []
     first = kernel_select.select(w13, w2, str(tmp_path), threads=2, timer=fake_timer(table, calls), cpu="Test CPU")
     if kernel_select.candidates(torch.float32) == ("torch",):
@@ -74,6 +74,7 @@ def test_selection_is_cached_per_key(tmp_path: Path) -> None:
     saved = json.loads(Path(first.cache_file).read_text())
     assert saved["key"]["cpu"] == "Test CPU" and saved["key"]["dim"] == 32 and saved["key"]["inter"] == 48
     assert saved["key"]["dtype"] == "float32" and saved["key"]["threads"] == 2
+    assert saved["key"]["rule"] == kernel_select.SELECTION_RULE and "onednn_packed" in saved["key"]["kernels"]
     n = len(calls)
     again = kernel_select.select(w13, w2, str(tmp_path), threads=2, timer=fake_timer(table, calls), cpu="Test CPU")
     assert again.cached and again.plan == first.plan and len(calls) == n  # no measurement
@@ -85,7 +86,7 @@ def test_selection_is_cached_per_key(tmp_path: Path) -> None:
 def test_an_unwritable_cache_is_reported_not_raised(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
-    table = {(k, r): 1.0 for k in ("onednn", "torch") for r in kernel_select.ROW_BUCKETS}
+    table = {(k, r): 1.0 for k in moe.MATMUL_BACKENDS for r in kernel_select.ROW_BUCKETS}
     sel = kernel_select.select(torch.randn(2, 96, 32), torch.randn(2, 32, 48), str(blocker / "sub"),
                                timer=fake_timer(table), cpu="x")
     if kernel_select.candidates(torch.float32) == ("torch",):
@@ -230,8 +231,8 @@ def test_the_worker_measures_applies_logs_and_exports_the_choice(tmp_path: Path,
             return True
 
     monkeypatch.setenv(kernel_select.ENV_KERNEL_CACHE_DIR, str(tmp_path))
-    table = {(k, r): (1.0 if (k == "torch") == (r <= 4) else 2.0)
-             for k in ("onednn", "torch") for r in kernel_select.ROW_BUCKETS}
+    table = {(k, r): (1.0 if (k == "torch") == (r <= 4) else 2.0) + (1.0 if k == "onednn_packed" else 0.0)
+             for k in moe.MATMUL_BACKENDS for r in kernel_select.ROW_BUCKETS}
     monkeypatch.setattr(kernel_select, "expert_timer", lambda w13, w2: fake_timer(table))
     model = build_model(presets.get_preset("tiny"), seed=0)
     telemetry = Telemetry({"moeis": "m", "namespace": "n", "pod": "p"}, 8)
