@@ -17,9 +17,12 @@ kernels. The rule (:func:`packed_wins`): packed when the geometric mean over the
 ``packed seconds / the dense plan's seconds`` (the dense plan: the fastest dense kernel per bucket)
 is at most ``1 - TIE_FRACTION``, and no bucket is more than :data:`MAX_PACKED_LOSS` slower. The
 buckets count equally, so the three decode buckets (1, 4, 16 rows) weigh three fifths. The
-packed candidate is timed on packed copies of the first :data:`PACKED_PROBE_EXPERTS` experts
-(made for the measurement and dropped after it: a transient of that many experts' weights, 69 MB
-at D=1024, I=2816 in fp32), taken in turn as the dense kernels take all of them.
+packed candidate is timed on packed copies of the first experts, as many as hold
+:data:`PACKED_PROBE_BYTES` (at least two, at most all), taken in turn as the dense kernels take
+all of them, so their weights come from memory, not from the cache (32 MiB of L3 on the EPYC of
+the benchmarks). The copies are made for the measurement and dropped after it: a start-up
+transient of 138 MB at D=1024, I=2816 (4 experts in fp32, 8 in bf16), two experts' weights
+for larger experts.
 
 Timing: one warm-up call per (kernel, rows) (oneDNN creates and caches its primitive on
 the first call), then up to :data:`REPS` interleaved rounds (kernel A, kernel B, A, B, ...,
@@ -81,9 +84,10 @@ MAX_PACKED_LOSS = 0.5
 plan there: a guard against a pathological shape, not a tuning. Measured on the AMD EPYC of the
 benchmarks, one expert call at 1 row ran 0-33 % slower packed than dense, at 16-64 rows 13-48 %
 faster; the geometric mean takes that trade (a lone sequence's decode pays for the batches')."""
-PACKED_PROBE_EXPERTS = 2
-"""How many experts are packed (copies) to time ``onednn_packed``: two, so consecutive calls read
-different weights, as the dense kernels' calls do."""
+PACKED_PROBE_BYTES = 128 << 20
+"""Packed copies made to time ``onednn_packed``: the fewest experts whose weights reach this many bytes
+(at least two, at most all), so consecutive calls read their weights from memory as the dense
+kernels' calls over all the experts do, not from a cache that holds one or two small experts."""
 SELECTION_RULE = 2
 """In the cache key: choices cached under an earlier rule (1: dense kernels only) are measured again."""
 ENV_KERNEL_CACHE_DIR = contract.ENV_KERNEL_CACHE_DIR
@@ -184,12 +188,18 @@ def choose(kernels: Sequence[MatmulBackend], timer: Timer, buckets: Sequence[int
     return plan, best
 
 
+def probe_experts(w13: torch.Tensor, w2: torch.Tensor) -> int:
+    """How many experts' packed copies time ``onednn_packed``: the fewest that hold :data:`PACKED_PROBE_BYTES`,
+    at least two, at most all ``E``."""
+    per_expert = (w13[0].numel() + w2[0].numel()) * w13.element_size() if w13.shape[0] else 1
+    return min(int(w13.shape[0]), max(2, -(-PACKED_PROBE_BYTES // per_expert)))
+
+
 def expert_timer(w13: torch.Tensor, w2: torch.Tensor, seed: int = 0) -> Timer:
     """Times one :func:`moe.swiglu_expert` call on the experts ``w13`` ``[E, 2I, D]`` and ``w2``
     ``[E, D, I]`` (the model's own weights, no copy; one expert per call, the next one each
     time) with ``rows`` random rows in their dtype and device. ``onednn_packed`` runs on packed
-    copies of the first :data:`PACKED_PROBE_EXPERTS` experts, made at its first call and freed
-    with the timer."""
+    copies of the first :func:`probe_experts` experts, made at its first call and freed with the timer."""
     gen = torch.Generator().manual_seed(seed)
     dim = w13.shape[-1]
     inputs = {rows: torch.randn(rows, dim, generator=gen).to(w13.device, w13.dtype) for rows in ROW_BUCKETS}
@@ -203,7 +213,7 @@ def expert_timer(w13: torch.Tensor, w2: torch.Tensor, seed: int = 0) -> Timer:
             x = inputs[rows] = torch.randn(rows, dim, generator=gen).to(w13.device, w13.dtype)
         if kernel == PACKED_BACKEND:
             if not packed:
-                n = min(PACKED_PROBE_EXPERTS, w13.shape[0])
+                n = probe_experts(w13, w2)
                 p13, p2 = PackedExperts.pack(w13[:n]), PackedExperts.pack(w2[:n])
                 packed.extend((p13[e], p2[e]) for e in range(n))
             e = packed_calls[0] % len(packed)

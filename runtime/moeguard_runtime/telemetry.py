@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 from moeguard_runtime import contract
 from moeguard_runtime.contract import Budgets
 from moeguard_runtime.leak import Growth
-from moeguard_runtime.moe import RoutingStats
+from moeguard_runtime.moe import RoutingStats, tensor_bytes
 from moeguard_runtime.procmem import DeviceMemory, read_process_memory
 from moeguard_runtime.scheduler import PRIORITIES
 
@@ -352,8 +352,9 @@ class Telemetry:
 
     def set_model_weights(self, parameters: Iterable[Any]) -> int:
         """Set ``moeguard_model_weight_bytes`` from the loaded model's ``parameters()`` (torch tensors:
-        ``numel × element_size``, in the dtype they were loaded in); returns the bytes."""
-        total = sum(int(p.numel()) * int(p.element_size()) for p in parameters)
+        ``numel × element_size``, in the dtype they were loaded in; packed expert weights: oneDNN's size
+        of their blocked layout, :func:`moe.tensor_bytes`); returns the bytes."""
+        total = sum(tensor_bytes(p) for p in parameters)
         self.weight_bytes.labels(**self.labels).set(total)
         self.model_weight_bytes = total
         return total

@@ -27,12 +27,25 @@ PACKED: MatmulBackend = "onednn_packed"
 ALL_PACKED = KernelPlan(kernel_select.ROW_BUCKETS, (PACKED,) * len(kernel_select.ROW_BUCKETS))
 
 
+def test_packed_bytes_are_onednns_blocked_size() -> None:
+    """The weight bytes count the packed layout's real size: equal to the dense one at the benchmark's shape, the
+    padding where oneDNN's blocks do not divide the shape."""
+    for shape, dtype, ratio in (((5632, 1024), torch.float32, 1.0), ((1024, 2816), torch.bfloat16, 1.0)):
+        w = torch.zeros(1, *shape, dtype=dtype)
+        if not moe.can_pack(w):
+            continue
+        assert PackedExperts.pack(w).nbytes == w.numel() * w.element_size() * ratio
+    odd = torch.zeros(1, 1001, 999)
+    assert odd.numel() * 4 < PackedExperts.pack(odd).nbytes < odd.numel() * 4 * 1.1
+
+
 def test_a_packed_weight_gives_f_linears_product_at_any_row_count() -> None:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(3, 96, 64, generator=g)
     packed = PackedExperts.pack(w)
     assert packed.shape == (3, 96, 64) and packed.dtype == torch.float32 and len(packed) == 3
-    assert packed.nbytes == w.numel() * 4 and all(p.is_mkldnn for p in packed)
+    assert all(p.is_mkldnn for p in packed)
+    assert packed.nbytes == sum(int(torch.ops.mkldnn._nbytes(p)) for p in packed) >= w.numel() * 4
     for rows in ROWS:
         x = torch.randn(rows, 64, generator=g)
         for e in range(3):
@@ -49,7 +62,7 @@ def test_bf16_packed_weights_agree_within_bf16_tolerance() -> None:
     g = torch.Generator().manual_seed(1)
     w = (torch.randn(2, 96, 64, generator=g) / 8).bfloat16()
     packed = PackedExperts.pack(w)
-    assert packed.dtype == torch.bfloat16 and packed.nbytes == w.numel() * 2
+    assert packed.dtype == torch.bfloat16 and packed.nbytes >= w.numel() * 2
     for rows in ROWS:
         x = torch.randn(rows, 64, generator=g).bfloat16()
         out = moe.expert_linear(x, packed[1], PACKED)
@@ -102,8 +115,14 @@ def test_the_rule_picks_packed_from_timings() -> None:
     assert plan.kernels == ("onednn",) * 5 and not plan.packed
 
 
-def test_the_real_timer_times_packed_copies_of_two_experts() -> None:
+def test_the_real_timer_times_packed_copies_of_enough_experts() -> None:
+    big13, big2 = torch.empty(8, 2 * 2816, 1024, device="meta"), torch.empty(8, 1024, 2816, device="meta")
+    assert kernel_select.probe_experts(big13, big2) == 4  # 34.6 MB each in fp32: 138 MB >= 128 MiB
+    assert kernel_select.probe_experts(big13.bfloat16(), big2.bfloat16()) == 8
+    assert kernel_select.probe_experts(torch.empty(64, 28672, 4096, device="meta"),
+                                       torch.empty(64, 4096, 14336, device="meta")) == 2
     w13, w2 = torch.randn(3, 96, 32), torch.randn(3, 32, 48)
+    assert kernel_select.probe_experts(w13, w2) == 3
     timer = kernel_select.expert_timer(w13, w2)
     assert all(0 < timer(PACKED, r) < 1 for r in (1, 4, 5))
     assert not isinstance(w13, PackedExperts) and not w13.is_mkldnn  # the model's weights untouched
@@ -135,7 +154,10 @@ def test_a_packed_model_generates_the_dense_models_tokens() -> None:
     assert kernel_select.apply_plan(packed, ALL_PACKED) == presets.get_preset("tiny").n_layer
     mods = [m for m in packed.modules() if hasattr(m, "w13")]
     assert mods and all(isinstance(m.w13, PackedExperts) and isinstance(m.w2, PackedExperts) for m in mods)
-    assert sum(p.numel() * p.element_size() for p in packed.parameters()) == dense_bytes
+    packed_bytes = sum(m.w13.nbytes + m.w2.nbytes for m in mods)
+    dense_experts = sum(m.w13.numel() * 4 + m.w2.numel() * 4 for m in dense.modules() if hasattr(m, "w13"))
+    assert sum(moe.tensor_bytes(p) for p in packed.parameters()) == dense_bytes - dense_experts + packed_bytes
+    assert packed_bytes >= dense_experts
     tokens, logits = _greedy(packed)
     ref_tokens, ref_logits = _greedy(dense)
     assert tokens == ref_tokens and len(tokens) > 1
@@ -164,7 +186,11 @@ def test_the_worker_packs_frees_the_dense_weights_and_exports_the_choice(tmp_pat
     assert kernel == "onednn_packed"
     gc.collect()
     assert gone and all(r() is None for r in gone)  # the dense stacks were freed, not kept beside
-    assert telemetry.set_model_weights(model.parameters()) == dense_bytes
+    packed_bytes = sum(m.w13.nbytes + m.w2.nbytes for m in model.modules() if isinstance(getattr(m, "w13", None),
+                                                                                          PackedExperts))
+    dense_experts = sum(r.numel() for r in (m for m in build_model(presets.get_preset("tiny")).parameters())
+                        if r.dim() == 3) * 4
+    assert telemetry.set_model_weights(model.parameters()) == dense_bytes - dense_experts + packed_bytes
     assert telemetry.registry.get_sample_value(
         "moeguard_matmul_kernel_info", {"moeis": "m", "namespace": "n", "pod": "p", "kernel": "onednn_packed",
                                         "cpu": kernel_select.cpu_model()}) == 1.0
@@ -201,3 +227,30 @@ def test_expert_parallel_serves_packed_experts() -> None:
         torch.testing.assert_close(expert_block_forward(x, rows, local, weight, p13, p2, ALL_PACKED),
                                    expert_block_forward(x, rows, local, weight, d13, d2, "onednn"),
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3", "mixtral"])
+def test_every_family_packs_and_keeps_its_logits(family: str) -> None:
+    """The HF families' MoE modules (shared experts, grouped routers, a dense first layer) under a packed plan:
+    the routed experts packed, the shared ones dense on oneDNN, the logits those of the dense model."""
+    pytest.importorskip("transformers")
+    from bench.family_checkpoints import checkpoint_folder
+    from tests.integration.worker.test_ep_numerics import FAMILIES
+
+    from moeguard_runtime.hf_checkpoint import load_hf_checkpoint
+    from moeguard_runtime.model import Segment
+
+    folder = checkpoint_folder(FAMILIES[family])
+
+    def logits(plan: moe.MatmulChoice) -> torch.Tensor:
+        model = load_hf_checkpoint(folder).model
+        kernel_select.apply_plan(model, plan)
+        tokens = list(range(3, 40))
+        cache = model.new_cache(len(tokens), torch.float32, "cpu")
+        with torch.inference_mode():
+            out, _ = model(torch.tensor(tokens), torch.arange(len(tokens)), [Segment(cache, 0, len(tokens))])
+        if plan == ALL_PACKED:
+            assert any(isinstance(m.w13, PackedExperts) for m in model.modules() if hasattr(m, "w13"))
+        return out
+
+    torch.testing.assert_close(logits(ALL_PACKED), logits("onednn"), rtol=1e-4, atol=1e-4)
