@@ -14,8 +14,10 @@ machine hits every candidate alike.
   microseconds per expert call, the weight-read rate (GB/s) and GFLOP/s, and the winner.
 * **MoE layer**, D=1024, I=2816, E=8, k=2, the same seeded weights for all:
   ``moeguard_auto`` (the grouped dispatch, :func:`moe.dispatch_experts`, with the measured
-  plan), ``moeguard_onednn`` and ``moeguard_torch`` (the same dispatch with one kernel
-  fixed: oneDNN's linear primitive, ``F.linear``), ``moeguard_grouped_mm`` (the
+  plan), ``moeguard_onednn``, ``moeguard_onednn_packed`` and ``moeguard_torch`` (the same
+  dispatch with one kernel fixed: oneDNN's linear primitive on the dense weights, the same on
+  weights packed once into oneDNN's blocked layout (:class:`moe.PackedExperts`, a copy here;
+  the worker keeps only the packed ones), ``F.linear``), ``moeguard_grouped_mm`` (the
   no-host-read dispatch of :mod:`moeguard_runtime.moe_device`, ``F.grouped_mm`` on the CPU:
   what torch offers for grouped GEMMs), and ``hf`` (:func:`bench.hf_reference.hf_expert_loop`,
   ``MixtralSparseMoeBlock.forward`` of transformers 4.4x re-typed, unfused weights), in
@@ -34,6 +36,8 @@ machine hits every candidate alike.
   - agreement: ``max|ours - hf| / max|hf|`` at prefill against HF's loop in the same dtype
     (:data:`TOLERANCE`: float32 within 1e-5, round-off; bfloat16 within 2e-2); the error
     against the float32 loop is shown beside it.
+  - the arithmetic ceiling: GFLOP/s of one ``[1024, D] x [D, 2I]`` matmul per kernel, the rate
+    that bounds any prefill's speed-up over HF's loop in the same dtype.
   - ``OMP_WAIT_POLICY=PASSIVE`` unless set otherwise, as the worker sets it.
 * **Worker overhead**: the ``small`` preset (99M parameters) serving 16 requests through
   :class:`moeguard_runtime.service.Worker` driven by hand, the kernel chosen as the worker
@@ -73,29 +77,35 @@ D, I, E, K = 1024, 2816, 8, 2  # noqa: E741 - the field's names for the MoE size
 PREFILL_TOKENS, DECODE_TOKENS = 4096, 16
 RESULTS = Path(__file__).resolve().parent / "results"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-IMPLS = ("moeguard_auto", "moeguard_onednn", "moeguard_torch", "moeguard_grouped_mm", "hf")
+IMPLS = ("moeguard_auto", "moeguard_onednn", "moeguard_onednn_packed", "moeguard_torch", "moeguard_grouped_mm", "hf")
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
 """Largest ``max|ours - hf| / max|hf|`` accepted at prefill, per dtype, against HF's loop in the same
 dtype (whose router then picks the same experts: against the float32 loop, a bfloat16 router flips
 near-tied experts of some tokens, and those tokens differ by O(1))."""
-Weights = dict[str, torch.Tensor]
+Weights = dict[str, Any]
 
 
-def weights(device: str, dtype: torch.dtype, seed: int = 0) -> Weights:
+def weights(device: str, dtype: torch.dtype, seed: int = 0, packed: bool = True) -> Weights:
     """Router ``gate`` [E, D], unfused ``w1``/``w3`` [E, I, D] (HF's loop), fused ``w13``
-    [E, 2I, D] (moeguard's), ``w2`` [E, D, I]; seeded, in ``dtype`` on ``device``."""
+    [E, 2I, D] (moeguard's), ``w2`` [E, D, I]; seeded, in ``dtype`` on ``device``; with
+    ``packed`` (and where oneDNN packs), ``p13``/``p2``: ``w13``/``w2`` as :class:`moe.PackedExperts`
+    (a copy here, to run side by side; the worker keeps the packed ones only)."""
     g = torch.Generator().manual_seed(seed)
     gate, w1 = torch.randn(E, D, generator=g) / D**0.5, torch.randn(E, I, D, generator=g) / D**0.5
     w2, w3 = torch.randn(E, D, I, generator=g) / I**0.5, torch.randn(E, I, D, generator=g) / D**0.5
-    out = {"gate": gate, "w1": w1, "w2": w2, "w3": w3, "w13": moe.fuse_gate_up(w1, w3)}
-    return {k: v.to(device, dtype) for k, v in out.items()}
+    out: Weights = {k: v.to(device, dtype) for k, v in
+                    {"gate": gate, "w1": w1, "w2": w2, "w3": w3, "w13": moe.fuse_gate_up(w1, w3)}.items()}
+    if packed and moe.can_pack(out["w13"]):
+        out |= {"p13": moe.PackedExperts.pack(out["w13"]), "p2": moe.PackedExperts.pack(out["w2"])}
+    return out
 
 
 def impl(name: str, plan: MatmulChoice) -> Callable[[torch.Tensor, Weights], torch.Tensor]:
     """The forward of implementation ``name`` (``moeguard_auto`` runs ``plan``)."""
     def grouped(x: torch.Tensor, w: Weights, backend: MatmulChoice) -> torch.Tensor:
         rw, ex = route(x @ w["gate"].T, K)
-        return dispatch_experts(x, rw, ex, w["w13"], w["w2"], backend=backend)[0]
+        w13, w2 = (w["p13"], w["p2"]) if moe.uses_packed(backend) else (w["w13"], w["w2"])
+        return dispatch_experts(x, rw, ex, w13, w2, backend=backend)[0]
 
     if name == "hf":
         return lambda x, w: hf_expert_loop(x, w["gate"], w["w1"], w["w2"], w["w3"], K)
@@ -104,7 +114,8 @@ def impl(name: str, plan: MatmulChoice) -> Callable[[torch.Tensor, Weights], tor
             rw, ex = route(x @ w["gate"].T, K)
             return device_dispatch(x, rw, ex, w["w13"], w["w2"], moe.DEFAULT_EXPERT_CHUNK_TOKENS)[0]
         return gmm
-    backend: MatmulChoice = {"moeguard_auto": plan, "moeguard_onednn": "onednn", "moeguard_torch": "torch"}[name]
+    backend: MatmulChoice = {"moeguard_auto": plan, "moeguard_onednn": "onednn", "moeguard_torch": "torch",
+                             "moeguard_onednn_packed": "onednn_packed"}[name]
     return lambda x, w: grouped(x, w, backend)
 
 
@@ -150,13 +161,15 @@ def plan_json(plan: MatmulChoice) -> str:
 def plan_from_json(text: str) -> MatmulChoice:
     data = json.loads(text)
     if isinstance(data, str):
-        return "torch" if data == "torch" else "onednn"
+        return "torch" if data == "torch" else "onednn_packed" if data == "onednn_packed" else "onednn"
     return KernelPlan(tuple(data["bounds"]), tuple(data["kernels"]))
 
 
 def peak_child(name: str, plan: MatmulChoice, device: str, dtype: torch.dtype) -> int:
-    """Peak memory of one prefill forward, bytes, measured in this (fresh) process."""
-    w = weights(device, dtype)
+    """Peak memory of one prefill forward, bytes, measured in this (fresh) process (packed
+    weights made only for the implementations that run on them)."""
+    w = weights(device, dtype, packed=name == "moeguard_onednn_packed"
+                or (name == "moeguard_auto" and moe.uses_packed(plan)))
     x = torch.randn(PREFILL_TOKENS, D, generator=torch.Generator().manual_seed(1)).to(device, dtype)
     fn = impl(name, plan)
     with torch.inference_mode():
@@ -198,9 +211,35 @@ def kernel_choice(w: Weights) -> dict[str, Any]:
     for r, by_kernel in sel.seconds.items():
         rows[str(r)] = {k: {"us": s * 1e6, "gb_per_s": bytes_per_expert / s / 1e9,
                             "gflop_per_s": 2 * r * D * 3 * I / s / 1e9} for k, s in by_kernel.items()}
-    return {"plan": {"bounds": list(sel.plan.bounds), "kernels": list(sel.plan.kernels)},
-            "label": sel.plan.label, "measure_s": sel.measure_s, "candidates": list(sel.key["kernels"]),
-            "by_rows": rows, "_plan": sel.plan}
+    out = {"plan": {"bounds": list(sel.plan.bounds), "kernels": list(sel.plan.kernels)},
+           "label": sel.plan.label, "measure_s": sel.measure_s, "candidates": list(sel.key["kernels"]),
+           "by_rows": rows, "_plan": sel.plan}
+    dense = [k for k in sel.key["kernels"] if k != moe.PACKED_BACKEND]
+    if moe.PACKED_BACKEND in sel.key["kernels"] and len(dense) > 0:
+        seconds = sel.seconds
+        dense_plan, _ = kernel_select.choose(dense, lambda k, r: seconds[r][k], reps=1)
+        ratios = {str(r): seconds[r][moe.PACKED_BACKEND] / seconds[r][dense_plan.kernel_for(r)] for r in seconds}
+        out["packed_vs_dense"] = {"dense_plan": dense_plan.label, "ratios": ratios,
+                                  "geomean": statistics.geometric_mean(ratios.values()),
+                                  "packed_wins": kernel_select.packed_wins(seconds, dense_plan)}
+    return out
+
+
+def matmul_ceiling(device: str, dtype: torch.dtype, reps: int = 5) -> dict[str, float]:
+    """GFLOP/s of one ``[1024, D] x [D, 2I]`` matmul (a prefill chunk's gate/up projection) per kernel,
+    fastest of ``reps``: the machine's arithmetic rate that bounds any prefill's speed-up."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1024, D, generator=g).to(device, dtype)
+    w = (torch.randn(2 * I, D, generator=g) / D**0.5).to(device, dtype)
+    fns: dict[str, Callable[[], Any]] = {"F.linear": lambda: torch.nn.functional.linear(x, w)}
+    if moe.onednn_supports(w):
+        fns["onednn"] = lambda: moe.expert_linear(x, w, "onednn")
+    if moe.can_pack(w):
+        p = moe.PackedExperts.pack(w[None])[0]
+        fns["onednn_packed"] = lambda: moe.expert_linear(x, p, "onednn_packed")
+    with torch.inference_mode():
+        times = side_by_side(fns, reps, device)
+    return {k: 2 * 1024 * D * 2 * I / min(v) / 1e9 for k, v in times.items()}
 
 
 def moe_benchmarks(device: str, dtype_name: str, reps: int, peak_reps: int, bandwidth: float) -> dict[str, Any]:
@@ -208,7 +247,8 @@ def moe_benchmarks(device: str, dtype_name: str, reps: int, peak_reps: int, band
     w = weights(device, dtype)
     choice = kernel_choice(w)
     plan: MatmulChoice = choice.pop("_plan")
-    fns = {name: impl(name, plan) for name in IMPLS}
+    ceiling = matmul_ceiling(device, dtype)
+    fns = {name: impl(name, plan) for name in IMPLS if name != "moeguard_onednn_packed" or "p13" in w}
     gen = torch.Generator().manual_seed(1)
     x_pre32 = torch.randn(PREFILL_TOKENS, D, generator=gen)
     x_dec = torch.randn(DECODE_TOKENS, D, generator=gen).to(device, dtype)
@@ -240,6 +280,7 @@ def moe_benchmarks(device: str, dtype_name: str, reps: int, peak_reps: int, band
     read_s = dmed.pop("read_touched")
     out: dict[str, Any] = {
         "kernel_choice": choice, "rel_err_vs_hf": rel, "rel_err_vs_hf_fp32": rel32,
+        "matmul_1024_rows_gflop_per_s": ceiling,
         "prefill_seconds": pre, "prefill_median_s": med,
         "prefill_tokens_per_s": {k: PREFILL_TOKENS / v for k, v in med.items()},
         "prefill_speedup": {k: med["hf"] / v for k, v in med.items()},
@@ -250,7 +291,7 @@ def moe_benchmarks(device: str, dtype_name: str, reps: int, peak_reps: int, band
         "decode_ratio_to_bound": {k: v / bound_s for k, v in dmed.items()},
     }
     if peak_reps > 0:
-        peaks = {name: peak_memory(name, plan, device, dtype_name, peak_reps) for name in IMPLS}
+        peaks = {name: peak_memory(name, plan, device, dtype_name, peak_reps) for name in fns}
         pmed = {k: statistics.median(v) for k, v in peaks.items()}
         out |= {"prefill_peak_bytes": peaks, "prefill_peak_median_bytes": pmed,
                 "prefill_peak_ratio": {k: v / pmed["hf"] for k, v in pmed.items()}}
@@ -338,6 +379,7 @@ def _yes(ok: bool) -> str:
 
 def _label(name: str) -> str:
     return {"moeguard_auto": "moeguard, auto", "moeguard_onednn": "moeguard, oneDNN",
+            "moeguard_onednn_packed": "moeguard, oneDNN packed",
             "moeguard_torch": "moeguard, F.linear", "moeguard_grouped_mm": "moeguard, F.grouped_mm",
             "hf": "HF loop"}[name]
 
@@ -359,6 +401,14 @@ def render_choice(dtype_name: str, c: dict[str, Any], bandwidth: float) -> list[
         margin = f"{min(others) / by_kernel[chosen]['us']:.2f}x" if others else ""
         lines.append(f"| {r} | " + " | ".join(cells) + f" | {chosen} | {margin} |")
     lines.append("")
+    pv = c.get("packed_vs_dense")
+    if pv is not None:
+        lines += [f"Packed or dense (the rule of kernel_select.py: packed when the geometric mean over the buckets of "
+                  f"packed time / the dense plan's time is <= {1 - kernel_select.TIE_FRACTION:g} and no bucket is "
+                  f"more than {kernel_select.MAX_PACKED_LOSS:.0%} slower): dense plan `{pv['dense_plan']}`; "
+                  "packed / dense per bucket "
+                  + ", ".join(f"{r} rows {v:.2f}" for r, v in pv["ratios"].items())
+                  + f"; geometric mean {pv['geomean']:.2f}: **{'packed' if pv['packed_wins'] else 'dense'}**.", ""]
     by_rows = c["by_rows"]
     small, large = min(by_rows, key=int), max(by_rows, key=int)
     if len(kernels) > 1:
@@ -384,17 +434,25 @@ def render_moe(dtype_name: str, m: dict[str, Any]) -> list[str]:
              f"decode / read touched | decode / bandwidth bound | rel. error vs HF {dtype_name} | "
              "rel. error vs HF fp32 loop |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for name in IMPLS:
+    for name in (n for n in IMPLS if n in pm):
         pk = f"{peak[name] / 1e6:.1f}" if peak else ""
         pr = f"{pratio[name]:.2f}x" if pratio else ""
         lines.append(f"| {_label(name)} | {pm[name]:.3f} | {sp[name]:.2f}x | {pk} | {pr} | "
                      f"{dm[name] * 1e3:.2f} | {rr[name]:.2f}x | {rb[name]:.2f}x | {rel[name]:.1e} | {rel32[name]:.1e} |")
     flop = 2 * PREFILL_TOKENS * K * D * 3 * I
+    ceil = m["matmul_1024_rows_gflop_per_s"]
+    top = max(ceil, key=ceil.get)
+    hf_rate = flop / pm["hf"] / 1e9
     best_small = max(c["gb_per_s"] for c in m["kernel_choice"]["by_rows"]["4"].values())
     lines += ["", f"Prefill work is fixed: {flop / 1e9:.0f} GFLOP of expert matmuls (2·T·k·D·3I, dropless); "
               f"the HF loop ran it at {flop / pm['hf'] / 1e9:.0f} GFLOP/s, moeguard at "
               f"{flop / pm['moeguard_auto'] / 1e9:.0f} GFLOP/s, so the throughput ratio is the ratio of these "
               "rates: no dispatch can beat HF by more than the machine's arithmetic ceiling over HF's rate. "
+              f"The fastest 1024-row matmul measured here ([1024, D] x [D, 2I], {dtype_name}) ran at "
+              f"{ceil[top]:.0f} GFLOP/s ({top}; "
+              + ", ".join(f"{k} {v:.0f}" for k, v in ceil.items())
+              + f"), so HF's loop already runs at {hf_rate / ceil[top] * 100:.0f} % of it and no kernel of "
+              f"this dtype can make the prefill more than {ceil[top] / hf_rate:.2f}x faster than HF here. "
               f"Decode: at 4 rows per expert the fastest kernel streamed the weights at {best_small:.1f} GB/s "
               "(kernel choice table, one expert per call) against the read rate below: the kernel, not the "
               "dispatch, sets the decode ratio."]
@@ -425,8 +483,10 @@ def render(r: dict[str, Any]) -> str:
     lines += _targets(r)
     lines += [f"## MoE layer: D={D}, I={I}, E={E}, k={K}, same weights", "",
               "Candidates: `moeguard, auto` is the grouped dispatch with the kernel plan measured below (what the "
-              "worker runs by default); `oneDNN` and `F.linear` fix one kernel (oneDNN's linear primitive on the "
-              "dense weight; `F.linear`: MKL sgemm in fp32, oneDNN's matmul in bf16); `F.grouped_mm` is torch's "
+              "worker runs by default); `oneDNN`, `oneDNN packed` and `F.linear` fix one kernel (oneDNN's linear "
+              "primitive on the dense weight; the same on the weights reordered once into oneDNN's blocked layout, "
+              "which replace the dense ones in the worker; `F.linear`: MKL sgemm in fp32, oneDNN's matmul in bf16); "
+              "`F.grouped_mm` is torch's "
               "grouped GEMM (the no-host-read dispatch of moe_device.py, run on the CPU); HF loop: "
               "MixtralSparseMoeBlock's expert loop with unfused weights. moeguard's experts are fused (`w13`).", ""]
     for dtype_name, moe_r in r["moe"].items():
