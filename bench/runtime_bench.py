@@ -456,6 +456,13 @@ def render_moe(dtype_name: str, m: dict[str, Any]) -> list[str]:
               f"Decode: at 4 rows per expert the fastest kernel streamed the weights at {best_small:.1f} GB/s "
               "(kernel choice table, one expert per call) against the read rate below: the kernel, not the "
               "dispatch, sets the decode ratio."]
+    label = m["kernel_choice"]["label"]
+    same = {"onednn": "moeguard_onednn", "onednn_packed": "moeguard_onednn_packed", "torch": "moeguard_torch"}.get(label)
+    if same in pm:
+        lines += ["", f"`moeguard, auto` ran the same code as `{_label(same)}` here (plan `{label}`, the same "
+                  f"weights): the gap between their rows (prefill {pm['moeguard_auto']:.3f} vs {pm[same]:.3f} s, "
+                  f"decode {dm['moeguard_auto'] * 1e3:.2f} vs {dm[same] * 1e3:.2f} ms) is this run's noise between "
+                  "positions in the interleaved rounds, a measure of how far any single figure here can be trusted."]
     if dtype_name == "bf16":
         lines += ["", "bf16 errors against the fp32 loop are large because the bf16 router (`x @ gate.T` in bf16) "
                   "picks a different expert for tokens whose top experts nearly tie; against the HF loop in "
