@@ -59,8 +59,9 @@ ENV_CAPACITY_FACTOR = "MOEGUARD_CAPACITY_FACTOR"
 """0 or unset: dropless (default); > 0: DeepSpeed capacity, overflow slots dropped and counted."""
 ENV_MATMUL_BACKEND = "MOEGUARD_MATMUL_BACKEND"
 """Kernel of the expert matmuls: ``auto`` (default: the fastest by measurement at start-up, per row
-bucket, :mod:`moeguard_runtime.kernel_select`), ``onednn`` (oneDNN for CPU float32/bfloat16) or ``torch``
-(``F.linear``)."""
+bucket, or ``onednn_packed`` in every bucket, the experts' weights then packed once into oneDNN's layout in
+place of the dense ones: :mod:`moeguard_runtime.kernel_select`), ``onednn`` (oneDNN for CPU
+float32/bfloat16) or ``torch`` (``F.linear``)."""
 MatmulSetting = Literal["auto", "onednn", "torch"]
 MATMUL_SETTINGS: tuple[MatmulSetting, ...] = ("auto", *DENSE_BACKENDS)
 ENV_MOE_DISPATCH = "MOEGUARD_MOE_DISPATCH"
