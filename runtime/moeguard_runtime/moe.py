@@ -337,7 +337,49 @@ def pack_experts(model: object, hint: int = PACK_HINT_ROWS) -> int:
             setattr(module, name, PackedExperts.pack(dense, hint))
             del dense
         packed += 1
+    if packed:
+        warm_packed(model)
     return packed
+
+
+def warm_rows(max_rows: int) -> list[int]:
+    """The row counts :func:`warm_packed` runs: each bucket of :func:`padded_rows` up to ``max_rows``,
+    and one row below it where that row count pads to it (ascending)."""
+    buckets = sorted({padded_rows(n) for n in range(1, max_rows + 1)})
+    rows = set(buckets) | {b - 1 for b in buckets if b > 1 and padded_rows(b - 1) == b}
+    return sorted(rows)
+
+
+def warm_packed(model: nn.Module, max_rows: int | None = None) -> int:
+    """Create, at start-up, every oneDNN primitive that a packed expert call can need: one
+    :func:`swiglu_expert` per distinct packed ``(w13, w2)`` shape and dtype at each row count of
+    :func:`warm_rows` (default up to :data:`ONEDNN_CHUNK_TOKENS`, the oneDNN path's chunk bound).
+    A row count that is its own bucket feeds ``w2`` a strided view of the ``[n, 2I]`` product; one
+    below it, a padded contiguous copy: both layouts get their primitive. Returns the calls made.
+
+    Why: a oneDNN primitive that failed to be created under memory pressure kept failing once the
+    memory was back (measured under ``prlimit --as``, tests/integration/worker/test_out_of_memory.py),
+    and packed experts have no dense weight to leave oneDNN for (:func:`leave_onednn`). Created
+    here, from oneDNN's primitive cache (1,024 entries by default), no step has to create one. Cost:
+    ~2,400 rows through one expert per shape (D=1024, I=2816, fp32: ~0.2 s)."""
+    limit = ONEDNN_CHUNK_TOKENS if max_rows is None else max_rows
+    seen: set[tuple[torch.Size, torch.Size, torch.dtype]] = set()
+    calls = 0
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for module in model.modules():
+            w13, w2 = getattr(module, "w13", None), getattr(module, "w2", None)
+            if not (isinstance(w13, PackedExperts) and isinstance(w2, PackedExperts)):
+                continue
+            key = (w13.shape, w2.shape, w13.dtype)
+            if key in seen:
+                continue
+            seen.add(key)
+            for n in warm_rows(limit):
+                x = torch.randn(n, w13.shape[2], generator=gen).to(w13.dtype)
+                swiglu_expert(x, w13[0], w2[0], PACKED_BACKEND)
+                calls += 1
+    return calls
 
 
 MoeDispatch = Literal["auto", "host", "device"]
@@ -368,7 +410,9 @@ def leave_onednn(model: object) -> int:
     restart brings oneDNN back.
 
     Modules whose experts are packed (:class:`PackedExperts`) stay on oneDNN: no dense weight is
-    left for ``F.linear``, and unpacking would take the memory whose lack failed the primitive."""
+    left for ``F.linear``, and unpacking would take the memory whose lack failed the primitive (and
+    oneDNN's reorder, which can fail the same way); their primitives were created at start-up
+    (:func:`warm_packed`), so no step needs a new one."""
     changed = 0
     if isinstance(model, nn.Module):
         for module in model.modules():

@@ -254,3 +254,28 @@ def test_every_family_packs_and_keeps_its_logits(family: str) -> None:
         return out
 
     torch.testing.assert_close(logits(ALL_PACKED), logits("onednn"), rtol=1e-4, atol=1e-4)
+
+
+def test_warm_rows_cover_every_bucket_and_both_input_layouts() -> None:
+    rows = moe.warm_rows(256)
+    assert {moe.padded_rows(n) for n in range(1, 257)} == {moe.padded_rows(n) for n in rows}
+    assert rows[:8] == [1, 2, 3, 4, 7, 8, 15, 16] and rows[-4:] == [223, 224, 255, 256]
+
+
+def test_packing_creates_the_primitives_once_per_weight_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    from moeguard_runtime.model import build_model
+
+    model = build_model(presets.get_preset("tiny"), seed=1)
+    seen: list[tuple[int, tuple[int, ...]]] = []
+    real = moe.swiglu_expert
+
+    def spy(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, backend: object = "onednn") -> torch.Tensor:
+        seen.append((x.shape[0], tuple(w13.shape)))
+        return real(x, w13, w2, backend)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(moe, "swiglu_expert", spy)
+    layers = moe.pack_experts(model)
+    assert layers == presets.get_preset("tiny").n_layer > 1
+    # every layer of the preset has one expert shape: one warm pass, at every row count of warm_rows
+    assert [n for n, _ in seen] == moe.warm_rows(moe.ONEDNN_CHUNK_TOKENS)
+    assert moe.warm_packed(model, max_rows=4) == len(moe.warm_rows(4)) == 4
