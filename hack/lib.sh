@@ -42,8 +42,17 @@ start() {
     done
     exec setsid "$@"
   ) >>"$RUN/logs/$name.log" 2>&1 </dev/null &
-  echo $! >"$RUN/pids/$name.pid"
-  log "started $name (pid $!, log $RUN/logs/$name.log)"
+  local pid=$!
+  echo "$pid" >"$RUN/pids/$name.pid"
+  # Until the subshell has exec'd, its command line is this script's, not the daemon's, and alive
+  # would call it dead (wait_for then failed "exited before it was healthy" on a loaded machine):
+  # wait for the exec (or the death) before anyone asks.
+  for _ in $(seq 1 100); do
+    alive "$name" && break
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.05
+  done
+  log "started $name (pid $pid, log $RUN/logs/$name.log)"
 }
 
 # wait_for NAME TIMEOUT_S CHECK...: poll CHECK; fail early if NAME's process died.
