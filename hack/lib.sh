@@ -23,11 +23,15 @@ tools_path() {
 # alive NAME: its pid file names a live process whose command line points into
 # the run dir (so a recycled pid is not mistaken for ours).
 alive() {
-  local f="$RUN/pids/$1.pid" pid cmd
-  [ -f "$f" ] && pid=$(cat "$f") && [ -r "/proc/$pid/cmdline" ] || return 1
-  # no pipe into grep -q: under pipefail, tr killed by SIGPIPE when grep quits early made a live
-  # daemon look dead ("kubelet exited before it was healthy" while it ran)
-  cmd=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || return 1
+  local f="$RUN/pids/$1.pid" pid
+  [ -f "$f" ] && pid=$(cat "$f") && ours "$pid"
+}
+
+# ours PID: the process's command line points into the run dir. No pipe into grep -q: under
+# pipefail, tr killed by SIGPIPE when grep quits early made a live daemon look dead.
+ours() {
+  local cmd
+  cmd=$(tr '\0' ' ' <"/proc/$1/cmdline" 2>/dev/null) || return 1
   [[ "$cmd" == *"$RUN/"* ]]
 }
 

@@ -20,11 +20,6 @@ BRIDGE=mgnode0 CGROUP_ROOT=/moeguard-node OWNER=/run/moeguard-node.owner
 log() { printf '[node-down] %s\n' "$*" >&2; }
 
 [ -d "$N" ] || { log "no node in $RUN"; exit 0; }
-ours() {  # no pipe into grep -q (under pipefail a SIGPIPE'd tr would say "not ours")
-  local cmd
-  cmd=$(tr '\0' ' ' <"/proc/$1/cmdline" 2>/dev/null) || return 1
-  [[ "$cmd" == *"$RUN/"* ]]
-}
 stop_named() {  # SIGTERM, up to 15 s, then SIGKILL
   local name=$1 f="$RUN/pids/$1.pid" pid
   [ -f "$f" ] || return 0
