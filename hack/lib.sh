@@ -31,6 +31,7 @@ alive() {
 # pipefail, tr killed by SIGPIPE when grep quits early made a live daemon look dead.
 ours() {
   local cmd
+  [ -r "/proc/$1/cmdline" ] || return 1
   cmd=$(tr '\0' ' ' <"/proc/$1/cmdline" 2>/dev/null) || return 1
   [[ "$cmd" == *"$RUN/"* ]]
 }
