@@ -67,7 +67,7 @@ images: node-deps ## Build the operator and worker images with buildah on a loca
 	hack/build-images.sh operator worker
 
 .PHONY: test-node
-test-node: deps node-deps ## e2e on the real node: the images built and loaded, the operator's worker pod serving (tests/node; not in `make test`).
+test-node: deps node-deps ## e2e on the real node: the images built and loaded, the operator's worker pod serving (tests/node; the last step of `make test`; root).
 	hack/cluster-up.sh
 	hack/node-up.sh
 	hack/build-images.sh --load operator worker >$(MOEGUARD_RUN_DIR)/node/images.env

@@ -20,7 +20,8 @@
 #
 # --load: also import each image into containerd's k8s.io namespace (CONTAINERD_ADDRESS, default the
 # run dir's node socket) unless it is there, and drop that repository's other local tags there and in
-# buildah's store (disk: a worker image is ~6 GB).
+# buildah's store, and in containerd the id names (sha256:...) no tag points to any more (disk: a
+# worker image is ~6 GB).
 # Prints NAME=REF per image on stdout. Usage: hack/build-images.sh [--load] [base|operator|worker|pause]...
 set -euo pipefail
 # A failed build inside ref=$(build_app ...) must stop the script, not print a ref that does not exist.
@@ -85,6 +86,20 @@ load() {
   for old in $(ctr --address "$SOCK" -n k8s.io images ls -q | grep "^$repo:" | grep -vxF "$ref" || true); do
     log "dropping $old from containerd"
     ctr --address "$SOCK" -n k8s.io images rm "$old" >/dev/null || true
+  done
+  drop_orphan_ids
+}
+# drop_orphan_ids: the CRI plugin names every image it has seen by its id too (sha256:<config digest>);
+# that name outlives the tag dropped above and keeps the old image's layers (~6 GB for a worker) in
+# the store. Drop each id name whose manifest no tag points to; --sync: the space is freed on return.
+drop_orphan_ids() {
+  local listing tagged id
+  listing=$(ctr --address "$SOCK" -n k8s.io images ls) || return 0
+  tagged=$(awk 'NR > 1 && $1 !~ /^sha256:/ { print $3 }' <<<"$listing")
+  for id in $(awk 'NR > 1 && $1 ~ /^sha256:/ { print $1 " " $3 }' <<<"$listing" |
+              while read -r name digest; do grep -qxF "$digest" <<<"$tagged" || echo "$name"; done); do
+    log "dropping $id (no tag left) from containerd"
+    ctr --address "$SOCK" -n k8s.io images rm --sync "$id" >/dev/null || true
   done
 }
 prune_buildah() {  # prune_buildah REF: the repository's other tags in buildah's store

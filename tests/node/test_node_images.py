@@ -1,6 +1,7 @@
 """The structure checks of tests/unit/delivery/test_delivery_images.py, against the built images
 (hack/build-images.sh, ``<run dir>/node/images.env``): user, entrypoint, no build tools in the final
-stage, the files and their permissions, and what imports as the image's own user."""
+stage, the files and their permissions, and what imports as the image's own user; and that loading
+into the node's containerd leaves no untagged image behind."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import stat
 import subprocess
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +19,8 @@ from hack.stack import RUN_DIR
 pytestmark = pytest.mark.node
 
 IMAGES_ENV = RUN_DIR / "node" / "images.env"
+NODE_ENV = RUN_DIR / "node" / "node.env"
+ROOT = Path(__file__).resolve().parents[2]
 BUILD_TOOLS = ("gcc", "cc", "g++", "make", "git")
 
 
@@ -86,3 +90,64 @@ def test_imports_as_the_image_user(image: tuple[str, str, Path]) -> None:
     out = subprocess.run(["buildah", "run", "--network", "none", ctr, "--", "python", "-c", code],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+# --- loading into the node's containerd -----------------------------------------------------------
+def containerd_address() -> str:
+    if not NODE_ENV.exists():
+        pytest.fail(f"{NODE_ENV} is missing: run `make test-node`")
+    pairs = (line.split("=", 1) for line in NODE_ENV.read_text().splitlines() if "=" in line)
+    return {k: v for k, v in pairs}["CONTAINERD_ADDRESS"]
+
+
+def ctr(*args: str) -> str:
+    out = subprocess.run(["ctr", "--address", containerd_address(), "-n", "k8s.io", *args],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"ctr {' '.join(args)}: {out.stderr}"
+    return out.stdout
+
+
+def containerd_images() -> dict[str, str]:
+    """name -> manifest digest of every image name in the node's k8s.io namespace."""
+    rows = [line.split() for line in ctr("images", "ls").splitlines()[1:]]
+    return {row[0]: row[2] for row in rows if len(row) > 2}
+
+
+def build_images(*args: str) -> dict[str, str]:
+    out = subprocess.run([str(ROOT / "hack" / "build-images.sh"), *args], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "CONTAINERD_ADDRESS": containerd_address()})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return dict(line.split("=", 1) for line in out.stdout.splitlines() if "=" in line)
+
+
+def test_load_drops_image_ids_no_tag_points_to(tmp_path: Path) -> None:
+    """The CRI plugin names each image by its id (``sha256:<config digest>``) as well; when the
+    tag went and that name stayed, the old image's layers (~6 GB for a worker) stayed with it:
+    37 GB of one machine's store were such images before build-images.sh --load dropped them."""
+    pause = build_images("pause")["pause"]
+    tag = f"localhost/moeguard/orphan-test:{uuid.uuid4().hex[:12]}"
+    work = buildah("from", "--pull=false", pause)
+    try:
+        buildah("config", "--label", f"moeguard.dev/test={tag}", work)  # a new config: a new id
+        buildah("commit", "-q", work, tag)
+    finally:
+        subprocess.run(["buildah", "rm", work], capture_output=True, timeout=120)
+    image_id = "sha256:" + buildah("inspect", "--type", "image", "--format", "{{.FromImageID}}", tag)
+    try:
+        archive = tmp_path / "image.tar"
+        buildah("push", "-q", "--disable-compression", tag, f"oci-archive:{archive}:{tag}")
+        ctr("images", "import", str(archive))
+        ctr("images", "tag", "--force", tag, image_id)  # the name the CRI plugin gives it
+        digest = containerd_images()[tag]
+        ctr("images", "rm", tag)
+        assert containerd_images().get(image_id) == digest  # untagged, still holding its layers
+
+        build_images("--load", "pause")
+        after = containerd_images()
+        assert image_id not in after and digest not in after.values()
+        kept = [pause, *images().values()]  # the images in use are not touched
+        assert [after.get(ref) is not None for ref in kept] == [True] * len(kept), sorted(after)
+    finally:
+        subprocess.run(["buildah", "rmi", tag], capture_output=True, timeout=120)
+        for name in set(containerd_images()) & {tag, image_id}:
+            ctr("images", "rm", name)
