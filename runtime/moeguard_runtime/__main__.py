@@ -251,7 +251,8 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
 
 
 def _initial_kernel(settings: Settings) -> MatmulBackend:
-    """The kernel the model is built with: the setting, or ``onednn`` until ``auto`` has measured."""
+    """The kernel the model is built with: the setting, or ``onednn`` until ``auto`` has measured (or
+    until :func:`choose_matmul_kernel` packs the weights for ``onednn_packed``)."""
     return "torch" if settings.matmul_backend == "torch" else "onednn"
 
 
@@ -260,7 +261,9 @@ def choose_matmul_kernel(settings: Settings, model: object, telemetry: Telemetry
     """With ``MOEGUARD_MATMUL_BACKEND=auto``, measure the candidate kernels on the model's own
     expert shapes (or read the cached choice, :mod:`moeguard_runtime.kernel_select`) and give
     the plan to every MoE layer (a packed plan packs the experts' weights, replacing the dense ones:
-    called after loading and sharding, before the weight bytes are counted); log ``event=matmul_kernel_selected`` (and
+    called after loading and sharding, before the weight bytes are counted); with ``onednn_packed``,
+    pack without measuring (``config`` has checked that the weights can be packed); log
+    ``event=matmul_kernel_selected`` (and
     ``event=kernel_cache_off`` when the cache cannot be written), set
     ``moeguard_matmul_kernel_info``. Returns the kernel's label."""
     from torch import nn
@@ -286,6 +289,9 @@ def choose_matmul_kernel(settings: Settings, model: object, telemetry: Telemetry
                      for rows, by_kernel in selection.seconds.items() for k, s in by_kernel.items()})
     elif settings.matmul_backend == "auto":
         kernel = "onednn"
+    elif settings.matmul_backend == "onednn_packed" and isinstance(model, nn.Module):
+        del experts  # packing frees the dense weights: no reference may keep them
+        kernel_select.apply_plan(model, "onednn_packed")
     telemetry.set_matmul_kernel(kernel, cpu)
     return kernel
 

@@ -44,9 +44,11 @@ from moeguard_runtime.env_values import env_int as _int
 from moeguard_runtime.faults import Faults, load_faults
 from moeguard_runtime.moe import (
     DEFAULT_EXPERT_CHUNK_TOKENS,
-    DENSE_BACKENDS,
+    MATMUL_BACKENDS,
     MOE_DISPATCHES,
+    PACKED_BACKEND,
     MoeDispatch,
+    can_pack,
 )
 from moeguard_runtime.presets import ModelArgs
 from moeguard_runtime.scheduler import SCHEDULING_POLICIES, PriorityPolicy, QueueLimits
@@ -61,9 +63,10 @@ ENV_MATMUL_BACKEND = "MOEGUARD_MATMUL_BACKEND"
 """Kernel of the expert matmuls: ``auto`` (default: the fastest by measurement at start-up, per row
 bucket, or ``onednn_packed`` in every bucket, the experts' weights then packed once into oneDNN's layout in
 place of the dense ones: :mod:`moeguard_runtime.kernel_select`), ``onednn`` (oneDNN for CPU
-float32/bfloat16) or ``torch`` (``F.linear``)."""
-MatmulSetting = Literal["auto", "onednn", "torch"]
-MATMUL_SETTINGS: tuple[MatmulSetting, ...] = ("auto", *DENSE_BACKENDS)
+float32/bfloat16), ``torch`` (``F.linear``) or ``onednn_packed`` (packed weights without measuring; CPU
+float32, or bfloat16 where oneDNN has it, and not ``MOEGUARD_MOE_DISPATCH=device``: else a ConfigError)."""
+MatmulSetting = Literal["auto", "onednn", "torch", "onednn_packed"]
+MATMUL_SETTINGS: tuple[MatmulSetting, ...] = ("auto", *MATMUL_BACKENDS)
 ENV_MOE_DISPATCH = "MOEGUARD_MOE_DISPATCH"
 """How the MoE layers group their slots: ``auto`` (default), ``host`` or ``device`` (``moe.MoeDispatch``)."""
 ENV_MAX_QUEUE_TOKENS = "MOEGUARD_MAX_QUEUE_TOKENS"
@@ -319,6 +322,11 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     dispatch = (env.get(ENV_MOE_DISPATCH) or "auto").strip()
     if dispatch not in MOE_DISPATCHES:
         raise ConfigError(f"{ENV_MOE_DISPATCH}={dispatch!r} must be one of {', '.join(MOE_DISPATCHES)}")
+    if backend == PACKED_BACKEND and (dispatch == "device" or not (
+            device == "cpu" and can_pack(torch.empty(1, 1, dtype=DTYPES[dtype])))):
+        raise ConfigError(f"{ENV_MATMUL_BACKEND}={PACKED_BACKEND} packs the experts for oneDNN on the CPU "
+                          f"(float32, or bfloat16 where this torch's oneDNN has it) with host dispatch; "
+                          f"this worker has device {device}, dtype {dtype}, {ENV_MOE_DISPATCH}={dispatch}")
     preset = env.get(contract.ENV_MODEL_PRESET, "tiny") or "tiny"
     return Settings(
         host=env.get(ENV_HOST, "0.0.0.0"),
@@ -340,7 +348,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         gpu_soft_fraction=gpu_soft,
         gpu_hard_fraction=gpu_hard,
         capacity_factor=capacity,
-        matmul_backend="torch" if backend == "torch" else "onednn" if backend == "onednn" else "auto",
+        matmul_backend=next(m for m in MATMUL_SETTINGS if m == backend),
         moe_dispatch="host" if dispatch == "host" else "device" if dispatch == "device" else "auto",
         checkpoint=env.get(contract.ENV_CHECKPOINT_PATH) or None,
         model_overrides=_overrides(env),

@@ -259,7 +259,7 @@ def follower_kernel(settings: Settings, experts: tuple[ExpertWeights, ExpertWeig
     from moeguard_runtime import kernel_select
 
     if settings.matmul_backend != "auto":
-        return "torch" if settings.matmul_backend == "torch" else "onednn"
+        return settings.matmul_backend
     w13, w2 = experts
     assert isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)
     return kernel_select.select(w13, w2, threads=settings.torch_threads,

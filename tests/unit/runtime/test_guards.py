@@ -87,6 +87,12 @@ def test_settings_read_every_contract_variable() -> None:
      "MOEGUARD_FAULT_LEAK_ANON_BYTES_PER_SECOND=-1 must be >= 0"),
     ({"MOEGUARD_MATMUL_BACKEND": "cublas"}, "MOEGUARD_MATMUL_BACKEND='cublas' must be one of"),
     ({"MOEGUARD_MOE_DISPATCH": "gpu"}, "MOEGUARD_MOE_DISPATCH='gpu' must be one of auto, host, device"),
+    ({"MOEGUARD_MATMUL_BACKEND": "onednn_packed", "MOEGUARD_MOE_DISPATCH": "device"},
+     "MOEGUARD_MATMUL_BACKEND=onednn_packed packs the experts for oneDNN on the CPU (float32, or bfloat16 where "
+     "this torch's oneDNN has it) with host dispatch; this worker has device cpu, dtype float32, "
+     "MOEGUARD_MOE_DISPATCH=device"),
+    ({"MOEGUARD_MATMUL_BACKEND": "onednn_packed", contract.ENV_DTYPE: "float16"},
+     "with host dispatch; this worker has device cpu, dtype float16, MOEGUARD_MOE_DISPATCH=auto"),
     ({"MOEGUARD_SHUTDOWN_DELAY_SECONDS": "soon"}, "MOEGUARD_SHUTDOWN_DELAY_SECONDS='soon' is not a number"),
     ({"MOEGUARD_SHUTDOWN_DELAY_SECONDS": "-1"}, "MOEGUARD_SHUTDOWN_DELAY_SECONDS=-1 must be between 0 and 3600"),
     ({"MOEGUARD_SHUTDOWN_DELAY_SECONDS": "nan"}, "MOEGUARD_SHUTDOWN_DELAY_SECONDS=nan must be between 0 and 3600"),

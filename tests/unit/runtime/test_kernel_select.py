@@ -214,6 +214,8 @@ def test_settings_default_to_auto() -> None:
     assert load_settings({}).matmul_backend == "auto"
     assert load_settings({"MOEGUARD_MATMUL_BACKEND": "torch"}).matmul_backend == "torch"
     assert load_settings({"MOEGUARD_MATMUL_BACKEND": "onednn"}).matmul_backend == "onednn"
+    if moe.can_pack(torch.empty(0)):
+        assert load_settings({"MOEGUARD_MATMUL_BACKEND": " onednn_packed "}).matmul_backend == "onednn_packed"
 
 
 def test_the_worker_measures_applies_logs_and_exports_the_choice(tmp_path: Path,

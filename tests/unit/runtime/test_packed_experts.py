@@ -197,6 +197,40 @@ def test_the_worker_packs_frees_the_dense_weights_and_exports_the_choice(tmp_pat
     assert kernel_select.first_experts(model) is None  # nothing dense left to measure
 
 
+def test_a_forced_packed_kernel_packs_without_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
+    from moeguard_runtime import __main__ as entry
+    from moeguard_runtime.config import load_settings
+    from moeguard_runtime.ep_worker import follower_kernel
+    from moeguard_runtime.model import build_model
+    from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
+
+    def no_timing(w13: torch.Tensor, w2: torch.Tensor) -> None:
+        raise AssertionError("a forced kernel is not measured")
+
+    monkeypatch.setattr(kernel_select, "expert_timer", no_timing)
+    settings = load_settings({"MOEGUARD_MATMUL_BACKEND": "onednn_packed"})
+    model = build_model(presets.get_preset("tiny"), seed=0)
+    dense = build_model(presets.get_preset("tiny"), seed=0)
+    gone = [weakref.ref(m.w13) for m in model.modules() if isinstance(getattr(m, "w13", None), torch.Tensor)]
+    telemetry = Telemetry({"moeis": "m", "namespace": "n", "pod": "p"}, 8)
+    assert entry.choose_matmul_kernel(settings, model, telemetry, RateLimitedLog()) == "onednn_packed"
+    gc.collect()
+    assert gone and all(r() is None for r in gone)
+    mods = [m for m in model.modules() if hasattr(m, "matmul_backend")]
+    assert mods and {m.matmul_backend for m in mods} == {PACKED}
+    assert all(isinstance(m.w13, PackedExperts) for m in mods if hasattr(m, "w13"))
+    assert telemetry.registry.get_sample_value(
+        "moeguard_matmul_kernel_info", {"moeis": "m", "namespace": "n", "pod": "p", "kernel": "onednn_packed",
+                                        "cpu": kernel_select.cpu_model()}) == 1.0
+    tokens, logits = _greedy(model)
+    ref_tokens, ref_logits = _greedy(dense)
+    assert tokens == ref_tokens
+    for a, b in zip(logits, ref_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    w13, w2 = kernel_select.first_experts(dense) or (torch.empty(0), torch.empty(0))
+    assert follower_kernel(settings, (w13, w2)) == "onednn_packed"  # the followers pack as the leader
+
+
 def test_expert_parallel_serves_packed_experts() -> None:
     from moeguard_runtime.ep_worker import pack_follower
     from moeguard_runtime.expert_parallel import (
