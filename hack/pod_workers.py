@@ -39,10 +39,12 @@ worker pods) and acts as their kubelet for what moeguard depends on:
   ``leaderworkerset.sigs.k8s.io/group-key``), where the group's ranks rendezvous. ``LWS_GROUP_SIZE`` and
   ``LWS_WORKER_INDEX`` are the pod's own (injected by LWS's pod webhook). A death is written to the
   pod status as for any pod (``restartCount``), which is what LWS's ``RecreateGroupOnPodRestart`` acts on.
+  A pod that holds a whole group (expert parallelism in one pod, ``MOEGUARD_EP_PORT`` set without LWS)
+  gets a free port of its own instead of the operator's 29500, which every such pod would share here.
 
 Each worker is a Prometheus file_sd target 127.0.0.1:<port>; <run dir>/workers.json maps
 namespace/pod -> port, pid, url, moeis, uid, cgroup, restarts, and for LWS pods ``lws``: group,
-leaderAddress (the pod's own value), epPort, groupSize, workerIndex.
+leaderAddress (the pod's own value), epPort, groupSize, workerIndex; for one-pod groups ``epPort``.
 
     hack/pod_workers.py run | start | stop   # foreground | background (<run dir>/pids/pod-workers.pid)
 
@@ -120,6 +122,18 @@ def lws_group(namespace: str, labels: dict[str, str] | None) -> str | None:
         return None
     group = labels.get(LWS_GROUP_KEY_LABEL) or f"{labels[LWS_NAME_LABEL]}-{labels.get(LWS_GROUP_INDEX_LABEL, '')}"
     return f"{namespace}/{group}"
+
+
+def own_rendezvous_env(env: dict[str, str], port: Callable[[], int]) -> tuple[dict[str, str], dict[str, Any]]:
+    """For a pod that is not in a LeaderWorkerSet group: when its ranks rendezvous among its own
+    processes (``MOEGUARD_EP_PORT`` set: expert parallelism in one pod), a port of its own from
+    ``port()`` (on a node each pod has its network namespace and the operator's port 29500; here
+    every pod shares loopback, so two replicas would collide), and what workers.json records;
+    else nothing."""
+    if EP_PORT_ENV not in env:
+        return {}, {}
+    ep_port = port()
+    return {EP_PORT_ENV: str(ep_port)}, {"epPort": ep_port}
 
 
 def test_env(annotations: dict[str, str] | None, key: str) -> dict[str, str]:
@@ -221,7 +235,7 @@ class Harness:
         long as a pod of the group is there)."""
         group = lws_group(pod.metadata.namespace, pod.metadata.labels)
         if group is None:
-            return {}, {}
+            return own_rendezvous_env(env, free_port)
         if group not in self.group_ports:
             self.group_ports[group] = free_port()
             log(f"LWS group {group}: {EP_PORT_ENV}={self.group_ports[group]}")

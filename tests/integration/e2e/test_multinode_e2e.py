@@ -131,3 +131,27 @@ def test_a_two_pod_replica_is_a_leader_worker_set_served_by_its_leader_and_recre
     print(f"multi-node e2e: member SIGKILLed -> in-flight request answered {answer} ; group recreated and Ready "
           f"in {recreate_s:.1f} s")
     assert obj["status"]["groups"][0]["leader"] == new_leader["metadata"]["name"]
+
+
+def test_one_pod_groups_of_two_replicas_each_rendezvous_on_their_own_port(
+        cluster: Cluster, operator: None, pod_workers: PodWorkers, namespace: str) -> None:
+    """``podsPerReplica: 1`` with 2 ranks: a Deployment whose pods each start their second rank as a child
+    process. The operator gives every pod port 29500 (each pod has its own network namespace on a node);
+    the harness, where all pods share loopback, gives each its own: both replicas become Ready and serve."""
+    ns, name = namespace, "ep-one-pod"
+    spec = {**SPEC, "replicas": 2, "parallelism": {"expertParallelSize": 2, "podsPerReplica": 1},
+            "resources": {**SPEC["resources"], "gpus": 0}}
+    cluster.kubectl("-n", ns, "apply", "-f", "-", input=moeis(name, **spec))
+    obj = wait_cr(cluster, ns, name, lambda o: ready_status(o) == "True" and o["status"].get("readyReplicas") == 2,
+                  300, "Ready=True with 2 ready replicas")
+    deploy = cluster.kubectl_json("-n", ns, "get", "deployment", f"{name}-worker")
+    env = {e["name"]: e.get("value") for e in deploy["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert (env[contract.ENV_EXPERT_PARALLEL_SIZE], env[contract.ENV_EP_PORT]) == ("2", "29500")
+    pods = _pods(cluster, ns, name)
+    assert len(pods) == 2 and obj["status"]["readyReplicas"] == 2
+    workers = [pod_workers.wait_for(f"{ns}/{p['metadata']['name']}", 60) for p in pods]
+    ports = {w["epPort"] for w in workers}
+    assert len(ports) == 2 and 29500 not in ports, workers
+    for w in workers:
+        ok = _complete(w["url"], "The capital of France is")
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8, ok.text

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from hack.lws_webhooks import apply_patch, render
-from hack.pod_workers import lws_group
+from hack.pod_workers import lws_group, own_rendezvous_env
 
 pytestmark = pytest.mark.unit
 
@@ -103,3 +103,11 @@ def test_lws_group_is_the_group_key_in_the_namespace() -> None:
     assert lws_group("ns", labels) == "ns/svc-worker-1"
     assert lws_group("ns", {"app.kubernetes.io/component": "worker"}) is None
     assert lws_group("ns", None) is None
+
+
+def test_a_one_pod_group_gets_a_rendezvous_port_of_its_own() -> None:
+    ports = iter([41001, 41002])
+    env = {"MOEGUARD_EXPERT_PARALLEL_SIZE": "2", "MOEGUARD_EP_PORT": "29500", "LWS_LEADER_ADDRESS": "127.0.0.1"}
+    assert own_rendezvous_env(env, lambda: next(ports)) == ({"MOEGUARD_EP_PORT": "41001"}, {"epPort": 41001})
+    assert own_rendezvous_env(env, lambda: next(ports)) == ({"MOEGUARD_EP_PORT": "41002"}, {"epPort": 41002})
+    assert own_rendezvous_env({"MOEGUARD_PORT": "8000"}, lambda: next(ports)) == ({}, {})  # no ranks: nothing
