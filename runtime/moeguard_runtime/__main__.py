@@ -274,10 +274,16 @@ def choose_matmul_kernel(settings: Settings, model: object, telemetry: Telemetry
     kernel: str = settings.matmul_backend
     experts = kernel_select.first_experts(model) if isinstance(model, nn.Module) else None
     if settings.matmul_backend == "auto" and isinstance(model, nn.Module) and experts is not None:
-        selection = kernel_select.select(*experts, threads=settings.torch_threads, cpu=cpu)
+        from moeguard_runtime.memory import read_memory, start_headroom
+
+        selection = kernel_select.select(*experts, threads=settings.torch_threads, cpu=cpu,
+                                         headroom_bytes=start_headroom(read_memory(), settings.hard_limit_bytes))
         del experts  # a packed plan replaces the dense weights: no reference may keep them
         kernel_select.apply_plan(model, selection.plan)
         kernel = selection.plan.label
+        if selection.packed_skipped is not None:
+            log.event("kernel_candidate_skipped", force=True, kernel="onednn_packed",
+                      reason=selection.packed_skipped)
         if selection.cache_error is not None:
             log.event("kernel_cache_off", force=True, directory=kernel_select.cache_dir(),
                       reason=selection.cache_error[:300])

@@ -260,10 +260,12 @@ def follower_kernel(settings: Settings, experts: tuple[ExpertWeights, ExpertWeig
 
     if settings.matmul_backend != "auto":
         return settings.matmul_backend
+    from moeguard_runtime.memory import read_memory, start_headroom
+
     w13, w2 = experts
     assert isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)
-    return kernel_select.select(w13, w2, threads=settings.torch_threads,
-                                cpu=kernel_select.cpu_model()).plan
+    return kernel_select.select(w13, w2, threads=settings.torch_threads, cpu=kernel_select.cpu_model(),
+                                headroom_bytes=start_headroom(read_memory(), settings.hard_limit_bytes)).plan
 
 
 def pack_follower(model: nn.Module, weights: list[tuple[ExpertWeights, ExpertWeights]],

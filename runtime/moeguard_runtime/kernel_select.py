@@ -24,6 +24,10 @@ the benchmarks). The copies are made for the measurement and dropped after it: a
 transient of 138 MB at D=1024, I=2816 (4 experts in fp32, 8 in bf16), two experts' weights
 for larger experts.
 
+Packing is not a candidate when its start-up transient (:func:`packing_transient_bytes`) exceeds the
+memory left under the tightest limit (``select``'s ``headroom_bytes``): measuring must not OOM-kill the
+worker it is meant to speed up.
+
 Timing: one warm-up call per (kernel, rows) (oneDNN creates and caches its primitive on
 the first call), then up to :data:`REPS` interleaved rounds (kernel A, kernel B, A, B, ...,
 so drift on a shared machine hits both alike), each cell's figure the fastest of its
@@ -195,6 +199,16 @@ def probe_experts(w13: torch.Tensor, w2: torch.Tensor) -> int:
     return min(int(w13.shape[0]), max(2, -(-PACKED_PROBE_BYTES // per_expert)))
 
 
+def packing_transient_bytes(w13: torch.Tensor, w2: torch.Tensor) -> int:
+    """Bytes the ``onednn_packed`` candidate needs at start-up above the dense weights (``w13`` ``[E, 2I, D]``,
+    ``w2`` ``[E, D, I]``, one layer): the larger of the probe's packed copies (:func:`probe_experts` experts'
+    ``w13`` and ``w2``, held while measuring) and one layer's ``w13`` (held twice while that layer packs:
+    :func:`moe.pack_experts` frees each dense tensor once its packed copy exists). They never overlap: the
+    probe's copies are dropped before packing. Mixtral-8x7B in float32: 1.41 GB (2 experts) vs 3.76 GB."""
+    per_expert = (w13[0].numel() + w2[0].numel()) * w13.element_size() if w13.shape[0] else 0
+    return max(probe_experts(w13, w2) * per_expert, w13.numel() * w13.element_size())
+
+
 def expert_timer(w13: torch.Tensor, w2: torch.Tensor, seed: int = 0) -> Timer:
     """Times one :func:`moe.swiglu_expert` call on the experts ``w13`` ``[E, 2I, D]`` and ``w2``
     ``[E, D, I]`` (the model's own weights, no copy; one expert per call, the next one each
@@ -243,6 +257,8 @@ class Selection:
         measure_s: wall seconds spent measuring (0 when cached).
         cache_file: where the choice was read or written; None: no cache.
         cache_error: why there is no cache (unwritable directory ...), or None.
+        packed_skipped: why ``onednn_packed`` was not a candidate (its start-up transient,
+            :func:`packing_transient_bytes`, exceeds the memory left under the limit), or None.
     """
 
     plan: KernelPlan
@@ -253,6 +269,7 @@ class Selection:
     measure_s: float
     cache_file: str | None
     cache_error: str | None = None
+    packed_skipped: str | None = None
 
 
 def cache_key(w13: torch.Tensor, w2: torch.Tensor, kernels: Sequence[MatmulBackend],
@@ -293,20 +310,33 @@ def _read_cache(path: Path, key: Mapping[str, Any]) -> tuple[KernelPlan, dict[in
 
 def select(w13: torch.Tensor, w2: torch.Tensor, directory: str | None = None, *,
            threads: int | None = None, timer: Timer | None = None,
-           cpu: str | None = None) -> Selection:
+           cpu: str | None = None, headroom_bytes: int | None = None) -> Selection:
     """The kernel plan for the experts ``w13`` ``[E, 2I, D]`` / ``w2`` ``[E, D, I]`` on this machine:
     from the cache under ``directory`` (default :func:`cache_dir`) when its key matches,
     else measured (:func:`choose` with ``timer``, default :func:`expert_timer`) and written
-    there (a failure to write is returned as ``cache_error``, not raised)."""
+    there (a failure to write is returned as ``cache_error``, not raised).
+
+    ``headroom_bytes``: memory left under the tightest limit (:func:`memory.start_headroom`); when
+    the packed candidate's start-up transient (:func:`packing_transient_bytes`) exceeds it,
+    ``onednn_packed`` is neither timed nor chosen (``Selection.packed_skipped`` says why): the
+    measurement must not be what OOM-kills the worker. None: no limit known."""
     kernels = candidates(w13.dtype, w13.device)
+    skipped = None
+    if headroom_bytes is not None and PACKED_BACKEND in kernels:
+        need = packing_transient_bytes(w13, w2)
+        if need > headroom_bytes:
+            kernels = tuple(k for k in kernels if k != PACKED_BACKEND)
+            skipped = (f"packing needs {need} bytes at start-up; {max(0, headroom_bytes)} left under the "
+                       f"memory limit")
     key = cache_key(w13, w2, kernels, threads, cpu)
     directory = cache_dir() if directory is None else directory
     path = cache_path(directory, key)
     hit = _read_cache(path, key)
     if hit is not None:
-        return Selection(hit[0], hit[1], key["cpu"], key, True, 0.0, str(path))
+        return Selection(hit[0], hit[1], key["cpu"], key, True, 0.0, str(path), packed_skipped=skipped)
     if len(kernels) == 1:  # nothing to measure, nothing to cache
-        return Selection(KernelPlan((ROW_BUCKETS[-1],), (kernels[0],)), {}, key["cpu"], key, False, 0.0, None)
+        return Selection(KernelPlan((ROW_BUCKETS[-1],), (kernels[0],)), {}, key["cpu"], key, False, 0.0, None,
+                         packed_skipped=skipped)
     t0 = time.perf_counter()
     plan, seconds = choose(kernels, timer or expert_timer(w13, w2))
     measure_s = time.perf_counter() - t0
@@ -321,7 +351,7 @@ def select(w13: torch.Tensor, w2: torch.Tensor, directory: str | None = None, *,
     except OSError as exc:
         error = f"{type(exc).__name__}: {exc}"
     return Selection(plan, seconds, key["cpu"], key, False, measure_s,
-                     None if error else str(path), error)
+                     None if error else str(path), error, skipped)
 
 
 def first_experts(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:

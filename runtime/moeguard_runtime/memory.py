@@ -154,6 +154,14 @@ def read_memory(root: Path = CGROUP_ROOT,
     return MemoryReading(psutil.Process().memory_info().rss, "rss")
 
 
+def start_headroom(reading: MemoryReading, hard_limit_bytes: int | None) -> int | None:
+    """Bytes left under the tightest limit: the cgroup's (where the kernel OOM-kills) and
+    ``MOEGUARD_HARD_LIMIT_BYTES``, minus the compared figure (negative when over); None when neither
+    limit exists (pure). What a start-up step that allocates a known amount checks first."""
+    limits = [x for x in (reading.limit_bytes, hard_limit_bytes) if x]
+    return min(limits) - reading.usage_bytes if limits else None
+
+
 def decide(state: MemoryState, usage_bytes: int, policy: MemoryPolicy) -> MemoryState:
     """Next state from the current one and the compared figure (pure).
 

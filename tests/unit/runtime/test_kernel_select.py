@@ -83,6 +83,33 @@ def test_selection_is_cached_per_key(tmp_path: Path) -> None:
     assert len(list(tmp_path.glob("*.json"))) == 2
 
 
+def test_packing_is_not_a_candidate_when_its_start_up_transient_exceeds_the_headroom(tmp_path: Path) -> None:
+    if "onednn_packed" not in kernel_select.candidates(torch.float32):
+        pytest.skip("no oneDNN reorder in this torch build: packing is never a candidate")
+    w13, w2 = torch.randn(4, 2 * 48, 32), torch.randn(4, 32, 48)
+    # 4 experts of (96*32 + 32*48) * 4 B = 18432 B: the probe takes all 4 (73728 B) > one layer's w13 (49152 B)
+    assert kernel_select.packing_transient_bytes(w13, w2) == 4 * (96 * 32 + 32 * 48) * 4 == 73728
+    table = {(k, r): (1.0 if k == "onednn_packed" else 2.0) for k in moe.MATMUL_BACKENDS
+             for r in kernel_select.ROW_BUCKETS}
+    calls: list[tuple[str, int]] = []
+    tight = kernel_select.select(w13, w2, str(tmp_path), timer=fake_timer(table, calls), cpu="x",
+                                 headroom_bytes=73727)
+    assert tight.packed_skipped == "packing needs 73728 bytes at start-up; 73727 left under the memory limit"
+    assert "onednn_packed" not in {k for k, _ in calls} and "onednn_packed" not in tight.plan.kernels
+    assert "onednn_packed" not in tight.key["kernels"]  # its own cache entry: a roomier start measures packing
+    calls.clear()
+    roomy = kernel_select.select(w13, w2, str(tmp_path), timer=fake_timer(table, calls), cpu="x",
+                                 headroom_bytes=73728)
+    assert roomy.packed_skipped is None and roomy.plan.label == "onednn_packed" and not roomy.cached
+    assert kernel_select.select(w13, w2, str(tmp_path), timer=fake_timer(table), cpu="x",
+                                headroom_bytes=None).plan.label == "onednn_packed"  # no limit: no guard
+    over = kernel_select.select(w13, w2, str(tmp_path), timer=fake_timer(table), cpu="x", headroom_bytes=-5)
+    assert over.cached and over.packed_skipped is not None and "; 0 left under" in over.packed_skipped
+    # Larger experts: one layer's w13 is what counts (the probe holds 2 experts of its 4)
+    big13, big2 = torch.empty(4, 2 * 4096, 4096), torch.empty(4, 4096, 4096)
+    assert kernel_select.packing_transient_bytes(big13, big2) == 4 * 2 * 4096 * 4096 * 4
+
+
 def test_an_unwritable_cache_is_reported_not_raised(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")

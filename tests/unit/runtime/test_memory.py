@@ -6,11 +6,13 @@ import pytest
 
 from moeguard_runtime.memory import (
     MemoryPolicy,
+    MemoryReading,
     MemoryState,
     decide,
     own_cgroups,
     read_memory,
     shrink_factor,
+    start_headroom,
 )
 
 pytestmark = pytest.mark.unit
@@ -153,3 +155,13 @@ def test_v1_path_not_mounted_falls_back_to_root_then_rss(tmp_path: Path) -> None
     assert r.source == "rss" and r.cgroup_path is None and r.usage_bytes > 1_000_000
     r = read_memory(tmp_path / "no-cgroupfs", tmp_path / "no-proc-file")
     assert r.source == "rss"
+
+
+def test_start_headroom_is_left_under_the_tightest_limit() -> None:
+    cgroup = MemoryReading(usage_bytes=600, source="cgroup_v2", limit_bytes=1000)
+    assert start_headroom(cgroup, None) == 400
+    assert start_headroom(cgroup, 900) == 300  # the hard limit is tighter
+    assert start_headroom(cgroup, 2000) == 400  # the cgroup's is tighter
+    assert start_headroom(MemoryReading(usage_bytes=1100, source="cgroup_v2", limit_bytes=1000), None) == -100
+    assert start_headroom(MemoryReading(usage_bytes=600, source="rss"), 1000) == 400
+    assert start_headroom(MemoryReading(usage_bytes=600, source="rss"), None) is None  # no limit known

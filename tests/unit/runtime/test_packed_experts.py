@@ -197,6 +197,41 @@ def test_the_worker_packs_frees_the_dense_weights_and_exports_the_choice(tmp_pat
     assert kernel_select.first_experts(model) is None  # nothing dense left to measure
 
 
+def test_the_worker_does_not_pack_without_room_for_packing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moeguard_runtime import __main__ as entry
+    from moeguard_runtime import memory
+    from moeguard_runtime.config import load_settings
+    from moeguard_runtime.model import build_model
+    from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
+
+    events: list[tuple[str, dict[str, object]]] = []
+
+    class Log(RateLimitedLog):
+        def event(self, name: str, force: bool = False, **kw: object) -> bool:
+            events.append((name, kw))
+            return True
+
+    monkeypatch.setenv(kernel_select.ENV_KERNEL_CACHE_DIR, str(tmp_path))
+    monkeypatch.setattr(kernel_select, "expert_timer",
+                        lambda w13, w2: lambda k, r: {"onednn": 2.0, "torch": 3.0, PACKED: 1.0}[k])
+    model = build_model(presets.get_preset("tiny"), seed=0)
+    need = kernel_select.packing_transient_bytes(*(kernel_select.first_experts(model) or ()))
+    monkeypatch.setattr(memory, "read_memory", lambda: memory.MemoryReading(10 << 30, "cgroup_v2", (10 << 30) + need - 1))
+    kernel = entry.choose_matmul_kernel(load_settings({}), model, Telemetry({"moeis": "m", "namespace": "n", "pod": "p"}, 8), Log())
+    assert kernel == "onednn"  # packing would have won; it did not fit
+    assert not any(isinstance(m.w13, PackedExperts) for m in model.modules() if hasattr(m, "w13"))
+    assert ("kernel_candidate_skipped", {"kernel": PACKED, "reason": f"packing needs {need} bytes at start-up; "
+                                         f"{need - 1} left under the memory limit"}) in events
+    # The hard limit counts too: a roomy cgroup, a tight MOEGUARD_HARD_LIMIT_BYTES
+    monkeypatch.setattr(memory, "read_memory", lambda: memory.MemoryReading(1 << 30, "cgroup_v2", 64 << 30))
+    settings = load_settings({"MOEGUARD_SOFT_LIMIT_BYTES": str(1 << 30),
+                              "MOEGUARD_HARD_LIMIT_BYTES": str((1 << 30) + need - 1)})
+    again = build_model(presets.get_preset("tiny"), seed=0)
+    assert entry.choose_matmul_kernel(settings, again, Telemetry({"moeis": "m", "namespace": "n", "pod": "p"}, 8), Log()) == "onednn"
+    monkeypatch.setattr(memory, "read_memory", lambda: memory.MemoryReading(1 << 30, "cgroup_v2", (1 << 30) + need))
+    assert entry.choose_matmul_kernel(load_settings({}), again, Telemetry({"moeis": "m", "namespace": "n", "pod": "p"}, 8), Log()) == PACKED
+
+
 def test_a_forced_packed_kernel_packs_without_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
     from moeguard_runtime import __main__ as entry
     from moeguard_runtime.config import load_settings
