@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from bench.hf_reference import hf_expert_loop
+from tests.unit.runtime.recording_log import RecordingLog
 
 from moeguard_runtime import kernel_select, moe, presets
 from moeguard_runtime.checkpoint import from_hf_names, fuse_native
@@ -250,22 +251,17 @@ def test_the_worker_measures_applies_logs_and_exports_the_choice(tmp_path: Path,
     from moeguard_runtime import __main__ as entry
     from moeguard_runtime.config import load_settings
     from moeguard_runtime.model import build_model
-    from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
+    from moeguard_runtime.telemetry import Telemetry
 
-    events: list[tuple[str, dict[str, object]]] = []
-
-    class Log(RateLimitedLog):
-        def event(self, name: str, force: bool = False, **kw: object) -> bool:
-            events.append((name, kw))
-            return True
-
+    log = RecordingLog()
+    events = log.events
     monkeypatch.setenv(kernel_select.ENV_KERNEL_CACHE_DIR, str(tmp_path))
     table = {(k, r): (1.0 if (k == "torch") == (r <= 4) else 2.0) + (1.0 if k == "onednn_packed" else 0.0)
              for k in moe.MATMUL_BACKENDS for r in kernel_select.ROW_BUCKETS}
     monkeypatch.setattr(kernel_select, "expert_timer", lambda w13, w2: fake_timer(table))
     model = build_model(presets.get_preset("tiny"), seed=0)
     telemetry = Telemetry({"moeis": "m", "namespace": "n", "pod": "p"}, 8)
-    kernel = entry.choose_matmul_kernel(load_settings({}), model, telemetry, Log())
+    kernel = entry.choose_matmul_kernel(load_settings({}), model, telemetry, log)
     if kernel_select.candidates(torch.float32) == ("torch",):
         assert kernel == "torch"
         return
@@ -279,7 +275,7 @@ def test_the_worker_measures_applies_logs_and_exports_the_choice(tmp_path: Path,
                                         "cpu": kernel_select.cpu_model()})
     assert value == 1.0
     explicit = entry.choose_matmul_kernel(load_settings({"MOEGUARD_MATMUL_BACKEND": "torch"}),
-                                          build_model(presets.get_preset("tiny"), seed=0), telemetry, Log())
+                                          build_model(presets.get_preset("tiny"), seed=0), telemetry, log)
     assert explicit == "torch" and telemetry.registry.get_sample_value(
         "moeguard_matmul_kernel_info", {"moeis": "m", "namespace": "n", "pod": "p", "kernel": kernel,
                                         "cpu": kernel_select.cpu_model()}) is None

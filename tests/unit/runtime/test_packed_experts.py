@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.unit.runtime.recording_log import RecordingLog
 
 from moeguard_runtime import kernel_select, moe, presets
 from moeguard_runtime.moe import KernelPlan, MatmulBackend, PackedExperts
@@ -202,14 +203,13 @@ def test_the_worker_does_not_pack_without_room_for_packing(tmp_path: Path, monke
     from moeguard_runtime import memory
     from moeguard_runtime.config import load_settings
     from moeguard_runtime.model import build_model
-    from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
+    from moeguard_runtime.telemetry import Telemetry
 
-    events: list[tuple[str, dict[str, object]]] = []
+    log = RecordingLog()
+    events = log.events
 
-    class Log(RateLimitedLog):
-        def event(self, name: str, force: bool = False, **kw: object) -> bool:
-            events.append((name, kw))
-            return True
+    def telemetry() -> Telemetry:
+        return Telemetry({"moeis": "m", "namespace": "n", "pod": "p"}, 8)
 
     monkeypatch.setenv(kernel_select.ENV_KERNEL_CACHE_DIR, str(tmp_path))
     monkeypatch.setattr(kernel_select, "expert_timer",
@@ -217,7 +217,7 @@ def test_the_worker_does_not_pack_without_room_for_packing(tmp_path: Path, monke
     model = build_model(presets.get_preset("tiny"), seed=0)
     need = kernel_select.packing_transient_bytes(*(kernel_select.first_experts(model) or ()))
     monkeypatch.setattr(memory, "read_memory", lambda: memory.MemoryReading(10 << 30, "cgroup_v2", (10 << 30) + need - 1))
-    kernel = entry.choose_matmul_kernel(load_settings({}), model, Telemetry({"moeis": "m", "namespace": "n", "pod": "p"}, 8), Log())
+    kernel = entry.choose_matmul_kernel(load_settings({}), model, telemetry(), log)
     assert kernel == "onednn"  # packing would have won; it did not fit
     assert not any(isinstance(m.w13, PackedExperts) for m in model.modules() if hasattr(m, "w13"))
     assert ("kernel_candidate_skipped", {"kernel": PACKED, "reason": f"packing needs {need} bytes at start-up; "
@@ -227,9 +227,9 @@ def test_the_worker_does_not_pack_without_room_for_packing(tmp_path: Path, monke
     settings = load_settings({"MOEGUARD_SOFT_LIMIT_BYTES": str(1 << 30),
                               "MOEGUARD_HARD_LIMIT_BYTES": str((1 << 30) + need - 1)})
     again = build_model(presets.get_preset("tiny"), seed=0)
-    assert entry.choose_matmul_kernel(settings, again, Telemetry({"moeis": "m", "namespace": "n", "pod": "p"}, 8), Log()) == "onednn"
+    assert entry.choose_matmul_kernel(settings, again, telemetry(), log) == "onednn"
     monkeypatch.setattr(memory, "read_memory", lambda: memory.MemoryReading(1 << 30, "cgroup_v2", (1 << 30) + need))
-    assert entry.choose_matmul_kernel(load_settings({}), again, Telemetry({"moeis": "m", "namespace": "n", "pod": "p"}, 8), Log()) == PACKED
+    assert entry.choose_matmul_kernel(load_settings({}), again, telemetry(), log) == PACKED
 
 
 def test_a_forced_packed_kernel_packs_without_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
