@@ -82,6 +82,7 @@ from moeguard_runtime.contract import (
     METRIC_REJECTIONS_TOTAL,
     METRIC_STEP_EXPERT_SKEW_RATIO,
     METRIC_STEP_PREFILL_BATCHES,
+    METRIC_STEP_QUEUE_REQUESTS,
     METRIC_UCX_INFO,
     METRIC_WORKER_START_TIME_SECONDS,
 )
@@ -219,7 +220,9 @@ def transport_problem(exc: BaseException) -> str:
 
 async def _fetch(client: httpx.AsyncClient, url: str, query: str, deadline_seconds: float) -> Answer:
     async def ask() -> Answer:
-        async with client.stream("GET", url, params={"query": query}) as response:
+        # POST, form-encoded (Prometheus HTTP API: for queries that may breach URL length limits): a grouped
+        # query names every service, and at ~200 services the diagnosis query passed httpx's 64 KiB URL bound.
+        async with client.stream("POST", url, data={"query": query}) as response:
             body = bytearray()
             async for chunk in response.aiter_raw():
                 body += chunk
@@ -397,12 +400,16 @@ def diagnosis_queries(sel: str, window_seconds: int, leak_window_seconds: int) -
         return f"max by ({g}) (max_over_time({metric}{{{sel}}}[{w}]))"
 
     pb = METRIC_STEP_PREFILL_BATCHES
+    qs = METRIC_STEP_QUEUE_REQUESTS
     refusals = "|".join(MEMORY_REFUSALS)
     parts = {
         # No prefill step in the window: the quantile is NaN (left out), and the pod reads 0.
         "prefill_batches": f"(histogram_quantile(1, sum by ({g}, le) (increase({pb}_bucket{{{sel}}}[{w}]))) >= 0) "
                            f"or (0 * sum by ({g}) ({pb}_count{{{sel}}}))",
-        "queue_requests": window_max(METRIC_QUEUE_REQUESTS),
+        # The gauge's window max, or the steps' (a burst drained between two scrapes leaves the gauge at 0).
+        "queue_requests": f"max by ({g}) ((max_over_time({METRIC_QUEUE_REQUESTS}{{{sel}}}[{w}])) or label_replace("
+                          f"histogram_quantile(1, sum by ({g}, le) (increase({qs}_bucket{{{sel}}}[{w}]))) >= 0, "
+                          f"\"signal\", \"steps\", \"\", \"\"))",
         "batches_in_flight": window_max(METRIC_BATCHES_IN_FLIGHT),
         "long_running": window_max(METRIC_LONG_REQUESTS_RUNNING),
         # Exact (a count people read in the finding), where increase() would extrapolate to the window's edges.

@@ -71,6 +71,10 @@ class FakePrometheus:
             def log_message(self, *_: Any) -> None:
                 pass
 
+            def do_POST(self) -> None:  # the operator's queries are form-encoded POSTs
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self.do_GET()
+
             def do_GET(self) -> None:
                 mode = self.path.split("/")[1]
                 if mode == "trickle":
@@ -221,6 +225,10 @@ def https_prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *_: Any) -> None:
             pass
+
+        def do_POST(self) -> None:  # the operator's queries are form-encoded POSTs
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.do_GET()
 
         def do_GET(self) -> None:
             self.send_response(200)

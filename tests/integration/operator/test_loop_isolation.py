@@ -49,6 +49,10 @@ class Trickle:
             def log_message(self, *_: Any) -> None:
                 pass
 
+            def do_POST(self) -> None:  # the operator's queries are form-encoded POSTs
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self.do_GET()
+
             def do_GET(self) -> None:
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
