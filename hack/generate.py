@@ -271,6 +271,10 @@ ADVICE: dict[str, str] = {
         "prefilled prompt. A window maximum (`histogram_quantile(1, ...)`) of 2 or more: expensive prefills overlap "
         "in one worker, each with its activations and its new KV cache; lower `maxConcurrentBatches` (the prefill "
         "batch cap is half of it, rounded up)."),
+    "moeguard_step_queue_requests": (
+        "Per engine step, the requests still waiting once the step admitted its own. Its window maximum "
+        "(`histogram_quantile(1, ...)`) is the BurstOverlap queue signal together with `moeguard_queue_requests`: "
+        "a fast worker can drain a burst between two scrapes, and the gauge then never shows it."),
     "moeguard_long_requests_running": (
         "Requests at least `longRequestThresholdTokens` long, in a batch or preempted: they hold the largest KV "
         "caches. Rising with the memory: LongContextPileUp; lower `maxLongRequestsPerBatch` or cap the context "

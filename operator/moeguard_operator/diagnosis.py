@@ -316,8 +316,9 @@ def burst_overlap(pod: PodSignals, look: DiagnosisLook, spec: MoEInferenceServic
                  f"expert buffers and dense MLP and {_mib(context or 0.0)} of KV cache and attention"),
         evidence=(_ev("prefill batches in flight", pod.prefill_batches, "batches",
                       f"histogram_quantile(1, {contract.METRIC_STEP_PREFILL_BATCHES})", pod.pod),
-                  _ev("queue requests (window max)", pod.queue_requests, "requests", contract.METRIC_QUEUE_REQUESTS,
-                      pod.pod), *facts, *_breakdown_ev(pod)),
+                  _ev("queue requests (window max)", pod.queue_requests, "requests",
+                      f"max({contract.METRIC_QUEUE_REQUESTS}, histogram_quantile(1, "
+                      f"{contract.METRIC_STEP_QUEUE_REQUESTS}))", pod.pod), *facts, *_breakdown_ev(pod)),
         remedy=(f"{change} (or the prefill budget, batching.maxPrefillTokens) so that fewer prefills overlap, and "
                 "bound the queue (batching.maxQueueRequests, batching.maxConcurrentRequests) so a burst waits or is "
                 "refused with 429 instead of piling into memory"),

@@ -51,7 +51,8 @@ class PodSignals:
         pod: the pod's name.
         memory_bytes: window max of ``moeguard_memory_usage_bytes``, bytes.
         prefill_batches: window max of prefill batches in flight at a prefill step (0: no prefill step).
-        queue_requests: window max of requests waiting, requests.
+        queue_requests: window max of requests waiting: the larger of the queue gauge's scrapes and the per-step
+            histogram's top bucket bound (it sees a burst drained between two scrapes), requests.
         batches_in_flight: window max of batches in flight, batches.
         long_running: window max of long requests running, requests.
         long_admitted: long requests admitted in the window (``increase``), requests.

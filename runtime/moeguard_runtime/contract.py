@@ -385,6 +385,14 @@ the burst-overlap signal: several expensive prefills overlapping in one worker (
 new KV caches are live across the round robin)."""
 BATCH_COUNT_BUCKETS = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0)
 """Upper bounds of :data:`METRIC_STEP_PREFILL_BATCHES`' buckets (batches)."""
+METRIC_STEP_QUEUE_REQUESTS = "moeguard_step_queue_requests"
+"""Histogram: one observation per engine step, the requests left waiting in the queue once the step's plan has
+admitted its own (buckets :data:`QUEUE_DEPTH_BUCKETS`). Its window maximum (``histogram_quantile(1, ...)``) sees
+a queue that every scrape of :data:`METRIC_QUEUE_REQUESTS` missed: a burst that a fast worker drains between two
+scrapes (a CI run: 24 prompts queued and served within 0.7 s, the 2-s scrapes all read 0)."""
+QUEUE_DEPTH_BUCKETS = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0)
+"""Upper bounds of :data:`METRIC_STEP_QUEUE_REQUESTS`' buckets (requests); 0 first, so that a window of empty
+queues reads 0 (``histogram_quantile`` returns a first bucket's bound when it is not positive)."""
 METRIC_LONG_REQUESTS_RUNNING = "moeguard_long_requests_running"
 """Gauge: running (or preempted) requests whose prompt is at least ``long_request_threshold_tokens``."""
 METRIC_LONG_REQUESTS_ADMITTED_TOTAL = "moeguard_long_requests_admitted_total"
@@ -462,6 +470,7 @@ OPERATOR_READS = (
     METRIC_EXPERT_TOKENS_TOTAL,
     METRIC_UCX_INFO,
     METRIC_QUEUE_REQUESTS,
+    METRIC_STEP_QUEUE_REQUESTS,
     METRIC_OOM_ERRORS_TOTAL,
     METRIC_MEMORY_LIMIT_STATE,
     METRIC_GPU_MEMORY_ALLOCATED_BYTES,

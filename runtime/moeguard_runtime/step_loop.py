@@ -330,8 +330,9 @@ class StepLoop:
         now = self._clock()
         with self.cond:
             admitted = [(r, self._active.get(r)) for r in plan.admitted]
+            waiting = self.scheduler.queue_requests
         step_ids = [r for r, _, _ in plan.prefill] + list(plan.decode)
-        tel.observe_plan(plan.prefill_batches, plan.long_admitted)
+        tel.observe_plan(plan.prefill_batches, plan.long_admitted, waiting)
         kv_held = self.engine.kv_cache_bytes()
         rss_before = reset_peak_rss() if fit is not None else None
         t0 = clock(self.engine.device)

@@ -231,6 +231,11 @@ class Telemetry:
             contract.METRIC_STEP_PREFILL_BATCHES,
             "Per engine step carrying prefill tokens: batches in flight holding a partly prefilled prompt "
             "at that step (burst overlap).", base, registry=r, buckets=contract.BATCH_COUNT_BUCKETS)
+        self.step_queue_requests = Histogram(
+            contract.METRIC_STEP_QUEUE_REQUESTS,
+            "Per engine step: requests left waiting in the queue once the step's plan admitted its own "
+            "(a burst drained between two scrapes of moeguard_queue_requests).", base, registry=r,
+            buckets=contract.QUEUE_DEPTH_BUCKETS)
         self.long_running = gauge(contract.METRIC_LONG_REQUESTS_RUNNING,
                                   "Requests in a batch or preempted whose prompt is at least "
                                   "long_request_threshold_tokens.")
@@ -263,6 +268,7 @@ class Telemetry:
             self.batch_tokens.labels(**labels, phase=phase)
         self.step_skew.labels(**labels)  # 0 steps from the start: an idle worker says so
         self.step_prefill_batches.labels(**labels)
+        self.step_queue_requests.labels(**labels)
         self.long_admitted.labels(**labels)
         for gauge_ in (self.batches_in_flight, self.long_running, self.kv_cache_bytes):
             gauge_.labels(**labels).set(0)
@@ -324,9 +330,10 @@ class Telemetry:
         self.batches_in_flight.labels(**self.labels).set(batches)
         self.long_running.labels(**self.labels).set(long_running)
 
-    def observe_plan(self, prefill_batches: int, long_admitted: int) -> None:
-        """A planned step: its prefill batches (observed when > 0: the step carries prefill) and the long
-        requests it admitted from the queue."""
+    def observe_plan(self, prefill_batches: int, long_admitted: int, queue_requests: int) -> None:
+        """A planned step: its prefill batches (observed when > 0: the step carries prefill), the long
+        requests it admitted from the queue, and the requests still waiting after its admission (every step)."""
+        self.step_queue_requests.labels(**self.labels).observe(queue_requests)
         if prefill_batches:
             self.step_prefill_batches.labels(**self.labels).observe(prefill_batches)
         if long_admitted:

@@ -302,6 +302,8 @@ def test_the_diagnosis_queries_are_valid_promql_and_read_the_workers_series(pods
             "prefill": _metric(r, Histogram, contract.METRIC_STEP_PREFILL_BATCHES, base,
                                buckets=contract.BATCH_COUNT_BUCKETS),
             "queue": _metric(r, Gauge, contract.METRIC_QUEUE_REQUESTS, base),
+            "queue_steps": _metric(r, Histogram, contract.METRIC_STEP_QUEUE_REQUESTS, base,
+                                   buckets=contract.QUEUE_DEPTH_BUCKETS),
             "inflight": _metric(r, Gauge, contract.METRIC_BATCHES_IN_FLIGHT, base),
             "long": _metric(r, Gauge, contract.METRIC_LONG_REQUESTS_RUNNING, base),
             "admitted": _metric(r, Counter, contract.METRIC_LONG_REQUESTS_ADMITTED_TOTAL, base),
@@ -323,7 +325,8 @@ def test_the_diagnosis_queries_are_valid_promql_and_read_the_workers_series(pods
     time.sleep(W + SCRAPE)
     lab, h = hot.telemetry.labels, handles["diag-0"]
     h["prefill"].labels(**lab).observe(3)
-    h["queue"].labels(**lab).set(12)
+    # A burst served between two scrapes: the queue gauge stays 0, the engine steps saw 12 waiting.
+    h["queue_steps"].labels(**lab).observe(12)
     h["inflight"].labels(**lab).set(2)
     h["kv"].labels(**lab).set(2.5e8)
     h["admitted"].labels(**lab).inc(3)
@@ -340,14 +343,14 @@ def test_the_diagnosis_queries_are_valid_promql_and_read_the_workers_series(pods
     # Look as soon as Prometheus holds the new values: the sample before them must still be in the window
     # (increase() and max - min compare the two), so a fixed sleep near the window's length is flaky.
     stack.wait_for(lambda: [float(r["value"][1]) for r in stack.prom_results(
-        f'{contract.METRIC_QUEUE_REQUESTS}{{namespace="{pods.namespace}",pod="diag-0"}}')] == [12.0],
+        f'{contract.METRIC_STEP_QUEUE_REQUESTS}_count{{namespace="{pods.namespace}",pod="diag-0"}}')] == [1.0],
         30, "Prometheus to scrape the burst", interval=0.2)
     time.sleep(SCRAPE / 2)
     obs = observe_one(look(pods, "diag", ("diag-0", "diag-1"), slope_pods=()))
     assert obs.signals is not None and obs.signals_missing is None, obs
     a, b = obs.signals.pods
     assert (a.pod, a.prefill_batches, a.queue_requests, a.batches_in_flight, a.kv_cache_bytes) == (
-        "diag-0", 3.0, 12.0, 2.0, 2.5e8), a
+        "diag-0", 3.0, 16.0, 2.0, 2.5e8), a  # 12 waiting: the bound of the bucket that holds it
     assert a.long_admitted is not None and a.long_admitted >= 3  # increase() extrapolates to the window's edges
     assert a.memory_failures is not None and a.memory_failures >= 2
     assert a.stage("expert_buffers") == 6e8 and a.stage("kv_cache") == 2e8

@@ -92,6 +92,35 @@ def test_overlapping_prefills_long_requests_kv_and_the_peak_breakdown(
     assert "event=moe_routing_stats" in logs and "top_share=" in logs
 
 
+def test_a_queue_drained_between_scrapes_stays_in_the_step_histogram(
+        start_worker: Callable[..., WorkerProcess]) -> None:
+    """One batch of one request at a time: concurrent requests wait; once all are served the queue gauge reads 0
+    again, and only ``moeguard_step_queue_requests`` still tells that requests waited (the BurstOverlap signal a
+    2-s scrape missed in CI)."""
+    w = start_worker(**{contract.ENV_MAX_CONCURRENT_BATCHES: "1", contract.ENV_MAX_BATCH_REQUESTS: "1",
+                        "MOEGUARD_TEST_FAULTS": "1", "MOEGUARD_FAULT_STEP_DELAY_SECONDS": "0.02"})
+    before = metrics(w)
+    assert value(before, "moeguard_step_queue_requests_count") == 0
+
+    def call() -> None:
+        r = httpx.post(f"{w.base_url}/v1/completions", timeout=120,
+                       json={"model": "tiny", "prompt": "hello world", "max_tokens": MAX_TOKENS, "temperature": 0})
+        assert r.status_code == 200, r.text
+
+    threads = [threading.Thread(target=call) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    m = metrics(w)
+    steps = value(m, "moeguard_step_queue_requests_count")
+    assert value(m, "moeguard_queue_requests") == 0
+    assert steps >= 6  # one request at a time: at least its prefill step each
+    # some step saw 3 or more waiting (6 arrived together, one served at a time), and never more than 5
+    assert value(m, "moeguard_step_queue_requests_bucket", le="2.0") < steps
+    assert value(m, "moeguard_step_queue_requests_bucket", le="8.0") == steps
+
+
 UCX_DIR = Path("/usr/lib/x86_64-linux-gnu")
 
 

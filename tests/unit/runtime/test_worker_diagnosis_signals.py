@@ -182,14 +182,20 @@ def test_series_exist_from_the_start_and_move() -> None:
     assert got[("moeguard_long_requests_admitted_total", key())] == 0
     assert got[("moeguard_kv_cache_bytes", key())] == 0 and got[("moeguard_batches_in_flight", key())] == 0
     assert all(got[("moeguard_memory_peak_breakdown_bytes", key(stage=s))] == 0 for s in contract.MEMORY_STAGES)
-    t.observe_plan(prefill_batches=3, long_admitted=2)
-    t.observe_plan(prefill_batches=0, long_admitted=0)  # a decode-only step: no observation
+    assert got[("moeguard_step_queue_requests_count", key())] == 0
+    t.observe_plan(prefill_batches=3, long_admitted=2, queue_requests=16)
+    t.observe_plan(prefill_batches=0, long_admitted=0, queue_requests=0)  # decode only: no prefill observation
     t.set_batches(batches=3, long_running=2)
     t.observe_step(16, 0, [routing_stats(torch.tensor([30, 2, 0, 0, 0, 0, 0, 0]))], 0.001)
     got = samples(t)
     assert got[("moeguard_step_prefill_batches_count", key())] == 1
     assert got[("moeguard_step_prefill_batches_bucket", key(le="2.0"))] == 0
     assert got[("moeguard_step_prefill_batches_bucket", key(le="3.0"))] == 1
+    # the queue is observed at every step: one empty, one of 16 waiting (bucket le=16, not le=8)
+    assert got[("moeguard_step_queue_requests_count", key())] == 2
+    assert got[("moeguard_step_queue_requests_bucket", key(le="0.0"))] == 1
+    assert got[("moeguard_step_queue_requests_bucket", key(le="8.0"))] == 1
+    assert got[("moeguard_step_queue_requests_bucket", key(le="16.0"))] == 2
     assert got[("moeguard_long_requests_admitted_total", key())] == 2
     assert got[("moeguard_batches_in_flight", key())] == 3 and got[("moeguard_long_requests_running", key())] == 2
     assert got[("moeguard_expert_top_share_ratio", key(layer="0"))] == pytest.approx(30 / 32)
