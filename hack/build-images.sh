@@ -119,7 +119,10 @@ build_base() {
     tar=$IMG_CACHE/python-base-$BASE_SUITE-$k.tar
     if [ ! -f "$tar" ]; then
       log "mmdebstrap $BASE_SUITE ($BASE_PACKAGES)"
-      mmdebstrap --quiet --variant=apt --include="$BASE_PACKAGES" --components=main "$BASE_SUITE" "$tar.tmp" \
+      # --format=tar: mmdebstrap picks the format from the target's name otherwise, and "*.tar.tmp" made a
+      # directory (a cold build then failed at ln); remove what such a run left.
+      rm -rf "$tar" "$tar.tmp"
+      mmdebstrap --quiet --format=tar --variant=apt --include="$BASE_PACKAGES" --components=main "$BASE_SUITE" "$tar.tmp" \
         "deb http://deb.debian.org/debian $BASE_SUITE main" \
         "deb http://deb.debian.org/debian $BASE_SUITE-updates main" \
         "deb http://deb.debian.org/debian-security $BASE_SUITE-security main" >&2
