@@ -399,17 +399,18 @@ def diagnosis_queries(sel: str, window_seconds: int, leak_window_seconds: int) -
     def window_max(metric: str) -> str:
         return f"max by ({g}) (max_over_time({metric}{{{sel}}}[{w}]))"
 
+    def steps_max(histogram: str) -> str:
+        """The top bucket bound observed in the window (NaN, left out, when nothing was observed in it)."""
+        return f"(histogram_quantile(1, sum by ({g}, le) (increase({histogram}_bucket{{{sel}}}[{w}]))) >= 0)"
+
     pb = METRIC_STEP_PREFILL_BATCHES
-    qs = METRIC_STEP_QUEUE_REQUESTS
     refusals = "|".join(MEMORY_REFUSALS)
     parts = {
-        # No prefill step in the window: the quantile is NaN (left out), and the pod reads 0.
-        "prefill_batches": f"(histogram_quantile(1, sum by ({g}, le) (increase({pb}_bucket{{{sel}}}[{w}]))) >= 0) "
-                           f"or (0 * sum by ({g}) ({pb}_count{{{sel}}}))",
+        # No prefill step in the window: the pod reads 0.
+        "prefill_batches": f"{steps_max(pb)} or (0 * sum by ({g}) ({pb}_count{{{sel}}}))",
         # The gauge's window max, or the steps' (a burst drained between two scrapes leaves the gauge at 0).
         "queue_requests": f"max by ({g}) ((max_over_time({METRIC_QUEUE_REQUESTS}{{{sel}}}[{w}])) or label_replace("
-                          f"histogram_quantile(1, sum by ({g}, le) (increase({qs}_bucket{{{sel}}}[{w}]))) >= 0, "
-                          f"\"signal\", \"steps\", \"\", \"\"))",
+                          f"{steps_max(METRIC_STEP_QUEUE_REQUESTS)}, \"signal\", \"steps\", \"\", \"\"))",
         "batches_in_flight": window_max(METRIC_BATCHES_IN_FLIGHT),
         "long_running": window_max(METRIC_LONG_REQUESTS_RUNNING),
         # Exact (a count people read in the finding), where increase() would extrapolate to the window's edges.
