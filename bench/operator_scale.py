@@ -23,6 +23,7 @@ Results: ``bench/results/operator_scale.json`` and ``.md``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -36,6 +37,8 @@ import httpx
 from hack import stack
 
 RESULTS = stack.ROOT / "bench" / "results"
+SNAPSHOT_SECONDS = 20.0
+"""While idle, the services are listed this often to see which status fields change."""
 OPERATOR_RESOURCES = frozenset({"moeinferenceservices", "configmaps", "deployments", "services", "serviceaccounts",
                                 "roles", "rolebindings", "poddisruptionbudgets", "events", "podmonitors"})
 """Resources the operator writes (children by server-side apply, its status, Events)."""
@@ -114,11 +117,69 @@ def add_nodes(count: int) -> list[str]:
     return names
 
 
-def ready_count(namespace: str) -> tuple[int, dict[str, str]]:
-    """(services Ready=True, name → resourceVersion) in ``namespace``."""
+def ready_count(namespace: str) -> tuple[int, dict[str, dict[str, Any]]]:
+    """(services Ready=True, name → the service as stored) in ``namespace``."""
     items = stack.kubectl_json("-n", namespace, "get", "moeis")["items"]
     ready = sum(1 for o in items if (stack.condition(o, "Ready") or {}).get("status") == "True")
-    return ready, {o["metadata"]["name"]: o["metadata"]["resourceVersion"] for o in items}
+    return ready, {o["metadata"]["name"]: o for o in items}
+
+
+def status_paths(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """The status fields that differ between two versions of one service, pure: ``conditions[TYPE].FIELD``
+    for a condition, ``KEY.SUBKEY`` one level into an object, ``KEY`` otherwise; sorted."""
+    paths: set[str] = set()
+    for key in set(before) | set(after):
+        old, new = before.get(key), after.get(key)
+        if old == new:
+            continue
+        if key == "conditions":
+            olds = {c.get("type"): c for c in old or []}
+            news = {c.get("type"): c for c in new or []}
+            for t in set(olds) | set(news):
+                a, b = olds.get(t) or {}, news.get(t) or {}
+                paths |= {f"conditions[{t}].{f}" for f in set(a) | set(b) if a.get(f) != b.get(f)}
+        elif isinstance(old, dict) and isinstance(new, dict):
+            paths |= {f"{key}.{sub}" for sub in set(old) | set(new) if old.get(sub) != new.get(sub)}
+        else:
+            paths.add(key)
+    return sorted(paths)
+
+
+def status_changes(snapshots: list[dict[str, dict[str, Any]]], examples: int = 2) -> dict[str, Any]:
+    """What changed in the services' status across consecutive snapshots (each: name → service), pure.
+
+    Returns ``services`` (how many changed at least once), ``paths`` (per :func:`status_paths` path, how many
+    times a service's status changed it between two snapshots, most first; ``(no status field)`` for a new
+    resourceVersion with the same status) and, for the commonest path, up to ``examples`` of its values
+    before and after (strings cut to 300 characters)."""
+    changed: set[str] = set()
+    counts: dict[str, int] = {}
+    pairs: list[tuple[str, dict[str, Any], dict[str, Any], list[str]]] = []
+    for before, after in itertools.pairwise(snapshots):
+        for name, obj in sorted(after.items()):
+            if name not in before or before[name]["metadata"]["resourceVersion"] == obj["metadata"]["resourceVersion"]:
+                continue
+            changed.add(name)
+            paths = status_paths(before[name].get("status") or {}, obj.get("status") or {}) or ["(no status field)"]
+            pairs.append((name, before[name], obj, paths))
+            for path in paths:
+                counts[path] = counts.get(path, 0) + 1
+    ranked = dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    top = next(iter(ranked), None)
+    shown = [{"service": name, "before": _at(old, top)[:300], "after": _at(new, top)[:300]}
+             for name, old, new, paths in pairs if top in paths][:examples]
+    return {"services": len(changed), "paths": ranked, "examples": shown}
+
+
+def _at(obj: dict[str, Any], path: str) -> str:
+    status = obj.get("status") or {}
+    m = re.fullmatch(r"conditions\[(.*)\]\.(.*)", path)
+    if m:
+        cond = next((c for c in status.get("conditions") or [] if c.get("type") == m[1]), {})
+        return str(cond.get(m[2]))
+    key, _, sub = path.partition(".")
+    value = status.get(key)
+    return str(value.get(sub) if sub and isinstance(value, dict) else value)
 
 
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -158,16 +219,23 @@ def run_scale(count: int, idle_minutes: float, settle_seconds: float, rss: RssSa
     out["settle_seconds"] = settle_seconds
     out["settle_writes_by_resource"] = delta(writes0, settle0)
     _, rvs0 = ready_count(ns)
-    time.sleep(idle_minutes * 60)
+    snapshots = [rvs0]  # every SNAPSHOT_SECONDS: a status that flips and flips back is seen too
+    while time.monotonic() - t0 < idle_minutes * 60:
+        time.sleep(min(SNAPSHOT_SECONDS, max(0.0, idle_minutes * 60 - (time.monotonic() - t0))))
+        snapshots.append(ready_count(ns)[1])
     writes1, queries1, minutes = apiserver_writes(), prometheus_queries(), (time.monotonic() - t0) / 60
     ready_end, rvs1 = ready_count(ns)
+    snapshots.append(rvs1)
     writes = delta(writes1, writes0)
+    changes = status_changes(snapshots)
     out |= {
+        "idle_status_changes": changes,
         "idle_minutes": round(minutes, 2),
         "idle_writes_by_resource": writes,
         "idle_operator_writes": sum(v for k, v in writes.items() if k.split("/")[0].split(" ")[0] in OPERATOR_RESOURCES),
         "idle_other_writes": sum(v for k, v in writes.items() if k.split("/")[0].split(" ")[0] not in OPERATOR_RESOURCES),
-        "idle_status_rewrites": sum(1 for name, rv in rvs1.items() if rvs0.get(name) != rv),
+        "idle_status_rewrites": sum(1 for name, o in rvs1.items() if name not in rvs0
+                                    or rvs0[name]["metadata"]["resourceVersion"] != o["metadata"]["resourceVersion"]),
         "ready_at_end": ready_end,
         "prometheus_queries_per_minute": round((queries1 - queries0) / minutes, 1),
         "operator_rss_bytes": rss.last,
@@ -231,6 +299,16 @@ def report(results: dict[str, Any]) -> str:
         settle = r.get("settle_writes_by_resource")
         lines.append(f"- {r['services']} services: " + ("not measured (a run before the settle phase)" if settle is None
                                                         else ", ".join(f"{k} {v:g}" for k, v in settle.items()) or "none"))
+    lines += ["", f"Status fields that changed while idle (changes per field between listings every "
+              f"{SNAPSHOT_SECONDS:g} s; runs before session 12 counted the changed services only):", ""]
+    for r in results["runs"]:
+        ch = r.get("idle_status_changes")
+        if ch is None:
+            lines.append(f"- {r['services']} services: not recorded")
+            continue
+        lines.append(f"- {r['services']} services: " + (", ".join(f"`{k}` {v}" for k, v in ch["paths"].items())
+                                                        or "none"))
+        lines += [f"  - e.g. {e['service']}: `{e['before']}` -> `{e['after']}`" for e in ch["examples"]]
     lines += ["", "## Notes", "", *(f"- {n}" for n in results.get("notes", [])), ""]
     return "\n".join(lines)
 
@@ -244,6 +322,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="seconds after all are Ready before idle counting starts (the blind services' one "
                              "WaitingForMetrics -> MetricsUnavailable transition falls in it; default %(default)s)")
     parser.add_argument("--note", action="append", default=[], help="a line for the report's notes (repeatable)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "operator_scale",
+                        help="results path without suffix: .json and .md are written (default %(default)s)")
     args = parser.parse_args(argv)
     pids = stack.RUN_DIR / "pids" / "pod-workers.pid"
     if pids.exists() and Path(f"/proc/{pids.read_text().strip()}").exists():
@@ -268,9 +348,9 @@ def main(argv: list[str] | None = None) -> None:
         stack.stop_process(proc)
         for name in nodes:
             stack.kubectl("delete", "node", name, "--wait=false", check=False)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "operator_scale.json").write_text(json.dumps(results, indent=2) + "\n")
-    (RESULTS / "operator_scale.md").write_text(report(results))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(report(results))
     print(report(results))
 
 
