@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ import pytest
 from hack import stack
 from tests.integration.conftest import Cluster
 from tests.integration.e2e.helpers import OPERATOR_LIVENESS_PORT, moeis, wait, wait_cr
+from tests.integration.fake_prometheus import FakePrometheusHandler
 
 from moeguard_operator.observe import QUERY_DEADLINE_SECONDS, Answer, fetch_all, observe
 
@@ -67,14 +68,7 @@ class FakePrometheus:
         self.stopping = threading.Event()
         stopping = self.stopping
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *_: Any) -> None:
-                pass
-
-            def do_POST(self) -> None:  # the operator's queries are form-encoded POSTs
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                self.do_GET()
-
+        class Handler(FakePrometheusHandler):
             def do_GET(self) -> None:
                 mode = self.path.split("/")[1]
                 if mode == "trickle":
@@ -222,14 +216,7 @@ def https_prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple
                    check=True, capture_output=True, timeout=60)
     body = _vector([{"metric": {"pod": "p"}, "value": [1, "42"]}])
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *_: Any) -> None:
-            pass
-
-        def do_POST(self) -> None:  # the operator's queries are form-encoded POSTs
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            self.do_GET()
-
+    class Handler(FakePrometheusHandler):
         def do_GET(self) -> None:
             self.send_response(200)
             self.send_header("Content-Type", "application/json")

@@ -18,7 +18,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 import httpx
@@ -26,6 +26,7 @@ import pytest
 from hack import stack
 from tests.integration.conftest import Cluster
 from tests.integration.e2e.helpers import PORT_OFFSET, get, moeis, operator_looks, wait, wait_cr
+from tests.integration.fake_prometheus import FakePrometheusHandler
 
 from moeguard_operator.constants import FINALIZER
 
@@ -45,14 +46,7 @@ class Trickle:
     def __init__(self) -> None:
         stopping = self.stopping = threading.Event()
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *_: Any) -> None:
-                pass
-
-            def do_POST(self) -> None:  # the operator's queries are form-encoded POSTs
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                self.do_GET()
-
+        class Handler(FakePrometheusHandler):
             def do_GET(self) -> None:
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
