@@ -9,8 +9,10 @@ and, for each service that changed or is due:
 * **a look** at Prometheus every ``control.queryIntervalSeconds`` (at once on an OOM kill): the
   services due are grouped by Prometheus URL, one :func:`observe.observe_services` call per URL in a
   thread of its own, under a deadline (``look_deadline_seconds``): a look past it is blind for its
-  services, and that URL gets no new call until the old one returns. A slow Prometheus delays no
-  other URL's looks, no write, no reconcile and no deletion (there is no finalizer);
+  services, and that URL gets no new call until the old one returns. A service that comes due while a
+  look at its URL is in flight (and not yet late) waits for that look's end and joins the next one. A
+  slow Prometheus delays no other URL's looks, no write, no reconcile and no deletion (there is no
+  finalizer);
 * **writes** of one service (ConfigMap first, then a Deployment restart, the status, its Events) run
   in a thread pool, one job per service at a time, each request under :data:`kube.REQUEST_TIMEOUT`.
   A failed write is retried at the next pass (the view it came from is unchanged), not after kopf's
@@ -318,6 +320,14 @@ class ControlLoop:
             new_ooms = self._new_ooms(mem, pods) if changed else 0
             due = not mem.looking and (since is None or since >= interval or new_ooms > 0 or joining)
             self.dirty.discard(key)
+            if due and url in busy_urls and not self._looks[url].answered:
+                # A look at that URL is in flight and not yet late: it ends within the look deadline, and its
+                # end wakes the loop; this service joins the next look then. (Reported blind at once, it read
+                # "no answer within the look deadline" for a look it was not in, and at 1,000 services that
+                # message flipped with the looked-at one: thousands of idle status writes.)
+                due = False
+                if new_ooms:
+                    self.dirty.add(key)  # counted again at the next pass
             if due:
                 if since is not None and since > 2 * interval:
                     mem.blind_floor = max(mem.blind_floor, now)  # a gap between looks is blind time

@@ -8,7 +8,9 @@ one byte every 4 s:
   the hung ones report ``PrometheusTimeout``; deleting a hung one completes at once;
 * a resource that carries the finalizer of earlier versions (``moeguard.dev/finalizer``) loses it;
 * nothing is written while nothing changes: the healthy service's resourceVersion stays put over idle
-  query intervals.
+  query intervals;
+* services that come due while a slow (not late) look at their Prometheus is in flight join the next look,
+  and never read "no answer within the look deadline".
 """
 
 from __future__ import annotations
@@ -152,3 +154,86 @@ def test_hung_prometheus_stalls_no_other_service_and_no_deletion(
         # A failed run must not leave the old finalizer behind (nothing would remove it).
         cluster.kubectl("-n", ns, "patch", "moeis", "legacy", "--type=merge", "-p", '{"metadata":{"finalizers":null}}',
                         check=False)
+
+
+class SlowPrometheus:
+    """``http://127.0.0.1:PORT/``: every query answered after ``delay`` seconds, with no series (well within
+    the look deadline); ``in_flight`` counts the queries being answered."""
+
+    def __init__(self, delay: float) -> None:
+        lock, self.in_flight = threading.Lock(), 0
+        outer = self
+
+        class Handler(FakePrometheusHandler):
+            def do_GET(self) -> None:
+                with lock:
+                    outer.in_flight += 1
+                try:
+                    time.sleep(delay)
+                    body = b'{"status":"success","data":{"resultType":"vector","result":[]}}'
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                finally:
+                    with lock:
+                        outer.in_flight -= 1
+
+        class Server(ThreadingHTTPServer):
+            request_queue_size = 128  # a look's queries arrive at once (the default backlog of 5 refused some)
+
+        self.server = Server(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_service_due_while_a_look_is_in_flight_joins_the_next_look(
+        cluster: Cluster, namespace: str, no_pod_workers: None) -> None:
+    """Services created while a slow (2.5 s, deadline 6 s) look at their Prometheus is in flight are looked at
+    when it ends: none ever reads "no answer within the look deadline" (they did before, at once: at 1,000
+    services that message flipped with the looked-at one, thousands of idle status writes)."""
+    ns, slow = namespace, SlowPrometheus(2.5)
+    stack.apply_crds(run_dir=cluster.run_dir)
+    spec = SPEC | {"replicas": 0, "control": SPEC["control"] | {"prometheusUrl": slow.url}}
+    log = cluster.run_dir / "logs" / "operator-loop-in-flight.log"
+    proc = stack.start_operator(log, run_dir=cluster.run_dir, args=(
+        "-n", ns, "--standalone", "--metrics-port", str(METRICS_PORT),
+        "--liveness", f"http://127.0.0.1:{LIVENESS_PORT}/healthz", "--allowed-prometheus-url", slow.url,
+        "--look-deadline-seconds", "6"))
+    names = ["first", *(f"late-{i}" for i in range(4))]
+    seen: dict[str, set[str]] = {name: set() for name in names}
+
+    def messages() -> None:
+        for obj in cluster.kubectl_json("-n", ns, "get", "moeis")["items"]:
+            message = (stack.condition(obj, "MetricsAvailable") or {}).get("message")
+            if message:
+                seen[obj["metadata"]["name"]].add(message)
+
+    try:
+        wait(lambda: started(proc.poll(), LIVENESS_PORT), 120, "the operator's liveness endpoint")
+        cluster.kubectl("-n", ns, "apply", "-f", "-", input=moeis("first", **spec))
+        for name in names[1:]:
+            wait(lambda: slow.in_flight > 0, 30, "a look in flight")
+            cluster.kubectl("-n", ns, "apply", "-f", "-", input=moeis(name, **spec))
+            messages()
+        deadline = time.monotonic() + 30
+        while not all(seen.values()) and time.monotonic() < deadline:
+            messages()
+            time.sleep(0.3)
+        assert all(seen.values()), f"services never looked at in 30 s: {[n for n, m in seen.items() if not m]}"
+        deadline = time.monotonic() + 10  # and a few more looks of each
+        while time.monotonic() < deadline:
+            messages()
+            time.sleep(0.3)
+        late = {name: sorted(m) for name, m in seen.items() if any("PrometheusTimeout" in x for x in m)}
+        assert not late, f"reported past the look deadline though every answer took 2.5 s: {late}"
+        assert all("no series matched" in m for ms in seen.values() for m in ms), seen
+    finally:
+        stack.stop_process(proc)
+        slow.close()

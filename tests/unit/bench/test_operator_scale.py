@@ -39,8 +39,10 @@ def test_changes_count_flips_between_listings_and_show_the_commonest_path() -> N
     assert out["services"] == 3
     assert out["paths"] == {"conditions[MetricsAvailable].message": 2, "(no status field)": 1, "observed.time": 1}
     assert out["examples"] == [
-        {"service": "a", "before": "Prometheus at http://p: PrometheusTimeout", "after": flip},
-        {"service": "a", "before": flip, "after": "Prometheus at http://p: PrometheusTimeout"}]
+        {"service": "a", "path": "conditions[MetricsAvailable].message",
+         "before": "Prometheus at http://p: PrometheusTimeout", "after": flip},
+        {"service": "b", "path": "(no status field)", "before": "None", "after": "None"},
+        {"service": "c", "path": "observed.time", "before": "t0", "after": "t1"}]
     assert status_changes([s0, s0]) == {"services": 0, "paths": {}, "examples": []}
 
 
@@ -50,7 +52,8 @@ def test_the_report_lists_the_changed_fields() -> None:
            "idle_operator_writes": 2, "idle_other_writes": 0, "idle_status_rewrites": 1,
            "prometheus_queries_per_minute": 100.0, "delete_seconds": 1.0, "idle_writes_by_resource": {},
            "idle_status_changes": {"services": 1, "paths": {"observed.time": 2},
-                                   "examples": [{"service": "s0001", "before": "t0", "after": "t1"}]}}
+                                   "examples": [{"service": "s0001", "path": "observed.time", "before": "t0",
+                                                 "after": "t1"}]}}
     text = report({"date": "d", "machine": "m", "runs": [run], "queries_per_minute_1_service": 100.0})
     assert "- 3 services: `observed.time` 2" in text
-    assert "  - e.g. s0001: `t0` -> `t1`" in text
+    assert "  - e.g. s0001 `observed.time`: `t0` -> `t1`" in text
