@@ -145,13 +145,13 @@ def status_paths(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     return sorted(paths)
 
 
-def status_changes(snapshots: list[dict[str, dict[str, Any]]], examples: int = 2) -> dict[str, Any]:
+def status_changes(snapshots: list[dict[str, dict[str, Any]]], examples: int = 4) -> dict[str, Any]:
     """What changed in the services' status across consecutive snapshots (each: name → service), pure.
 
     Returns ``services`` (how many changed at least once), ``paths`` (per :func:`status_paths` path, how many
     times a service's status changed it between two snapshots, most first; ``(no status field)`` for a new
-    resourceVersion with the same status) and, for the commonest path, up to ``examples`` of its values
-    before and after (strings cut to 300 characters)."""
+    resourceVersion with the same status) and, for each of the ``examples`` commonest paths, its first change
+    (values before and after, strings cut to 300 characters)."""
     changed: set[str] = set()
     counts: dict[str, int] = {}
     pairs: list[tuple[str, dict[str, Any], dict[str, Any], list[str]]] = []
@@ -165,9 +165,10 @@ def status_changes(snapshots: list[dict[str, dict[str, Any]]], examples: int = 2
             for path in paths:
                 counts[path] = counts.get(path, 0) + 1
     ranked = dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
-    top = next(iter(ranked), None)
-    shown = [{"service": name, "before": _at(old, top)[:300], "after": _at(new, top)[:300]}
-             for name, old, new, paths in pairs if top in paths][:examples]
+    shown = []
+    for top in list(ranked)[:examples]:
+        name, old, new, _ = next(p for p in pairs if top in p[3])
+        shown.append({"service": name, "path": top, "before": _at(old, top)[:300], "after": _at(new, top)[:300]})
     return {"services": len(changed), "paths": ranked, "examples": shown}
 
 
@@ -308,7 +309,8 @@ def report(results: dict[str, Any]) -> str:
             continue
         lines.append(f"- {r['services']} services: " + (", ".join(f"`{k}` {v}" for k, v in ch["paths"].items())
                                                         or "none"))
-        lines += [f"  - e.g. {e['service']}: `{e['before']}` -> `{e['after']}`" for e in ch["examples"]]
+        lines += [f"  - e.g. {e['service']} `{e.get('path', '')}`: `{e['before']}` -> `{e['after']}`"
+                  for e in ch["examples"]]
     lines += ["", "## Notes", "", *(f"- {n}" for n in results.get("notes", [])), ""]
     return "\n".join(lines)
 
