@@ -4,7 +4,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
 from bench.operator_scale import report, status_changes, status_paths
+
+pytestmark = pytest.mark.unit
 
 
 def svc(rv: int, message: str = "Prometheus at http://p: PrometheusTimeout", observed_time: str = "t0",
