@@ -1,7 +1,8 @@
 """The base of the tests' fake Prometheus servers (hostile answers, a hung server)."""
 from __future__ import annotations
 
-from http.server import BaseHTTPRequestHandler
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 
@@ -19,3 +20,17 @@ class FakePrometheusHandler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         self.send_error(501, "the fake defines no answer")
+
+
+def serve(handler: type[BaseHTTPRequestHandler]) -> ThreadingHTTPServer:
+    """A threaded HTTP server for ``handler`` on a free loopback port, serving from a daemon thread (stop it
+    with ``shutdown()`` and ``server_close()``). Its listen backlog is 128: a look's queries arrive at once,
+    and the default backlog of 5 refused some."""
+
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+        request_queue_size = 128
+
+    server = Server(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server

@@ -24,7 +24,7 @@ import pytest
 from hack import stack
 from tests.integration.conftest import Cluster
 from tests.integration.e2e.helpers import OPERATOR_LIVENESS_PORT, moeis, wait, wait_cr
-from tests.integration.fake_prometheus import FakePrometheusHandler
+from tests.integration.fake_prometheus import FakePrometheusHandler, serve
 
 from moeguard_operator.observe import QUERY_DEADLINE_SECONDS, Answer, fetch_all, observe
 
@@ -90,10 +90,7 @@ class FakePrometheus:
                 self.end_headers()
                 self.wfile.write(body)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
+        self.server = serve(Handler)
 
     def url(self, mode: str) -> str:
         return f"http://127.0.0.1:{self.server.server_address[1]}/{mode}"

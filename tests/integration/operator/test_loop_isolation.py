@@ -20,7 +20,6 @@ import re
 import threading
 import time
 from collections.abc import Iterator
-from http.server import ThreadingHTTPServer
 from typing import Any
 
 import httpx
@@ -28,7 +27,7 @@ import pytest
 from hack import stack
 from tests.integration.conftest import Cluster
 from tests.integration.e2e.helpers import PORT_OFFSET, get, moeis, operator_looks, wait, wait_cr
-from tests.integration.fake_prometheus import FakePrometheusHandler
+from tests.integration.fake_prometheus import FakePrometheusHandler, serve
 
 from moeguard_operator.constants import FINALIZER
 
@@ -61,9 +60,7 @@ class Trickle:
                 except OSError:
                     pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server = serve(Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
     def close(self) -> None:
@@ -180,12 +177,7 @@ class SlowPrometheus:
                     with lock:
                         outer.in_flight -= 1
 
-        class Server(ThreadingHTTPServer):
-            request_queue_size = 128  # a look's queries arrive at once (the default backlog of 5 refused some)
-
-        self.server = Server(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server = serve(Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
     def close(self) -> None:
