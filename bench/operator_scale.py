@@ -150,14 +150,18 @@ def status_changes(snapshots: list[dict[str, dict[str, Any]]], examples: int = 4
 
     Returns ``services`` (how many changed at least once), ``paths`` (per :func:`status_paths` path, how many
     times a service's status changed it between two snapshots, most first; ``(no status field)`` for a new
-    resourceVersion with the same status) and, for each of the ``examples`` commonest paths, its first change
+    resourceVersion with the same status, ``(created)`` for a service new in a snapshot) and, for each of the ``examples`` commonest paths, its first change
     (values before and after, strings cut to 300 characters)."""
     changed: set[str] = set()
     counts: dict[str, int] = {}
     pairs: list[tuple[str, dict[str, Any], dict[str, Any], list[str]]] = []
     for before, after in itertools.pairwise(snapshots):
         for name, obj in sorted(after.items()):
-            if name not in before or before[name]["metadata"]["resourceVersion"] == obj["metadata"]["resourceVersion"]:
+            if name not in before:
+                changed.add(name)
+                counts["(created)"] = counts.get("(created)", 0) + 1
+                continue
+            if before[name]["metadata"]["resourceVersion"] == obj["metadata"]["resourceVersion"]:
                 continue
             changed.add(name)
             paths = status_paths(before[name].get("status") or {}, obj.get("status") or {}) or ["(no status field)"]
@@ -166,7 +170,7 @@ def status_changes(snapshots: list[dict[str, dict[str, Any]]], examples: int = 4
                 counts[path] = counts.get(path, 0) + 1
     ranked = dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
     shown = []
-    for top in list(ranked)[:examples]:
+    for top in [p for p in ranked if p != "(created)"][:examples]:
         name, old, new, _ = next(p for p in pairs if top in p[3])
         shown.append({"service": name, "path": top, "before": _at(old, top)[:300], "after": _at(new, top)[:300]})
     return {"services": len(changed), "paths": ranked, "examples": shown}
@@ -235,8 +239,7 @@ def run_scale(count: int, idle_minutes: float, settle_seconds: float, rss: RssSa
         "idle_writes_by_resource": writes,
         "idle_operator_writes": sum(v for k, v in writes.items() if k.split("/")[0].split(" ")[0] in OPERATOR_RESOURCES),
         "idle_other_writes": sum(v for k, v in writes.items() if k.split("/")[0].split(" ")[0] not in OPERATOR_RESOURCES),
-        "idle_status_rewrites": sum(1 for name, o in rvs1.items() if name not in rvs0
-                                    or rvs0[name]["metadata"]["resourceVersion"] != o["metadata"]["resourceVersion"]),
+        "idle_status_rewrites": changes["services"],
         "ready_at_end": ready_end,
         "prometheus_queries_per_minute": round((queries1 - queries0) / minutes, 1),
         "operator_rss_bytes": rss.last,

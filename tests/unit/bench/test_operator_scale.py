@@ -47,6 +47,8 @@ def test_changes_count_flips_between_listings_and_show_the_commonest_path() -> N
         {"service": "b", "path": "(no status field)", "before": "None", "after": "None"},
         {"service": "c", "path": "observed.time", "before": "t0", "after": "t1"}]
     assert status_changes([s0, s0]) == {"services": 0, "paths": {}, "examples": []}
+    grown = status_changes([s0, s0 | {"d": svc(9)}])
+    assert (grown["services"], grown["paths"], grown["examples"]) == (1, {"(created)": 1}, [])
 
 
 def test_the_report_lists_the_changed_fields() -> None:
