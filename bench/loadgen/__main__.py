@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("replay", help="replay the Azure conversation trace")
     _common(rp)
     rp.add_argument("--trace", type=Path, default=None,
-                    help="trace CSV (default: $MOEGUARD_TRACE_PATH or ../shared/traces/...)")
+                    help="trace CSV (default: $MOEGUARD_TRACE_PATH or bench/traces/...)")
     rp.add_argument("--limit", type=int, default=None, help="first N requests")
     rp.add_argument("--time-compression", type=float, default=1.0,
                     help="divide arrival times by this")

@@ -24,11 +24,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def default_trace_path() -> Path:
-    """Path of the trace: ``$MOEGUARD_TRACE_PATH`` if set, else ``<repo>/../shared/traces/<file>``."""
+    """Path of the trace: ``$MOEGUARD_TRACE_PATH`` if set, else the repository's copy,
+    ``<repo>/bench/traces/<file>`` (CC-BY-4.0, source in ``bench/traces/README.md``)."""
     env = os.environ.get(TRACE_PATH_ENV)
     if env:
         return Path(env)
-    return REPO_ROOT.parent / "shared" / "traces" / TRACE_FILENAME
+    return REPO_ROOT / "bench" / "traces" / TRACE_FILENAME
 
 
 @dataclass(frozen=True)

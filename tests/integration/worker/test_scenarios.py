@@ -1,4 +1,4 @@
-"""Scenarios C1–C6 (``../shared/cases/scenarios.md``) against a real worker
+"""Scenarios C1–C6 (``docs/scenarios.md``) against a real worker
 process over real HTTP, sizes scaled to the ``tiny`` model (context 1024, a
 few ms per step on 2 CPU cores); each test says how it scaled its case."""
 

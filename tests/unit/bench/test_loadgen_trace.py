@@ -18,18 +18,17 @@ from bench.loadgen.trace import (
 pytestmark = pytest.mark.unit
 
 TRACE = default_trace_path()
-needs_trace = pytest.mark.skipif(not TRACE.is_file(), reason=f"trace CSV not at {TRACE}")
 
 
-def test_default_path_is_beside_the_repo(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_path_is_the_repositorys_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(TRACE_PATH_ENV, raising=False)
     repo = Path(__file__).resolve().parents[3]
-    assert default_trace_path() == repo.parent / "shared" / "traces" / "azure-llm-inference-2023-conv.csv"
+    assert default_trace_path() == repo / "bench" / "traces" / "azure-llm-inference-2023-conv.csv"
+    assert default_trace_path().is_file()
     monkeypatch.setenv(TRACE_PATH_ENV, "/tmp/other.csv")
     assert default_trace_path() == Path("/tmp/other.csv")
 
 
-@needs_trace
 def test_read_real_trace() -> None:
     records = read_trace(TRACE)
     assert len(records) == 19_366
@@ -42,7 +41,6 @@ def test_read_real_trace() -> None:
     assert all(b.arrival_s >= a.arrival_s for a, b in itertools.pairwise(records))
 
 
-@needs_trace
 def test_scale_real_trace_compression_10() -> None:
     records = read_trace(TRACE)
     sched = scale(records, time_compression=10, max_context=1024, limit=50)
