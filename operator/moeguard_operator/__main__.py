@@ -74,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Opera
     parser.add_argument("--look-deadline-seconds", type=float, default=OperatorConfig.look_deadline_seconds,
                         help="deadline of one look at one Prometheus URL, seconds (default: %(default)s); past it "
                              "the look is blind for the services due there")
+    parser.add_argument("--leak-warmup-seconds", type=float, default=OperatorConfig.leak_warmup_seconds,
+                        help="a worker's warm-up before its RSS slope may count as a leak, seconds "
+                             "(default: %(default)s; shorter only in tests)")
     parser.add_argument("--allow-secrets", action="store_true",
                         help="serve specs that mount Secrets or read them into env (template.volumes[].secret, "
                              "template.extraEnv[].valueFrom.secretKeyRef); default: refuse them")
@@ -92,6 +95,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Opera
                                 prometheus_ca_file=args.prometheus_ca_file or None,
                                 allowed_prometheus_urls=tuple(args.allowed_prometheus_url),
                                 look_deadline_seconds=args.look_deadline_seconds,
+                                leak_warmup_seconds=args.leak_warmup_seconds,
                                 test_pause_at=os.environ.get(TEST_PAUSE_ENV) or None)
     except ValueError as exc:
         parser.error(str(exc))

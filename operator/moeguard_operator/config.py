@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from moeguard_operator.policy import LEAK_WARMUP_SECONDS
+
 TEST_PAUSE_POINTS = ("after-configmap", "after-status")
 """Where a decision's writes may be paused by a test (``MOEGUARD_TEST_PAUSE_AT``): after the budget ConfigMap,
 after the status patch."""
@@ -44,6 +46,9 @@ class OperatorConfig:
             (flag ``--allowed-prometheus-url``, repeatable; chart value ``operator.prometheus.allowedUrls``),
             compared exactly after dropping a trailing ``/``; any other is stalled (``PrometheusURLNotAllowed``):
             the operator fetches that URL from inside the cluster (SSRF).
+        leak_warmup_seconds: a worker's warm-up, seconds, before its leak window may start
+            (:data:`moeguard_operator.policy.LEAK_WARMUP_SECONDS` by default; flag ``--leak-warmup-seconds``).
+            Only tests shorten it, so that a leak judgement does not wait a minute and a half.
     """
 
     prometheus_url: str | None = None
@@ -55,6 +60,7 @@ class OperatorConfig:
     prometheus_ca_file: str | None = None
     allowed_prometheus_urls: tuple[str, ...] = ()
     test_pause_at: str | None = None
+    leak_warmup_seconds: float = LEAK_WARMUP_SECONDS
 
     @property
     def prometheus_urls(self) -> tuple[str, ...]:
@@ -69,6 +75,8 @@ class OperatorConfig:
         if self.test_pause_at not in (None, *TEST_PAUSE_POINTS):
             raise ValueError(f"test pause point must be one of {', '.join(TEST_PAUSE_POINTS)} "
                              f"(got {self.test_pause_at!r})")
+        if self.leak_warmup_seconds < 0:
+            raise ValueError(f"leak_warmup_seconds must be 0 or above (got {self.leak_warmup_seconds})")
         if self.peering_lifetime_seconds <= 0:
             raise ValueError(f"peering_lifetime_seconds must be above 0 (got {self.peering_lifetime_seconds})")
 

@@ -334,7 +334,8 @@ class ControlLoop:
                 mem.last_look = now
                 facts = pod_facts(pods)
                 target = Target(key[0], key[1], spec, facts.running,
-                                facts.running_since(leak_window_start(now, spec.control.leak_window_seconds)),
+                                facts.running_since(leak_window_start(now, spec.control.leak_window_seconds,
+                                                                     self.config.leak_warmup_seconds)),
                                 new_ooms)
                 if not url:
                     blind_now.append((key, Observation(time=now, expected_pods=facts.running, error=(
@@ -420,7 +421,8 @@ class ControlLoop:
         pods = list(self.views.pods.get(key, {}).values())
         writes = tick.look_step(prior, spec, pods, self.views.configmaps.get(key), obs, mem.blind_floor, now,
                                 (svc.get("metadata") or {}).get("generation"), key not in self.views.hand_edited,
-                                mem.diagnosis or DiagnosisMemory(blind_at=self.started))
+                                mem.diagnosis or DiagnosisMemory(blind_at=self.started),
+                                leak_warmup_seconds=self.config.leak_warmup_seconds)
         if not obs.fully_visible:
             mem.blind_floor = max(mem.blind_floor, now)
         decision, found = writes.decision, writes.diagnosis

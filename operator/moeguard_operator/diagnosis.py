@@ -143,6 +143,8 @@ class DiagnosisLook:
         new_oom_kills: OOM-killed worker containers since the previous look.
         skew_ratio: the policy's skew ratio (:attr:`policy.Observation.skew_ratio`); skew_seen: it is known.
         signals: the diagnosis signals of the reporting pods.
+        leak_warmup_seconds: a worker's warm-up, seconds (the operator's ``--leak-warmup-seconds``): a pod younger
+            than it plus ``leakWindowSeconds`` is never judged leaking.
     """
 
     time: datetime
@@ -152,10 +154,11 @@ class DiagnosisLook:
     skew_ratio: float | None = None
     skew_seen: bool = False
     signals: DiagnosisSignals = field(default_factory=DiagnosisSignals)
+    leak_warmup_seconds: float = LEAK_WARMUP_SECONDS
 
     @classmethod
-    def of(cls, obs: Observation) -> DiagnosisLook:
-        """The diagnosis's share of an observation."""
+    def of(cls, obs: Observation, leak_warmup_seconds: float = LEAK_WARMUP_SECONDS) -> DiagnosisLook:
+        """The diagnosis's share of an observation; ``leak_warmup_seconds``: see the attribute."""
         missing = [m for m in (obs.error, obs.signals_missing) if m]
         if obs.available and obs.memory_ratio is None:
             missing.append("memory in use")
@@ -166,7 +169,7 @@ class DiagnosisLook:
         signals = obs.signals or DiagnosisSignals()
         visible = obs.available and not obs.silent_pods and obs.signals is not None
         return cls(obs.time, visible, (*missing, *signals.missing), obs.new_oom_kills, obs.skew_ratio,
-                   obs.skew_seen, signals)
+                   obs.skew_seen, signals, leak_warmup_seconds)
 
 
 @dataclass(frozen=True)
@@ -406,7 +409,7 @@ def _leak(kind: str) -> Callable[[PodSignals, DiagnosisLook, MoEInferenceService
         if pod.age_seconds is None:
             return None
         lw = spec.control.leak_window_seconds
-        if pod.age_seconds < LEAK_WARMUP_SECONDS + lw:
+        if pod.age_seconds < look.leak_warmup_seconds + lw:
             return False  # the leak window still holds the worker's warm-up
         slope = pod.steady_growth_bytes_per_second
         if slope is None:

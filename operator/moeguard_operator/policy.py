@@ -427,7 +427,8 @@ def decide(observation: Observation, state: PolicyState, spec: MoEInferenceServi
     )
 
 
-def leak_window_start(now: datetime, leak_window_seconds: int) -> datetime:
-    """The pods Running since before this time have a leak window past their warm-up (:data:`LEAK_WARMUP_SECONDS`):
-    their RSS slope counts."""
-    return now - timedelta(seconds=leak_window_seconds + LEAK_WARMUP_SECONDS)
+def leak_window_start(now: datetime, leak_window_seconds: int,
+                      warmup_seconds: float = LEAK_WARMUP_SECONDS) -> datetime:
+    """The pods Running since before this time have a leak window past their warm-up (``warmup_seconds``,
+    by default :data:`LEAK_WARMUP_SECONDS`; the operator's ``--leak-warmup-seconds``): their RSS slope counts."""
+    return now - timedelta(seconds=leak_window_seconds + warmup_seconds)

@@ -46,7 +46,7 @@ from moeguard_operator.models import (
     MoEInferenceServiceStatus,
 )
 from moeguard_operator.podstate import pod_facts
-from moeguard_operator.policy import Decision, Observation, PolicyState, decide
+from moeguard_operator.policy import LEAK_WARMUP_SECONDS, Decision, Observation, PolicyState, decide
 from moeguard_runtime.contract import (
     BudgetDocument,
     BudgetDocumentError,
@@ -156,11 +156,13 @@ def policy_state(status: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpe
 
 def look_step(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, pods: list[dict[str, Any]],
               data: Mapping[str, str] | None, obs: Observation, blind_floor: datetime, now: datetime,
-              generation: int | None, ours: bool = True, diagnosis: DiagnosisMemory | None = None) -> Writes:
+              generation: int | None, ours: bool = True, diagnosis: DiagnosisMemory | None = None,
+              leak_warmup_seconds: float = LEAK_WARMUP_SECONDS) -> Writes:
     """Readiness, OOM kills (counted from the pods now: ``obs.new_oom_kills`` is replaced), the decision on
     ``obs``, the incident diagnosis (after the decision, from the same look: it never feeds it) and what they
     ask to write; ``ours``: the ConfigMap's document is the operator's (not a hand edit); ``diagnosis``: the
-    loop's diagnosis memory (None: a fresh one, blind until ``blind_floor``)."""
+    loop's diagnosis memory (None: a fresh one, blind until ``blind_floor``); ``leak_warmup_seconds``: the
+    operator's ``--leak-warmup-seconds`` (a younger pod's leak window still holds its warm-up)."""
     raw = None if data is None else dict(data)
     status = budget_document.caught_up(prior, raw, ours)
     facts = pod_facts(pods)
@@ -175,7 +177,8 @@ def look_step(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, p
     document = budget_document.for_decision(spec, new, raw, decision, now)
     looked, look_events = report.looked(new, spec, obs, decision, document, facts.restarts, now, generation,
                                                facts.crash_looping)
-    found = diagnose(diagnosis or DiagnosisMemory(blind_at=blind_floor), DiagnosisLook.of(obs), prior.diagnosis,
+    found = diagnose(diagnosis or DiagnosisMemory(blind_at=blind_floor), DiagnosisLook.of(obs, leak_warmup_seconds),
+                     prior.diagnosis,
                      spec, now)
     looked, found_events = diagnosed(looked, found, now, generation)
     return Writes(stable(new, looked, obs), (*events, *look_events, *found_events), document, decision.restart,

@@ -8,6 +8,7 @@ import pytest
 
 from moeguard_operator.__main__ import parse_args
 from moeguard_operator.config import MEMO_KEY, OperatorConfig, from_memo
+from moeguard_operator.policy import LEAK_WARMUP_SECONDS
 
 pytestmark = pytest.mark.unit
 
@@ -19,7 +20,16 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert config == OperatorConfig(prometheus_url=None, timer_interval_seconds=1.0, peering_lifetime_seconds=60,
                                     look_deadline_seconds=10.0, test_pause_at=None)
     assert config.allow_host_path_models is False
+    assert config.leak_warmup_seconds == LEAK_WARMUP_SECONDS == 90
     assert args.all_namespaces and args.standalone
+
+
+def test_the_leak_warm_up_is_a_flag_and_may_not_be_negative(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_args(["--leak-warmup-seconds", "5"])[1].leak_warmup_seconds == 5.0
+    assert parse_args(["--leak-warmup-seconds", "0"])[1].leak_warmup_seconds == 0.0
+    with pytest.raises(SystemExit):
+        parse_args(["--leak-warmup-seconds", "-1"])
+    assert "leak_warmup_seconds must be 0 or above (got -1.0)" in capsys.readouterr().err
 
 
 def test_flags_set_the_config() -> None:

@@ -197,6 +197,16 @@ def test_a_worker_in_its_warm_up_has_no_leak_finding_and_one_of_unknown_age_none
     assert kinds(run([look(replace(pod, age_seconds=young + 1), t) for t in (0, 10, 20)])[0]) == {kind}
 
 
+@pytest.mark.parametrize("kind", ["NativeMemoryLeak", "PythonHeapLeak"])
+def test_the_warm_up_is_the_looks_own(kind: str) -> None:
+    """The operator's --leak-warmup-seconds reaches the rule through the look: a pod past a 5-s warm-up is judged."""
+    pod = DRILLS[kind][0]
+    age = 5 + SPEC.control.leak_window_seconds
+    short = [replace(look(replace(pod, age_seconds=age), t), leak_warmup_seconds=5) for t in (0, 10, 20)]
+    assert kinds(run(short)[0]) == {kind}
+    assert kinds(run([replace(x, leak_warmup_seconds=6) for x in short])[0]) == set()
+
+
 def test_a_leak_must_add_its_minimum_over_the_window_and_its_kind_comes_from_the_window() -> None:
     lw = SPEC.control.leak_window_seconds
     pod = DRILLS["NativeMemoryLeak"][0]

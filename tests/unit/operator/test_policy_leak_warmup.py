@@ -31,3 +31,6 @@ def test_the_leak_window_starts_after_the_warm_up() -> None:
     window_only = running_pod("window-only", NOW - timedelta(seconds=lw + 1))  # counted before the warm-up existed
     facts = pod_facts([old, young, window_only])
     assert facts.running_since(leak_window_start(NOW, lw)) == ("old",)
+    # a shorter warm-up (the operator's --leak-warmup-seconds, in tests): the same rule, sooner
+    assert leak_window_start(NOW, lw, warmup_seconds=5) == NOW - timedelta(seconds=lw + 5)
+    assert facts.running_since(leak_window_start(NOW, lw, warmup_seconds=0)) == ("old", "window-only", "young")
