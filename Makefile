@@ -3,6 +3,11 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/runtime:$(CURDIR)
 export MOEGUARD_RUN_DIR ?= /tmp/moeguard-run
+# make test-cluster: pytest-xdist workers, each with its own local cluster (tests/suite_setup.py); whole
+# files per worker (module-scoped operators and workers stay together). XDIST="-n 0": one process.
+XDIST ?= -n 2 --dist loadfile
+# the 25 slowest tests, then the time per part (tests/conftest.py)
+DURATIONS ?= --durations=25
 
 .DEFAULT_GOAL := help
 
@@ -24,7 +29,7 @@ test: test-cluster ## All tests: unit, integration against the real local contro
 
 .PHONY: test-cluster
 test-cluster: deps ## Unit, then integration against the real local control plane and Prometheus (no real node: no root needed).
-	$(PY) -m pytest tests -m "unit or integration" $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m "unit or integration" $(XDIST) $(DURATIONS) $(PYTEST_ARGS)
 
 .PHONY: test-unit
 test-unit: deps ## Unit tests only (no processes, no network).
@@ -71,7 +76,7 @@ test-node: deps node-deps ## e2e on the real node: the images built and loaded, 
 	hack/cluster-up.sh
 	hack/node-up.sh
 	hack/build-images.sh --load operator worker >$(MOEGUARD_RUN_DIR)/node/images.env
-	MOEGUARD_TEST_NODE=1 $(PY) -m pytest tests/node -m node $(PYTEST_ARGS)
+	MOEGUARD_TEST_NODE=1 $(PY) -m pytest tests/node -m node $(DURATIONS) $(PYTEST_ARGS)
 
 .PHONY: operator
 operator: ## Run the operator against KUBECONFIG (default: the local control plane).

@@ -263,7 +263,7 @@ def diagnose(
             err.print(f"error: cannot write {plot_file}: {exc.strerror or exc}", markup=False, highlight=False)
             raise typer.Exit(1) from None
         if output != "json":
-            console.print(f"timeline drawn into {plot_file}", markup=False)
+            console.print(f"timeline drawn into {plot_file}", markup=False, soft_wrap=True)  # a path is never wrapped
 
 
 def main() -> None:

@@ -33,3 +33,13 @@ def _pure(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> No
         return real_wait(self, timeout)
 
     monkeypatch.setattr(threading.Condition, "wait", wait)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test under tests/unit/ is a unit test (a module's own ``pytestmark`` is then redundant)."""
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.path)).parents:
+            item.add_marker(pytest.mark.unit)

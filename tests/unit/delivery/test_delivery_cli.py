@@ -13,7 +13,7 @@ from moeguard_cli.plan import MiB, PlanInput, estimate
 from moeguard_runtime.presets import ModelArgs, parameter_count
 
 pytestmark = pytest.mark.unit
-runner = CliRunner()
+runner = CliRunner(env={"COLUMNS": "400"})  # no wrapping inside long tmp paths (pytest-xdist makes them longer)
 
 SHAPE = ModelArgs(n_layer=2, dim=64, n_head=4, n_kv_head=2, intermediate_size=128, num_experts=8, top_k=2,
                   max_seq_len=1024)

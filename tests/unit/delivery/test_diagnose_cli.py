@@ -23,7 +23,7 @@ from moeguard_cli.diagnose_fetch import (
 from moeguard_cli.diagnose_report import RangeAnswer
 
 pytestmark = pytest.mark.unit
-runner = CliRunner()
+runner = CliRunner(env={"COLUMNS": "400"})  # no wrapping inside long tmp paths (pytest-xdist makes them longer)
 
 
 def fake_fetch(result: Fetched | Exception, calls: list[dict[str, Any]]) -> Any:

@@ -1,0 +1,35 @@
+"""Suite-wide set-up (rules and reasons in tests/suite_setup.py): each pytest-xdist worker its own local
+cluster, set here at import, before any test module reads ``hack.stack``; every collected test marked."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.suite_setup import SUITE_MARKERS, time_per_part, unmarked, worker_cluster_env
+
+os.environ.update(worker_cluster_env(os.environ))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    missing = unmarked(items)
+    if missing:
+        raise pytest.UsageError(
+            f"{len(missing)} collected tests carry none of the markers {', '.join(SUITE_MARKERS)}, so "
+            "`make test` would deselect them: put them under tests/unit, tests/integration or tests/node, "
+            "or mark them:\n  " + "\n  ".join(missing[:20]))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Time per part of the suite (setup + call + teardown, summed over tests: under xdist the parts overlap,
+    so their sum exceeds the wall time), after pytest's own ``--durations`` list."""
+    reports = [r for key in ("passed", "failed", "error", "skipped") for r in terminalreporter.stats.get(key, [])
+               if isinstance(r, pytest.TestReport)]
+    rows = time_per_part((r.nodeid, r.duration) for r in reports)
+    if not rows:
+        return
+    terminalreporter.write_sep("=", "time per part (test seconds, summed)")
+    for part, count, seconds in rows:
+        terminalreporter.write_line(f"{part:<24} {count:>5} tests {seconds:>8.1f} s")

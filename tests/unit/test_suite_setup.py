@@ -1,0 +1,52 @@
+"""The suite's own set-up (tests/suite_setup.py): per-xdist-worker clusters and the marker check."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tests.suite_setup import APPLIED_ENV, SUITE_MARKERS, part_of, time_per_part, unmarked, worker_cluster_env
+
+
+def test_each_xdist_worker_but_the_first_gets_its_own_run_dir_and_ports() -> None:
+    assert worker_cluster_env({}) == {}
+    assert worker_cluster_env({"PYTEST_XDIST_WORKER": "gw0", "MOEGUARD_RUN_DIR": "/tmp/ci"}) == {}
+    assert worker_cluster_env({"PYTEST_XDIST_WORKER": "gw1", "MOEGUARD_RUN_DIR": "/tmp/ci"}) == {
+        "MOEGUARD_RUN_DIR": "/tmp/ci-gw1", "MOEGUARD_PORT_OFFSET": "100", APPLIED_ENV: "gw1"}
+    env = {"PYTEST_XDIST_WORKER": "gw3", "MOEGUARD_PORT_OFFSET": "7"}
+    env |= worker_cluster_env(env)
+    assert env["MOEGUARD_RUN_DIR"] == "/tmp/moeguard-run-gw3" and env["MOEGUARD_PORT_OFFSET"] == "307"
+    assert worker_cluster_env(env) == {}  # applied once: a second import of the conftest shifts nothing
+    assert worker_cluster_env({"PYTEST_XDIST_WORKER": "master"}) == {}
+
+
+class _Item:
+    def __init__(self, nodeid: str, *markers: str) -> None:
+        self.nodeid, self._markers = nodeid, markers
+
+    def get_closest_marker(self, name: str) -> Any:
+        return SimpleNamespace(name=name) if name in self._markers else None
+
+
+def test_a_test_with_none_of_the_suite_markers_is_named() -> None:
+    items = [_Item("a::t1", "unit"), _Item("b::t2"), _Item("c::t3", "integration", "slow"), _Item("d::t4", "node"),
+             _Item("e::t5", "asyncio")]
+    assert unmarked(items) == ["b::t2", "e::t5"]
+    assert SUITE_MARKERS == ("unit", "integration", "node")
+
+
+def test_this_module_is_marked_unit_by_its_folder(request: pytest.FixtureRequest) -> None:
+    assert request.node.get_closest_marker("unit") is not None
+
+
+def test_time_per_part_counts_each_test_once_and_sums_its_phases() -> None:
+    assert part_of("tests/unit/operator/test_x.py::test_a") == "unit"
+    assert part_of("tests/integration/e2e/test_y.py::test_b[1]") == "integration/e2e"
+    assert part_of("tests/integration/test_z.py::t") == "integration"
+    assert part_of("tests/node/test_node_worker.py::t") == "node"
+    assert part_of("elsewhere.py::t") == "other"
+    rows = time_per_part([("tests/unit/a.py::t", 0.5), ("tests/unit/a.py::t", 1.5), ("tests/unit/b.py::u", 1.0),
+                          ("tests/integration/e2e/c.py::v", 10.0)])
+    assert rows == [("integration/e2e", 1, 10.0), ("unit", 2, 3.0)]
