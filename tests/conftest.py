@@ -6,14 +6,14 @@ from __future__ import annotations
 import os
 
 import pytest
-
-from tests.suite_setup import SUITE_MARKERS, time_per_part, unmarked, worker_cluster_env
+from tests.suite_setup import SUITE_MARKERS, run_rank, time_per_part, unmarked, worker_cluster_env
 
 os.environ.update(worker_cluster_env(os.environ))
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: run_rank(item.nodeid))  # stable: each file's own order is kept
     missing = unmarked(items)
     if missing:
         raise pytest.UsageError(

@@ -59,6 +59,22 @@ def part_of(nodeid: str) -> str:
     return parts[1]
 
 
+LONGEST_FIRST = ("integration/e2e", "integration/operator", "integration/worker", "integration/delivery",
+                 "integration/cluster", "integration/bench", "integration", "node", "unit", "other")
+"""The parts in the order the suite runs them: longest tests first (docs/testing.md), so that under
+pytest-xdist no worker is left with one long file at the end while the others idle; the unit tests
+(under a second each) fill the gaps last."""
+
+
+def run_rank(nodeid: str) -> int:
+    """The sort key of a test: its part's place in :data:`LONGEST_FIRST` (the order within a part is kept); an
+    integration folder not listed there runs with ``integration``, before the unit tests."""
+    part = part_of(nodeid)
+    if part not in LONGEST_FIRST:
+        part = "integration" if part.startswith("integration/") else "other"
+    return LONGEST_FIRST.index(part)
+
+
 def time_per_part(durations: Iterable[tuple[str, float]]) -> list[tuple[str, int, float]]:
     """``(part, tests, seconds)`` rows, slowest part first, from ``(nodeid, seconds)`` pairs (a test's setup,
     call and teardown may come as three pairs: tests are counted once, seconds summed)."""

@@ -6,8 +6,16 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-
-from tests.suite_setup import APPLIED_ENV, SUITE_MARKERS, part_of, time_per_part, unmarked, worker_cluster_env
+from tests.suite_setup import (
+    APPLIED_ENV,
+    LONGEST_FIRST,
+    SUITE_MARKERS,
+    part_of,
+    run_rank,
+    time_per_part,
+    unmarked,
+    worker_cluster_env,
+)
 
 
 def test_each_xdist_worker_but_the_first_gets_its_own_run_dir_and_ports() -> None:
@@ -50,3 +58,12 @@ def test_time_per_part_counts_each_test_once_and_sums_its_phases() -> None:
     rows = time_per_part([("tests/unit/a.py::t", 0.5), ("tests/unit/a.py::t", 1.5), ("tests/unit/b.py::u", 1.0),
                           ("tests/integration/e2e/c.py::v", 10.0)])
     assert rows == [("integration/e2e", 1, 10.0), ("unit", 2, 3.0)]
+
+
+def test_the_longest_parts_run_first_and_every_part_has_a_place() -> None:
+    ids = ["tests/unit/a.py::t", "tests/integration/cluster/b.py::t", "tests/integration/e2e/c.py::t",
+           "tests/integration/worker/d.py::t", "tests/integration/newpart/e.py::t", "x.py::t"]
+    assert sorted(ids, key=run_rank) == ["tests/integration/e2e/c.py::t", "tests/integration/worker/d.py::t",
+                                         "tests/integration/cluster/b.py::t", "tests/integration/newpart/e.py::t",
+                                         "tests/unit/a.py::t", "x.py::t"]
+    assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)

@@ -15,12 +15,15 @@ STARTUP_DEADLINE_SECONDS = 120
 
 
 @pytest.fixture(scope="module")
-def operator(cluster: Cluster) -> Iterator[None]:
+def operator(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[None]:
+    """The operator for a test module; the module's ``OPERATOR_EXTRA_ARGS`` (a tuple of flags, e.g. a shorter
+    ``--leak-warmup-seconds``) are added to its command line."""
     stack.apply_crds(run_dir=cluster.run_dir)
     log = cluster.run_dir / "logs" / "operator-e2e.log"
     liveness = f"http://127.0.0.1:{OPERATOR_LIVENESS_PORT}/healthz"
+    extra = tuple(getattr(request.module, "OPERATOR_EXTRA_ARGS", ()))
     proc = stack.start_operator(log, run_dir=cluster.run_dir, args=(
-        "-A", "--standalone", "--metrics-port", str(OPERATOR_METRICS_PORT), "--liveness", liveness))
+        "-A", "--standalone", "--metrics-port", str(OPERATOR_METRICS_PORT), "--liveness", liveness, *extra))
 
     def started() -> bool:
         assert proc.poll() is None, f"operator exited: see {log}"

@@ -14,6 +14,10 @@ PORT_OFFSET = int(os.environ.get("MOEGUARD_PORT_OFFSET", "0"))
 """hack/cluster-up.sh shifts every port by it (a second cluster beside the first); so do the operator's."""
 OPERATOR_METRICS_PORT = 18081 + PORT_OFFSET
 OPERATOR_LIVENESS_PORT = 18082 + PORT_OFFSET
+TEST_LEAK_WARMUP_SECONDS = 20
+"""The worker warm-up (operator flag ``--leak-warmup-seconds``) of the e2e modules that wait for a leak judgement
+(a module's ``OPERATOR_EXTRA_ARGS``): their workers are idle or leak far above the noise floor, so the 90 s of
+``policy.LEAK_WARMUP_SECONDS`` (the rule itself is unit-tested) would only make them wait."""
 
 
 def operator_looks(namespace: str, name: str, result: str | None = None, port: int = OPERATOR_METRICS_PORT) -> float:

@@ -18,7 +18,7 @@ from typing import Any
 from bench.loadgen.text import repetitive_prompt
 from hack import stack
 from tests.integration.conftest import Cluster, PodWorkers
-from tests.integration.e2e.helpers import get, wait, wait_cr
+from tests.integration.e2e.helpers import TEST_LEAK_WARMUP_SECONDS, get, wait, wait_cr
 from tests.integration.e2e.test_control_loop import (  # noqa: F401 - restore_prometheus is a fixture
     SPEC,
     complete,
@@ -27,9 +27,8 @@ from tests.integration.e2e.test_control_loop import (  # noqa: F401 - restore_pr
     start,
 )
 
-from moeguard_operator.policy import LEAK_WARMUP_SECONDS
-
 DEADLINE = 120
+OPERATOR_EXTRA_ARGS = ("--leak-warmup-seconds", str(TEST_LEAK_WARMUP_SECONDS))
 
 
 def prefill(obj: dict[str, Any]) -> int:
@@ -128,9 +127,9 @@ def test_after_prometheus_restarts_with_wiped_data_nothing_is_concluded_or_loose
     lw = 30
     control = SPEC["control"] | {"leakWindowSeconds": lw, "leakHorizonSeconds": 60}
     (url,) = start(cluster, ns, name, pod_workers, control=control)
-    # the first judged leak window starts after the worker's warm-up (policy.LEAK_WARMUP_SECONDS)
+    # the first judged leak window starts after the worker's warm-up (the operator's --leak-warmup-seconds)
     wait_cr(cluster, ns, name, lambda o: (stack.condition(o, "MemoryLeakSuspected") or {}).get("reason") == "RSSFlat",
-            DEADLINE + LEAK_WARMUP_SECONDS + lw, "a judged leak window (RSSFlat)")
+            DEADLINE + TEST_LEAK_WARMUP_SECONDS + lw, "a judged leak window (RSSFlat)")
     burst(url)
     tight = prefill(wait_cr(cluster, ns, name, lambda o: prefill(o) < 2048, 60, "tightened"))
     pid = prometheus_pid(cluster)
