@@ -124,6 +124,16 @@ def active_kinds(obj: dict[str, Any]) -> list[str]:
     return sorted({str(f.get("kind")) for f in findings})
 
 
+def status_summary(obj: dict[str, Any]) -> dict[str, Any]:
+    """The parts of a MoEInferenceService's status that say why a finding is (not) there: the diagnosis's missing
+    signals, MetricsAvailable, the observed values and the budgets in effect."""
+    status = obj.get("status") or {}
+    metrics = stack.condition(obj, "MetricsAvailable") or {}
+    return {"missingSignals": (status.get("diagnosis") or {}).get("missingSignals"),
+            "MetricsAvailable": {k: metrics.get(k) for k in ("status", "reason", "message")},
+            "observed": status.get("observed"), "budgets": status.get("budgets")}
+
+
 def finding_of(obj: dict[str, Any], kind: str) -> dict[str, Any] | None:
     findings = ((obj.get("status") or {}).get("diagnosis") or {}).get("findings") or []
     return next((f for f in findings if f.get("kind") == kind), None)
@@ -146,6 +156,8 @@ class DrillResult:
     rss_soft_fraction: float | None = None
     traffic: dict[str, int] = field(default_factory=dict)
     error: str | None = None
+    last_status: dict[str, Any] = field(default_factory=dict)
+    """What the service's status said at the end (:func:`status_summary`): why a finding did not appear."""
 
     @property
     def passed(self) -> bool:
@@ -163,6 +175,7 @@ class Watch(threading.Thread):
         self.namespace, self.name = namespace, name
         self.changes: list[tuple[float, list[str]]] = []
         self.first: dict[str, tuple[float, dict[str, Any]]] = {}
+        self.last: dict[str, Any] = {}
         self._halt = threading.Event()
 
     def run(self) -> None:
@@ -173,6 +186,7 @@ class Watch(threading.Thread):
             except (subprocess.SubprocessError, ValueError):
                 obj = None
             if obj is not None:
+                self.last = status_summary(obj)
                 now, kinds = time.time(), active_kinds(obj)
                 if kinds != last:
                     self.changes.append((now, kinds))
@@ -305,6 +319,7 @@ def run_drill(kind: str, namespace: str, *, name: str = "drill", deadline_s: flo
                 result.traffic[f"background {status}"] = n
         if watch is not None:
             watch.stop()
+            result.last_status = watch.last
             result.seen = [(round(t - result.onset, 1) if result.onset else round(t, 1), k) for t, k in watch.changes]
             kinds = {k for _, ks in watch.changes for k in ks}
             with contextlib.suppress(subprocess.SubprocessError, ValueError):

@@ -2,7 +2,8 @@
 
 * ``cluster`` (session): reuses a healthy cluster in the run dir
   (``$MOEGUARD_RUN_DIR``, default /tmp/moeguard-run) or starts one, and stops it
-  at the end only if it started it (``MOEGUARD_KEEP_CLUSTER=1`` keeps it).
+  at the end only if it started it (``MOEGUARD_KEEP_CLUSTER=1`` keeps it). After a
+  session with failures its logs are copied to ``<run dir>-logs`` first.
 * ``pod_workers`` (session): hack/pod_workers.py in the background, the kubelet of
   the worker pods: each runs as a local worker process in a memory cgroup with the
   pod's limit, its kills, restarts and readiness written to the pod status
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -72,7 +74,7 @@ def _healthy(c: Cluster) -> bool:
 
 
 @pytest.fixture(scope="session")
-def cluster() -> Iterator[Cluster]:
+def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     kubectl = pinned_kubectl()
     if not kubectl.exists():
         pytest.skip(f"{kubectl} is missing: build the control plane with hack/build-binaries.sh")
@@ -86,6 +88,12 @@ def cluster() -> Iterator[Cluster]:
     if res.returncode != 0:
         pytest.fail(f"hack/cluster-up.sh failed ({res.returncode}):\n{res.stderr[-4000:]}")
     yield c
+    if request.session.testsfailed and (c.run_dir / "logs").is_dir():
+        # cluster-down removes the run dir: keep the evidence of a failed session (operator, workers, control plane)
+        kept = c.run_dir.with_name(f"{c.run_dir.name}-logs")
+        shutil.rmtree(kept, ignore_errors=True)
+        shutil.copytree(c.run_dir / "logs", kept)
+        print(f"\n{request.session.testsfailed} tests failed: the cluster's logs are kept in {kept}")
     if c.started_here and os.environ.get("MOEGUARD_KEEP_CLUSTER") != "1":
         subprocess.run([str(HACK / "cluster-down.sh")], env={**os.environ, "MOEGUARD_RUN_DIR": str(RUN_DIR)},
                        check=False, timeout=120)

@@ -16,13 +16,26 @@ from bench import diagnosis_drills as drills
 from tests.integration.conftest import Cluster, PodWorkers
 
 
+def operator_log_of(cluster: Cluster, namespace: str, lines: int = 40) -> str:
+    """The last ``lines`` lines of the e2e operator's log that name ``namespace`` (the evidence of a failed drill:
+    the run dir and its logs go with the cluster at the end of the session)."""
+    log = cluster.run_dir / "logs" / "operator-e2e.log"
+    try:
+        mine = [line[:400] for line in log.read_text(errors="replace").splitlines() if namespace in line]
+    except OSError as exc:
+        return f"    (no operator log: {exc})"
+    return "\n".join(f"    {line}" for line in mine[-lines:]) or "    (no line names it)"
+
+
 @pytest.mark.skipif(drills.ucx_library() is None, reason="libucx0 is not installed (hack/install-deps.sh installs it)")
 def test_each_drill_gets_its_finding_within_two_minutes_and_no_other(
         cluster: Cluster, operator: None, pod_workers: PodWorkers, tmp_path: Path) -> None:
     prefix = f"mg-drill-{uuid.uuid4().hex[:6]}"
     results = drills.run_round(drills.KINDS, prefix, grace_s=10.0, scratch=tmp_path)
     table = "\n".join(f"{r.kind:18} onset->finding {r.seconds_to_finding} s, wrong {r.wrong}, error {r.error}, "
-                      f"seen {r.seen}" for r in results)
+                      f"seen {r.seen}" + ("" if r.passed else f"\n  last status: {r.last_status}"
+                                          f"\n  operator log:\n{operator_log_of(cluster, r.namespace)}")
+                      for r in results)
     print(f"\n{table}")
     for r in results:
         assert r.error is None, table
