@@ -1,7 +1,7 @@
 # moeguard: run `make help` for the targets.
 SHELL := /bin/bash
 PY := .venv/bin/python
-export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/runtime:$(CURDIR)
+export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/runtime:$(CURDIR)/core:$(CURDIR)
 export MOEGUARD_RUN_DIR ?= /tmp/moeguard-run
 # make test-cluster: pytest-xdist workers, each with its own local cluster (tests/suite_setup.py); whole
 # files per worker (module-scoped operators and workers stay together), in the suite's order (longest parts
@@ -39,12 +39,12 @@ test-unit: deps ## Unit tests only (no processes, no network).
 
 .PHONY: manifests
 manifests: ## Regenerate crds/, the chart's CRD template, the dashboard and the generated docs from the models.
-	$(PY) -m moeguard_operator.crdgen
+	$(PY) -m moeguard_operator.spec.crdgen
 	$(PY) hack/generate.py
 
 .PHONY: lint
 lint: ## ruff and mypy --strict.
-	$(PY) -m ruff check operator runtime tests bench hack
+	$(PY) -m ruff check operator runtime core tests bench hack harness
 	$(PY) -m mypy
 
 .PHONY: cluster-up

@@ -38,8 +38,8 @@ from typing import Any
 
 import httpx
 from hack import stack
+from harness import control_plane as cp
 
-from bench import control_plane as cp
 from bench.control_stats import all_reached, direction_changes, steps, summary
 from bench.headline import machine
 from bench.steady_traffic import SteadyTraffic

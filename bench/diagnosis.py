@@ -26,13 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from hack import stack
+from harness import control_plane as cp
+from harness.loadgen import load_schedule
+from harness.loadgen.client import replay
+from harness.loadgen.stats import summarize as summarize_run
 
-from bench import control_plane as cp
 from bench import diagnosis_drills as drills
 from bench.headline import machine
-from bench.loadgen import load_schedule
-from bench.loadgen.client import replay
-from bench.loadgen.stats import summarize as summarize_run
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results"

@@ -23,7 +23,7 @@ The injections:
 * ``LongContextPileUp``: :data:`LONG_REQUESTS` concurrent prompts of :data:`LONG_PROMPT_TOKENS`
   (near the 4,096-token context; the threshold is 1,536).
 * ``RoutingSkew``: the background traffic switches to repetitive prompts (one or two letters,
-  :func:`bench.loadgen.repetitive_prompt`, seed :data:`SKEW_SEED`: 1,024 on this model against a threshold
+  :func:`harness.loadgen.repetitive_prompt`, seed :data:`SKEW_SEED`: 1,024 on this model against a threshold
   of 128; real text measures 2-48).
 * ``NativeMemoryLeak`` / ``PythonHeapLeak``: the worker's leak faults (``MOEGUARD_TEST_FAULTS=1``), armed
   from the start, leaking only while a lock file exists (``MOEGUARD_FAULT_LEAK_LOCK_FILE``): the drill
@@ -52,13 +52,13 @@ from pathlib import Path
 from typing import Any
 
 from hack import stack
+from harness import control_plane as cp
+from harness.loadgen import prompt_of_length
+from harness.loadgen.client import burst
+from harness.loadgen.stats import summarize
 
-from bench import control_plane as cp
-from bench.loadgen import prompt_of_length
-from bench.loadgen.client import burst
-from bench.loadgen.stats import summarize
 from bench.steady_traffic import SteadyTraffic
-from moeguard_operator.policy import LEAK_WARMUP_SECONDS
+from moeguard_operator.loop.observation import LEAK_WARMUP_SECONDS
 
 MODEL_OVERRIDES = {"dim": 256, "nHead": 4, "nKvHead": 4, "maxSeqLen": 4096}
 """The ``tiny`` preset (2 layers, 8 experts, top-2) widened so that a burst moves memory by ~140 MiB (the
@@ -77,7 +77,7 @@ BASE_SPEC: dict[str, Any] = {
 of 48 under the shared trace (the first full run, ``bench/results/diagnosis_run1.md``; 6-10 on the plain
 ``tiny`` preset, :mod:`bench.control_latency`), repetitive prompts 1,024. ``leakWindowSeconds`` 60: a leak is
 found within two minutes of its onset (the default 600 s would take ten), and a leak of 2 MB/s adds more than
-the 64 MiB a leak must add over its window (``moeguard_operator.diagnosis.LEAK_MIN_WINDOW_GROWTH_BYTES``)."""
+the 64 MiB a leak must add over its window (``moeguard_operator.diagnosis.diagnosis.LEAK_MIN_WINDOW_GROWTH_BYTES``)."""
 SOFT_MARGIN_BYTES = 48 << 20
 """``rssSoftFraction`` is set to (steady memory + this) / hardLimit: a burst or a pile-up crosses it, the
 background traffic does not."""
@@ -112,7 +112,7 @@ def ucx_library() -> Path | None:
 
 def warmup_seconds(spec: dict[str, Any]) -> float:
     """Seconds of traffic before the onset: every pod's series must span the look window, and its leak window
-    must start after the worker's warm-up (:data:`moeguard_operator.diagnosis.LEAK_WARMUP_SECONDS`: a younger
+    must start after the worker's warm-up (:data:`moeguard_operator.diagnosis.diagnosis.LEAK_WARMUP_SECONDS`: a younger
     worker's growth is never a leak), plus two looks."""
     c = spec["control"]
     return float(max(LEAK_WARMUP_SECONDS + c["leakWindowSeconds"], c["windowSeconds"]) + 2 * c["queryIntervalSeconds"])
@@ -229,8 +229,8 @@ def size_tightly(namespace: str, name: str, url: str, samples: int = 5) -> float
 
 
 def fire(url: str, prompts: list[str], max_tokens: int = 8) -> Callable[[], dict[str, int]]:
-    """Send ``prompts`` at once (:func:`bench.loadgen.burst`, in a thread); returns a function that waits for the
-    answers and counts them by status (:func:`bench.loadgen.stats.status_key`)."""
+    """Send ``prompts`` at once (:func:`harness.loadgen.burst`, in a thread); returns a function that waits for the
+    answers and counts them by status (:func:`harness.loadgen.stats.status_key`)."""
     pool = ThreadPoolExecutor(max_workers=1)
     future = pool.submit(lambda: asyncio.run(burst(url, prompts, max_tokens=max_tokens, progress=False,
                                                    request_timeout_s=300.0)))

@@ -1,7 +1,7 @@
 """Expert parallelism on local processes: the numerics harness and the per-step benchmark (issue 15).
 
 :func:`run_group` starts ``ranks`` processes (``torch.multiprocessing``, spawn) that form a real gloo group
-on the loopback (:class:`moeguard_runtime.expert_parallel.ExpertParallelGroup`); rank 0 runs a job on the
+on the loopback (:class:`moeguard_runtime.parallel.expert_parallel.ExpertParallelGroup`); rank 0 runs a job on the
 sharded model with its MoE layers dispatching through the group, the others follow it, exactly as the
 worker's ranks do. ``ranks=1`` runs the unsharded single-process model. The numerics test
 (``tests/integration/worker/test_ep_numerics.py``) and the benchmark share it.
@@ -32,11 +32,12 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from harness.worker_process import free_port
 from torch import nn
 
-from bench.worker_process import free_port
-from moeguard_runtime.ep_config import EpSettings
-from moeguard_runtime.expert_parallel import (
+from moeguard_runtime.model.model import KVCache, Segment
+from moeguard_runtime.parallel.ep_config import EpSettings
+from moeguard_runtime.parallel.expert_parallel import (
     OP_STOP,
     DispatchMode,
     ExpertParallelGroup,
@@ -45,7 +46,6 @@ from moeguard_runtime.expert_parallel import (
     shard_experts,
     strip_to_experts,
 )
-from moeguard_runtime.model import KVCache, Segment
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -63,14 +63,15 @@ def build(spec: ModelSpec, block: tuple[int, int] | None = None) -> nn.Module:
     """The model of ``spec`` (host dispatch, ``F.linear`` kernels on every rank): a checkpoint with only the
     experts ``block`` read, as the worker loads a rank's share (``BuildOptions.expert_block``), else whole."""
     if spec.checkpoint is not None:
-        from moeguard_runtime.hf_checkpoint import BuildOptions, load_hf_checkpoint
+        from moeguard_runtime.model.hf_checkpoint import load_hf_checkpoint
+        from moeguard_runtime.model.hf_config import BuildOptions
 
         model = load_hf_checkpoint(spec.checkpoint, torch.float32, torch.device("cpu"),
                                    BuildOptions(2048, 0.0, "torch", "host", expert_block=block)).model
         assert isinstance(model, nn.Module)
         return model
-    from moeguard_runtime.model import build_model
-    from moeguard_runtime.presets import get_preset
+    from moeguard_core.presets import get_preset
+    from moeguard_runtime.model.model import build_model
 
     return build_model(get_preset(spec.preset), seed=spec.seed, matmul_backend="torch", dispatch="host")
 
@@ -158,7 +159,7 @@ def _rank_main(rank: int, ranks: int, port: int, spec: ModelSpec, job: str, job_
                     join_timeout_s=120.0, group_size=ranks)
     block = None
     if spec.checkpoint is not None and ranks > 1:  # a checkpoint is loaded sharded, as the worker loads it
-        from moeguard_runtime.hf_checkpoint import read_checkpoint_info
+        from moeguard_runtime.model.hf_checkpoint import read_checkpoint_info
 
         block = ep.expert_range(read_checkpoint_info(spec.checkpoint).num_experts)
     model = build(spec, block)
@@ -383,7 +384,7 @@ def render(data: dict[str, Any]) -> str:
         "With 4 ranks on 2 cores the ranks' expert work cannot overlap, so step times there say little about the "
         "dispatch; the bytes, which do not depend on the machine, are what the choice rests on.",
         "",
-        "The worker uses the routed dispatch (`moeguard_runtime.expert_parallel`): a follower receives only the "
+        "The worker uses the routed dispatch (`moeguard_runtime.parallel.expert_parallel`): a follower receives only the "
         "tokens that chose one of its experts, once per token, and returns their weighted sum; the bytes fall "
         "with the share of tokens that choose a rank, `1 - C(E - E/P, k) / C(E, k)` (0.46 for E=8, k=2, P=4; "
         "0.11 for DeepSeek-V3's E=256, k=8 at P=64), where broadcast + reduce always moves every token to and "

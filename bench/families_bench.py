@@ -6,7 +6,7 @@ and ``families.json``. For each family (``mixtral``, ``qwen2_moe``, ``qwen3_moe`
 ``olmoe``): a tiny-but-realistic configuration (:data:`SHAPES`: hidden 1024, 8-16 experts, 2
 layers, vocabulary 32,000, float32), ``transformers``' model class built with a fixed seed and
 saved with ``save_pretrained``; the same folder is loaded by the worker
-(:func:`moeguard_runtime.hf_checkpoint.load_hf_checkpoint`) and by
+(:func:`moeguard_runtime.model.hf_checkpoint.load_hf_checkpoint`) and by
 ``AutoModelForCausalLM.from_pretrained`` (its default attention and experts implementations,
 named in the results). Both run on the CPU with ``--threads`` threads (default 2).
 
@@ -78,11 +78,11 @@ def folder_of(family: str) -> Path:
 
 
 class Ours:
-    """The worker's model behind :class:`moeguard_runtime.engine.Engine`."""
+    """The worker's model behind :class:`moeguard_runtime.engine.engine.Engine`."""
 
     def __init__(self, folder: Path) -> None:
-        from moeguard_runtime.engine import Engine
-        from moeguard_runtime.hf_checkpoint import load_hf_checkpoint
+        from moeguard_runtime.engine.engine import Engine
+        from moeguard_runtime.model.hf_checkpoint import load_hf_checkpoint
 
         self.engine = Engine(load_hf_checkpoint(folder, torch.float32).model)
         self.n = 0

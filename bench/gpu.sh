@@ -21,7 +21,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-export PYTHONPATH="$PWD/runtime:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/runtime:$PWD/core:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "no CUDA device")'
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 timeout 90 "$PY" -m pytest -q -p no:cacheprovider tests/unit/runtime/test_device.py \

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness.loadgen import run_requests
+
 from bench.headline_policies import (
     HARD_LIMIT,
     PLAN_CONTEXT,
@@ -35,7 +37,6 @@ from bench.headline_policies import (
 )
 from bench.headline_sampler import METRICS_EVERY, RESTART_DELAY_S, SAMPLE_S, Sampler
 from bench.headline_worker import Worker, cgroups_writable, status_bytes
-from bench.loadgen import run_requests
 from bench.traffic import TrafficConfig, build, describe
 
 ROOT = Path(__file__).resolve().parents[1]

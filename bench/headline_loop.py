@@ -40,8 +40,9 @@ from typing import Any
 
 import httpx
 from hack import stack
+from harness import control_plane as cp
+from harness.loadgen import run_requests
 
-from bench import control_plane as cp
 from bench import headline_sampler
 from bench.headline import machine, measure_idle
 from bench.headline_policies import (
@@ -58,7 +59,6 @@ from bench.headline_policies import (
 from bench.headline_sampler import Sampler
 from bench.headline_traffic import LoopTrafficConfig, build_loop
 from bench.headline_worker import Worker, cgroups_writable
-from bench.loadgen import run_requests
 from bench.traffic import Labeled
 
 ROOT = Path(__file__).resolve().parents[1]

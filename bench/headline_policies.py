@@ -117,8 +117,8 @@ def plan_overhead(idle_bytes: int, weights_bytes: int) -> int:
 
 def weights_bytes() -> int:
     """The ``small`` preset's float32 weights."""
-    sys.path.insert(0, str(ROOT / "runtime"))
-    from moeguard_runtime.presets import get_preset, parameter_count
+    sys.path[:0] = [str(ROOT / "runtime"), str(ROOT / "core")]
+    from moeguard_core.presets import get_preset, parameter_count
 
     return parameter_count(get_preset(PRESET)) * 4  # float32
 
@@ -127,9 +127,9 @@ def plan_budgets(overhead: int = 0) -> tuple[dict[str, int], list[tuple[str, str
     """The moeguard policy's budgets: `moeguard plan` for this shape, the soft limit, the measured
     runtime overhead and the expected context."""
     sys.path.insert(0, str(ROOT / "operator"))
-    sys.path.insert(0, str(ROOT / "runtime"))
+    sys.path[:0] = [str(ROOT / "runtime"), str(ROOT / "core")]
     from moeguard_cli.plan import PlanInput, estimate
-    from moeguard_runtime.presets import get_preset
+    from moeguard_core.presets import get_preset
 
     p = estimate(PlanInput(args=get_preset(PRESET), memory_bytes=SOFT_LIMIT, dtype="float32", skew=4.0,
                            headroom=0.0, overhead_bytes=overhead or PLAN_OVERHEAD,

@@ -18,10 +18,10 @@ import time
 from typing import Any
 
 import httpx
+from harness.metrics_text import samples
 
 from bench.headline_policies import HARD_LIMIT
 from bench.headline_worker import Worker, status_bytes
-from bench.metrics_text import samples
 
 SAMPLE_S = 0.1
 METRICS_EVERY = 3

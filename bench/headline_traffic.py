@@ -5,10 +5,10 @@ the same schedule for every arm and repetition.
 * **window**: the trace's requests that arrive in its first ``window_s`` seconds, every
   ``thin``-th of them (the trace's 5.5 requests/s are far more than two CPU workers of a small
   model serve), arrival times divided by ``time_compression``, lengths × ``length_scale``,
-  ``max_tokens`` capped (:func:`bench.loadgen.scale`). Prompts are real text (the Python docs).
+  ``max_tokens`` capped (:func:`harness.loadgen.scale`). Prompts are real text (the Python docs).
 * **skew tenant**: from ``skew_at`` (a fraction of the compressed run) on, every
   ``skew_every``-th request carries a repetitive prompt of the same length instead
-  (:func:`bench.loadgen.repetitive_prompt`: most tokens go to a few experts).
+  (:func:`harness.loadgen.repetitive_prompt`: most tokens go to a few experts).
 
 The second regime change, the leak, is not traffic: :mod:`bench.headline_loop` starts it at
 ``leak_at`` of the run (the leak fault's lock file).
@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from bench.loadgen import RequestSpec, prompt_of_length, read_trace, repetitive_prompt, scale
+from harness.loadgen import RequestSpec, prompt_of_length, read_trace, repetitive_prompt, scale
+
 from bench.traffic import PROMPT_STRIDE, Labeled
 
 

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.worker_process import ROOT, stop_process, wait_ready
+
 from bench.headline_policies import HARD_LIMIT, PRESET
-from bench.worker_process import ROOT, stop_process, wait_ready
 
 CGROUP_BASE = Path("/sys/fs/cgroup/memory")
 
@@ -63,7 +64,7 @@ class Worker:
 
     def start(self) -> None:
         env = {**os.environ, **self.env, "MOEGUARD_PORT": str(self.port), "MOEGUARD_MODEL_PRESET": PRESET,
-               "MOEGUARD_TORCH_THREADS": "1", "PYTHONPATH": f"{ROOT / 'runtime'}"}
+               "MOEGUARD_TORCH_THREADS": "1", "PYTHONPATH": f"{ROOT / 'runtime'}{os.pathsep}{ROOT / 'core'}"}
         cmd = [sys.executable, "-m", "moeguard_runtime"]
         if self.use_cgroup:
             if self.cgroup is None:

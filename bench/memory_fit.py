@@ -4,7 +4,7 @@
 ``ATTN_STREAM``, ``MOE_STREAM``, ``MASK_FACTOR`` and ``STEP_CONSTANT`` for the smallest worst relative
 error on the float32 configurations of role ``fit``, then ``LOWP_EXPERT_WEIGHT`` on the bfloat16 ones;
 only role ``fit`` is used; the check set (role ``check``) plays no part. It prints the
-best values; ``runtime/moeguard_runtime/memory_model.py`` carries them (copied, then checked by
+best values; ``core/moeguard_core/memory_model.py`` carries them (copied, then checked by
 ``bench.memory_validate``, which reports both sets separately).
 """
 

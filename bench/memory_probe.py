@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "runtime"), str(ROOT)]
+sys.path[:0] = [str(ROOT / "runtime"), str(ROOT / "core"), str(ROOT)]
 
 
 def _status(key: str) -> int:
@@ -60,8 +60,9 @@ def _status(key: str) -> int:
 
 
 def _tokens(n: int, skewed: bool, offset: int) -> list[int]:
-    from bench.loadgen.text import prompt_of_length
-    from moeguard_runtime.tokenizer import encode
+    from harness.loadgen.text import prompt_of_length
+
+    from moeguard_runtime.api.tokenizer import encode
 
     text = "a" * (n - 1) if skewed else prompt_of_length(n - 1, offset=offset * 7919)
     return encode(text)
@@ -72,10 +73,10 @@ def probe(cfg: dict[str, Any]) -> dict[str, Any]:
 
     import torch
 
-    from moeguard_runtime.engine import Engine
-    from moeguard_runtime.model import build_model
-    from moeguard_runtime.presets import get_preset
-    from moeguard_runtime.serving import ServingModel
+    from moeguard_core.presets import get_preset
+    from moeguard_runtime.engine.engine import Engine
+    from moeguard_runtime.model.model import build_model
+    from moeguard_runtime.model.serving import ServingModel
 
     torch.set_num_threads(int(cfg.get("threads", 1)))
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.get("dtype", "float32")]
@@ -83,7 +84,8 @@ def probe(cfg: dict[str, Any]) -> dict[str, Any]:
     config_json = None
     if "hf_config" in cfg:  # a family's HF folder, loaded as the worker loads it
         from bench.family_checkpoints import checkpoint_folder, read_config
-        from moeguard_runtime.hf_checkpoint import BuildOptions, load_hf_checkpoint
+        from moeguard_runtime.model.hf_checkpoint import load_hf_checkpoint
+        from moeguard_runtime.model.hf_config import BuildOptions
 
         folder = checkpoint_folder(cfg["hf_config"])
         config_json = read_config(folder)

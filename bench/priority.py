@@ -5,7 +5,7 @@ renders ``bench/results/priority.md`` from it (``--render`` renders again from t
 
 Two worker processes (``python -m moeguard_runtime``, :data:`PRESET`, one torch thread each), the same budgets
 (:data:`BUDGETS`), started once and served over real HTTP on loopback by the load generator
-(:mod:`bench.loadgen`, streaming, so TTFT is the first token's arrival at the client):
+(:mod:`harness.loadgen`, streaming, so TTFT is the first token's arrival at the client):
 
 * ``priority``: ``MOEGUARD_SCHEDULING_POLICY=priority`` (this issue's mechanism: class order, preemption of
   running batch requests with their KV cache kept, strict priority per step, batch shed at full caps) with
@@ -51,13 +51,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from harness.loadgen import RequestSpec, run_requests
+from harness.loadgen.text import prompt_of_length
+from harness.metrics_text import samples_named
+from harness.worker_process import WorkerProcess, start_worker_process
 
 from bench.headline import machine
-from bench.loadgen import RequestSpec, run_requests
-from bench.loadgen.text import prompt_of_length
-from bench.metrics_text import samples_named
 from bench.slo import percentile
-from bench.worker_process import WorkerProcess, start_worker_process
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"

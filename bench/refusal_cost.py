@@ -3,7 +3,7 @@ refused at about 100 per second and who ignore Retry-After (issue 13 §4, target
 at most 10 % of goodput).
 
 ``python -m bench.refusal_cost`` (``make bench-refusal``) starts one worker
-(:func:`bench.worker_process.start_worker_process`, preset :data:`PRESET`, one torch thread) with
+(:func:`harness.worker_process.start_worker_process`, preset :data:`PRESET`, one torch thread) with
 ``max_concurrent_requests`` equal to the normal client's lanes and overload mode On. The normal
 client: :data:`LANES` closed-loop lanes, each sending ``/v1/completions`` (a
 :data:`PROMPT_TOKENS`-token prompt, ``max_tokens`` :data:`MAX_TOKENS`, seeded sampling) as soon as
@@ -43,11 +43,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from harness.loadgen.text import prompt_of_length
+from harness.worker_process import start_worker_process
 
 from bench.headline import machine
-from bench.loadgen.text import prompt_of_length
-from bench.worker_process import start_worker_process
-from moeguard_runtime.presets import get_preset
+from moeguard_core.presets import get_preset
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PRESET = "small"

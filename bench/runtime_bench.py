@@ -8,7 +8,7 @@ medians of interleaved repetitions (A, B, C, A, B, C, ...), so drift on a shared
 machine hits every candidate alike.
 
 * **Machine**: CPU model and the ISA flags that decide the kernels (``/proc/cpuinfo``).
-* **Kernel choice** (:mod:`moeguard_runtime.kernel_select`, as the worker does at start-up
+* **Kernel choice** (:mod:`moeguard_runtime.model.kernel_select`, as the worker does at start-up
   with ``MOEGUARD_MATMUL_BACKEND=auto``): every candidate timed on one expert of the
   benchmark's shape at each row bucket, fresh (no cache), in each dtype; the table gives
   microseconds per expert call, the weight-read rate (GB/s) and GFLOP/s, and the winner.
@@ -18,7 +18,7 @@ machine hits every candidate alike.
   dispatch with one kernel fixed: oneDNN's linear primitive on the dense weights, the same on
   weights packed once into oneDNN's blocked layout (:class:`moe.PackedExperts`, a copy here;
   the worker keeps only the packed ones), ``F.linear``), ``moeguard_grouped_mm`` (the
-  no-host-read dispatch of :mod:`moeguard_runtime.moe_device`, ``F.grouped_mm`` on the CPU:
+  no-host-read dispatch of :mod:`moeguard_runtime.model.moe_device`, ``F.grouped_mm`` on the CPU:
   what torch offers for grouped GEMMs), and ``hf`` (:func:`bench.hf_reference.hf_expert_loop`,
   ``MixtralSparseMoeBlock.forward`` of transformers 4.4x re-typed, unfused weights), in
   float32 and bfloat16.
@@ -40,7 +40,7 @@ machine hits every candidate alike.
     that bounds any prefill's speed-up over HF's loop in the same dtype.
   - ``OMP_WAIT_POLICY=PASSIVE`` unless set otherwise, as the worker sets it.
 * **Worker overhead**: the ``small`` preset (99M parameters) serving 16 requests through
-  :class:`moeguard_runtime.service.Worker` driven by hand, the kernel chosen as the worker
+  :class:`moeguard_runtime.engine.service.Worker` driven by hand, the kernel chosen as the worker
   chooses it (``__main__.choose_matmul_kernel``); overhead = (loop iteration time - engine
   step time) / iteration time, which counts the scheduler, metrics, rate-limited logfmt
   logging (to /dev/null), the memory checks and the leak-signal sampling.
@@ -69,9 +69,9 @@ from typing import Any
 import torch
 
 from bench.hf_reference import hf_expert_loop
-from moeguard_runtime import kernel_select, moe
-from moeguard_runtime.moe import KernelPlan, MatmulChoice, dispatch_experts, route
-from moeguard_runtime.moe_device import device_dispatch
+from moeguard_runtime.model import kernel_select, moe
+from moeguard_runtime.model.moe import KernelPlan, MatmulChoice, dispatch_experts, route
+from moeguard_runtime.model.moe_device import device_dispatch
 
 D, I, E, K = 1024, 2816, 8, 2  # noqa: E741 - the field's names for the MoE sizes
 PREFILL_TOKENS, DECODE_TOKENS = 4096, 16
@@ -304,13 +304,13 @@ def overhead_benchmark(reps: int, device: str = "cpu", dtype_name: str = "fp32")
     kernel chosen as the worker chooses it."""
     import structlog
 
+    from moeguard_core import presets
     from moeguard_runtime import __main__ as entry
-    from moeguard_runtime import presets
     from moeguard_runtime.config import load_settings
-    from moeguard_runtime.engine import Engine
-    from moeguard_runtime.model import build_model
-    from moeguard_runtime.service import GenerationRequest, Worker
-    from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
+    from moeguard_runtime.engine.engine import Engine
+    from moeguard_runtime.engine.service import GenerationRequest, Worker
+    from moeguard_runtime.model.model import build_model
+    from moeguard_runtime.telemetry.telemetry import RateLimitedLog, Telemetry
 
     devnull = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the benchmark
     structlog.configure(processors=[structlog.processors.add_log_level,

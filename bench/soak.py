@@ -1,7 +1,7 @@
 """C6 at full length: steady traffic against a real worker, and its RSS slope.
 
 ``python -m bench.soak --minutes 10`` (``make bench-soak``) starts a worker
-(``tiny`` preset, :func:`bench.worker_process.start_worker_process`), sends unique ~450-token
+(``tiny`` preset, :func:`harness.worker_process.start_worker_process`), sends unique ~450-token
 prompts with ``max_tokens=1`` from 4 concurrent clients, samples the worker's
 ``/metrics`` every 2 s, and writes ``bench/results/soak.md`` and ``soak.json``:
 the least-squares slope in MB/min of RSS, anonymous RSS and the Python heap's
@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from harness.loadgen.text import prompt_of_length
+from harness.metrics_text import samples as metric_samples
+from harness.worker_process import start_worker_process
 
-from bench.loadgen.text import prompt_of_length
-from bench.metrics_text import samples as metric_samples
-from bench.worker_process import start_worker_process
-from moeguard_runtime import contract
-from moeguard_runtime.leak import slope
+from moeguard_core import contract
+from moeguard_runtime.memory.leak import slope
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SERIES = {"rss": contract.METRIC_PROCESS_RSS_BYTES,

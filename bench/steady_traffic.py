@@ -14,8 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-
-from bench.loadgen import prompt_of_length, repetitive_prompt
+from harness.loadgen import prompt_of_length, repetitive_prompt
 
 PROMPT_STRIDE = 7919
 
@@ -31,7 +30,7 @@ class SteadyTraffic(threading.Thread):
             raise ValueError(f"rps must be > 0, got {rps}")
         self.urls, self.rps, self.prompt_tokens, self.max_tokens, self.model = urls, rps, prompt_tokens, max_tokens, model
         self.skew_seed = skew_seed
-        """:func:`bench.loadgen.repetitive_prompt`'s seed for the skewed prompts (which letters)."""
+        """:func:`harness.loadgen.repetitive_prompt`'s seed for the skewed prompts (which letters)."""
         self.skewed = False
         self.skewed_sends: list[float] = []
         self.statuses: dict[str, int] = {}

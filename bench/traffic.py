@@ -1,15 +1,15 @@
 """The headline experiment's traffic: trace replay, a burst, a skew mix and a ramp, as one schedule.
 
-``bench.loadgen`` sends a list of :class:`~bench.loadgen.client.RequestSpec` (prompt,
+``harness.loadgen`` sends a list of :class:`~harness.loadgen.client.RequestSpec` (prompt,
 max_tokens, send time) and records what happened; this module only builds that list, the same
 for every policy (everything is seeded), and labels each request with its phase.
 
 * **trace**: the first ``trace_limit`` requests of the Azure conversation trace, arrival times
   divided by ``time_compression`` and lengths multiplied by ``length_scale``
-  (:func:`bench.loadgen.load_schedule`); prompts are real text (the Python docs).
+  (:func:`harness.loadgen.load_schedule`); prompts are real text (the Python docs).
 * **burst**: ``burst_n`` requests at one instant, a mix of short and long prompts.
 * **skew**: a steady rate for ``skew_s`` seconds where a share of the prompts are repetitive
-  (:func:`bench.loadgen.repetitive_prompt`: one or two letters, which send most token-slots to
+  (:func:`harness.loadgen.repetitive_prompt`: one or two letters, which send most token-slots to
   a few experts), the rest real text.
 * **ramp**: an open-loop arrival rate climbing linearly from ``ramp_from_rps`` to
   ``ramp_to_rps``: in-flight requests climb until the worker refuses (the loadgen has no
@@ -23,7 +23,7 @@ import random
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from bench.loadgen import RequestSpec, load_schedule, prompt_of_length, repetitive_prompt
+from harness.loadgen import RequestSpec, load_schedule, prompt_of_length, repetitive_prompt
 
 PROMPT_STRIDE = 7919
 

@@ -175,8 +175,8 @@ for n in "${names[@]}"; do
   case "$n" in
     base) ref=$(build_base) ;;
     pause) ref=$(build_pause) ;;
-    operator) ref=$(build_app operator "" operator/moeguard_operator runtime/moeguard_runtime) ;;
-    worker) ref=$(build_app worker "$WORKER_VARIANT" runtime/moeguard_runtime) ;;
+    operator) ref=$(build_app operator "" operator/moeguard_operator core/moeguard_core) ;;
+    worker) ref=$(build_app worker "$WORKER_VARIANT" runtime/moeguard_runtime core/moeguard_core) ;;
   esac
   [ "$load" = 1 ] && [ "$n" != base ] && load "$ref"
   echo "$n=$ref"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write operator/moeguard_operator/core_v1.json from a running API server's OpenAPI v3 document.
+"""Write operator/moeguard_operator/spec/core_v1.json from a running API server's OpenAPI v3 document.
 
 Usage: hack/core_schemas.py [--kubeconfig PATH]   (default: the local cluster's, $MOEGUARD_RUN_DIR/kubeconfig)
 
@@ -16,11 +16,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "operator"), str(ROOT / "runtime")]
+sys.path[:0] = [str(ROOT), str(ROOT / "operator"), str(ROOT / "runtime"), str(ROOT / "core")]
 
 from hack.stack import RUN_DIR, kubectl  # noqa: E402
 
-from moeguard_operator.core_schemas import SCHEMA_FILE, build_file  # noqa: E402
+from moeguard_operator.spec.core_schemas import SCHEMA_FILE, build_file  # noqa: E402
 
 
 def main() -> int:

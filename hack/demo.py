@@ -24,15 +24,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.loadgen.client import burst, replay
-from bench.loadgen.records import RunResult
-from bench.loadgen.stats import summarize
-from bench.loadgen.text import repetitive_prompt
-from bench.loadgen.trace import load_schedule
 from hack import stack
+from harness.loadgen.client import burst, replay
+from harness.loadgen.records import RunResult
+from harness.loadgen.stats import summarize
+from harness.loadgen.text import repetitive_prompt
+from harness.loadgen.trace import load_schedule
 
-from moeguard_operator.observe import skew_query
-from moeguard_runtime.contract import METRIC_PROCESS_RSS_BYTES
+from moeguard_core.contract import METRIC_PROCESS_RSS_BYTES
+from moeguard_operator.loop.observe import skew_query
 
 NAMESPACE = "moeguard-demo"
 NAME = "mixtral-tiny"

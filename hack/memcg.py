@@ -12,7 +12,7 @@ hierarchies are supported:
 
 A process is put in its cgroup before it execs (:meth:`MemoryCgroup.wrap`: a shell writes its own pid
 to ``cgroup.procs``, then execs the command), so everything it allocates is charged there. The worker
-finds its cgroup itself through ``/proc/self/cgroup`` (``moeguard_runtime.memory.read_memory``), so no
+finds its cgroup itself through ``/proc/self/cgroup`` (``moeguard_runtime.memory.memory.read_memory``), so no
 bind mount is needed: its guard reads this limit and this usage.
 
 :func:`memory_hierarchy` raises :class:`MemcgUnavailable` (naming what it tried) when no writable memory

@@ -250,7 +250,7 @@ class Harness:
     def start_pod(self, pod: Any, key: str) -> None:
         port = free_port()
         ns, name = pod.metadata.namespace, pod.metadata.name
-        pythonpath = os.pathsep.join(filter(None, [str(ROOT / "runtime"), os.environ.get("PYTHONPATH")]))
+        pythonpath = os.pathsep.join(filter(None, [str(ROOT / "runtime"), str(ROOT / "core"), os.environ.get("PYTHONPATH")]))
         pod_env = self.resolve_env(pod)
         last = {**test_env(pod.metadata.annotations, key), "MOEGUARD_PORT": str(port), "PYTHONPATH": pythonpath,
                 "KUBECONFIG": self.pod_kubeconfig(pod, key)}

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
-from bench import worker_process
-from bench.metrics_text import samples_named
+from harness import worker_process
+from harness.metrics_text import samples_named
 
-from moeguard_operator.conditions import get_condition
+from moeguard_operator.loop.conditions import get_condition
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_DIR = Path(os.environ.get("MOEGUARD_RUN_DIR", "/tmp/moeguard-run"))
@@ -54,7 +54,7 @@ def tools_env(run_dir: Path = RUN_DIR) -> dict[str, str]:
     env["PATH"] = os.pathsep.join([str(bin_dir("kubernetes")), str(bin_dir("helm")), env.get("PATH", "")])
     env["KUBECONFIG"] = str(run_dir / "kubeconfig")
     env["MOEGUARD_RUN_DIR"] = str(run_dir)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "operator"), str(ROOT / "runtime"), str(ROOT)])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "operator"), str(ROOT / "runtime"), str(ROOT / "core"), str(ROOT)])
     return env
 
 

@@ -15,10 +15,9 @@ COPY requirements.txt ./
 RUN /opt/venv/bin/pip install --constraint requirements.txt \
       kopf kubernetes pydantic prometheus-client prometheus-api-client pyyaml httpx
 COPY operator/moeguard_operator/ /opt/app/moeguard_operator/
-# The operator imports only the worker's torch-free modules: the contract, the model presets, the memory model and the UCX judgement.
-COPY runtime/moeguard_runtime/__init__.py runtime/moeguard_runtime/contract.py runtime/moeguard_runtime/presets.py \
-     runtime/moeguard_runtime/memory_model.py runtime/moeguard_runtime/memory_admission.py \
-     runtime/moeguard_runtime/family_shape.py runtime/moeguard_runtime/ucx.py /opt/app/moeguard_runtime/
+# The operator imports only the torch-free layer it shares with the worker: the contract, the model presets,
+# the memory model and admission, the UCX rules (core/moeguard_core, copied whole).
+COPY core/moeguard_core/ /opt/app/moeguard_core/
 RUN /opt/venv/bin/python -m compileall -q /opt/app
 
 # --- final: no compilers, no pip cache, non-root -------------------------------------------------

@@ -29,6 +29,7 @@ RUN set -eu; \
     else \
       echo "VARIANT must be cpu or cuda, not $VARIANT" >&2; exit 1; \
     fi
+COPY core/moeguard_core/ /opt/app/moeguard_core/
 COPY runtime/moeguard_runtime/ /opt/app/moeguard_runtime/
 RUN /opt/venv/bin/python -m compileall -q /opt/app
 

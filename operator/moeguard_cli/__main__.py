@@ -3,7 +3,7 @@
     moeguard operator run -A --standalone --prometheus-url http://127.0.0.1:19090
     moeguard worker serve --preset tiny --port 8000
     moeguard demo [--keep]                                            (from a source checkout)
-    moeguard bench replay --url http://127.0.0.1:8000 --limit 200     (from a source checkout; any bench.loadgen arguments)
+    moeguard bench replay --url http://127.0.0.1:8000 --limit 200     (from a source checkout; any harness.loadgen arguments)
     moeguard plan --preset tiny --memory 8Gi [--skew 4] [--dtype bfloat16]
     moeguard plan --config /models/qwen3-30b-a3b/config.json --memory 80Gi
     moeguard diagnose NAME -n NAMESPACE [--minutes 10] [--plot timeline.png] [--output json]
@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moeguard_cli.plan import DTYPE_BYTES, PlanInput, batching_yaml, estimate
-from moeguard_runtime.family_shape import FamilyShape
+from moeguard_core.family_shape import FamilyShape
 
 ROOT = Path(__file__).resolve().parents[2]
 PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
@@ -51,8 +51,8 @@ def worker_serve(
     port: int = typer.Option(None, help="HTTP port (env MOEGUARD_PORT)"),
 ) -> None:
     """Serve the worker (OpenAI /v1/completions, /metrics, /healthz, /readyz); the rest of its
-    configuration comes from the environment, as the operator sets it (moeguard_runtime.contract)."""
-    from moeguard_runtime import contract
+    configuration comes from the environment, as the operator sets it (moeguard_core.contract)."""
+    from moeguard_core import contract
     from moeguard_runtime.__main__ import main
 
     env = dict(os.environ)
@@ -85,8 +85,8 @@ def demo(ctx: typer.Context) -> None:
 @app.command("bench", context_settings=PASS_THROUGH)
 def bench(ctx: typer.Context) -> None:
     """The load generator, from a source checkout: `moeguard bench replay|burst --url URL ...` runs
-    `python -m bench.loadgen` (shows a progress bar unless --no-progress)."""
-    _from_checkout("bench", ROOT / "bench" / "loadgen", [sys.executable, "-m", "bench.loadgen", *ctx.args])
+    `python -m harness.loadgen` (shows a progress bar unless --no-progress)."""
+    _from_checkout("bench", ROOT / "harness" / "loadgen", [sys.executable, "-m", "harness.loadgen", *ctx.args])
 
 
 def parse_memory(text: str) -> int:
@@ -118,7 +118,7 @@ def read_config(path: Path) -> FamilyShape:
     names the file and the key when it cannot be read."""
     import json
 
-    from moeguard_runtime.family_shape import ConfigError, from_hf_config
+    from moeguard_core.family_shape import ConfigError, from_hf_config
 
     file = path / "config.json" if path.is_dir() else path
     try:
@@ -137,7 +137,7 @@ def read_config(path: Path) -> FamilyShape:
 def plan(
     memory: str = typer.Option(..., "--memory", "-m", help="memory limit (Kubernetes quantity): the container's "
                                "hardLimit on CPU, the GPU's memory on a GPU"),
-    preset: str = typer.Option("tiny", help="model preset (moeguard_runtime.presets)"),
+    preset: str = typer.Option("tiny", help="model preset (moeguard_core.presets)"),
     config: str = typer.Option(None, "--config", help="an HF config.json (or its folder) of a served family "
                                 "(mixtral, qwen2_moe, qwen3_moe, deepseek_v3, olmoe), instead of --preset"),
     shape: str = typer.Option("", help="shape overrides, e.g. n_layer=32,dim=4096,num_experts=8,top_k=2"),
@@ -152,11 +152,11 @@ def plan(
                                        "worst prefill step is still sized at max_seq_len"),
 ) -> None:
     """Print starting budgets for a model and a memory limit, with the arithmetic: the memory model
-    (moeguard_cli/memory_model.py, validated in bench/results/memory_model.md) inverted."""
+    (core/moeguard_core/memory_model.py, validated in bench/results/memory_model.md) inverted."""
     import dataclasses
 
-    from moeguard_runtime.family_shape import FamilyShape
-    from moeguard_runtime.presets import ModelArgs, get_preset, shape_problems
+    from moeguard_core.family_shape import FamilyShape
+    from moeguard_core.presets import ModelArgs, get_preset, shape_problems
 
     if dtype not in DTYPE_BYTES:
         raise typer.BadParameter(f"dtype must be one of {', '.join(DTYPE_BYTES)}", param_hint="--dtype")

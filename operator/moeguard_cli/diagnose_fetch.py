@@ -8,7 +8,7 @@ What fails where:
   :class:`DiagnoseError` (one line; the command exits 1);
 * the Events not listable: the report says so (``events_problem``), the rest is shown;
 * Prometheus unreachable or a query failing: that signal's answer carries a fixed problem (the reasons of
-  ``moeguard_operator.observe``, never the answer's text), the report names it as missing.
+  ``moeguard_operator.loop.observe``, never the answer's text), the report names it as missing.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from typing import Any
 import httpx
 
 from moeguard_cli.diagnose_report import STEP_SECONDS, RangeAnswer, grid, range_queries
-from moeguard_operator.observe import (
+from moeguard_core.contract import API_GROUP, API_VERSION, KIND, PLURAL
+from moeguard_operator.loop.observe import (
     BAD_REQUEST,
     HTTP_ERROR,
     MALFORMED,
@@ -36,7 +37,6 @@ from moeguard_operator.observe import (
     safe_url,
     transport_problem,
 )
-from moeguard_runtime.contract import API_GROUP, API_VERSION, KIND, PLURAL
 
 DEFAULT_PROMETHEUS_URL = "http://127.0.0.1:9090"
 """Where Prometheus is looked for when neither ``--prometheus-url``, ``spec.control.prometheusUrl`` nor

@@ -23,9 +23,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from moeguard_operator.models import DiagnosisStatus, Evidence
-from moeguard_operator.observe import MALFORMED
-from moeguard_runtime.contract import (
+from moeguard_core.contract import (
     LABEL_NAMESPACE,
     LABEL_SERVICE,
     METRIC_BATCHES_IN_FLIGHT,
@@ -36,6 +34,8 @@ from moeguard_runtime.contract import (
     METRIC_REJECTIONS_TOTAL,
     METRIC_STEP_EXPERT_SKEW_RATIO,
 )
+from moeguard_operator.loop.observe import MALFORMED
+from moeguard_operator.spec.models import DiagnosisStatus, Evidence
 
 STEP_SECONDS = 30
 """Seconds between two rows of the timeline (the range queries' ``step``)."""

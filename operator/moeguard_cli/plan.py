@@ -1,7 +1,7 @@
 """Starting budgets from a model shape and a memory limit: the memory model, inverted.
 
 ``moeguard plan`` answers "which budgets keep this shape under this limit at this skew?" with
-:mod:`moeguard_runtime.memory_model` (validated against measured peaks; bench/results/memory_model.md).
+:mod:`moeguard_core.memory_model` (validated against measured peaks; bench/results/memory_model.md).
 Every term is printed with its arithmetic so that it can be checked by hand.
 
 * **Weights** = parameters x bytes per element (``family_shape.parameter_count``: a preset's
@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moeguard_runtime.family_shape import FamilyShape, parameter_count
-from moeguard_runtime.memory_model import (
+from moeguard_core.family_shape import FamilyShape, parameter_count
+from moeguard_core.memory_model import (
     DTYPE_BYTES,
     MiB,
     ShapeLike,

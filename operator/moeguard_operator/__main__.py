@@ -22,9 +22,10 @@ import ssl
 import kopf
 import prometheus_client
 
-from moeguard_operator import handlers, observe
+from moeguard_operator import handlers
 from moeguard_operator.config import TEST_PAUSE_ENV, OperatorConfig
 from moeguard_operator.constants import PROMETHEUS_URL_ENV
+from moeguard_operator.loop import observe
 
 
 class _QuietRoutine(logging.Filter):

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from moeguard_operator.policy import LEAK_WARMUP_SECONDS
+from moeguard_operator.loop.observation import LEAK_WARMUP_SECONDS
 
 TEST_PAUSE_POINTS = ("after-configmap", "after-status")
 """Where a decision's writes may be paused by a test (``MOEGUARD_TEST_PAUSE_AT``): after the budget ConfigMap,
@@ -47,7 +47,7 @@ class OperatorConfig:
             compared exactly after dropping a trailing ``/``; any other is stalled (``PrometheusURLNotAllowed``):
             the operator fetches that URL from inside the cluster (SSRF).
         leak_warmup_seconds: a worker's warm-up, seconds, before its leak window may start
-            (:data:`moeguard_operator.policy.LEAK_WARMUP_SECONDS` by default; flag ``--leak-warmup-seconds``).
+            (:data:`moeguard_operator.loop.observation.LEAK_WARMUP_SECONDS` by default; flag ``--leak-warmup-seconds``).
             Only tests shorten it, so that a leak judgement does not wait a minute and a half.
     """
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moeguard_runtime.contract import API_GROUP
+from moeguard_core.contract import API_GROUP
 
 FIELD_MANAGER = "moeguard"
 """The one field manager of every server-side apply the operator makes."""

@@ -25,24 +25,25 @@ from typing import Any, NoReturn
 
 import kopf
 
-from moeguard_operator import apply_errors, budget_document, children, kube, metrics, report
+from moeguard_core.contract import (
+    API_GROUP,
+    API_VERSION,
+    PLURAL,
+    budget_configmap_name,
+)
 from moeguard_operator import constants as c
-from moeguard_operator.builders import Owner, selector_string
+from moeguard_operator.children import apply_errors, children, kube
+from moeguard_operator.children.builders import Owner, selector_string
 from moeguard_operator.config import MEMO_KEY, OperatorConfig, from_memo
-from moeguard_operator.control_loop import ControlLoop
-from moeguard_operator.models import MoEInferenceServiceStatus
-from moeguard_operator.spec_checks import (
+from moeguard_operator.loop import budget_document, metrics, report
+from moeguard_operator.loop.control_loop import ControlLoop
+from moeguard_operator.spec.models import MoEInferenceServiceStatus
+from moeguard_operator.spec.spec_checks import (
     SpecError,
     check_model_source,
     check_prometheus_url,
     memory_warnings,
     parse_spec,
-)
-from moeguard_runtime.contract import (
-    API_GROUP,
-    API_VERSION,
-    PLURAL,
-    budget_configmap_name,
 )
 
 RESOURCE = (API_GROUP, API_VERSION, PLURAL)

@@ -1,5 +1,6 @@
-"""moeguard's torch MoE worker.
+"""moeguard's torch MoE worker, by concept (docs/architecture.md has the map and the rules).
 
-Importing this package imports no torch: the pure modules (``contract``,
-``presets``) are shared with the operator, which must stay light.
+Top level: ``__main__`` (the entry point), ``config``, ``env_values``, ``faults``. The torch-free
+rules the operator shares (contract, presets, memory model, UCX judgement) live in :mod:`moeguard_core`.
+Importing this package imports no torch: package ``__init__`` files re-export nothing.
 """

@@ -21,15 +21,16 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moeguard_runtime.checkpoint import CheckpointError
 from moeguard_runtime.config import (
     ConfigError,
     Settings,
     load_settings,
     model_args,
 )
-from moeguard_runtime.hf_checkpoint import HFConfig, is_hf_folder, read_checkpoint_info
-from moeguard_runtime.telemetry import (
+from moeguard_runtime.model.checkpoint import CheckpointError
+from moeguard_runtime.model.hf_checkpoint import read_checkpoint_info
+from moeguard_runtime.model.hf_config import HFConfig, is_hf_folder
+from moeguard_runtime.telemetry.telemetry import (
     RateLimitedLog,
     Telemetry,
     configure_logging,
@@ -38,13 +39,13 @@ from moeguard_runtime.telemetry import (
 )
 
 if TYPE_CHECKING:
-    from moeguard_runtime.ep_config import EpSettings
-    from moeguard_runtime.memory_admission import MemoryAdmission, StepPredictor
-    from moeguard_runtime.moe import MatmulBackend
-    from moeguard_runtime.presets import ModelArgs
-    from moeguard_runtime.server import WorkerSlot
-    from moeguard_runtime.service import Worker
-    from moeguard_runtime.serving import ServingModel
+    from moeguard_core.memory_admission import MemoryAdmission, StepPredictor
+    from moeguard_core.presets import ModelArgs
+    from moeguard_runtime.api.server import WorkerSlot
+    from moeguard_runtime.engine.service import Worker
+    from moeguard_runtime.model.moe import MatmulBackend
+    from moeguard_runtime.model.serving import ServingModel
+    from moeguard_runtime.parallel.ep_config import EpSettings
 
 
 def main(env: Mapping[str, str] | None = None) -> int:
@@ -55,7 +56,7 @@ def main(env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     configure_logging()
     log = RateLimitedLog()
-    from moeguard_runtime.ep_config import load_ep_settings
+    from moeguard_runtime.parallel.ep_config import load_ep_settings
 
     try:
         settings = load_settings(env)
@@ -66,7 +67,7 @@ def main(env: Mapping[str, str] | None = None) -> int:
     import torch
     import uvicorn
 
-    from moeguard_runtime.server import WorkerSlot, create_app
+    from moeguard_runtime.api.server import WorkerSlot, create_app
 
     torch.set_num_threads(settings.torch_threads)
     try:
@@ -93,14 +94,14 @@ def main(env: Mapping[str, str] | None = None) -> int:
         except ConfigError as exc:
             _fail(log, "config_error", str(exc))
             return 2
-        from moeguard_runtime.ep_worker import run_follower, spawn_local_ranks
+        from moeguard_runtime.parallel.ep_worker import run_follower, spawn_local_ranks
 
         if ep.local_rank == 0 and ep.ranks_per_pod > 1:  # the pod's other ranks, as child processes
             spawn_local_ranks(ep, env, settings.device, log)
         if not ep.is_leader:  # a follower rank: no API, no scheduler; HTTP only on the pod's main process
             return run_follower(settings, ep, args, env, RateLimitedLog(settings.log_interval_s),
                                 serve_http=ep.local_rank == 0)
-    from moeguard_runtime.checkpoint_tokenizer import TokenizerError, load_tokenizer
+    from moeguard_runtime.api.checkpoint_tokenizer import TokenizerError, load_tokenizer
 
     try:  # before serving: a bad tokenizer or chat template stops the worker, naming the file
         tok, chat_template = load_tokenizer(settings.checkpoint,
@@ -139,7 +140,7 @@ def main(env: Mapping[str, str] | None = None) -> int:
         if slot.worker.ep_group is not None:
             slot.worker.ep_group.stop()
     if group_lost.is_set():
-        from moeguard_runtime.contract import EXIT_EP_GROUP_LOST
+        from moeguard_core.contract import EXIT_EP_GROUP_LOST
 
         return EXIT_EP_GROUP_LOST
     return 3 if failed.is_set() else 0
@@ -154,11 +155,12 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
           failed: threading.Event, env: Mapping[str, str], ep: EpSettings | None = None,
           group_lost: threading.Event | None = None) -> None:
     """Build (or load) the model, start the engine loop and the budget watch."""
-    from moeguard_runtime import presets
-    from moeguard_runtime.engine import Engine
-    from moeguard_runtime.hf_checkpoint import BuildOptions, load_hf_checkpoint
-    from moeguard_runtime.model import build_model
-    from moeguard_runtime.service import Worker
+    from moeguard_core import presets
+    from moeguard_runtime.engine.engine import Engine
+    from moeguard_runtime.engine.service import Worker
+    from moeguard_runtime.model.hf_checkpoint import load_hf_checkpoint
+    from moeguard_runtime.model.hf_config import BuildOptions
+    from moeguard_runtime.model.model import build_model
 
     t0 = time.monotonic()
     try:
@@ -170,7 +172,7 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
         block: tuple[int, int] | None = None
         if settings.checkpoint is not None and is_hf_folder(settings.checkpoint):
             if ep is not None:  # the leader's experts only are read (the followers read theirs)
-                from moeguard_runtime.ep_worker import checkpoint_block
+                from moeguard_runtime.parallel.ep_worker import checkpoint_block
 
                 block = checkpoint_block(settings, ep)
             loaded = load_hf_checkpoint(settings.checkpoint, settings.torch_dtype,
@@ -201,8 +203,8 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
     if ep is not None:
         from torch import nn
 
-        from moeguard_runtime.ep_worker import num_experts_of
-        from moeguard_runtime.expert_parallel import shard_experts
+        from moeguard_runtime.parallel.ep_worker import num_experts_of
+        from moeguard_runtime.parallel.expert_parallel import shard_experts
 
         assert isinstance(model, nn.Module)
         if block is not None:  # loaded sharded
@@ -231,8 +233,8 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
               memory_admission=settings.memory_admission if admission is not None else "off",
               **settings.budgets.model_dump())
     if ep is not None:
-        from moeguard_runtime.ep_worker import join_as_leader
-        from moeguard_runtime.expert_parallel import GroupUnavailable
+        from moeguard_runtime.parallel.ep_worker import join_as_leader
+        from moeguard_runtime.parallel.expert_parallel import GroupUnavailable
 
         if group_lost is not None:
             worker.on_group_lost = lambda _msg: group_lost.set()
@@ -259,7 +261,7 @@ def _initial_kernel(settings: Settings) -> MatmulBackend:
 def choose_matmul_kernel(settings: Settings, model: object, telemetry: Telemetry,
                          log: RateLimitedLog) -> str:
     """With ``MOEGUARD_MATMUL_BACKEND=auto``, measure the candidate kernels on the model's own
-    expert shapes (or read the cached choice, :mod:`moeguard_runtime.kernel_select`) and give
+    expert shapes (or read the cached choice, :mod:`moeguard_runtime.model.kernel_select`) and give
     the plan to every MoE layer (a packed plan packs the experts' weights, replacing the dense ones:
     called after loading and sharding, before the weight bytes are counted); with ``onednn_packed``,
     pack without measuring (``config`` has checked that the weights can be packed); log
@@ -268,13 +270,13 @@ def choose_matmul_kernel(settings: Settings, model: object, telemetry: Telemetry
     ``moeguard_matmul_kernel_info``. Returns the kernel's label."""
     from torch import nn
 
-    from moeguard_runtime import kernel_select
+    from moeguard_runtime.model import kernel_select
 
     cpu = kernel_select.cpu_model()
     kernel: str = settings.matmul_backend
     experts = kernel_select.first_experts(model) if isinstance(model, nn.Module) else None
     if settings.matmul_backend == "auto" and isinstance(model, nn.Module) and experts is not None:
-        from moeguard_runtime.memory import read_memory, start_headroom
+        from moeguard_runtime.memory.memory import read_memory, start_headroom
 
         selection = kernel_select.select(*experts, threads=settings.torch_threads, cpu=cpu,
                                          headroom_bytes=start_headroom(read_memory(), settings.hard_limit_bytes))
@@ -306,12 +308,12 @@ def step_models(settings: Settings, shape: ModelArgs | dict[str, Any],
                 log: RateLimitedLog) -> tuple[MemoryAdmission | None, StepPredictor | None]:
     """The memory model of the worker's steps for a preset's ``ModelArgs`` or a checkpoint's ``config.json``:
     ``(admission, predictor)``. ``admission``: the memory-aware admission
-    (:mod:`moeguard_runtime.memory_admission`), None when off (``Settings.admits_by_prediction``);
+    (:mod:`moeguard_core.memory_admission`), None when off (``Settings.admits_by_prediction``);
     ``predictor``: the model the step loop predicts every step with (``moeguard_memory_peak_breakdown_bytes``),
     the admission itself when on. Both None for a shape the memory model does not know (logged as
     ``event=memory_admission_off`` when admission was asked for)."""
-    from moeguard_runtime.family_shape import ConfigError, from_hf_config
-    from moeguard_runtime.memory_admission import MemoryAdmission, StepPredictor
+    from moeguard_core.family_shape import ConfigError, from_hf_config
+    from moeguard_core.memory_admission import MemoryAdmission, StepPredictor
 
     admits = settings.admits_by_prediction and settings.hard_limit_bytes is not None
     try:
@@ -380,7 +382,7 @@ def _stop_on_failure(failed: threading.Event, server: Any, grace_s: float = 0.0)
 
 
 def _start_budget_watch(settings: Settings, worker: Worker, log: RateLimitedLog, env: Mapping[str, str]) -> None:
-    from moeguard_runtime.budget_watch import BudgetWatcher, load_kube_config
+    from moeguard_runtime.engine.budget_watch import BudgetWatcher, load_kube_config
 
     if settings.budget_configmap is None:
         log.event("budget_watch_disabled", force=True, reason="MOEGUARD_BUDGET_CONFIGMAP unset")

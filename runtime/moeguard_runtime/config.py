@@ -15,7 +15,7 @@ the variable.
   ``ENV_OVERLOAD_MODE`` (Auto, On, Off), and the worker's ``MOEGUARD_SCHEDULING_POLICY``
   ``MOEGUARD_BATCH_TOKENS_WITH_INTERACTIVE`` and ``MOEGUARD_MAX_BATCH_STEP_TOKENS``
   (:class:`scheduler.PriorityPolicy`), and ``MOEGUARD_MEMORY_ADMISSION``
-  (:mod:`moeguard_runtime.memory_admission`). Every default of a contract variable is the
+  (:mod:`moeguard_core.memory_admission`). Every default of a contract variable is the
   contract's (``contract.DEFAULT_*``, ``contract.BUDGET_FIELDS``): a worker started by hand
   runs with the values the operator would give it.
 * Model: ``ENV_MODEL_PRESET``, ``ENV_MODEL_OVERRIDES``, ``ENV_CHECKPOINT_PATH``.
@@ -33,16 +33,18 @@ from typing import Any, Literal
 
 import torch
 
-from moeguard_runtime import contract
-from moeguard_runtime.allocation import DEFAULT_UNRECOVERED_S
-from moeguard_runtime.contract import Budgets
+from moeguard_core import contract
+from moeguard_core.contract import Budgets
+from moeguard_core.presets import ModelArgs
+from moeguard_runtime.engine.scheduler import SCHEDULING_POLICIES, PriorityPolicy, QueueLimits
 from moeguard_runtime.env_values import (
     ConfigError as ConfigError,  # re-exported: callers catch config.ConfigError
 )
 from moeguard_runtime.env_values import env_float as _float
 from moeguard_runtime.env_values import env_int as _int
 from moeguard_runtime.faults import Faults, load_faults
-from moeguard_runtime.moe import (
+from moeguard_runtime.memory.allocation import DEFAULT_UNRECOVERED_S
+from moeguard_runtime.model.moe import (
     DEFAULT_EXPERT_CHUNK_TOKENS,
     MATMUL_BACKENDS,
     MOE_DISPATCHES,
@@ -50,8 +52,6 @@ from moeguard_runtime.moe import (
     MoeDispatch,
     can_pack,
 )
-from moeguard_runtime.presets import ModelArgs
-from moeguard_runtime.scheduler import SCHEDULING_POLICIES, PriorityPolicy, QueueLimits
 
 ENV_SEED = "MOEGUARD_SEED"
 ENV_TORCH_THREADS = "MOEGUARD_TORCH_THREADS"
@@ -62,7 +62,7 @@ ENV_CAPACITY_FACTOR = "MOEGUARD_CAPACITY_FACTOR"
 ENV_MATMUL_BACKEND = "MOEGUARD_MATMUL_BACKEND"
 """Kernel of the expert matmuls: ``auto`` (default: the fastest by measurement at start-up, per row
 bucket, or ``onednn_packed`` in every bucket, the experts' weights then packed once into oneDNN's layout in
-place of the dense ones: :mod:`moeguard_runtime.kernel_select`), ``onednn`` (oneDNN for CPU
+place of the dense ones: :mod:`moeguard_runtime.model.kernel_select`), ``onednn`` (oneDNN for CPU
 float32/bfloat16), ``torch`` (``F.linear``) or ``onednn_packed`` (packed weights without measuring; CPU
 float32, or bfloat16 where oneDNN has it, and not ``MOEGUARD_MOE_DISPATCH=device``: else a ConfigError)."""
 MatmulSetting = Literal["auto", "onednn", "torch", "onednn_packed"]
@@ -89,7 +89,7 @@ rollout; the gap a ``preStop`` sleep covers, Kubernetes docs "Termination of Pod
 DEFAULT_SHUTDOWN_DELAY_SECONDS = 5.0
 ENV_UNRECOVERED_OOM_SECONDS = "MOEGUARD_UNRECOVERED_OOM_SECONDS"
 """Seconds of failed allocations with no engine step running after which ``/healthz`` answers 503
-(default 60; :mod:`moeguard_runtime.allocation`)."""
+(default 60; :mod:`moeguard_runtime.memory.allocation`)."""
 ENV_SCHEDULING_POLICY = "MOEGUARD_SCHEDULING_POLICY"
 """``priority`` (default: interactive first in every mode) or ``fcfs`` (arrival order), as vLLM's
 ``--scheduling-policy`` (:class:`scheduler.PriorityPolicy`)."""
@@ -101,7 +101,7 @@ ENV_MAX_BATCH_STEP_TOKENS = "MOEGUARD_MAX_BATCH_STEP_TOKENS"
 interactive request arriving during a batch step waits for it."""
 ENV_MEMORY_ADMISSION = "MOEGUARD_MEMORY_ADMISSION"
 """``predicted`` (default): with a hard limit on the CPU, steps are fitted under it by the memory model
-(:mod:`moeguard_runtime.memory_admission`); ``off``: admission compares current use only."""
+(:mod:`moeguard_core.memory_admission`); ``off``: admission compares current use only."""
 MEMORY_ADMISSIONS = ("predicted", "off")
 ENV_SERVED_MODEL_NAME = "MOEGUARD_SERVED_MODEL_NAME"
 """The model name GET /v1/models reports and requests must name (default: the preset's name,
@@ -216,7 +216,7 @@ def _overrides(env: Mapping[str, str]) -> tuple[tuple[str, int | float], ...]:
     """``contract.ENV_MODEL_OVERRIDES``: a JSON object of ``ModelArgs`` fields."""
     import json
 
-    from moeguard_runtime.presets import ModelArgs
+    from moeguard_core.presets import ModelArgs
 
     raw = env.get(contract.ENV_MODEL_OVERRIDES, "").strip()
     if not raw:
@@ -245,7 +245,7 @@ def model_args(settings: Settings) -> ModelArgs:
     """
     import dataclasses
 
-    from moeguard_runtime.presets import get_preset, shape_problems
+    from moeguard_core.presets import get_preset, shape_problems
 
     overrides: dict[str, Any] = dict(settings.model_overrides)
     args = dataclasses.replace(get_preset(settings.preset), **overrides)

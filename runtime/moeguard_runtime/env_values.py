@@ -1,5 +1,5 @@
 """Parsing the worker's environment variables: the one error type and the number readers shared by
-:mod:`moeguard_runtime.config` (the worker's settings) and :mod:`moeguard_runtime.ep_config` (the
+:mod:`moeguard_runtime.config` (the worker's settings) and :mod:`moeguard_runtime.parallel.ep_config` (the
 expert-parallel group), which cannot import each other (config imports the model modules)."""
 
 from __future__ import annotations

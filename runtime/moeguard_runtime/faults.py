@@ -1,7 +1,7 @@
 """Test-only fault injectors: a leak outside the Python heap, a leak in it, a slow step, a step
 whose allocations fail.
 
-They exist so that the leak signal (:mod:`moeguard_runtime.leak`) the queue
+They exist so that the leak signal (:mod:`moeguard_runtime.memory.leak`) the queue
 timeouts and the out-of-memory path can be tested end to end against a real worker process. Nothing here
 runs in production: the fault variables are read only when
 ``MOEGUARD_TEST_FAULTS=1`` is set, and a fault variable set without it stops the

@@ -86,7 +86,7 @@ def test_app_files_readable_not_writable_by_the_user(image: tuple[str, str, Path
 def test_imports_as_the_image_user(image: tuple[str, str, Path]) -> None:
     name, ctr, _ = image
     code = {"operator": "import moeguard_operator.__main__, sys; assert 'torch' not in sys.modules",
-            "worker": "import torch, moeguard_runtime.server; print(torch.__version__)"}[name]
+            "worker": "import torch, moeguard_runtime.api.server; print(torch.__version__)"}[name]
     out = subprocess.run(["buildah", "run", "--network", "none", ctr, "--", "python", "-c", code],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -27,8 +27,8 @@ import pytest
 from hack import stack
 from hack.stack import ROOT, RUN_DIR
 
-from moeguard_operator.builders import Owner, build_workload
-from moeguard_operator.models import MoEInferenceServiceSpec
+from moeguard_operator.children.builders import Owner, build_workload
+from moeguard_operator.spec.models import MoEInferenceServiceSpec
 
 pytestmark = pytest.mark.node
 

@@ -16,23 +16,23 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from moeguard_operator import budget_document
-from moeguard_operator.builders import Owner, build_budget_configmap, worker_env
-from moeguard_operator.models import (
+from moeguard_core import contract
+from moeguard_core.presets import get_preset
+from moeguard_operator.children.builders import Owner, build_budget_configmap, worker_env
+from moeguard_operator.loop import budget_document
+from moeguard_operator.loop.observe import queries
+from moeguard_operator.loop.policy import floors, initial_budgets
+from moeguard_operator.spec.models import (
     BatchingSpec,
     BudgetCeilings,
     BudgetFloors,
     MoEInferenceServiceSpec,
     MoEInferenceServiceStatus,
 )
-from moeguard_operator.observe import queries
-from moeguard_operator.policy import floors, initial_budgets
-from moeguard_runtime import contract
-from moeguard_runtime.budget_watch import NO_GENERATION, decide_update
 from moeguard_runtime.config import load_settings
-from moeguard_runtime.ep_telemetry import EpMetrics
-from moeguard_runtime.presets import get_preset
-from moeguard_runtime.telemetry import Telemetry
+from moeguard_runtime.engine.budget_watch import NO_GENERATION, decide_update
+from moeguard_runtime.parallel.ep_telemetry import EpMetrics
+from moeguard_runtime.telemetry.telemetry import Telemetry
 
 pytestmark = pytest.mark.unit
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from bench.loadgen.client import PROMPT_STRIDE, burst, replay
-from bench.loadgen.stats import summarize
-from bench.loadgen.text import prompt_of_length
-from bench.loadgen.trace import ScheduledRequest, TraceRecord, scale
+from harness.loadgen.client import PROMPT_STRIDE, burst, replay
+from harness.loadgen.stats import summarize
+from harness.loadgen.text import prompt_of_length
+from harness.loadgen.trace import ScheduledRequest, TraceRecord, scale
 
 pytestmark = pytest.mark.integration
 """A loopback server, real sockets and sleeps: not a unit test (the URL guard's are in

@@ -6,7 +6,7 @@ import json
 
 from tests.integration.conftest import Cluster
 
-from moeguard_operator.core_schemas import build_file, embedded
+from moeguard_operator.spec.core_schemas import build_file, embedded
 
 
 def test_embedded_core_schemas_equal_the_api_servers(cluster: Cluster) -> None:

@@ -11,8 +11,8 @@ from hack import stack
 from hack.stack import ROOT
 from tests.integration.conftest import Cluster
 
-from moeguard_operator.builders import Owner, build_children, dropped_volumes
-from moeguard_operator.models import MoEInferenceServiceSpec
+from moeguard_operator.children.builders import Owner, build_children, dropped_volumes
+from moeguard_operator.spec.models import MoEInferenceServiceSpec
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ import pytest
 from kubernetes import client, config
 from tests.integration.conftest import Cluster
 
-from moeguard_operator import kube
-from moeguard_operator.builders import Owner, build_children
-from moeguard_operator.models import MoEInferenceServiceSpec
+from moeguard_operator.children import kube
+from moeguard_operator.children.builders import Owner, build_children
+from moeguard_operator.spec.models import MoEInferenceServiceSpec
 
 # Every plane a user may write in: ASCII with JSON's escapes, Latin-1, CJK, right-to-left, combining
 # marks, an astral-plane emoji and musical symbol (UTF-16 surrogate pairs), a ZWJ sequence.

@@ -25,8 +25,8 @@ from hack import pod_workers
 from hack.stack import wait_for
 from tests.integration.conftest import PodWorkers
 
+from moeguard_core import contract as k
 from moeguard_operator import constants as c
-from moeguard_runtime import contract as k
 
 if TYPE_CHECKING:
     from tests.integration.conftest import Cluster

@@ -22,8 +22,8 @@ _PROBE = """
 import json, sys
 sys.argv = ["demo"]
 import hack.demo as demo
-from bench.loadgen.trace import default_trace_path, load_schedule
-from bench.loadgen.text import corpus
+from harness.loadgen.trace import default_trace_path, load_schedule
+from harness.loadgen.text import corpus
 s = load_schedule(time_compression=4.0, length_scale=0.25, max_context=1023, max_new_tokens_cap=64, limit=300)
 print(json.dumps({"trace": str(default_trace_path()), "source": s.meta.source, "requests": len(s.requests),
                   "example": str(demo.EXAMPLE), "example_exists": demo.EXAMPLE.is_file(),

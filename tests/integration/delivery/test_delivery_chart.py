@@ -27,8 +27,8 @@ import pytest
 import yaml
 from hack.stack import ROOT, tools_env, wait_for
 
-from moeguard_operator.crdgen import build_crd
-from moeguard_operator.models import FINDING_KINDS
+from moeguard_operator.spec.crdgen import build_crd
+from moeguard_operator.spec.models import FINDING_KINDS
 
 CHART = ROOT / "charts" / "moeguard"
 CRD_NAME = "moeinferenceservices.moeguard.dev"

@@ -18,8 +18,8 @@ import pytest
 import yaml
 from hack.stack import ROOT
 
-from moeguard_operator.builders import Owner, build_workload, workload_pod_spec
-from moeguard_operator.spec_checks import parse_spec
+from moeguard_operator.children.builders import Owner, build_workload, workload_pod_spec
+from moeguard_operator.spec.spec_checks import parse_spec
 
 sys.path.insert(0, str(ROOT / "tests" / "unit" / "delivery"))
 from test_delivery_gitops_schema import KNOWN_BY_API_SERVER, chart_values

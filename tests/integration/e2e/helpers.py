@@ -17,7 +17,7 @@ OPERATOR_LIVENESS_PORT = 18082 + PORT_OFFSET
 TEST_LEAK_WARMUP_SECONDS = 20
 """The worker warm-up (operator flag ``--leak-warmup-seconds``) of the e2e modules that wait for a leak judgement
 (a module's ``OPERATOR_EXTRA_ARGS``): their workers are idle or leak far above the noise floor, so the 90 s of
-``policy.LEAK_WARMUP_SECONDS`` (the rule itself is unit-tested) would only make them wait."""
+``observation.LEAK_WARMUP_SECONDS`` (the rule itself is unit-tested) would only make them wait."""
 
 
 def operator_looks(namespace: str, name: str, result: str | None = None, port: int = OPERATOR_METRICS_PORT) -> float:

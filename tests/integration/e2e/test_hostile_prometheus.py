@@ -26,7 +26,7 @@ from tests.integration.conftest import Cluster
 from tests.integration.e2e.helpers import OPERATOR_LIVENESS_PORT, moeis, wait, wait_cr
 from tests.integration.fake_prometheus import FakePrometheusHandler, serve
 
-from moeguard_operator.observe import QUERY_DEADLINE_SECONDS, Answer, fetch_all, observe
+from moeguard_operator.loop.observe import QUERY_DEADLINE_SECONDS, Answer, fetch_all, observe
 
 MARKER = "MARKER-REMOTE-BODY-7f3a"
 """A recognisable text in every body the fake sends; it must never reach status or Events."""

@@ -27,12 +27,12 @@ from typing import Any
 
 import httpx
 import pytest
-from bench.loadgen.text import prompt_of_length
 from hack import stack
+from harness.loadgen.text import prompt_of_length
 from tests.integration.conftest import Cluster, PodWorkers
 from tests.integration.e2e.helpers import PORT_OFFSET, get, moeis, wait, wait_cr
 
-from moeguard_runtime.contract import METRIC_BUDGET_GENERATION, parse_budget_configmap_data
+from moeguard_core.contract import METRIC_BUDGET_GENERATION, parse_budget_configmap_data
 
 LIVENESS_PORT = 18087 + PORT_OFFSET
 WINDOW = 8

@@ -14,11 +14,11 @@ import time
 from typing import Any
 
 import httpx
-from bench.loadgen.text import repetitive_prompt
+from harness.loadgen.text import repetitive_prompt
 from tests.integration.conftest import Cluster, PodWorkers
 from tests.integration.e2e.helpers import moeis, ready_status, wait, wait_cr
 
-from moeguard_runtime import contract
+from moeguard_core import contract
 
 SPEC: dict[str, Any] = {
     "model": {"preset": "tiny"},

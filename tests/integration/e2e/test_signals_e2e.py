@@ -15,8 +15,8 @@ import subprocess
 import time
 from typing import Any
 
-from bench.loadgen.text import repetitive_prompt
 from hack import stack
+from harness.loadgen.text import repetitive_prompt
 from tests.integration.conftest import Cluster, PodWorkers
 from tests.integration.e2e.helpers import TEST_LEAK_WARMUP_SECONDS, get, wait, wait_cr
 from tests.integration.e2e.test_control_loop import (  # noqa: F401 - restore_prometheus is a fixture

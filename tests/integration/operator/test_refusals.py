@@ -18,7 +18,8 @@ from kubernetes.client.exceptions import ApiException
 from tests.integration.conftest import Cluster
 from tests.integration.e2e.helpers import moeis, wait_cr
 
-from moeguard_operator import apply_errors, handlers, kube
+from moeguard_operator import handlers
+from moeguard_operator.children import apply_errors, kube
 from moeguard_operator.config import OperatorConfig
 
 DEADLINE_SECONDS = 120

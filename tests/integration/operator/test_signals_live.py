@@ -1,6 +1,6 @@
 """The outer loop's signals against the real Prometheus (issue 11 §4, issue 18 §3–5).
 
-Worker pods are stood in for by real worker registries (``moeguard_runtime.telemetry.Telemetry``, the
+Worker pods are stood in for by real worker registries (``moeguard_runtime.telemetry.telemetry.Telemetry``, the
 worker's own metric definitions) served over HTTP in this process, each registered as a Prometheus target
 as the pod harness registers a worker (file_sd, labels ``namespace``/``moeis``/``pod``); so the series,
 their scrapes, staleness and windows are Prometheus's own. Each test looks through
@@ -32,18 +32,12 @@ from hack import stack
 from prometheus_client import generate_latest
 from tests.integration.conftest import Cluster
 
-from moeguard_operator.conditions import leak_unknown
-from moeguard_operator.models import MoEInferenceServiceSpec
-from moeguard_operator.observe import Look, observe_looks
-from moeguard_operator.policy import (
-    Observation,
-    PolicyState,
-    ceilings,
-    decide,
-    initial_budgets,
-    judge_leak,
-)
-from moeguard_runtime.telemetry import Telemetry
+from moeguard_operator.loop.conditions import leak_unknown
+from moeguard_operator.loop.observation import Observation
+from moeguard_operator.loop.observe import Look, observe_looks
+from moeguard_operator.loop.policy import PolicyState, ceilings, decide, initial_budgets, judge_leak
+from moeguard_operator.spec.models import MoEInferenceServiceSpec
+from moeguard_runtime.telemetry.telemetry import Telemetry
 
 W, LW, SCRAPE = 8, 12, 2.0
 GIB = 2**30
@@ -290,8 +284,8 @@ def test_the_diagnosis_queries_are_valid_promql_and_read_the_workers_series(pods
     layers and experts, UCX info; a calm pod's failures read 0 (not missing)."""
     from prometheus_client import Counter, Gauge, Histogram
 
-    from moeguard_operator import diagnosis
-    from moeguard_runtime import contract
+    from moeguard_core import contract
+    from moeguard_operator.diagnosis import diagnosis
 
     hot, calm = pods.start("diag", "diag-0"), pods.start("diag", "diag-1")
     base = ["moeis", "namespace", "pod"]
@@ -367,7 +361,7 @@ def test_rank_imbalance_of_an_expert_parallel_leader_is_skew(pods: Pods) -> None
     layer in the window (1 / EPLB balancedness) joins the expert skew, whichever is higher."""
     from prometheus_client import Counter
 
-    from moeguard_runtime import contract
+    from moeguard_core import contract
 
     leader, member = pods.start("ep", "ep-0"), pods.start("ep", "ep-0-1")
     lab = leader.telemetry.labels

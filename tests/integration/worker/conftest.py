@@ -2,7 +2,7 @@
 
 ``start_worker(**env)`` starts one on a free loopback port, waits for
 ``/readyz``, and stops it at the end of the test. The launcher is the benchmarks' own
-(:mod:`bench.worker_process`): one implementation for tests and benchmarks.
+(:mod:`harness.worker_process`): one implementation for tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from bench.worker_process import WorkerProcess, free_port, start_worker_process
+from harness.worker_process import WorkerProcess, free_port, start_worker_process
 
 __all__ = ["WorkerProcess", "free_port", "start_worker_process"]
 

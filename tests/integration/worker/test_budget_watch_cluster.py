@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.integration.conftest import Cluster
 from tests.integration.worker.conftest import WorkerProcess
 
-from moeguard_runtime.contract import BudgetDocument, Budgets
+from moeguard_core.contract import BudgetDocument, Budgets
 
 pytestmark = pytest.mark.integration
 

@@ -23,11 +23,11 @@ from typing import Any
 
 import httpx
 import pytest
-from bench.worker_process import free_port, wait_ready
+from harness.worker_process import free_port, wait_ready
 from tests.integration.worker.conftest import WorkerProcess, start_worker_process
 from tests.unit.runtime.bpe_folder import write_bpe_tokenizer
 
-from moeguard_runtime.presets import get_preset
+from moeguard_core.presets import get_preset
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")

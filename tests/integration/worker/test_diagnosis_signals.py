@@ -14,9 +14,9 @@ import pytest
 from tests.integration.worker.conftest import WorkerProcess
 from tests.integration.worker.test_worker_http import metrics
 
-from moeguard_runtime import contract
-from moeguard_runtime.memory_model import kv_bytes_per_token
-from moeguard_runtime.presets import get_preset
+from moeguard_core import contract
+from moeguard_core.memory_model import kv_bytes_per_token
+from moeguard_core.presets import get_preset
 
 pytestmark = pytest.mark.integration
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import httpx
 import pytest
-from bench.worker_process import WorkerProcess, free_port, start_worker_process, wait_ready
+from harness.worker_process import WorkerProcess, free_port, start_worker_process, wait_ready
 
 PROMPTS = ["Mixture of experts", "hello, world", "The quick brown fox jumps", "0123456789"]
 TIMEOUT_S = 4.0

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from bench.loadgen.text import prompt_of_length
-from bench.metrics_text import samples_named
-from bench.worker_process import WorkerProcess, start_worker_process
 from hack.memcg import MemoryCgroup
+from harness.loadgen.text import prompt_of_length
+from harness.metrics_text import samples_named
+from harness.worker_process import WorkerProcess, start_worker_process
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,7 @@ from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import negative_data_rejection, positive_data_acceptance
 from tests.integration.worker.conftest import WorkerProcess, start_worker_process
 
-from moeguard_runtime.openai_schema import ChatCompletionRequest, CompletionRequest
+from moeguard_runtime.api.openai_schema import ChatCompletionRequest, CompletionRequest
 
 pytestmark = pytest.mark.integration
 

@@ -15,12 +15,12 @@ from typing import Any
 
 import httpx
 import pytest
-from bench.loadgen.text import prompt_of_length
 from hack.stack import wait_for
+from harness.loadgen.text import prompt_of_length
 from tests.integration.worker.conftest import WorkerProcess
 from tests.integration.worker.test_worker_http import metrics, post
 
-from moeguard_runtime.leak import slope
+from moeguard_runtime.memory.leak import slope
 
 pytestmark = pytest.mark.integration
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from hack.stack import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from tests.integration.worker.conftest import WorkerProcess, start_worker_process
 
-from moeguard_runtime import contract
+from moeguard_core import contract
 
 pytestmark = pytest.mark.integration
 

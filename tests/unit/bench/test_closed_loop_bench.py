@@ -10,7 +10,7 @@ from bench.headline_loop_report import outcome
 from bench.headline_traffic import LoopTrafficConfig, build_loop
 from bench.slo import Slo, meets, percentile, slo_goodput, tpot, ttft
 
-from moeguard_operator.spec_checks import parse_spec
+from moeguard_operator.spec.spec_checks import parse_spec
 
 pytestmark = pytest.mark.unit
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from bench.loadgen.records import RequestResult, RunResult
-from bench.loadgen.stats import format_summary, percentiles, status_key, summarize
+from harness.loadgen.records import RequestResult, RunResult
+from harness.loadgen.stats import format_summary, percentiles, status_key, summarize
 
 pytestmark = pytest.mark.unit
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from bench.loadgen.text import corpus, corpus_fingerprint, prompt_of_length, repetitive_prompt
+from harness.loadgen.text import corpus, corpus_fingerprint, prompt_of_length, repetitive_prompt
 
 pytestmark = pytest.mark.unit
 

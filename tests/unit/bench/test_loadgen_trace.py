@@ -6,7 +6,7 @@ import itertools
 from pathlib import Path
 
 import pytest
-from bench.loadgen.trace import (
+from harness.loadgen.trace import (
     TRACE_PATH_ENV,
     TraceRecord,
     default_trace_path,

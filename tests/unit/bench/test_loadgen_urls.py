@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from bench.loadgen.client import burst, check_loopback_url, check_urls, replay
-from bench.loadgen.trace import ScheduledRequest
+from harness.loadgen.client import burst, check_loopback_url, check_urls, replay
+from harness.loadgen.trace import ScheduledRequest
 
 pytestmark = pytest.mark.unit
 

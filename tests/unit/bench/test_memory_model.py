@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from moeguard_runtime import memory_model as mm
+from moeguard_core import memory_model as mm
 
 pytestmark = pytest.mark.unit
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from moeguard_runtime import family_shape as fs
-from moeguard_runtime import memory_model as mm
-from moeguard_runtime.presets import get_preset, parameter_count
+from moeguard_core import family_shape as fs
+from moeguard_core import memory_model as mm
+from moeguard_core.presets import get_preset, parameter_count
 
 pytestmark = pytest.mark.unit
 

@@ -9,7 +9,7 @@ import pytest
 from bench.memory_configs import SERVING_CHUNK_CONFIGS
 from bench.memory_validate import error, predict, serving_section, step_of, worst_under
 
-from moeguard_runtime import memory_model as mm
+from moeguard_core import memory_model as mm
 
 pytestmark = pytest.mark.unit
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from bench.metrics_text import samples, samples_named
 from bench.soak import sample_row
+from harness.metrics_text import samples, samples_named
 
 pytestmark = pytest.mark.unit
 

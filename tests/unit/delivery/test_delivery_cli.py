@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from moeguard_cli import __main__ as cli
 from moeguard_cli.plan import MiB, PlanInput, estimate
-from moeguard_runtime.presets import ModelArgs, parameter_count
+from moeguard_core.presets import ModelArgs, parameter_count
 
 pytestmark = pytest.mark.unit
 runner = CliRunner(env={"COLUMNS": "400"})  # no wrapping inside long tmp paths (pytest-xdist makes them longer)
@@ -20,7 +20,7 @@ SHAPE = ModelArgs(n_layer=2, dim=64, n_head=4, n_kv_head=2, intermediate_size=12
 
 
 def test_plan_arithmetic_by_hand() -> None:
-    from moeguard_runtime.memory_model import (
+    from moeguard_core.memory_model import (
         kv_bytes_per_token,
         top_share_from_skew_ratio,
         worst_case_peak,
@@ -52,7 +52,7 @@ SMALL = ModelArgs(n_layer=6, dim=512, n_head=8, n_kv_head=4, intermediate_size=1
 
 
 def test_plan_prefill_is_the_largest_that_fits() -> None:
-    from moeguard_runtime.memory_model import top_share_from_skew_ratio, worst_case_peak
+    from moeguard_core.memory_model import top_share_from_skew_ratio, worst_case_peak
 
     p = estimate(PlanInput(args=SMALL, memory_bytes=1344 * MiB, dtype="float32", skew=4.0, headroom=0.0,
                            overhead_bytes=560 * MiB, context_tokens=1536))
@@ -122,7 +122,7 @@ def test_cli_worker_serve_passes_its_options_as_settings_not_through_os_environ(
     import os
 
     import moeguard_runtime.__main__ as rt_main
-    from moeguard_runtime import contract
+    from moeguard_core import contract
     seen: dict[str, str | None] = {}
 
     def fake(env: dict[str, str]) -> int:
@@ -144,7 +144,7 @@ def test_cli_bench_runs_the_loadgen_from_the_checkout(monkeypatch: pytest.Monkey
     res = runner.invoke(cli.app, ["bench", "burst", "--url", "http://127.0.0.1:1", "-n", "2"])
     assert res.exit_code == 0, res.output
     cmd, env = calls[0]
-    assert cmd[1:] == ["-m", "bench.loadgen", "burst", "--url", "http://127.0.0.1:1", "-n", "2"]
+    assert cmd[1:] == ["-m", "harness.loadgen", "burst", "--url", "http://127.0.0.1:1", "-n", "2"]
     assert str(cli.ROOT) in env["PYTHONPATH"].split(os.pathsep)
 
 

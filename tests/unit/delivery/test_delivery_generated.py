@@ -11,7 +11,7 @@ import pytest
 import yaml
 from hack import generate
 
-from moeguard_operator.crdgen import build_crd
+from moeguard_operator.spec.crdgen import build_crd
 
 pytestmark = pytest.mark.unit
 

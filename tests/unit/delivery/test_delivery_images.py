@@ -57,22 +57,19 @@ def test_worker_has_cpu_and_cuda_variants() -> None:
 
 
 def test_operator_image_holds_every_runtime_module_the_operator_imports() -> None:
-    imported = set()
-    for py in (ROOT / "operator" / "moeguard_operator").glob("*.py"):
-        imported |= set(re.findall(r"^\s*from moeguard_runtime(?:\.(\w+))? import (.*)$", py.read_text(), re.M))
-    modules = {m or n.strip().split()[0] for m, n in imported}
-    text = (IMAGES / "operator.Dockerfile").read_text().replace("\\\n", " ")
-    copied = set(re.findall(r"runtime/moeguard_runtime/(\w+)\.py", text))
-    assert modules <= copied, f"modules the operator imports but its image lacks: {modules - copied}"
-    for name in copied:
-        pulled = runtime_imports(ROOT / "runtime" / "moeguard_runtime" / f"{name}.py")
-        assert "torch" not in pulled, f"{name}.py would pull torch into the operator image"
-        assert pulled - {"torch"} <= copied, \
-            f"{name}.py imports runtime modules the operator image lacks: {pulled - copied}"
+    """The operator imports of the worker only the torch-free layer moeguard_core (the import rules,
+    tests/unit/test_import_rules.py); its image copies that package whole, and so does the worker's."""
+    text = (IMAGES / "operator.Dockerfile").read_text()
+    assert "COPY core/moeguard_core/ /opt/app/moeguard_core/" in text
+    assert "runtime/moeguard_runtime" not in text
+    assert "COPY core/moeguard_core/ /opt/app/moeguard_core/" in (IMAGES / "worker.Dockerfile").read_text()
+    for py in (ROOT / "core" / "moeguard_core").glob("*.py"):
+        pulled = core_imports(py)
+        assert not pulled, f"{py.name} would pull {sorted(pulled)} into the operator image"
 
 
-def runtime_imports(path: Path) -> set[str]:
-    """The moeguard_runtime modules (and ``torch``) a module imports when it runs: every import outside an
+def core_imports(path: Path) -> set[str]:
+    """What of ``torch`` and ``moeguard_runtime`` a module imports when it runs: every import outside an
     ``if TYPE_CHECKING:`` block, function bodies included (they run when called)."""
     found: set[str] = set()
 
@@ -82,14 +79,11 @@ def runtime_imports(path: Path) -> set[str]:
                 visit(child)
             return
         if isinstance(node, ast.Import):
-            found.update("torch" for a in node.names if a.name.split(".")[0] == "torch")
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            if node.module.split(".")[0] == "torch":
-                found.add("torch")
-            elif node.module == "moeguard_runtime":
-                found.update(a.name for a in node.names)
-            elif node.module.startswith("moeguard_runtime."):
-                found.add(node.module.split(".")[1])
+            found.update(a.name.split(".")[0] for a in node.names
+                         if a.name.split(".")[0] in {"torch", "moeguard_runtime"})
+        elif (isinstance(node, ast.ImportFrom) and node.module
+              and node.module.split(".")[0] in {"torch", "moeguard_runtime"}):
+            found.add(node.module.split(".")[0])
         for child in ast.iter_child_nodes(node):
             visit(child)
 
@@ -100,6 +94,6 @@ def runtime_imports(path: Path) -> set[str]:
 def test_chart_and_crd_reference_images_by_repository_and_tag() -> None:
     values = yaml.safe_load((ROOT / "charts" / "moeguard" / "values.yaml").read_text())
     assert values["image"]["repository"] == "ghcr.io/moeguard/operator"
-    from moeguard_operator.models import DEFAULT_IMAGE
+    from moeguard_operator.spec.models import DEFAULT_IMAGE
     repo, tag = DEFAULT_IMAGE.rsplit(":", 1)
     assert repo == "ghcr.io/moeguard/worker" and tag.endswith(("-cpu", "-cuda"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moeguard_operator.apply_errors import MAX_RETRIES, judge, permanent, spec_field
+from moeguard_operator.children.apply_errors import MAX_RETRIES, judge, permanent, spec_field
 
 pytestmark = pytest.mark.unit
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from moeguard_operator import budget_document as bd
-from moeguard_operator.models import MoEInferenceServiceSpec, MoEInferenceServiceStatus
-from moeguard_runtime.contract import BudgetDocument, Budgets
+from moeguard_core.contract import BudgetDocument, Budgets
+from moeguard_operator.loop import budget_document as bd
+from moeguard_operator.spec.models import MoEInferenceServiceSpec, MoEInferenceServiceStatus
 
 pytestmark = pytest.mark.unit
 
@@ -127,7 +127,7 @@ def test_reason_is_cut_to_1024_characters() -> None:
 
 
 def test_a_decision_that_moves_nothing_writes_nothing() -> None:
-    from moeguard_operator.policy import Decision, PolicyState
+    from moeguard_operator.loop.policy import Decision, PolicyState
 
     status = _status(budgets=MINE.model_dump(by_alias=True), budgetGeneration=6)
     hold = Decision(state=PolicyState(MINE), direction="hold", reasons=())

@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from moeguard_operator.builders import (
+from moeguard_core.contract import BudgetDocument, Budgets, parse_budget_configmap_data
+from moeguard_operator.children.builders import (
     Owner,
     build_budget_configmap,
     build_children,
@@ -11,8 +12,7 @@ from moeguard_operator.builders import (
     build_role,
     ucx_env,
 )
-from moeguard_operator.models import MoEInferenceServiceSpec
-from moeguard_runtime.contract import BudgetDocument, Budgets, parse_budget_configmap_data
+from moeguard_operator.spec.models import MoEInferenceServiceSpec
 
 pytestmark = pytest.mark.unit
 

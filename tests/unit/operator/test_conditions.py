@@ -4,8 +4,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from moeguard_operator.conditions import find_condition, get_condition, set_condition
-from moeguard_operator.models import Condition
+from moeguard_operator.loop.conditions import find_condition, get_condition, set_condition
+from moeguard_operator.spec.models import Condition
 
 pytestmark = pytest.mark.unit
 
@@ -43,13 +43,13 @@ def _cond(status: str, reason: str) -> Condition:
 
 
 def _obs(**kw):  # type: ignore[no-untyped-def]
-    from moeguard_operator.policy import Observation
+    from moeguard_operator.loop.observation import Observation
     base = {"time": T0, "skew_ratio": 2.0, "memory_ratio": 0.5, "expected_pods": ("a", "b"), "reporting_pods": ("a", "b")}
     return Observation(**(base | kw))
 
 
 def test_metrics_verdicts() -> None:
-    from moeguard_operator.conditions import metrics_verdict
+    from moeguard_operator.loop.conditions import metrics_verdict
 
     blind = _obs(skew_ratio=None, memory_ratio=None, error="memory: no series matched")
     first = metrics_verdict(blind, None, [], T0, grace_seconds=60)

@@ -8,7 +8,7 @@ import pytest
 
 from moeguard_operator.__main__ import parse_args
 from moeguard_operator.config import MEMO_KEY, OperatorConfig, from_memo
-from moeguard_operator.policy import LEAK_WARMUP_SECONDS
+from moeguard_operator.loop.observation import LEAK_WARMUP_SECONDS
 
 pytestmark = pytest.mark.unit
 

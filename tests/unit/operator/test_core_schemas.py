@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moeguard_operator.core_schemas import TYPES, embedded, schema, structural_from_openapi
+from moeguard_operator.spec.core_schemas import TYPES, embedded, schema, structural_from_openapi
 
 pytestmark = pytest.mark.unit
 

@@ -5,7 +5,7 @@ from typing import Any
 import pytest
 import yaml
 
-from moeguard_operator import crdgen
+from moeguard_operator.spec import crdgen
 
 pytestmark = pytest.mark.unit
 

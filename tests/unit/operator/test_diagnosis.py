@@ -13,8 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
-from moeguard_operator import metrics
-from moeguard_operator.diagnosis import (
+from moeguard_operator.diagnosis.diagnosis import (
     ALLOC_CONF,
     LEAK_MIN_WINDOW_GROWTH_BYTES,
     DiagnosisLook,
@@ -27,15 +26,11 @@ from moeguard_operator.diagnosis import (
     ucx_patch,
     ucx_risky,
 )
-from moeguard_operator.models import FINDING_KINDS, DiagnosisStatus, MoEInferenceServiceSpec
-from moeguard_operator.policy import (
-    LEAK_WARMUP_SECONDS,
-    Observation,
-    PolicyState,
-    decide,
-    initial_budgets,
-)
-from moeguard_operator.signals import DiagnosisSignals, PodSignals, TopLayer, UcxInfo
+from moeguard_operator.loop import metrics
+from moeguard_operator.loop.observation import LEAK_WARMUP_SECONDS, Observation
+from moeguard_operator.loop.policy import PolicyState, decide, initial_budgets
+from moeguard_operator.loop.signals import DiagnosisSignals, PodSignals, TopLayer, UcxInfo
+from moeguard_operator.spec.models import FINDING_KINDS, DiagnosisStatus, MoEInferenceServiceSpec
 
 pytestmark = pytest.mark.unit
 

@@ -9,9 +9,14 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from moeguard_operator.builders import Owner, build_deployment, dropped_volumes
-from moeguard_operator.models import MoEInferenceServiceSpec
-from moeguard_operator.spec_checks import SpecError, check_model_source, parse_spec, weight_bytes
+from moeguard_operator.children.builders import Owner, build_deployment, dropped_volumes
+from moeguard_operator.spec.models import MoEInferenceServiceSpec
+from moeguard_operator.spec.spec_checks import (
+    SpecError,
+    check_model_source,
+    parse_spec,
+    weight_bytes,
+)
 
 pytestmark = pytest.mark.unit
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from moeguard_operator.models import MoEInferenceServiceSpec
+from moeguard_operator.spec.models import MoEInferenceServiceSpec
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from moeguard_operator.observe import (
+from moeguard_operator.loop.observe import (
     MALFORMED,
     Answer,
     fetch_all,

@@ -11,9 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from moeguard_operator.conditions import leak_unknown
-from moeguard_operator.models import MoEInferenceServiceSpec
-from moeguard_operator.observe import (
+from moeguard_operator.loop.conditions import leak_unknown
+from moeguard_operator.loop.observe import (
     DIAG_FIELDS,
     MALFORMED,
     MIN_WINDOW_SAMPLES,
@@ -31,7 +30,8 @@ from moeguard_operator.observe import (
     slice_look,
     steady_growth_steps,
 )
-from moeguard_operator.policy import PolicyState, decide, initial_budgets
+from moeguard_operator.loop.policy import PolicyState, decide, initial_budgets
+from moeguard_operator.spec.models import MoEInferenceServiceSpec
 
 pytestmark = pytest.mark.unit
 

@@ -8,9 +8,10 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from moeguard_core import contract
 from moeguard_operator import constants as c
-from moeguard_operator.apply_errors import spec_field
-from moeguard_operator.builders import (
+from moeguard_operator.children.apply_errors import spec_field
+from moeguard_operator.children.builders import (
     Owner,
     build_children,
     build_service,
@@ -18,10 +19,9 @@ from moeguard_operator.builders import (
     stale_workload,
     workload_pod_spec,
 )
-from moeguard_operator.models import MoEInferenceServiceSpec
-from moeguard_operator.spec_checks import SpecError, parse_spec
-from moeguard_operator.tick import replica_readiness
-from moeguard_runtime import contract
+from moeguard_operator.loop.tick import replica_readiness
+from moeguard_operator.spec.models import MoEInferenceServiceSpec
+from moeguard_operator.spec.spec_checks import SpecError, parse_spec
 
 OWNER = Owner("big", "ns", "uid-1")
 EP = {"parallelism": {"expertParallelSize": 2, "podsPerReplica": 2}, "resources": {"gpus": 1}, "replicas": 2}

@@ -4,7 +4,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from moeguard_operator.podstate import pod_facts
+from moeguard_operator.loop.podstate import pod_facts
 
 pytestmark = pytest.mark.unit
 

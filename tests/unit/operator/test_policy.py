@@ -8,10 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeguard_operator.models import BUDGET_FIELDS, MoEInferenceServiceSpec
-from moeguard_operator.policy import (
-    LEAK_NOISE_BYTES_PER_SECOND,
-    Observation,
+from moeguard_core.contract import Budgets
+from moeguard_operator.loop.observation import LEAK_NOISE_BYTES_PER_SECOND, Observation
+from moeguard_operator.loop.policy import (
     PolicyState,
     ceilings,
     decide,
@@ -22,8 +21,8 @@ from moeguard_operator.policy import (
     judge_leak,
     seconds_to_hard_limit,
 )
-from moeguard_runtime.contract import Budgets
-from moeguard_runtime.leak import DEFAULT_THRESHOLD_BYTES_PER_S
+from moeguard_operator.spec.models import BUDGET_FIELDS, MoEInferenceServiceSpec
+from moeguard_runtime.memory.leak import DEFAULT_THRESHOLD_BYTES_PER_S
 
 pytestmark = pytest.mark.unit
 

@@ -1,5 +1,5 @@
 """A pod's RSS slope counts for the leak judgement and the diagnosis only once its leak window starts after the
-worker's warm-up (policy.LEAK_WARMUP_SECONDS)."""
+worker's warm-up (observation.LEAK_WARMUP_SECONDS)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from moeguard_operator.podstate import pod_facts
-from moeguard_operator.policy import LEAK_WARMUP_SECONDS, leak_window_start
+from moeguard_operator.loop.observation import LEAK_WARMUP_SECONDS, leak_window_start
+from moeguard_operator.loop.podstate import pod_facts
 
 pytestmark = pytest.mark.unit
 

@@ -10,17 +10,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from moeguard_operator.conditions import leak_unknown
-from moeguard_operator.models import MoEInferenceServiceSpec, MoEInferenceServiceStatus
-from moeguard_operator.policy import (
-    Observation,
-    PolicyState,
-    ceilings,
-    decide,
-    initial_budgets,
-    judge_leak,
-)
-from moeguard_operator.report import looked
+from moeguard_operator.loop.conditions import leak_unknown
+from moeguard_operator.loop.observation import Observation
+from moeguard_operator.loop.policy import PolicyState, ceilings, decide, initial_budgets, judge_leak
+from moeguard_operator.loop.report import looked
+from moeguard_operator.spec.models import MoEInferenceServiceSpec, MoEInferenceServiceStatus
 
 pytestmark = pytest.mark.unit
 

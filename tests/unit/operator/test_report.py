@@ -8,11 +8,12 @@ from typing import Any
 
 import pytest
 
-from moeguard_operator import report
-from moeguard_operator.models import MoEInferenceServiceSpec, MoEInferenceServiceStatus
-from moeguard_operator.podstate import PodFacts
-from moeguard_operator.policy import Observation, decide, initial_budgets
-from moeguard_runtime.contract import BudgetDocument
+from moeguard_core.contract import BudgetDocument
+from moeguard_operator.loop import report
+from moeguard_operator.loop.observation import Observation
+from moeguard_operator.loop.podstate import PodFacts
+from moeguard_operator.loop.policy import decide, initial_budgets
+from moeguard_operator.spec.models import MoEInferenceServiceSpec, MoEInferenceServiceStatus
 
 pytestmark = pytest.mark.unit
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from moeguard_operator.models import MoEInferenceServiceSpec
-from moeguard_operator.spec_checks import SpecError, check_prometheus_url, parse_spec
-from moeguard_runtime.presets import get_preset, shape_problems
+from moeguard_core.presets import get_preset, shape_problems
+from moeguard_operator.spec.models import MoEInferenceServiceSpec
+from moeguard_operator.spec.spec_checks import SpecError, check_prometheus_url, parse_spec
 
 pytestmark = pytest.mark.unit
 

@@ -9,16 +9,17 @@ from typing import Any
 import pytest
 from tests.unit.operator.test_diagnosis import DRILLS
 
-from moeguard_operator import budget_document, report, tick
-from moeguard_operator.diagnosis import DiagnosisMemory
-from moeguard_operator.models import (
+from moeguard_core.contract import BudgetDocument
+from moeguard_operator.diagnosis.diagnosis import DiagnosisMemory
+from moeguard_operator.loop import budget_document, report, tick
+from moeguard_operator.loop.observation import Observation
+from moeguard_operator.loop.policy import initial_budgets
+from moeguard_operator.loop.signals import DiagnosisSignals
+from moeguard_operator.spec.models import (
     ControlStatus,
     MoEInferenceServiceSpec,
     MoEInferenceServiceStatus,
 )
-from moeguard_operator.policy import Observation, initial_budgets
-from moeguard_operator.signals import DiagnosisSignals
-from moeguard_runtime.contract import BudgetDocument
 
 pytestmark = pytest.mark.unit
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moeguard_runtime.telemetry import RateLimitedLog
+from moeguard_runtime.telemetry.telemetry import RateLimitedLog
 
 
 class RecordingLog(RateLimitedLog):

@@ -10,15 +10,16 @@ import pytest
 import torch
 from tests.unit.runtime.test_service import LABELS, Lines
 
-from moeguard_runtime import presets, tokenizer
-from moeguard_runtime.allocation import NOT_READY_AFTER_FAILURES, allocation_failure_kind
+from moeguard_core import presets
+from moeguard_runtime.api import tokenizer
 from moeguard_runtime.config import ConfigError, load_settings
-from moeguard_runtime.engine import Engine
-from moeguard_runtime.memory import MemoryReading, MemoryState
-from moeguard_runtime.memory_guard import ALLOCATION_FAILURE_HOLD_S
-from moeguard_runtime.model import build_model
-from moeguard_runtime.service import Event, GenerationRequest, Worker
-from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
+from moeguard_runtime.engine.engine import Engine
+from moeguard_runtime.engine.memory_guard import ALLOCATION_FAILURE_HOLD_S
+from moeguard_runtime.engine.service import Event, GenerationRequest, Worker
+from moeguard_runtime.memory.allocation import NOT_READY_AFTER_FAILURES, allocation_failure_kind
+from moeguard_runtime.memory.memory import MemoryReading, MemoryState
+from moeguard_runtime.model.model import build_model
+from moeguard_runtime.telemetry.telemetry import RateLimitedLog, Telemetry
 
 pytestmark = pytest.mark.unit
 

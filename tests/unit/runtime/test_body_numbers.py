@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tests.unit.runtime.test_service import LABELS
 
-from moeguard_runtime.server import WorkerSlot, create_app
-from moeguard_runtime.telemetry import Telemetry
-from moeguard_runtime.tokenizer import ByteTokenizer
+from moeguard_runtime.api.server import WorkerSlot, create_app
+from moeguard_runtime.api.tokenizer import ByteTokenizer
+from moeguard_runtime.telemetry.telemetry import Telemetry
 
 pytestmark = pytest.mark.unit
 

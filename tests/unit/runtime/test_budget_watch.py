@@ -6,13 +6,13 @@ from typing import Any
 
 import pytest
 
-from moeguard_runtime.budget_watch import (
+from moeguard_core.contract import BudgetDocument, Budgets
+from moeguard_runtime.engine.budget_watch import (
     NO_GENERATION,
     BudgetWatcher,
     decide_update,
     load_kube_config,
 )
-from moeguard_runtime.contract import BudgetDocument, Budgets
 
 pytestmark = pytest.mark.unit
 
@@ -124,7 +124,7 @@ def test_a_watch_error_reads_again_after_a_back_off_not_at_once(monkeypatch: pyt
 def test_a_number_written_as_a_string_is_refused() -> None:
     import json as _json
 
-    from moeguard_runtime.contract import BudgetDocumentError, parse_budget_configmap_data
+    from moeguard_core.contract import BudgetDocumentError, parse_budget_configmap_data
 
     doc = {"generation": 3, "budgets": {"maxPrefillTokens": "100", "maxDecodeTokens": 16, "maxBatchRequests": 4,
                                          "maxConcurrentBatches": 1}}
@@ -136,7 +136,7 @@ def test_resource_version_of_typed_objects_and_of_bookmarks() -> None:
     """A BOOKMARK's object stays a dict in the kubernetes client; it must not break the watch."""
     from kubernetes.client import V1ConfigMap, V1ObjectMeta
 
-    from moeguard_runtime.budget_watch import event_resource_version
+    from moeguard_runtime.engine.budget_watch import event_resource_version
 
     assert event_resource_version(V1ConfigMap(metadata=V1ObjectMeta(resource_version="42"))) == "42"
     assert event_resource_version({"kind": "ConfigMap", "metadata": {"resourceVersion": "43"}}) == "43"

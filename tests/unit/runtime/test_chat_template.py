@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 from tests.unit.runtime.bpe_folder import CHAT_TEMPLATE, write_bpe_tokenizer
 
-from moeguard_runtime.chat_template import ChatTemplate, ChatTemplateError
-from moeguard_runtime.checkpoint_tokenizer import (
+from moeguard_runtime.api.chat_template import ChatTemplate, ChatTemplateError
+from moeguard_runtime.api.checkpoint_tokenizer import (
     CheckpointTokenizer,
     TokenizerError,
     load_tokenizer,
 )
-from moeguard_runtime.tokenizer import ByteTokenizer
+from moeguard_runtime.api.tokenizer import ByteTokenizer
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.unit

@@ -8,16 +8,17 @@ import httpx
 import pytest
 from tests.unit.runtime.test_service import LABELS, Lines
 
-from moeguard_runtime import presets, tokenizer
+from moeguard_core import presets
+from moeguard_core.contract import DEFAULT_BUDGETS
+from moeguard_runtime.api import tokenizer
+from moeguard_runtime.api.server import WorkerSlot, create_app
 from moeguard_runtime.config import load_settings
-from moeguard_runtime.contract import DEFAULT_BUDGETS
-from moeguard_runtime.engine import Engine
-from moeguard_runtime.memory import MemoryReading
-from moeguard_runtime.model import build_model
-from moeguard_runtime.scheduler import QueueLimits, Rejected, Scheduler
-from moeguard_runtime.server import WorkerSlot, create_app
-from moeguard_runtime.service import GenerationRequest, Worker
-from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
+from moeguard_runtime.engine.engine import Engine
+from moeguard_runtime.engine.scheduler import QueueLimits, Rejected, Scheduler
+from moeguard_runtime.engine.service import GenerationRequest, Worker
+from moeguard_runtime.memory.memory import MemoryReading
+from moeguard_runtime.model.model import build_model
+from moeguard_runtime.telemetry.telemetry import RateLimitedLog, Telemetry
 
 pytestmark = pytest.mark.unit
 

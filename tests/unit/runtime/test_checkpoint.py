@@ -8,13 +8,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from moeguard_runtime.checkpoint import (
+from moeguard_core.presets import get_preset
+from moeguard_runtime.model.checkpoint import (
     CheckpointError,
     hf_to_interleaved,
     interleaved_to_hf,
 )
-from moeguard_runtime.model import Segment, Transformer, build_model
-from moeguard_runtime.presets import get_preset
+from moeguard_runtime.model.model import Segment, Transformer, build_model
 
 pytestmark = pytest.mark.unit
 ARGS = get_preset("tiny")
@@ -46,7 +46,7 @@ def to_hf(model: Transformer) -> dict[str, torch.Tensor]:
 
 
 def logits(model: Transformer, tokens: list[int]) -> torch.Tensor:
-    from moeguard_runtime.model import KVCache
+    from moeguard_runtime.model.model import KVCache
 
     cache = KVCache(model.args, len(tokens))
     with torch.inference_mode():

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tests.unit.runtime.bpe_folder import training_text, write_bpe_tokenizer
 
-from moeguard_runtime.checkpoint_tokenizer import CheckpointTokenizer
-from moeguard_runtime.detokenize import StopMatcher
-from moeguard_runtime.tokenizer import ByteTokenizer
+from moeguard_runtime.api.checkpoint_tokenizer import CheckpointTokenizer
+from moeguard_runtime.api.detokenize import StopMatcher
+from moeguard_runtime.api.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.unit
 MULTI_BYTE = "naïve café: 3 € for a 🦀, 中文 ok"

@@ -17,11 +17,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 
-from moeguard_runtime import contract, presets, tokenizer
+from moeguard_core import contract, presets
+from moeguard_runtime.api import tokenizer
 from moeguard_runtime.config import ConfigError, load_settings, resolve_device, resolve_dtype
-from moeguard_runtime.engine import Engine
-from moeguard_runtime.model import build_model
-from moeguard_runtime.moe import DEFAULT_EXPERT_CHUNK_TOKENS, MOEFeedForward
+from moeguard_runtime.engine.engine import Engine
+from moeguard_runtime.model.model import build_model
+from moeguard_runtime.model.moe import DEFAULT_EXPERT_CHUNK_TOKENS, MOEFeedForward
 
 pytestmark = pytest.mark.unit
 CUDA = torch.cuda.is_available()
@@ -127,7 +128,7 @@ def test_bfloat16_end_to_end_on_cpu() -> None:
     router_dtypes: list[torch.dtype] = []
 
     def spy(module: torch.nn.Module, inputs: Any, output: Any) -> None:
-        from moeguard_runtime.moe import route
+        from moeguard_runtime.model.moe import route
 
         router_dtypes.append(route(module.gate(inputs[0]), module.top_k)[0].dtype)  # type: ignore[operator, arg-type]
 
@@ -147,7 +148,7 @@ def test_bfloat16_end_to_end_on_cpu() -> None:
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device (bench/gpu.sh runs this on a GPU)")
 def test_cuda_end_to_end() -> None:  # pragma: no cover - no GPU in CI
-    from moeguard_runtime.procmem import read_device_memory
+    from moeguard_runtime.memory.procmem import read_device_memory
 
     settings = load_settings({})
     assert (settings.device, settings.dtype) == ("cuda", "bfloat16")

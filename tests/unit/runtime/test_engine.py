@@ -3,9 +3,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeguard_runtime import presets, tokenizer
-from moeguard_runtime.engine import Engine
-from moeguard_runtime.model import build_model
+from moeguard_core import presets
+from moeguard_runtime.api import tokenizer
+from moeguard_runtime.engine.engine import Engine
+from moeguard_runtime.model.model import build_model
 
 pytestmark = pytest.mark.unit
 
@@ -95,7 +96,7 @@ def test_repeated_bytes_skew_far_more_than_english(model: torch.nn.Module) -> No
 
 def test_tiny_temperature_is_greedy_not_nan() -> None:
     """Found by schemathesis: temperature 1e-234 made logits/temperature infinite."""
-    from moeguard_runtime.engine import sample
+    from moeguard_runtime.engine.engine import sample
 
     logits = torch.tensor([0.1, 3.0, -2.0])
     gen = torch.Generator().manual_seed(0)

@@ -12,16 +12,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeguard_runtime import presets, tokenizer
+from moeguard_core import presets
+from moeguard_core.contract import EP_GROUP_UNAVAILABLE
+from moeguard_runtime.api import tokenizer
 from moeguard_runtime.config import load_settings
-from moeguard_runtime.contract import EP_GROUP_UNAVAILABLE
-from moeguard_runtime.engine import Engine
-from moeguard_runtime.expert_parallel import GroupUnavailable, moe_modules
-from moeguard_runtime.memory import MemoryReading
-from moeguard_runtime.model import build_model
-from moeguard_runtime.scheduler import Rejected
-from moeguard_runtime.service import Event, GenerationRequest, Worker
-from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
+from moeguard_runtime.engine.engine import Engine
+from moeguard_runtime.engine.scheduler import Rejected
+from moeguard_runtime.engine.service import Event, GenerationRequest, Worker
+from moeguard_runtime.memory.memory import MemoryReading
+from moeguard_runtime.model.model import build_model
+from moeguard_runtime.parallel.expert_parallel import GroupUnavailable, moe_modules
+from moeguard_runtime.telemetry.telemetry import RateLimitedLog, Telemetry
 
 pytestmark = pytest.mark.unit
 

@@ -12,9 +12,10 @@ import torch
 from bench.family_checkpoints import checkpoint_folder
 from safetensors.torch import load_file, save_file
 
-from moeguard_runtime.checkpoint import CheckpointError
-from moeguard_runtime.expert_parallel import moe_modules
-from moeguard_runtime.hf_checkpoint import BuildOptions, TensorSource, load_hf_checkpoint
+from moeguard_runtime.model.checkpoint import CheckpointError
+from moeguard_runtime.model.hf_checkpoint import load_hf_checkpoint
+from moeguard_runtime.model.hf_config import BuildOptions, TensorSource
+from moeguard_runtime.parallel.expert_parallel import moe_modules
 
 pytestmark = pytest.mark.unit
 

@@ -7,14 +7,15 @@ import pytest
 import torch
 from tests.unit.runtime.test_service import LABELS, Lines
 
-from moeguard_runtime import presets, tokenizer
+from moeguard_core import presets
+from moeguard_runtime.api import tokenizer
 from moeguard_runtime.config import load_settings
-from moeguard_runtime.engine import Engine
-from moeguard_runtime.memory import MemoryReading
-from moeguard_runtime.model import build_model
-from moeguard_runtime.moe import ONEDNN_CHUNK_TOKENS, device_expert_chunks, host_expert_chunks
-from moeguard_runtime.service import Event, GenerationRequest, Worker
-from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
+from moeguard_runtime.engine.engine import Engine
+from moeguard_runtime.engine.service import Event, GenerationRequest, Worker
+from moeguard_runtime.memory.memory import MemoryReading
+from moeguard_runtime.model.model import build_model
+from moeguard_runtime.model.moe import ONEDNN_CHUNK_TOKENS, device_expert_chunks, host_expert_chunks
+from moeguard_runtime.telemetry.telemetry import RateLimitedLog, Telemetry
 
 pytestmark = pytest.mark.unit
 

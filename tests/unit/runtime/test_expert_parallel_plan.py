@@ -12,15 +12,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeguard_runtime import contract
-from moeguard_runtime.ep_config import (
+from moeguard_core import contract
+from moeguard_core.presets import get_preset
+from moeguard_runtime.model.model import build_model
+from moeguard_runtime.model.moe import dispatch_experts, route
+from moeguard_runtime.parallel.ep_config import (
     ENV_EP_LOCAL_RANK,
     ConfigError,
     expert_range,
     load_ep_settings,
     local_rank_env,
 )
-from moeguard_runtime.expert_parallel import (
+from moeguard_runtime.parallel.expert_parallel import (
     balancedness,
     combine,
     expert_block_forward,
@@ -30,9 +33,6 @@ from moeguard_runtime.expert_parallel import (
     strip_to_experts,
     tokens_per_rank,
 )
-from moeguard_runtime.model import build_model
-from moeguard_runtime.moe import dispatch_experts, route
-from moeguard_runtime.presets import get_preset
 
 pytestmark = pytest.mark.unit
 

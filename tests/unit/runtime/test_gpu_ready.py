@@ -11,9 +11,11 @@ from typing import Any
 import pytest
 import torch
 
-from moeguard_runtime import presets, timing, tokenizer
-from moeguard_runtime.engine import Engine
-from moeguard_runtime.model import Attention, KVCache, Segment, build_model, rope_angles
+from moeguard_core import presets
+from moeguard_runtime.api import tokenizer
+from moeguard_runtime.engine.engine import Engine
+from moeguard_runtime.model import timing
+from moeguard_runtime.model.model import Attention, KVCache, Segment, build_model, rope_angles
 
 pytestmark = pytest.mark.unit
 
@@ -39,7 +41,7 @@ def test_gqa_attention_equals_the_per_head_reference() -> None:
     got = torch.cat([prefill, decode])  # [6, D]
     h, kvh, hd = ARGS.n_head, ARGS.n_kv_head, ARGS.head_dim
     with torch.no_grad():
-        from moeguard_runtime.model import apply_rope
+        from moeguard_runtime.model.model import apply_rope
 
         q = apply_rope(attn.wqkv(x)[:, :h * hd].view(6, h, hd), angles[:6])  # [6, H, hd]
         heads = []
@@ -112,8 +114,8 @@ def test_with_the_device_dispatch_a_step_reads_the_device_once(host_reads: list[
 def test_device_dispatch_equals_the_host_dispatch(tokens: int, chunk: int, capacity: int | None) -> None:
     """Same outputs, counts and overflow as :func:`moe.dispatch_experts` (itself tested
     against HF's loop), dropless or with capacity, in any chunking."""
-    from moeguard_runtime.moe import dispatch_experts, fuse_gate_up, route
-    from moeguard_runtime.moe_device import device_dispatch
+    from moeguard_runtime.model.moe import dispatch_experts, fuse_gate_up, route
+    from moeguard_runtime.model.moe_device import device_dispatch
 
     g = torch.Generator().manual_seed(11)
     gate, w1, w3 = torch.randn(8, 32, generator=g), torch.randn(8, 48, 32, generator=g), \

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from moeguard_runtime import contract
+from moeguard_core import contract
 from moeguard_runtime.config import ConfigError, load_settings, model_args
 from moeguard_runtime.faults import FaultLeaker, Faults, load_faults
-from moeguard_runtime.leak import Growth, GrowthTracker, classify, slope
-from moeguard_runtime.memory import MemoryState, decide_device
-from moeguard_runtime.procmem import ProcessMemory, read_process_memory
+from moeguard_runtime.memory.leak import Growth, GrowthTracker, classify, slope
+from moeguard_runtime.memory.memory import MemoryState, decide_device
+from moeguard_runtime.memory.procmem import ProcessMemory, read_process_memory
 
 pytestmark = pytest.mark.unit
 GIB = 1 << 30

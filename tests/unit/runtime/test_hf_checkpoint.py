@@ -11,14 +11,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from moeguard_runtime.checkpoint import CheckpointError
-from moeguard_runtime.hf_checkpoint import (
+from moeguard_runtime.model.checkpoint import CheckpointError
+from moeguard_runtime.model.hf_checkpoint import (
     LoadedCheckpoint,
-    is_hf_folder,
     load_hf_checkpoint,
     read_checkpoint_info,
 )
-from moeguard_runtime.model import Segment
+from moeguard_runtime.model.hf_config import is_hf_folder
+from moeguard_runtime.model.model import Segment
 
 pytestmark = pytest.mark.unit
 
@@ -204,9 +204,9 @@ def test_worker_start_up_fails_naming_the_file(tmp_path: Path) -> None:
     import threading
 
     from moeguard_runtime.__main__ import _load
+    from moeguard_runtime.api.server import WorkerSlot
     from moeguard_runtime.config import load_settings, model_args
-    from moeguard_runtime.server import WorkerSlot
-    from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
+    from moeguard_runtime.telemetry.telemetry import RateLimitedLog, Telemetry
 
     folder = write_folder(tmp_path, mixtral_tensors())
     data = (folder / "model.safetensors").read_bytes()

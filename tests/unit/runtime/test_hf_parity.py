@@ -3,7 +3,7 @@
 For every family: a tiny random configuration with a real vocabulary (32,000),
 ``transformers``' own model class built with a fixed seed (weights redrawn at
 unit scale so routing, norms and biases matter), ``save_pretrained`` to a
-folder, loaded by :func:`moeguard_runtime.hf_checkpoint.load_hf_checkpoint`:
+folder, loaded by :func:`moeguard_runtime.model.hf_checkpoint.load_hf_checkpoint`:
 
 * fp32 last-token logits of prompts of different lengths, packed in one step:
   relative error ``max|ours - hf| / max|hf|`` at most 1e-4;
@@ -29,19 +29,19 @@ import torch
 import transformers
 
 from moeguard_runtime.config import load_settings
-from moeguard_runtime.engine import Engine
-from moeguard_runtime.families.decoder import SparseMoE
-from moeguard_runtime.hf_checkpoint import (
-    BuildOptions,
+from moeguard_runtime.engine.engine import Engine
+from moeguard_runtime.engine.service import Event, GenerationRequest, Worker
+from moeguard_runtime.memory.memory import MemoryReading
+from moeguard_runtime.model.families.decoder import SparseMoE
+from moeguard_runtime.model.hf_checkpoint import (
     LoadedCheckpoint,
     load_hf_checkpoint,
     read_checkpoint_info,
 )
-from moeguard_runtime.memory import MemoryReading
-from moeguard_runtime.model import KVCache, Segment
-from moeguard_runtime.moe import MOEFeedForward
-from moeguard_runtime.service import Event, GenerationRequest, Worker
-from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
+from moeguard_runtime.model.hf_config import BuildOptions
+from moeguard_runtime.model.model import KVCache, Segment
+from moeguard_runtime.model.moe import MOEFeedForward
+from moeguard_runtime.telemetry.telemetry import RateLimitedLog, Telemetry
 
 pytestmark = pytest.mark.unit
 transformers.utils.logging.disable_progress_bar()  # its tqdm would start a monitor thread

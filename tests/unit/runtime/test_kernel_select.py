@@ -10,9 +10,10 @@ import torch
 from bench.hf_reference import hf_expert_loop
 from tests.unit.runtime.recording_log import RecordingLog
 
-from moeguard_runtime import kernel_select, moe, presets
-from moeguard_runtime.checkpoint import from_hf_names, fuse_native
-from moeguard_runtime.moe import KernelPlan, MatmulBackend
+from moeguard_core import presets
+from moeguard_runtime.model import kernel_select, moe
+from moeguard_runtime.model.checkpoint import from_hf_names, fuse_native
+from moeguard_runtime.model.moe import KernelPlan, MatmulBackend
 
 pytestmark = pytest.mark.unit
 
@@ -136,7 +137,7 @@ def test_the_real_timer_times_the_models_expert() -> None:
 
 
 def test_a_plan_travels_to_every_moe_layer_and_leaves_onednn_on_failure() -> None:
-    from moeguard_runtime.model import Transformer
+    from moeguard_runtime.model.model import Transformer
 
     with torch.device("meta"):
         model = Transformer(presets.get_preset("tiny"))
@@ -212,7 +213,7 @@ def test_loaders_fill_the_fused_layout() -> None:
 
 def test_seeded_weights_are_those_of_the_unfused_layout() -> None:
     """The fused w13 is drawn as w1 and w3 were: a seed gives the model it gave before."""
-    from moeguard_runtime.model import build_model
+    from moeguard_runtime.model.model import build_model
 
     model = build_model(presets.get_preset("tiny"), seed=0)
     names = sorted(n for n, _ in model.named_parameters())
@@ -250,8 +251,8 @@ def test_the_worker_measures_applies_logs_and_exports_the_choice(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     from moeguard_runtime import __main__ as entry
     from moeguard_runtime.config import load_settings
-    from moeguard_runtime.model import build_model
-    from moeguard_runtime.telemetry import Telemetry
+    from moeguard_runtime.model.model import build_model
+    from moeguard_runtime.telemetry.telemetry import Telemetry
 
     log = RecordingLog()
     events = log.events

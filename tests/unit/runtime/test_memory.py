@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from moeguard_runtime.memory import (
+from moeguard_runtime.memory.memory import (
     MemoryPolicy,
     MemoryReading,
     MemoryState,

@@ -8,13 +8,10 @@ import math
 
 import pytest
 
-from moeguard_runtime import memory_model as mm
-from moeguard_runtime import presets, tokenizer
-from moeguard_runtime.config import load_settings
-from moeguard_runtime.contract import DEFAULT_BUDGETS, Budgets
-from moeguard_runtime.engine import Engine
-from moeguard_runtime.memory import MemoryReading
-from moeguard_runtime.memory_admission import (
+from moeguard_core import memory_model as mm
+from moeguard_core import presets
+from moeguard_core.contract import DEFAULT_BUDGETS, Budgets
+from moeguard_core.memory_admission import (
     CORRECTION_FLOOR,
     CORRECTION_WINDOW_STEPS,
     MAX_CORRECTION,
@@ -22,11 +19,15 @@ from moeguard_runtime.memory_admission import (
     Correction,
     MemoryAdmission,
 )
-from moeguard_runtime.model import build_model
-from moeguard_runtime.moe import routing_stats
-from moeguard_runtime.scheduler import QueueLimits, Rejected, Scheduler
-from moeguard_runtime.service import Event, GenerationRequest, Worker
-from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
+from moeguard_runtime.api import tokenizer
+from moeguard_runtime.config import load_settings
+from moeguard_runtime.engine.engine import Engine
+from moeguard_runtime.engine.scheduler import QueueLimits, Rejected, Scheduler
+from moeguard_runtime.engine.service import Event, GenerationRequest, Worker
+from moeguard_runtime.memory.memory import MemoryReading
+from moeguard_runtime.model.model import build_model
+from moeguard_runtime.model.moe import routing_stats
+from moeguard_runtime.telemetry.telemetry import RateLimitedLog, Telemetry
 
 pytestmark = pytest.mark.unit
 
@@ -246,13 +247,14 @@ def test_steps_export_the_prediction_and_the_measured_peak() -> None:
 
 
 def test_the_torch_free_chunk_default_is_the_workers() -> None:
-    from moeguard_runtime import memory_admission, moe
+    from moeguard_core import memory_admission
+    from moeguard_runtime.model import moe
 
     assert memory_admission.DEFAULT_EXPERT_CHUNK_TOKENS == moe.DEFAULT_EXPERT_CHUNK_TOKENS
 
 
 def test_the_operator_warns_when_a_cpu_worker_cannot_hold_a_full_context_request() -> None:
-    from moeguard_operator.spec_checks import full_context_warnings
+    from moeguard_operator.spec.spec_checks import full_context_warnings
 
     weights = presets.parameter_count(SMALL) * 4
     adm = MemoryAdmission(SMALL, "float32", 1)
@@ -265,7 +267,7 @@ def test_the_operator_warns_when_a_cpu_worker_cannot_hold_a_full_context_request
 
 
 def test_the_spec_check_applies_to_cpu_workers_of_a_preset_only() -> None:
-    from moeguard_operator.spec_checks import memory_warnings, parse_spec
+    from moeguard_operator.spec.spec_checks import memory_warnings, parse_spec
 
     tight = {"model": {"preset": "small"}, "resources": {"softLimit": "300Mi", "hardLimit": "400Mi"}}
     (warning,) = memory_warnings(parse_spec({**tight, "resources": {**tight["resources"], "gpus": 0}}))

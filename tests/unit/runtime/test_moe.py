@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 from bench.hf_reference import hf_expert_loop
 
-from moeguard_runtime import moe, presets
-from moeguard_runtime.moe import (
+from moeguard_core import presets
+from moeguard_runtime.model import moe
+from moeguard_runtime.model.moe import (
     MOEFeedForward,
     dispatch_experts,
     fuse_gate_up,
@@ -84,7 +85,7 @@ def test_skew_ratio_and_balancedness(counts: list[int], skew: float, balancednes
 
 
 def test_capacity_follows_deepspeed_formula() -> None:
-    from moeguard_runtime.moe import expert_capacity
+    from moeguard_runtime.model.moe import expert_capacity
 
     assert expert_capacity(100, 2, 8, 1.25) == 32  # ceil(100*2/8*1.25) = ceil(31.25)
     assert expert_capacity(3, 2, 8, 1.0) == 4  # min_capacity
@@ -123,10 +124,10 @@ def test_memory_returns_to_baseline_after_a_batch() -> None:
     """malloc's bytes in use (glibc mallinfo2) after a prefill batch and the release
     of its KV cache equal those before it, within 256 KiB, though the batch
     itself allocated far more (activations, expert buffers, the KV cache)."""
-    from moeguard_runtime.engine import Engine
-    from moeguard_runtime.model import build_model
-    from moeguard_runtime.presets import ModelArgs
-    from moeguard_runtime.procmem import malloc_in_use
+    from moeguard_core.presets import ModelArgs
+    from moeguard_runtime.engine.engine import Engine
+    from moeguard_runtime.memory.procmem import malloc_in_use
+    from moeguard_runtime.model.model import build_model
 
     if malloc_in_use() is None:
         pytest.skip("needs glibc mallinfo2")
@@ -201,7 +202,7 @@ def test_expert_linear_uses_onednn_on_cpu_float32_only(monkeypatch: pytest.Monke
 def test_the_matmul_backend_is_a_model_parameter() -> None:
     """No module-level switch: the backend travels from the model's construction to
     every MoE layer."""
-    from moeguard_runtime.model import Transformer
+    from moeguard_runtime.model.model import Transformer
 
     with torch.device("meta"):
         model = Transformer(presets.get_preset("tiny"), matmul_backend="torch")

@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from tests.unit.runtime.recording_log import RecordingLog
 
-from moeguard_runtime import kernel_select, moe, presets
-from moeguard_runtime.moe import KernelPlan, MatmulBackend, PackedExperts
+from moeguard_core import presets
+from moeguard_runtime.model import kernel_select, moe
+from moeguard_runtime.model.moe import KernelPlan, MatmulBackend, PackedExperts
 
 pytestmark = [pytest.mark.unit,
               pytest.mark.skipif(not moe.can_pack(torch.empty(0)), reason="no oneDNN reorder in this torch build")]
@@ -130,8 +131,8 @@ def test_the_real_timer_times_packed_copies_of_enough_experts() -> None:
 
 
 def _greedy(model: torch.nn.Module) -> tuple[list[int], list[torch.Tensor]]:
-    from moeguard_runtime import tokenizer
-    from moeguard_runtime.engine import Engine
+    from moeguard_runtime.api import tokenizer
+    from moeguard_runtime.engine.engine import Engine
 
     logits: list[torch.Tensor] = []
     hook = model.output.register_forward_hook(lambda _m, _i, out: logits.append(out.detach().clone()))
@@ -146,7 +147,7 @@ def _greedy(model: torch.nn.Module) -> tuple[list[int], list[torch.Tensor]]:
 
 
 def test_a_packed_model_generates_the_dense_models_tokens() -> None:
-    from moeguard_runtime.model import build_model
+    from moeguard_runtime.model.model import build_model
 
     dense = build_model(presets.get_preset("tiny"), seed=3)
     packed = build_model(presets.get_preset("tiny"), seed=3)
@@ -173,8 +174,8 @@ def test_the_worker_packs_frees_the_dense_weights_and_exports_the_choice(tmp_pat
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     from moeguard_runtime import __main__ as entry
     from moeguard_runtime.config import load_settings
-    from moeguard_runtime.model import build_model
-    from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
+    from moeguard_runtime.model.model import build_model
+    from moeguard_runtime.telemetry.telemetry import RateLimitedLog, Telemetry
 
     monkeypatch.setenv(kernel_select.ENV_KERNEL_CACHE_DIR, str(tmp_path))
     monkeypatch.setattr(kernel_select, "expert_timer",
@@ -200,10 +201,10 @@ def test_the_worker_packs_frees_the_dense_weights_and_exports_the_choice(tmp_pat
 
 def test_the_worker_does_not_pack_without_room_for_packing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from moeguard_runtime import __main__ as entry
-    from moeguard_runtime import memory
     from moeguard_runtime.config import load_settings
-    from moeguard_runtime.model import build_model
-    from moeguard_runtime.telemetry import Telemetry
+    from moeguard_runtime.memory import memory
+    from moeguard_runtime.model.model import build_model
+    from moeguard_runtime.telemetry.telemetry import Telemetry
 
     log = RecordingLog()
     events = log.events
@@ -235,9 +236,9 @@ def test_the_worker_does_not_pack_without_room_for_packing(tmp_path: Path, monke
 def test_a_forced_packed_kernel_packs_without_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
     from moeguard_runtime import __main__ as entry
     from moeguard_runtime.config import load_settings
-    from moeguard_runtime.ep_worker import follower_kernel
-    from moeguard_runtime.model import build_model
-    from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
+    from moeguard_runtime.model.model import build_model
+    from moeguard_runtime.parallel.ep_worker import follower_kernel
+    from moeguard_runtime.telemetry.telemetry import RateLimitedLog, Telemetry
 
     def no_timing(w13: torch.Tensor, w2: torch.Tensor) -> None:
         raise AssertionError("a forced kernel is not measured")
@@ -267,15 +268,15 @@ def test_a_forced_packed_kernel_packs_without_measuring(monkeypatch: pytest.Monk
 
 
 def test_expert_parallel_serves_packed_experts() -> None:
-    from moeguard_runtime.ep_worker import pack_follower
-    from moeguard_runtime.expert_parallel import (
+    from moeguard_runtime.model.model import build_model
+    from moeguard_runtime.parallel.ep_worker import pack_follower
+    from moeguard_runtime.parallel.expert_parallel import (
         expert_block_forward,
         expert_weights,
         moe_modules,
         shard_experts,
         strip_to_experts,
     )
-    from moeguard_runtime.model import build_model
 
     model = build_model(presets.get_preset("tiny"), seed=4)
     lo, hi = shard_experts(model, 1, 2)
@@ -306,8 +307,8 @@ def test_every_family_packs_and_keeps_its_logits(family: str) -> None:
     from bench.family_checkpoints import checkpoint_folder
     from tests.integration.worker.test_ep_numerics import FAMILIES
 
-    from moeguard_runtime.hf_checkpoint import load_hf_checkpoint
-    from moeguard_runtime.model import Segment
+    from moeguard_runtime.model.hf_checkpoint import load_hf_checkpoint
+    from moeguard_runtime.model.model import Segment
 
     folder = checkpoint_folder(FAMILIES[family])
 
@@ -332,7 +333,7 @@ def test_warm_rows_cover_every_bucket_and_both_input_layouts() -> None:
 
 
 def test_packing_creates_the_primitives_once_per_weight_shape(monkeypatch: pytest.MonkeyPatch) -> None:
-    from moeguard_runtime.model import build_model
+    from moeguard_runtime.model.model import build_model
 
     model = build_model(presets.get_preset("tiny"), seed=1)
     seen: list[tuple[int, tuple[int, ...]]] = []

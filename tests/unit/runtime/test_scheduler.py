@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from moeguard_runtime.contract import Budgets
-from moeguard_runtime.scheduler import (
+from moeguard_core.contract import Budgets
+from moeguard_runtime.engine.scheduler import (
     OverloadPolicy,
     PriorityPolicy,
     QueueLimits,

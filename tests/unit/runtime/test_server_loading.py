@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from moeguard_runtime.server import WorkerSlot, create_app
-from moeguard_runtime.telemetry import Telemetry
+from moeguard_runtime.api.server import WorkerSlot, create_app
+from moeguard_runtime.telemetry.telemetry import Telemetry
 
 pytestmark = pytest.mark.unit
 

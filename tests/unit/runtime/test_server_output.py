@@ -6,9 +6,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from moeguard_runtime import tokenizer
-from moeguard_runtime.server import WorkerSlot, _Output, create_app
-from moeguard_runtime.telemetry import Telemetry
+from moeguard_runtime.api import tokenizer
+from moeguard_runtime.api.server import WorkerSlot, _Output, create_app
+from moeguard_runtime.telemetry.telemetry import Telemetry
 
 pytestmark = pytest.mark.unit
 

@@ -6,15 +6,16 @@ import json
 
 import pytest
 
-from moeguard_runtime import presets, tokenizer
+from moeguard_core import presets
+from moeguard_core.contract import BudgetDocument, Budgets
+from moeguard_runtime.api import tokenizer
 from moeguard_runtime.config import load_settings
-from moeguard_runtime.contract import BudgetDocument, Budgets
-from moeguard_runtime.engine import Engine
-from moeguard_runtime.memory import MemoryReading
-from moeguard_runtime.model import build_model
-from moeguard_runtime.scheduler import Rejected
-from moeguard_runtime.service import Event, GenerationRequest, Worker
-from moeguard_runtime.telemetry import RateLimitedLog, Telemetry
+from moeguard_runtime.engine.engine import Engine
+from moeguard_runtime.engine.scheduler import Rejected
+from moeguard_runtime.engine.service import Event, GenerationRequest, Worker
+from moeguard_runtime.memory.memory import MemoryReading
+from moeguard_runtime.model.model import build_model
+from moeguard_runtime.telemetry.telemetry import RateLimitedLog, Telemetry
 
 pytestmark = pytest.mark.unit
 
@@ -264,7 +265,7 @@ def test_admitted_comes_before_tokens_and_never_after_a_queue_timeout() -> None:
 
 
 def test_the_self_trigger_holds_until_calm() -> None:
-    from moeguard_runtime.overload_trigger import worker_wants_overload
+    from moeguard_runtime.engine.overload_trigger import worker_wants_overload
 
     assert worker_wants_overload(active=False, pressure=True, calm=False)
     assert worker_wants_overload(active=True, pressure=False, calm=False)  # held

@@ -7,9 +7,9 @@ import torch
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from moeguard_runtime.contract import Budgets
-from moeguard_runtime.moe import routing_stats
-from moeguard_runtime.telemetry import (
+from moeguard_core.contract import Budgets
+from moeguard_runtime.model.moe import routing_stats
+from moeguard_runtime.telemetry.telemetry import (
     RateLimitedLog,
     Telemetry,
     worker_labels,

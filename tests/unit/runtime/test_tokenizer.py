@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from moeguard_runtime import tokenizer
-from moeguard_runtime.presets import VOCAB_SIZE
+from moeguard_core.presets import VOCAB_SIZE
+from moeguard_runtime.api import tokenizer
 
 pytestmark = pytest.mark.unit
 

@@ -6,16 +6,16 @@ from __future__ import annotations
 import pytest
 from tests.unit.runtime.test_telemetry import samples
 
-from moeguard_runtime import contract
-from moeguard_runtime.contract import Budgets
+from moeguard_core import contract
+from moeguard_core.contract import Budgets
+from moeguard_core.memory_admission import MemoryAdmission, StepPredictor
+from moeguard_core.memory_model import Step
+from moeguard_core.presets import get_preset
+from moeguard_core.ucx import UcxInfo, effective_settings, mapped_libraries, risky, ucx_info
+from moeguard_runtime.engine.scheduler import PriorityPolicy, QueueLimits, Scheduler
 from moeguard_runtime.faults import ENV_FAULT_LOAD_LIBRARY, Faults, load_faults, load_library
-from moeguard_runtime.memory_admission import MemoryAdmission, StepPredictor
-from moeguard_runtime.memory_model import Step
-from moeguard_runtime.peak_breakdown import Breakdown, PeakWindow, breakdown
-from moeguard_runtime.presets import get_preset
-from moeguard_runtime.scheduler import PriorityPolicy, QueueLimits, Scheduler
-from moeguard_runtime.telemetry import Telemetry
-from moeguard_runtime.ucx import UcxInfo, effective_settings, mapped_libraries, risky, ucx_info
+from moeguard_runtime.memory.peak_breakdown import Breakdown, PeakWindow, breakdown
+from moeguard_runtime.telemetry.telemetry import Telemetry
 
 pytestmark = pytest.mark.unit
 
@@ -173,7 +173,7 @@ def test_load_library_is_a_fault_behind_the_switch() -> None:
 def test_series_exist_from_the_start_and_move() -> None:
     import torch
 
-    from moeguard_runtime.moe import routing_stats
+    from moeguard_runtime.model.moe import routing_stats
 
     t = Telemetry(LABELS, num_experts=8)
     key = lambda **kw: tuple(sorted({**LABELS, **kw}.items()))  # noqa: E731

@@ -1,0 +1,341 @@
+"""The outer loop's decision, as a pure function: ``decide(observation, state, spec, now)``.
+
+No I/O and no clock: the handler passes ``now`` in and acts on the returned
+:class:`Decision`. The rules are AIMD with hysteresis (Chiu & Jain 1989, the
+rule TCP congestion control uses):
+
+* **Pressure** — a new OOM kill, expert skew above ``control.skewThreshold``, or
+  memory in use above ``control.rssSoftFraction`` of the hard limit — drops
+  budgets multiplicatively (× ``decreaseFactor``), never below their floors.
+  Skew drops the prefill budgets (prefill tokens, long requests per batch): the
+  per-expert buffers grow with the top expert's share of the prefill tokens.
+  Memory and OOM kills drop every budget.
+* Moves are at least ``cooldownSeconds`` apart; an OOM kill does not wait.
+* **Recovery** — after ``stabilizationWindowSeconds`` without pressure *and with
+  every signal visible all along* (no missing series, no silent pod, every pod's
+  series spanning the window, the leak window judged: blind time restarts the
+  window), budgets climb additively (+ ``increaseStep`` × ceiling), never above
+  their ceilings. An idle service (no batch in the window: ``skew_steps == 0``)
+  has no skew pressure and counts as seen, so it climbs back after a burst.
+* **No data is never read as healthy**: while blind the loop can tighten on what
+  it sees, but never loosens (KEDA #965, AIBrix #1032).
+* **Overload** (mode Auto) turns on when memory passes ``rssHardFraction``, the
+  refusal rate or p99 latency passes its threshold, or on an OOM kill; it turns
+  off only after a stabilization window without triggers, with full visibility.
+* **Leak** (:func:`judge_leak`): judged by its projected time to the hard limit. A leak is
+  suspected when the highest RSS slope (over ``leakWindowSeconds``) is above the noise floor
+  (:data:`LEAK_NOISE_BYTES_PER_SECOND`) and would take the highest memory use to
+  ``hardLimit`` within ``leakHorizonSeconds`` (or, deprecated, when it is above
+  ``leakSlopeBytesPerSecond`` where that is set). Its kind is what the workers flag
+  (``moeguard_memory_leak_suspected{kind}``: ``native`` or ``python_heap``), else
+  ``unclassified``. With ``leakAction: Restart`` it also asks for a rolling restart, at most
+  once per leak window.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from datetime import datetime
+from typing import Literal
+
+from moeguard_core.contract import Budgets
+from moeguard_operator.loop.observation import (
+    LEAK_NOISE_BYTES_PER_SECOND,
+    Observation,
+)
+from moeguard_operator.spec.models import BUDGET_FIELDS, BatchingSpec, MoEInferenceServiceSpec
+
+OverloadMode = Literal["On", "Off"]
+SKEW_FIELDS = ("max_prefill_tokens", "max_long_requests_per_batch")
+"""Budgets that expert skew drops."""
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    """The loop's memory between looks (persisted in ``status.control`` and ``status.budgets``)."""
+
+    budgets: Budgets
+    overload: OverloadMode = "Off"
+    last_change: datetime | None = None
+    last_pressure: datetime | None = None
+    last_overload_trigger: datetime | None = None
+    last_restart: datetime | None = None
+    last_blind: datetime | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do after one look.
+
+    Attributes:
+        state: the next loop state (budgets and overload mode in effect).
+        direction: ``down`` (tightened), ``up`` (relaxed) or ``hold``.
+        reasons: one sentence per signal that mattered, with its value.
+        pressure: the pressure signals seen (``OOMKilled``, ``ExpertSkew``, ``MemoryPressure``).
+        overload_changed: overload mode switched.
+        leak_suspected: the RSS slope passed the leak threshold (None: slope unknown).
+        restart: roll the workers now (leak action Restart).
+        leak: the leak verdict behind ``leak_suspected`` (None: slope unknown).
+    """
+
+    state: PolicyState
+    direction: Literal["down", "up", "hold"]
+    reasons: tuple[str, ...]
+    pressure: tuple[str, ...] = ()
+    overload_changed: bool = False
+    leak_suspected: bool | None = None
+    restart: bool = False
+    leak: LeakVerdict | None = None
+
+    @property
+    def changed(self) -> bool:
+        return self.direction != "hold"
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(self.reasons)
+
+
+LEAK_KIND_REASONS = {"native": "NativeLeak", "python_heap": "PythonHeapLeak", "unclassified": "RSSGrowing"}
+"""The MemoryLeakSuspected condition's reason for each leak kind."""
+
+
+@dataclass(frozen=True)
+class LeakVerdict:
+    """The leak judgement of one look.
+
+    Attributes:
+        suspected: a leak is suspected.
+        kind: ``native``, ``python_heap`` (what the workers flag; both: ``native+python_heap``),
+            ``unclassified`` (the workers flag none) when suspected; ``none`` otherwise.
+        seconds_to_limit: projected seconds until ``hardLimit`` at the current slope (inf: not growing).
+        message: one sentence naming the kind, the slope, the projection and the horizon.
+    """
+
+    suspected: bool
+    kind: str
+    seconds_to_limit: float
+    message: str
+
+    @property
+    def reason(self) -> str:
+        """The condition's reason: ``NativeLeak``, ``PythonHeapLeak``, ``RSSGrowing`` (unclassified or both),
+        ``RSSFlat`` (not suspected)."""
+        return LEAK_KIND_REASONS.get(self.kind, "RSSGrowing") if self.suspected else "RSSFlat"
+
+
+def seconds_to_hard_limit(slope_bytes_per_second: float, memory_ratio: float | None, hard_limit_bytes: int) -> float:
+    """Seconds until memory reaches ``hard_limit_bytes`` at ``slope_bytes_per_second`` from ``memory_ratio``
+    of it in use (None: unknown, projected from 0: the longest time); ``math.inf`` when not growing."""
+    if slope_bytes_per_second <= 0:
+        return math.inf
+    headroom = hard_limit_bytes * min(1.0, max(0.0, 1.0 - (memory_ratio or 0.0)))
+    return headroom / slope_bytes_per_second
+
+
+def _duration(seconds: float) -> str:
+    if math.isinf(seconds):
+        return "never"
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
+
+
+def judge_leak(obs: Observation, spec: MoEInferenceServiceSpec) -> LeakVerdict | None:
+    """The leak verdict of ``obs`` under ``spec.control`` (see the module docstring); None (Unknown) without a
+    slope, or when some pods' leak window cannot be judged yet (``slope_unknown``) and the others show no
+    leak: "not suspected" needs every pod."""
+    slope, control = obs.rss_slope_bytes_per_second, spec.control
+    if slope is None:
+        return None
+    eta = seconds_to_hard_limit(slope, obs.memory_ratio, spec.resources.hard_limit_bytes)
+    legacy = control.leak_slope_bytes_per_second
+    suspected = slope > LEAK_NOISE_BYTES_PER_SECOND and (
+        eta <= control.leak_horizon_seconds or (legacy is not None and slope > legacy))
+    if not suspected and obs.slope_unknown is not None:
+        return None
+    kind = ("+".join(obs.leak_kinds) or "unclassified") if suspected else "none"
+    parts = dict(obs.growth_bytes_per_second)
+    detail = ", ".join(f"{part} {parts[part] / 2**20 * 60:+.0f} MiB/min" for part in ("rss_anonymous", "malloc_in_use")
+                       if part in parts)
+    used = "" if obs.memory_ratio is None else f" at {obs.memory_ratio:.0%} of hardLimit"
+    head = f"{kind} leak suspected: " if suspected else ""
+    message = (f"{head}RSS {slope / 2**20 * 60:+.1f} MiB/min over {control.leak_window_seconds}s{used}"
+               + (f" ({detail})" if detail else "")
+               + f"; hardLimit reached in {_duration(eta)} at this slope (leakHorizonSeconds "
+               + f"{_duration(control.leak_horizon_seconds)})")
+    return LeakVerdict(suspected, kind, eta, message)
+
+
+def initial_budgets(batching: BatchingSpec) -> Budgets:
+    """The budgets a spec starts with: its ``batching`` values."""
+    return Budgets.model_validate({name: getattr(batching, name) for name in BUDGET_FIELDS})
+
+
+def ceilings(batching: BatchingSpec) -> Budgets:
+    """Each budget's ceiling: ``batching.ceilings`` where set, else the initial value."""
+    return Budgets.model_validate({
+        name: getattr(batching.ceilings, name) if getattr(batching.ceilings, name) is not None else getattr(batching, name)
+        for name in BUDGET_FIELDS
+    })
+
+
+def floors(batching: BatchingSpec) -> Budgets:
+    """Each budget's floor."""
+    return Budgets.model_validate({name: getattr(batching.floors, name) for name in BUDGET_FIELDS})
+
+
+def decrease(budgets: Budgets, factor: float, lower: Budgets, names: tuple[str, ...]) -> Budgets:
+    """``budgets`` with each of ``names`` × ``factor``, never below ``lower`` (integers round down)."""
+    update: dict[str, float | int] = {}
+    for name in names:
+        value, floor = getattr(budgets, name), getattr(lower, name)
+        if isinstance(value, int):
+            new: float | int = max(floor, min(value - 1, math.floor(value * factor))) if value > floor else value
+        else:
+            new = max(floor, value * factor)
+        update[name] = new
+    return budgets.model_copy(update=update)
+
+
+def increase(budgets: Budgets, step: float, upper: Budgets) -> Budgets:
+    """``budgets`` with each budget + ``step`` × its ceiling (at least 1), never above ``upper``."""
+    update: dict[str, float | int] = {}
+    for name in BUDGET_FIELDS:
+        value, ceiling = getattr(budgets, name), getattr(upper, name)
+        if isinstance(value, int):
+            update[name] = min(ceiling, value + max(1, round(step * ceiling)))
+        else:
+            update[name] = min(ceiling, value + step * ceiling)
+    return budgets.model_copy(update=update)
+
+
+def _since(now: datetime, then: datetime | None) -> float:
+    return math.inf if then is None else (now - then).total_seconds()
+
+
+def _describe(before: Budgets, after: Budgets) -> str:
+    moves = [f"{_camel(n)} {getattr(before, n):g} -> {getattr(after, n):g}"
+             for n in BUDGET_FIELDS if getattr(before, n) != getattr(after, n)]
+    return ", ".join(moves)
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(p.title() for p in rest)
+
+
+def decide(observation: Observation, state: PolicyState, spec: MoEInferenceServiceSpec, now: datetime) -> Decision:
+    """Decide the next loop state from one observation (see the module docstring)."""
+    control, batching, overload_spec = spec.control, spec.batching, spec.overload
+    obs = observation
+    reasons: list[str] = []
+    pressure: list[str] = []
+    names: set[str] = set()
+    if obs.new_oom_kills > 0:
+        pressure.append("OOMKilled")
+        reasons.append(f"{obs.new_oom_kills} OOM kill(s)")
+        names.update(BUDGET_FIELDS)
+    if obs.skew_ratio is not None and obs.skew_ratio > control.skew_threshold:
+        pressure.append("ExpertSkew")
+        reasons.append(f"expert skew ratio {obs.skew_ratio:.2f} > threshold {control.skew_threshold:g}")
+        names.update(SKEW_FIELDS)
+    if obs.memory_ratio is not None and obs.memory_ratio > control.rss_soft_fraction:
+        pressure.append("MemoryPressure")
+        reasons.append(f"memory {obs.memory_ratio:.0%} of hardLimit > rssSoftFraction {control.rss_soft_fraction:.0%}")
+        names.update(BUDGET_FIELDS)
+    if not obs.available:
+        reasons.append(f"metrics unavailable ({obs.error or 'no data'}): not loosening")
+    elif obs.silent_pods:
+        reasons.append(f"silent pods {', '.join(obs.silent_pods)}: not loosening")
+    elif obs.crash_looping_pods:
+        reasons.append(f"crash-looping pods {', '.join(obs.crash_looping_pods)}: not loosening")
+    elif obs.short_history_pods:
+        reasons.append(f"{obs.short_history}: not loosening")
+    elif obs.skew_unknown_pods:
+        reasons.append(f"expert skew unknown for {', '.join(obs.skew_unknown_pods)} (counter reset): not loosening")
+    elif not obs.skew_seen:
+        reasons.append("no expert-skew samples yet (no batch large enough): not loosening")
+    elif obs.slope_unknown is not None:
+        reasons.append(f"leak window not judged ({obs.slope_unknown}): not loosening")
+    # Blind time never counts as calm: the stabilization window restarts when sight returns.
+    last_blind = state.last_blind if obs.fully_visible else now
+
+    budgets, direction = state.budgets, "hold"
+    last_change, last_pressure = state.last_change, state.last_pressure
+    if pressure:
+        last_pressure = now
+        urgent = "OOMKilled" in pressure
+        if urgent or _since(now, state.last_change) >= control.cooldown_seconds:
+            ordered = tuple(n for n in BUDGET_FIELDS if n in names)
+            new = decrease(state.budgets, control.decrease_factor, floors(batching), ordered)
+            if new != state.budgets:
+                reasons.append(_describe(state.budgets, new))
+                budgets, direction, last_change = new, "down", now
+            else:
+                reasons.append("budgets already at their floors")
+        else:
+            reasons.append("in cooldown")
+    elif obs.fully_visible:
+        calm = min(_since(now, state.last_pressure), _since(now, state.last_blind)) >= control.stabilization_window_seconds
+        rested = _since(now, state.last_change) >= control.cooldown_seconds
+        new = increase(state.budgets, control.increase_step, ceilings(batching))
+        if new != state.budgets and calm and rested:
+            reasons.append(f"no pressure for {control.stabilization_window_seconds}s: {_describe(state.budgets, new)}")
+            budgets, direction, last_change = new, "up", now
+        elif new != state.budgets:
+            reasons.append("no pressure; waiting for the stabilization window" if not calm else "no pressure; in cooldown")
+
+    # Overload mode.
+    triggers: list[str] = []
+    if obs.memory_ratio is not None and obs.memory_ratio > control.rss_hard_fraction:
+        triggers.append(f"memory {obs.memory_ratio:.0%} of hardLimit > rssHardFraction {control.rss_hard_fraction:.0%}")
+    if obs.rejection_rate_per_second is not None and obs.rejection_rate_per_second > overload_spec.rejection_rate_per_second:
+        triggers.append(f"{obs.rejection_rate_per_second:.2f} refusals/s > {overload_spec.rejection_rate_per_second:g}")
+    if obs.p99_latency_seconds is not None and obs.p99_latency_seconds > overload_spec.p99_latency_seconds:
+        triggers.append(f"p99 latency {obs.p99_latency_seconds:.1f}s > {overload_spec.p99_latency_seconds:g}s")
+    if obs.new_oom_kills:
+        triggers.append("OOM kill")
+    last_trigger = now if triggers else state.last_overload_trigger
+    overload = state.overload
+    if overload_spec.mode != "Auto":
+        overload = overload_spec.mode
+    elif triggers:
+        overload = "On"
+    elif (state.overload == "On" and obs.fully_visible
+          and min(_since(now, state.last_overload_trigger), _since(now, state.last_blind))
+          >= control.stabilization_window_seconds):
+        overload = "Off"
+    overload_changed = overload != state.overload
+    if overload_changed:
+        why = "; ".join(triggers) if overload == "On" and triggers else (
+            f"overload.mode {overload_spec.mode}" if overload_spec.mode != "Auto" else
+            f"no overload trigger for {control.stabilization_window_seconds}s")
+        reasons.append(f"overload mode {state.overload} -> {overload} ({why})")
+
+    # Leak.
+    verdict = judge_leak(obs, spec)
+    leak = None if verdict is None else verdict.suspected
+    restart = bool(leak) and control.leak_action == "Restart" and _since(now, state.last_restart) >= control.leak_window_seconds
+    if verdict is not None and verdict.suspected:
+        reasons.append(verdict.message + ("; rolling restart" if restart else ""))
+
+    next_state = replace(
+        state,
+        budgets=budgets,
+        overload=overload,
+        last_change=last_change,
+        last_pressure=last_pressure,
+        last_overload_trigger=last_trigger,
+        last_restart=now if restart else state.last_restart,
+        last_blind=last_blind,
+    )
+    return Decision(
+        state=next_state,
+        direction=direction,  # type: ignore[arg-type]
+        reasons=tuple(reasons),
+        pressure=tuple(pressure),
+        overload_changed=overload_changed,
+        leak_suspected=leak,
+        restart=restart,
+        leak=verdict,
+    )

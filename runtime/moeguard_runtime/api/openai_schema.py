@@ -1,0 +1,326 @@
+"""Request bodies of the OpenAI-compatible endpoints, and the checks pydantic cannot say well.
+
+Types are strict, as JSON Schema states them: ``"5"`` and ``true`` are not
+integers, while ``5.0`` is (JSON Schema's integers include numbers with a zero
+fraction); ``"1"`` is not a number. Fields of OpenAI's API that the worker does
+not implement are refused by name, never silently ignored: unknown ones by
+``extra="forbid"``, and ``n``/``best_of`` above 1, ``logprobs``, ``top_logprobs``
+by :func:`refused_fields`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from moeguard_runtime.engine.scheduler import (
+    MAX_PRIORITY,
+    PRIORITY_HELP,
+    PRIORITY_NAMES,
+    priority_class,
+)
+
+MAX_TOKENS_LIMIT = 1_048_576
+MAX_STOP_STRINGS = 4
+"""OpenAI's limit on ``stop``."""
+CHAT_ROLES = ("system", "user", "assistant")
+"""Roles a chat message may have (tool calls are not supported)."""
+
+
+class InvalidRequest(ValueError):
+    """A 400: ``message`` names the field and the limit; ``param`` is the field."""
+
+    def __init__(self, message: str, param: str | None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+class StreamOptions(BaseModel):
+    """OpenAI ``stream_options``: ``include_usage`` adds a last chunk with ``usage``
+    (and ``"choices": []``) before ``[DONE]``. Other keys are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = Field(default=False, strict=True)
+
+
+class _Sampling(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(default=None, max_length=256, strict=True,
+                              description="The served model's name (GET /v1/models) or an alias; "
+                                          "another name is a 404 model_not_found.")
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="0 is greedy.")
+    seed: int | None = Field(default=None, ge=0, le=MAX_PRIORITY, description="Up to 2**53 - 1 (I-JSON's exact range).")
+    stream: bool = Field(default=False, strict=True)
+    stream_options: StreamOptions | None = Field(
+        default=None, description="OpenAI's stream options; only with stream: true.")
+    stop: str | list[str] | None = Field(
+        default=None, description=f"Up to {MAX_STOP_STRINGS} strings; generation ends before "
+                                  "the first one, which is not returned (finish_reason stop).")
+    n: int = Field(default=1, ge=1, le=1, description="Only 1 is supported.")
+    top_p: float = Field(default=1.0, ge=1.0, le=1.0,
+                         description="Only 1 (no nucleus sampling); clients send it as a default.")
+    frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0, description="Only 0 (no penalty).")
+    presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0, description="Only 0 (no penalty).")
+    user: str | None = Field(default=None, max_length=256, strict=True)
+    priority: str | int | None = Field(
+        default=None, description=f"The request's class, {PRIORITY_HELP}; default interactive "
+                                  "(or the X-Priority header). Interactive requests go first in every mode.",
+        json_schema_extra={"anyOf": [{"enum": list(PRIORITY_NAMES)},
+                                     {"type": "integer", "minimum": -MAX_PRIORITY, "maximum": MAX_PRIORITY},
+                                     {"type": "null"}]})
+
+    @field_validator("priority", mode="before")
+    @classmethod
+    def _priority_class(cls, value: Any) -> Any:
+        """The class name (:func:`scheduler.priority_class`) of one of :data:`scheduler.PRIORITY_NAMES` or
+        an integer within :data:`scheduler.MAX_PRIORITY` (5.0 is an integer, as in JSON Schema)."""
+        if value is None:
+            return None
+        if isinstance(value, float) and value.is_integer() and abs(value) <= MAX_PRIORITY:
+            value = int(value)
+        if isinstance(value, str) and value in PRIORITY_NAMES:
+            return priority_class(value)
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) <= MAX_PRIORITY:
+            return priority_class(value)
+        raise ValueError(f"must be {PRIORITY_HELP}")
+
+    @field_validator("temperature", "seed", "n", "top_p", "frequency_penalty", "presence_penalty",
+                     mode="before", check_fields=False)
+    @classmethod
+    def _numbers_only(cls, value: Any) -> Any:
+        if isinstance(value, (str, bool)):
+            raise ValueError(f"Input should be a JSON number, not {type(value).__name__}")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_count(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, given {len(value)}")
+        return value
+
+    @property
+    def stops(self) -> list[str]:
+        """``stop`` as a list (empty strings dropped)."""
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return [s for s in stop if s]
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_Sampling):
+    """The body of ``POST /v1/completions``.
+
+    ``prompt``: a string, token ids, or a list of one of them (one prompt per
+    request: a list of several is refused, as ``n`` > 1 is). Token ids are used
+    as given (no BOS added). ``echo`` prepends the prompt's text to the output.
+    """
+
+    prompt: Prompt = Field(description="Text or token ids to complete; exactly one prompt.")
+    max_tokens: int = Field(default=16, ge=1, le=MAX_TOKENS_LIMIT,
+                            description="Tokens to generate; prompt tokens + max_tokens must fit "
+                                        "the model's context (GET /v1/models max_model_len).")
+    echo: bool = Field(default=False, strict=True, description="Return the prompt before the completion.")
+    best_of: int | None = Field(default=None, ge=1, le=1, description="Only 1 is supported.")
+    logprobs: int | None = Field(default=None, description="Not supported: must be null.")
+
+    @field_validator("max_tokens", "best_of", mode="before")
+    @classmethod
+    def _ints_only(cls, value: Any) -> Any:
+        if isinstance(value, (str, bool)):
+            raise ValueError(f"Input should be a JSON number, not {type(value).__name__}")
+        return value
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_form(cls, value: Any) -> Any:
+        """One of the four forms; token ids as JSON Schema integers (``5.0`` is one)."""
+        def ids(v: Any) -> list[int] | None:
+            if not isinstance(v, list) or not all(
+                    (isinstance(i, int) and not isinstance(i, bool))
+                    or (isinstance(i, float) and i.is_integer()) for i in v):
+                return None
+            return [int(i) for i in v]
+
+        if isinstance(value, str):
+            return value
+        if (as_ids := ids(value)) is not None:
+            return as_ids
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return value
+        lists = [ids(v) for v in value] if isinstance(value, list) else [None]
+        if all(v is not None for v in lists):
+            return lists
+        raise ValueError("Input should be a string, a list of strings, a list of token ids "
+                         "or a list of token-id lists")
+
+
+class ChatCompletionRequest(_Sampling):
+    """The body of ``POST /v1/chat/completions``.
+
+    ``messages`` are checked by :func:`chat_messages` (roles, content types);
+    ``max_completion_tokens`` is OpenAI's newer name for ``max_tokens`` (give at
+    most one). Without either, generation may fill the context.
+    """
+
+    messages: list[Any] = Field(description="The conversation: objects with role and content.")
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    logprobs: bool | None = Field(default=None, strict=True, description="Not supported: false or null.")
+    top_logprobs: int | None = Field(default=None, description="Not supported: must be null.")
+
+    @field_validator("max_tokens", "max_completion_tokens", mode="before")
+    @classmethod
+    def _ints_only(cls, value: Any) -> Any:
+        if isinstance(value, (str, bool)):
+            raise ValueError(f"Input should be a JSON number, not {type(value).__name__}")
+        return value
+
+
+def refused_fields(body: CompletionRequest | ChatCompletionRequest) -> None:
+    """Refuse fields OpenAI has and the worker does not implement.
+
+    Raises:
+        InvalidRequest: naming the field (``logprobs``, ``top_logprobs``,
+            ``stream_options`` without ``stream``, both max token fields).
+    """
+    if body.logprobs not in (None, False):
+        raise InvalidRequest(f"invalid field 'logprobs': log probabilities are not supported; "
+                             f"given: {body.logprobs!r}", "logprobs", "unsupported_field")
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs is not None:
+            raise InvalidRequest("invalid field 'top_logprobs': log probabilities are not "
+                                 f"supported; given: {body.top_logprobs!r}", "top_logprobs",
+                                 "unsupported_field")
+        if body.max_tokens is not None and body.max_completion_tokens is not None:
+            raise InvalidRequest("give 'max_completion_tokens' or its older name 'max_tokens', "
+                                 "not both", "max_completion_tokens", "conflicting_fields")
+    if body.stream_options is not None and not body.stream:
+        raise InvalidRequest("invalid field 'stream_options': only allowed when 'stream' is "
+                             "true; given: stream false", "stream_options",
+                             "stream_options_without_stream")
+
+
+def prompt_ids(prompt: Prompt, vocab_size: int) -> list[int] | str:
+    """The one prompt of ``prompt``: its text (str) or its token ids (list).
+
+    Raises:
+        InvalidRequest: empty prompt, several prompts, or an id outside
+            ``[0, vocab_size)`` (naming ``prompt`` and the limit).
+    """
+    value: Any = prompt
+    if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+        if len(value) != 1:
+            raise InvalidRequest(f"invalid field 'prompt': {len(value)} prompts in one request; "
+                                 f"only one is supported (limit: 1 prompt, as n <= 1)", "prompt")
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise InvalidRequest("invalid field 'prompt': the prompt must not be empty; given: \"\"",
+                                 "prompt")
+        return value
+    if not value:
+        raise InvalidRequest("invalid field 'prompt': the prompt must not be empty; given: []",
+                             "prompt")
+    bad = next((i for i in value if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        shown = str(bad) if len(str(bad)) <= 40 else f"{str(bad)[:20]}...({len(str(bad))} digits)"
+        raise InvalidRequest(f"invalid field 'prompt': token id {shown} is outside the vocabulary "
+                             f"(limit: 0 <= id < {vocab_size})", "prompt")
+    return list(value)
+
+
+_REFUSED_PARTS = {"image_url": "images", "image": "images", "input_image": "images",
+                  "input_audio": "audio", "audio": "audio", "file": "files", "video": "video"}
+
+
+def chat_messages(messages: list[Any]) -> list[dict[str, str]]:
+    """``messages`` as the chat template reads them: ``{"role", "content"[, "name"]}``
+    with ``content`` a string (text parts joined by newlines, as vLLM does).
+
+    Raises:
+        InvalidRequest: no message, a message that is not an object, an unknown
+            role, an unknown key, or content of the wrong type (images, audio and
+            files are refused by name); ``param`` is the field, e.g. ``messages.1.role``.
+    """
+    if not messages:
+        raise InvalidRequest("invalid field 'messages': at least one message is required "
+                             "(limit: min_length 1); given: []", "messages")
+    out: list[dict[str, str]] = []
+    for i, message in enumerate(messages):
+        where = f"messages.{i}"
+        if not isinstance(message, dict):
+            raise InvalidRequest(f"invalid field '{where}': a message must be an object with role "
+                                 f"and content; given a {type(message).__name__}", where)
+        extra = sorted(set(message) - {"role", "content", "name"})
+        if extra:
+            raise InvalidRequest(f"unknown field '{where}.{extra[0]}': messages hold role, content "
+                                 f"and name (tool calls are not supported)", f"{where}.{extra[0]}")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise InvalidRequest(f"invalid field '{where}.role': must be one of "
+                                 f"{', '.join(CHAT_ROLES)}; given: {role!r}", f"{where}.role")
+        entry = {"role": role, "content": _content(message.get("content"), f"{where}.content")}
+        name = message.get("name")
+        if name is not None:
+            if not isinstance(name, str):
+                raise InvalidRequest(f"invalid field '{where}.name': must be a string; given: "
+                                     f"{type(name).__name__}", f"{where}.name")
+            entry["name"] = name
+        out.append(entry)
+    return out
+
+
+def _content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        given = "null" if content is None else type(content).__name__
+        raise InvalidRequest(f"invalid field '{where}': must be a string or a list of text parts "
+                             f"({{\"type\": \"text\", \"text\": ...}}); given: {given}", where)
+    texts = []
+    for j, part in enumerate(content):
+        at = f"{where}.{j}"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _REFUSED_PARTS:
+            raise InvalidRequest(f"invalid field '{at}.type': {_REFUSED_PARTS[kind]} are not "
+                                 f"supported, this model reads text only; given: {kind!r}",
+                                 f"{at}.type", "unsupported_content")
+        if kind != "text" or not isinstance(part.get("text"), str) or set(part) != {"type", "text"}:
+            raise InvalidRequest(f"invalid field '{at}': a content part must be "
+                                 f"{{\"type\": \"text\", \"text\": <string>}}; given: "
+                                 f"{str(part)[:100]}", at)
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+_TEXT_PART = {"type": "object", "additionalProperties": False, "required": ["type", "text"],
+              "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+MESSAGES_SCHEMA: dict[str, Any] = {
+    "type": "array", "minItems": 1, "items": {
+        "type": "object", "additionalProperties": False, "required": ["role", "content"],
+        "properties": {
+            "role": {"enum": list(CHAT_ROLES)},
+            "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]},
+            "name": {"type": "string"}}}}
+"""What :func:`chat_messages` accepts, for the OpenAPI document."""
+
+
+def prompt_schema(vocab_size: int) -> dict[str, Any]:
+    """What :func:`prompt_ids` accepts, for the OpenAPI document."""
+    ids = {"type": "array", "minItems": 1,
+           "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}
+    text = {"type": "string", "minLength": 1}
+    return {"description": "One prompt: text, token ids, or a list holding one of them.",
+            "anyOf": [text, ids, {"type": "array", "minItems": 1, "maxItems": 1, "items": text},
+                      {"type": "array", "minItems": 1, "maxItems": 1, "items": ids}]}

@@ -1,0 +1,70 @@
+"""Overload mode: its sources, and the worker's own trigger (mode ``Auto``).
+
+Overload mode is on when any source asks for it (exported as
+``moeguard_overload_active{source}``): the operator (``overloadMode: On`` in the
+budget document), the environment (``MOEGUARD_OVERLOAD_MODE=On``), or, only in
+mode ``Auto``, the worker itself: on when memory is above the soft limit or the
+queue holds at least :data:`OVERLOAD_QUEUE_ON` of ``max_queue_requests``; off
+again once memory is below the soft limit, the queue at most
+:data:`OVERLOAD_QUEUE_OFF` of it, and :data:`OVERLOAD_HOLD_S` seconds have
+passed since the last trigger.
+"""
+
+from __future__ import annotations
+
+from moeguard_runtime.engine.scheduler import OverloadPolicy, Scheduler
+from moeguard_runtime.telemetry.telemetry import RateLimitedLog, Telemetry
+
+OVERLOAD_HOLD_S = 5.0
+OVERLOAD_QUEUE_ON, OVERLOAD_QUEUE_OFF = 0.8, 0.4
+
+
+def worker_wants_overload(active: bool, pressure: bool, calm: bool) -> bool:
+    """The self-trigger's next state: on under pressure, kept on until calm."""
+    return pressure or (active and not calm)
+
+
+class OverloadTrigger:
+    """The sources of overload mode and the policy it applies; pushes both into the
+    scheduler (callers hold the scheduler's lock, or call before the loop starts)."""
+
+    def __init__(self, mode: str, policy: OverloadPolicy, telemetry: Telemetry,
+                 log: RateLimitedLog) -> None:
+        self.mode = mode
+        self.policy = policy
+        self.sources = {"operator": False, "worker": False, "env": mode == "On"}
+        self._telemetry, self._log = telemetry, log
+        self._last_trigger = -1e18
+
+    @property
+    def active(self) -> bool:
+        return any(self.sources.values())
+
+    def apply(self, scheduler: Scheduler) -> None:
+        """Push the state into ``scheduler``, export it, log a change."""
+        on = self.active
+        changed = on != scheduler.overload
+        scheduler.set_overload(on, self.policy)
+        tel = self._telemetry
+        for source, active in self.sources.items():
+            tel.overload.labels(**tel.l(source=source)).set(int(active))
+        if changed:
+            self._log.event("overload_mode", force=True, active=on,
+                            sources=",".join(k for k, v in self.sources.items() if v) or "none",
+                            max_context_tokens=self.policy.max_context_tokens)
+
+    def trigger(self, scheduler: Scheduler, now: float, memory_normal: bool) -> None:
+        """The worker's own trigger at ``now`` (monotonic s); mode ``Auto`` only."""
+        if self.mode != "Auto":
+            return
+        max_queue = scheduler.next_budgets.max_queue_requests
+        queue = scheduler.queue_requests
+        pressure = not memory_normal or queue >= OVERLOAD_QUEUE_ON * max_queue
+        if pressure:
+            self._last_trigger = now
+        calm = (memory_normal and queue <= OVERLOAD_QUEUE_OFF * max_queue
+                and now - self._last_trigger >= OVERLOAD_HOLD_S)
+        want = worker_wants_overload(self.sources["worker"], pressure, calm)
+        if want != self.sources["worker"]:
+            self.sources["worker"] = want
+            self.apply(scheduler)
