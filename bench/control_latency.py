@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from hack import stack
 from harness import control_plane as cp
+from harness import stack
 
 from bench.control_stats import all_reached, direction_changes, steps, summary
 from bench.headline import machine

@@ -25,8 +25,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from hack import stack
 from harness import control_plane as cp
+from harness import stack
 from harness.loadgen import load_schedule
 from harness.loadgen.client import replay
 from harness.loadgen.stats import summarize as summarize_run

@@ -51,8 +51,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hack import stack
 from harness import control_plane as cp
+from harness import stack
 from harness.loadgen import prompt_of_length
 from harness.loadgen.client import burst
 from harness.loadgen.stats import summarize

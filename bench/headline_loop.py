@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from hack import stack
 from harness import control_plane as cp
+from harness import stack
 from harness.loadgen import run_requests
 
 from bench import headline_sampler

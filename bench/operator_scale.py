@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from hack import stack
+from harness import stack
 
 RESULTS = stack.ROOT / "bench" / "results"
 SNAPSHOT_SECONDS = 20.0

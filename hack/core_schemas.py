@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "operator"), str(ROOT / "runtime"), str(ROOT / "core")]
 
-from hack.stack import RUN_DIR, kubectl  # noqa: E402
+from harness.stack import RUN_DIR, kubectl  # noqa: E402
 
 from moeguard_operator.spec.core_schemas import SCHEMA_FILE, build_file  # noqa: E402
 

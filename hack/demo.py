@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hack import stack
+from harness import stack
 from harness.loadgen.client import burst, replay
 from harness.loadgen.records import RunResult
 from harness.loadgen.stats import summarize

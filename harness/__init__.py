@@ -1,3 +1,3 @@
-"""The test harness shared by hack/, bench/ and tests/: the worker launcher, the metrics text parser,
-the local control plane helpers and the load generator. May import hack.stack; hack/ imports
-harness, never bench/."""
+"""The test harness shared by hack/, bench/ and tests/: stack (kubectl, helm, Prometheus, the operator
+process), the worker launcher, the metrics text parser, the control-plane helpers, the load generator.
+Imports neither hack/ nor bench/ (it runs hack/ scripts by path); hack/ and bench/ import it."""

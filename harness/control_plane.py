@@ -1,7 +1,7 @@
 """The local control plane, as the closed-loop benchmarks use it (``bench.control_latency``,
 ``bench.headline_loop``): only the project's stable interfaces.
 
-* the cluster: ``hack/cluster-up.sh`` and the CRD (:mod:`hack.stack`);
+* the cluster: ``hack/cluster-up.sh`` and the CRD (:mod:`harness.stack`);
 * the operator: its command line as in the Makefile's ``operator`` target (no extra flags);
 * the workers: ``hack/pod_workers.py start|stop`` and its state file (``workers.json``: pod -> url);
 * a MoEInferenceService: ``kubectl apply``; pods and their status: ``kubectl get -o json``;
@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from hack import stack
 
+from harness import stack
 from harness.metrics_text import samples
 
 BUDGET_PREFIX = "moeguard_budget_"

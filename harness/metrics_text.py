@@ -1,6 +1,6 @@
 """Samples from a worker's Prometheus text exposition (``/metrics``), parsed by prometheus_client.
 
-Pure: text in, samples out. Shared by the headline experiment, the soak and ``hack/stack.py``.
+Pure: text in, samples out. Shared by the headline experiment, the soak and ``harness/stack.py``.
 """
 
 from __future__ import annotations

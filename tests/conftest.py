@@ -1,5 +1,5 @@
 """Suite-wide set-up (rules and reasons in tests/suite_setup.py): each pytest-xdist worker its own local
-cluster, set here at import, before any test module reads ``hack.stack``; every collected test marked."""
+cluster, set here at import, before any test module reads ``harness.stack``; every collected test marked."""
 
 from __future__ import annotations
 

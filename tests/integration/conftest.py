@@ -28,10 +28,10 @@ from typing import Any
 
 import httpx
 import pytest
-from hack import stack
+from harness import stack
 
 # hack/cluster-up.sh adds MOEGUARD_PORT_OFFSET to every port (a second cluster beside the first)
-from hack.stack import PROMETHEUS_URL, ROOT, RUN_DIR
+from harness.stack import PROMETHEUS_URL, ROOT, RUN_DIR
 
 HACK = ROOT / "hack"
 
@@ -51,15 +51,15 @@ class Cluster:
 
     def kubectl(self, *args: str, check: bool = True, input: str | None = None,
                 timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        """Run the pinned kubectl against this cluster (hack.stack.kubectl); raises
-        hack.stack.ToolError with its stderr when ``check``."""
+        """Run the pinned kubectl against this cluster (harness.stack.kubectl); raises
+        harness.stack.ToolError with its stderr when ``check``."""
         return stack.kubectl(*args, check=check, stdin=input, timeout=timeout, run_dir=self.run_dir)
 
     def kubectl_json(self, *args: str) -> Any:
         return stack.kubectl_json(*args, run_dir=self.run_dir)
 
     def prometheus_query(self, query: str) -> list[dict[str, Any]]:
-        """The result vector of an instant query (hack.stack.prom_results); raises when unreachable."""
+        """The result vector of an instant query (harness.stack.prom_results); raises when unreachable."""
         return stack.prom_results(query, self.prometheus_url)
 
 

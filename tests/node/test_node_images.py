@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hack.stack import RUN_DIR
+from harness.stack import RUN_DIR
 
 pytestmark = pytest.mark.node
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import httpx
 import pytest
-from hack import stack
-from hack.stack import ROOT, RUN_DIR
+from harness import stack
+from harness.stack import ROOT, RUN_DIR
 
 from moeguard_operator.children.builders import Owner, build_workload
 from moeguard_operator.spec.models import MoEInferenceServiceSpec

@@ -7,8 +7,8 @@ import json
 from typing import Any
 
 import pytest
-from hack import stack
-from hack.stack import ROOT
+from harness import stack
+from harness.stack import ROOT
 from tests.integration.conftest import Cluster
 
 from moeguard_operator.children.builders import Owner, build_children, dropped_volumes

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 from hack import pod_workers
-from hack.stack import wait_for
+from harness.stack import wait_for
 from tests.integration.conftest import PodWorkers
 
 from moeguard_core import contract as k
@@ -98,7 +98,7 @@ def lws_workers(cluster: Cluster, namespace: str) -> Iterator[PodWorkers]:
 
 
 def wait(what: str, check: Any, timeout: float = 30) -> Any:
-    """:func:`hack.stack.wait_for` with this file's argument order and a 0.25-s interval."""
+    """:func:`harness.stack.wait_for` with this file's argument order and a 0.25-s interval."""
     return wait_for(check, timeout, what, interval=0.25)
 
 

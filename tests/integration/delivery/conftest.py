@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from hack.stack import ROOT, run_tool
+from harness.stack import ROOT, run_tool
 
 CHART = ROOT / "charts" / "moeguard"
 KUBE_VERSION = "1.34.4"
@@ -17,7 +17,7 @@ Run = Callable[..., subprocess.CompletedProcess[str]]
 
 
 def _runner(tool: str, run_dir: Path) -> Run:
-    """``tool`` through hack.stack.run_tool (raises hack.stack.ToolError with its stderr when ``check``)."""
+    """``tool`` through harness.stack.run_tool (raises harness.stack.ToolError with its stderr when ``check``)."""
     def run(*args: str, check: bool = True, input: str | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:
         return run_tool(tool, *args, check=check, stdin=input, timeout=timeout, run_dir=run_dir)
     return run
@@ -26,7 +26,7 @@ def _runner(tool: str, run_dir: Path) -> Run:
 @pytest.fixture(scope="session")
 def helm_bin() -> Run:
     """helm without a cluster (lint, template): the kubeconfig path need not exist."""
-    from hack.stack import RUN_DIR
+    from harness.stack import RUN_DIR
     run = _runner("helm", RUN_DIR)
     if run("version", "--short", check=False).returncode != 0:
         pytest.skip("the pinned helm is missing: run hack/build-binaries.sh")

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hack.stack import ROOT
+from harness.stack import ROOT
 
 # Run in the clone: import the demo as `make demo` does and resolve what it reads.
 _PROBE = """

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import yaml
-from hack.stack import ROOT, tools_env, wait_for
+from harness.stack import ROOT, tools_env, wait_for
 
 from moeguard_operator.spec.crdgen import build_crd
 from moeguard_operator.spec.models import FINDING_KINDS

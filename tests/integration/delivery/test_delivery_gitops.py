@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
-from hack.stack import ROOT
+from harness.stack import ROOT
 
 from moeguard_operator.children.builders import Owner, build_workload, workload_pod_spec
 from moeguard_operator.spec.spec_checks import parse_spec

@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from hack.stack import ROOT
+from harness.stack import ROOT
 
 
 @pytest.fixture(scope="module")

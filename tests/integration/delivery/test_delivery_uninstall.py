@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from hack.stack import ROOT, wait_for
+from harness.stack import ROOT, wait_for
 from tests.integration.delivery.conftest import CHART
 from tests.integration.delivery.test_delivery_chart import (
     CRD_NAME,

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hack import stack
-from hack.stack import ROOT
+from harness import stack
+from harness.stack import ROOT
 from tests.integration.conftest import Cluster
 
 PATCH = '{"spec":{"batching":{"maxConcurrentBatches":1}}}'

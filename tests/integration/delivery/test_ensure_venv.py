@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hack.stack import ROOT
+from harness.stack import ROOT
 
 pytestmark = pytest.mark.integration
 DAY = 86400

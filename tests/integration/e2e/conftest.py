@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from hack import stack
+from harness import stack
 from tests.integration.conftest import Cluster
 from tests.integration.e2e.helpers import OPERATOR_LIVENESS_PORT, OPERATOR_METRICS_PORT, wait
 

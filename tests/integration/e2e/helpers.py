@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 import httpx
-from hack import stack
+from harness import stack
 from tests.integration.conftest import Cluster
 
 PORT_OFFSET = int(os.environ.get("MOEGUARD_PORT_OFFSET", "0"))

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
-from hack import stack
+from harness import stack
 from harness.loadgen.text import prompt_of_length, repetitive_prompt
 from tests.integration.conftest import Cluster, PodWorkers
 from tests.integration.e2e.helpers import get, moeis, operator_looks, wait, wait_cr

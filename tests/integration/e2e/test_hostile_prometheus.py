@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
-from hack import stack
+from harness import stack
 from tests.integration.conftest import Cluster
 from tests.integration.e2e.helpers import OPERATOR_LIVENESS_PORT, moeis, wait, wait_cr
 from tests.integration.fake_prometheus import FakePrometheusHandler, serve

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from hack import stack
+from harness import stack
 from tests.integration.conftest import Cluster, PodWorkers
 from tests.integration.e2e.helpers import TEST_LEAK_WARMUP_SECONDS, moeis, ready_status, wait_cr
 

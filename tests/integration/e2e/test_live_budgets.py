@@ -7,7 +7,7 @@ import json
 import time
 from typing import Any
 
-from hack import stack
+from harness import stack
 from tests.integration.conftest import Cluster, PodWorkers
 from tests.integration.e2e.helpers import moeis, ready_status, wait, wait_cr
 

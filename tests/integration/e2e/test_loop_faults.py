@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 import pytest
-from hack import stack
+from harness import stack
 from harness.loadgen.text import prompt_of_length
 from tests.integration.conftest import Cluster, PodWorkers
 from tests.integration.e2e.helpers import PORT_OFFSET, get, moeis, wait, wait_cr

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from hack import stack
+from harness import stack
 from tests.integration.conftest import Cluster, PodWorkers
 from tests.integration.e2e.helpers import moeis, wait, wait_cr
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import httpx
-from hack import stack
+from harness import stack
 from harness.loadgen.text import prompt_of_length, repetitive_prompt
 from tests.integration.conftest import Cluster, PodWorkers
 from tests.integration.e2e.helpers import (

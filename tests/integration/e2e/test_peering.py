@@ -7,7 +7,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-from hack import stack
+from harness import stack
 from tests.integration.conftest import Cluster
 from tests.integration.e2e.helpers import moeis, wait
 

@@ -15,7 +15,7 @@ import subprocess
 import time
 from typing import Any
 
-from hack import stack
+from harness import stack
 from harness.loadgen.text import repetitive_prompt
 from tests.integration.conftest import Cluster, PodWorkers
 from tests.integration.e2e.helpers import TEST_LEAK_WARMUP_SECONDS, get, wait, wait_cr

@@ -13,7 +13,7 @@ from typing import Any
 import kopf
 import kubernetes.config.kube_config
 import pytest
-from hack import stack
+from harness import stack
 from kopf.testing import KopfRunner
 from tests.integration.conftest import Cluster
 from tests.integration.e2e.helpers import moeis, wait_cr

@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
-from hack import stack
+from harness import stack
 from tests.integration.conftest import Cluster
 from tests.integration.e2e.helpers import PORT_OFFSET, get, moeis, operator_looks, wait, wait_cr
 from tests.integration.fake_prometheus import FakePrometheusHandler, serve

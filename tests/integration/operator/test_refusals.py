@@ -12,7 +12,7 @@ from typing import Any
 import kopf
 import kubernetes.config.kube_config
 import pytest
-from hack import stack
+from harness import stack
 from kopf.testing import KopfRunner
 from kubernetes.client.exceptions import ApiException
 from tests.integration.conftest import Cluster

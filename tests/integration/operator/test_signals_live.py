@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 import pytest
-from hack import stack
+from harness import stack
 from prometheus_client import generate_latest
 from tests.integration.conftest import Cluster
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from hack.stack import wait_for
+from harness.stack import wait_for
 from tests.integration.worker.conftest import WorkerProcess
 from tests.integration.worker.test_worker_http import assert_openai_error, metrics, post
 

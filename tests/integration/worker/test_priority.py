@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from hack.stack import wait_for
+from harness.stack import wait_for
 from tests.integration.worker.conftest import WorkerProcess
 from tests.integration.worker.test_scenarios import value
 from tests.integration.worker.test_worker_http import assert_openai_error

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import httpx
 import pytest
-from hack.stack import wait_for
+from harness.stack import wait_for
 from tests.integration.worker.conftest import WorkerProcess
 from tests.integration.worker.test_worker_http import assert_openai_error, metrics, post
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import httpx
 import pytest
-from hack.stack import wait_for
 from harness.loadgen.text import prompt_of_length
+from harness.stack import wait_for
 from tests.integration.worker.conftest import WorkerProcess
 from tests.integration.worker.test_worker_http import metrics, post
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from hack.stack import wait_for
+from harness.stack import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from tests.integration.worker.conftest import WorkerProcess, start_worker_process
 

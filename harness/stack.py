@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+
 from harness import worker_process
 from harness.metrics_text import samples_named
-
 from moeguard_operator.loop.conditions import get_condition
 
 ROOT = Path(__file__).resolve().parent.parent
