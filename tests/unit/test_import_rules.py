@@ -4,7 +4,8 @@
   (one exception: ``moeguard worker serve`` runs the worker in-process, :data:`WORKER_ENTRY`);
 * ``moeguard_core`` imports no torch, kopf, fastapi/uvicorn, and nothing of moeguard_runtime/operator/cli;
 * the worker's subpackages keep their layers (:data:`WORKER_LAYERS`): ``memory/`` and ``model/`` never
-  import ``api/`` or ``engine/``, and ``memory/`` is a leaf;
+  import ``api/`` or ``engine/``, and ``memory/`` is a leaf; the operator's too (:data:`OPERATOR_LAYERS`):
+  ``spec/`` imports nothing else of the operator, ``diagnosis/`` never ``children/``;
 * ``hack/`` never imports ``bench/``; ``harness/`` imports neither ``hack/`` nor ``bench/``;
 * nothing reachable from ``moeguard_operator`` imports torch;
 * package ``__init__`` files import nothing of moeguard at run time (no re-exports, no cycles from inits).
@@ -44,6 +45,12 @@ WORKER_LAYERS = {
     "parallel": ("api",),
 }
 """moeguard_runtime.<subpackage> -> the subpackages it never imports (the package docstrings say so)."""
+
+OPERATOR_LAYERS = {
+    "spec": ("children", "loop", "diagnosis", "handlers", "config", "__main__"),
+    "diagnosis": ("children",),
+}
+"""moeguard_operator.<subpackage> -> what of the operator it never imports."""
 
 
 # --- the graph ------------------------------------------------------------------------------------
@@ -116,15 +123,23 @@ def core_is_light(graph: Graph) -> list[str]:
             for i, n in sorted(imps.items()) if any(_in(i, f) for f in CORE_FORBIDDEN)]
 
 
-def worker_layers(graph: Graph) -> list[str]:
+def layers(graph: Graph, package: str, rules: Mapping[str, tuple[str, ...]]) -> list[str]:
     out = []
     for m, imps in sorted(graph.items()):
-        for sub, never in WORKER_LAYERS.items():
-            if not _in(m, f"moeguard_runtime.{sub}"):
+        for sub, never in rules.items():
+            if not _in(m, f"{package}.{sub}"):
                 continue
-            out += [f"{m} imports {i} (line {n}): moeguard_runtime.{sub} never imports moeguard_runtime.{bad}"
-                    for i, n in sorted(imps.items()) for bad in never if _in(i, f"moeguard_runtime.{bad}")]
+            out += [f"{m} imports {i} (line {n}): {package}.{sub} never imports {package}.{bad}"
+                    for i, n in sorted(imps.items()) for bad in never if _in(i, f"{package}.{bad}")]
     return out
+
+
+def worker_layers(graph: Graph) -> list[str]:
+    return layers(graph, "moeguard_runtime", WORKER_LAYERS)
+
+
+def operator_layers(graph: Graph) -> list[str]:
+    return layers(graph, "moeguard_operator", OPERATOR_LAYERS)
 
 
 def tools_never_import_bench(graph: Graph) -> list[str]:
@@ -190,6 +205,10 @@ def test_the_worker_subpackages_keep_their_layers(graph: dict[str, dict[str, int
     assert worker_layers(graph) == []
 
 
+def test_the_operator_subpackages_keep_their_layers(graph: dict[str, dict[str, int]]) -> None:
+    assert operator_layers(graph) == []
+
+
 def test_hack_never_imports_bench_and_harness_neither_hack_nor_bench(graph: dict[str, dict[str, int]]) -> None:
     assert tools_never_import_bench(graph) == []
 
@@ -221,6 +240,7 @@ BROKEN: dict[str, dict[str, int]] = {
     "harness.control_plane": {"hack.pod_workers": 30, "harness.stack": 27},
     "moeguard_operator.spec": {"moeguard_operator.spec.models": 1},
     "moeguard_operator.spec.models": {"moeguard_core.contract": 24},
+    "moeguard_operator.spec.spec_checks": {"moeguard_operator.loop.policy": 15, "moeguard_operator.constants": 3},
     "moeguard_operator.children.builders": {"moeguard_core.family_shape": 8},
     "moeguard_core.family_shape": {"numpy": 3, "moeguard_core.torch_free": 4},
     "moeguard_core.torch_free": {"torch.nn": 5},
@@ -243,6 +263,9 @@ def test_a_broken_tree_is_reported() -> None:
         "moeguard_runtime.memory never imports moeguard_runtime.engine",
         "moeguard_runtime.model.moe imports moeguard_runtime.api.server (line 30): "
         "moeguard_runtime.model never imports moeguard_runtime.api"]
+    assert operator_layers(BROKEN) == [
+        "moeguard_operator.spec.spec_checks imports moeguard_operator.loop.policy (line 15): "
+        "moeguard_operator.spec never imports moeguard_operator.loop"]
     assert tools_never_import_bench(BROKEN) == [
         "hack.demo imports bench.loadgen.client (line 27): hack/ never imports bench/; harness/ imports neither "
         "hack/ nor bench/",

@@ -36,7 +36,7 @@ def test_a_clone_with_nothing_beside_it_resolves_the_demo_inputs(tmp_path: Path)
     subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(ROOT), str(clone)], check=True, timeout=120)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["moeguard"]  # nothing beside the clone
     env = {k: v for k, v in os.environ.items() if k != "MOEGUARD_TRACE_PATH"}
-    env["PYTHONPATH"] = os.pathsep.join(str(clone / p) for p in ("operator", "runtime", "."))
+    env["PYTHONPATH"] = os.pathsep.join(str(clone / p) for p in ("operator", "runtime", "core", "."))
     res = subprocess.run([sys.executable, "-c", _PROBE], cwd=clone, env=env, capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
