@@ -156,7 +156,7 @@ class ModelSpec(_Model):
     # This description is in the committed CRD: it keeps the path of before issue 28 (now moeguard_core.presets)
     # so that crds/ stays byte for byte the same.
     preset: str = Field(default="tiny", min_length=1, max_length=63, pattern=r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$")
-    """Name of a built-in model shape preset (see ``moeguard_runtime.presets``). An unknown name is
+    """Name of a built-in model shape preset (see ``moeguard_core.presets``). An unknown name is
     reported by the operator as a Ready=False condition and a Warning Event."""
     checkpoint_path: str | None = Field(default=None, max_length=4096, pattern=r"^/")
     """Absolute path, inside the worker container, of a safetensors checkpoint (HF Mixtral tensor names

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bench.diagnosis_drills import BASE_SPEC, active_kinds, status_summary, warmup_seconds
 
-from moeguard_operator.policy import LEAK_WARMUP_SECONDS
+from moeguard_operator.loop.observation import LEAK_WARMUP_SECONDS
 
 
 def test_the_status_summary_says_why_a_finding_is_missing() -> None:
