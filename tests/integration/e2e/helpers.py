@@ -16,7 +16,7 @@ OPERATOR_METRICS_PORT = 18081 + PORT_OFFSET
 OPERATOR_LIVENESS_PORT = 18082 + PORT_OFFSET
 TEST_LEAK_WARMUP_SECONDS = 20
 """The worker warm-up (operator flag ``--leak-warmup-seconds``) of the e2e modules that wait for a leak judgement
-(a module's ``OPERATOR_EXTRA_ARGS``): their workers are idle or leak far above the noise floor, so the 90 s of
+(a module's ``OPERATOR_EXTRA_ARGS``) while their workers are idle, so the 90 s of
 ``observation.LEAK_WARMUP_SECONDS`` (the rule itself is unit-tested) would only make them wait."""
 
 
