@@ -22,7 +22,8 @@ held when a pod with all its signals holds it, else unknown when some pod's sign
 * **RoutingSkew**: the skew ratio at or above ``control.skewThreshold`` in :data:`CONSECUTIVE_LOOKS` looks in a
   row (no memory gate: skew is the cause, whatever memory does yet).
 * **NativeMemoryLeak** / **PythonHeapLeak**: a pod whose worker is past its warm-up (at least
-  :data:`LEAK_WARMUP_SECONDS` + ``leakWindowSeconds`` old) whose *steady growth* (the smallest RSS slope of the
+  the look's warm-up (the operator's ``--leak-warmup-seconds``, :data:`LEAK_WARMUP_SECONDS` by default) +
+  ``leakWindowSeconds`` old) whose *steady growth* (the smallest RSS slope of the
   sub-windows of the leak window) adds at least :data:`LEAK_MIN_WINDOW_GROWTH_BYTES` over the window, and whose
   kind over that window (:func:`leak_kind`: anonymous RSS against Python heap blocks) is the finding's; the
   steady growth must also be above the noise floor
