@@ -32,7 +32,9 @@ FALSE_SOURCES = "pytorch/pytorch#165419 (NCCL buffer registration), uccl-project
 def split_options(value: str) -> list[str]:
     """The ``option:value`` items of ``value``, split at the commas outside brackets, stripped; empty items
     dropped (PyTorch skips them too)."""
-    items, depth, current = [], 0, []
+    items: list[str] = []
+    current: list[str] = []
+    depth = 0
     for char in value:
         if char == "[":
             depth += 1

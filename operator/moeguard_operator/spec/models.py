@@ -59,7 +59,11 @@ class _Model(BaseModel):
     )
 
 
-def _cel(*rules: tuple[str, str, str] | tuple[str, str, str, str]) -> dict[str, Any]:
+CelRule = tuple[str, str, str] | tuple[str, str, str, str]
+"""(rule, message, fieldPath) or (rule, message, fieldPath, messageExpression)."""
+
+
+def _cel(*rules: CelRule) -> dict[str, Any]:
     """``x-kubernetes-validations`` entries from (rule, message, fieldPath) triples, or (rule, message, fieldPath,
     messageExpression) where the message names the offending item (the API server shows ``message`` when the
     expression fails)."""
@@ -543,7 +547,7 @@ RESERVED_MOUNT_PATHS = ("/tmp", contract.MODEL_MOUNT_PATH)
 """Paths where the operator mounts its own volumes (``/moeguard/model``: ``spec.model.source``, always reserved)."""
 
 
-def _core(name: str, *rules: tuple[str, str, str], message_expressions: dict[str, str] | None = None,
+def _core(name: str, *rules: CelRule, message_expressions: dict[str, str] | None = None,
           max_lengths: dict[str, int] | None = None) -> dict[str, Any]:
     """JSON Schema asking crdgen for the API server's core/v1 ``name`` schema, plus CEL ``rules``
     (``messageExpression`` per rule index where given) and ``maxLength`` bounds on top-level string
