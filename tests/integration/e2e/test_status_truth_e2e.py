@@ -22,7 +22,14 @@ from typing import Any
 import httpx
 from harness import stack
 from tests.integration.conftest import Cluster, PodWorkers
-from tests.integration.e2e.helpers import OPERATOR_METRICS_PORT, moeis, operator_looks, ready_status, wait, wait_cr
+from tests.integration.e2e.helpers import (
+    OPERATOR_METRICS_PORT,
+    moeis,
+    operator_looks,
+    ready_status,
+    wait,
+    wait_cr,
+)
 
 SPEC: dict[str, Any] = {
     "model": {"preset": "tiny"},
