@@ -108,12 +108,12 @@ REFUSED = [
     ("image-upper-case-path", {"image": "registry.example/Team/worker:1"},
      "image: registry.example/Team/worker:1 is not an image reference"),
     ("ucx-env-key-with-equals", {"ucx": {"extraEnv": {"UCX_TLS": "rc", "UCX_A=B": "1"}}},
-     "spec.ucx.extraEnv: Invalid value: \"object\": ucx.extraEnv: UCX_A=B is not a variable name"),
+     "spec.ucx.extraEnv: Invalid value: \"object\": ucx.extraEnv keys must be letters, digits, -, . and _"),
     ("env-name-with-equals", {"template": {"extraEnv": [{"name": "HF_HOME", "value": "/c"}, {"name": "A=B", "value": "1"}]}},
-     "spec.template.extraEnv[1].name: Invalid value: \"string\": template.extraEnv: A=B is not a variable name"),
+     "spec.template.extraEnv[1].name: Invalid value: \"object\": template.extraEnv: A=B is not a variable name"),
     ("second-mount-of-an-undefined-volume", {"template": {"volumes": [PVC], "volumeMounts": [
         {"name": "models", "mountPath": "/models"}, {"name": "nope", "mountPath": "/m"}]}},
-     "template.volumeMounts[1].name: nope names no volume of template.volumes"),
+     "spec.template.volumeMounts: Invalid value: \"object\": template.volumeMounts must name a volume of template.volumes"),
 ]
 
 
