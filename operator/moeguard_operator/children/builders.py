@@ -8,6 +8,7 @@ style). Each child carries an owner reference to the MoEInferenceService and the
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -227,7 +228,26 @@ def pod_template(owner: Owner, spec: MoEInferenceServiceSpec) -> Manifest:
     template_meta: dict[str, Any] = {"labels": labels(owner)}
     if spec.template.annotations:
         template_meta["annotations"] = dict(spec.template.annotations)
-    return {"metadata": template_meta, "spec": pod_spec}
+    template = {"metadata": template_meta, "spec": pod_spec}
+    template_meta["labels"][c.TEMPLATE_HASH_LABEL] = _hash(template)
+    return template
+
+
+TEMPLATE_HASH_CHARS = 16
+"""Hex digits of the template hash (64 bits: a label value holds at most 63 characters)."""
+
+
+def _hash(template: Manifest) -> str:
+    return hashlib.sha256(json.dumps(template, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[
+        :TEMPLATE_HASH_CHARS]
+
+
+def template_hash(owner: Owner, spec: MoEInferenceServiceSpec) -> str:
+    """The :data:`constants.TEMPLATE_HASH_LABEL` of the worker pods ``spec`` asks for: the first
+    :data:`TEMPLATE_HASH_CHARS` hex digits of the SHA-256 of the pod template without that label (its JSON with
+    sorted keys). The same spec gives the same hash in every operator process; the restart annotation
+    (:func:`restart_patch`) is added to the stored template only, so a restarted pod keeps its hash."""
+    return str(pod_template(owner, spec)["metadata"]["labels"][c.TEMPLATE_HASH_LABEL])
 
 
 def build_deployment(owner: Owner, spec: MoEInferenceServiceSpec) -> Manifest:

@@ -34,7 +34,9 @@ held when a pod with all its signals holds it, else unknown when some pod's sign
   outside the Python heap. One look.
 * **AllocatorFragmentation** (GPU): reserved at least :data:`FRAGMENTATION_RATIO` × allocated and at least
   :data:`FRAGMENTATION_MIN_BYTES` more, while memory failures happen in the window (PyTorch's caching
-  allocator holding freed blocks it cannot reuse: ``expandable_segments`` is PyTorch's remedy).
+  allocator holding freed blocks it cannot reuse: ``expandable_segments`` is PyTorch's remedy; its patch edits only
+  that option of ``PYTORCH_CUDA_ALLOC_CONF`` and is left out where it would change nothing or overturn a deliberate
+  ``False``: :mod:`alloc_conf`).
 
 A finding starts in the first look its rule holds (``since``: the first of the consecutive looks), stays while
 it holds, and clears once its rule has not held for :func:`clear_after_seconds` of looks in which it could be
@@ -53,6 +55,7 @@ from typing import Any
 
 from moeguard_core import contract
 from moeguard_core.ucx import risky_labels
+from moeguard_operator.diagnosis.alloc_conf import expandable_segments_advice
 from moeguard_operator.loop.observation import (
     LEAK_NOISE_BYTES_PER_SECOND,
     LEAK_WARMUP_SECONDS,
@@ -93,10 +96,6 @@ them. With the default 600-s window it asks for 6.4 MiB/min; slower leaks are th
 ``MemoryLeakSuspected`` (time to the hard limit)."""
 MIN_CLEAR_SECONDS = 60
 """The shortest calm before a finding clears, seconds (:func:`clear_after_seconds`)."""
-ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
-ALLOC_CONF_VALUE = "expandable_segments:True"
-"""PyTorch's remedy for a fragmented caching allocator (PyTorch docs, "CUDA semantics: optimizing memory usage
-with PYTORCH_CUDA_ALLOC_CONF")."""
 STAGES_BURST = ("expert_buffers", "dense_mlp")
 STAGES_CONTEXT = ("kv_cache", "attention")
 GIB = 2**30
@@ -265,11 +264,14 @@ def ucx_patch(spec: MoEInferenceServiceSpec) -> str:
     return _patch({"spec": {"ucx": {"mode": mode, "rcacheMaxUnreleased": contract.UCX_SAFE_RCACHE_MAX_UNRELEASED}}})
 
 
-def alloc_conf_patch(spec: MoEInferenceServiceSpec) -> str:
-    """The merge patch adding ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` to ``template.extraEnv``
-    (a merge patch replaces the list: the other variables are kept in it)."""
-    env = [e for e in spec.template.extra_env if e.get("name") != ALLOC_CONF]
-    return _patch({"spec": {"template": {"extraEnv": [*env, {"name": ALLOC_CONF, "value": ALLOC_CONF_VALUE}]}}})
+def alloc_conf_patch(spec: MoEInferenceServiceSpec, wasted_bytes: float) -> tuple[str, str | None]:
+    """The remedy for a fragmented caching allocator keeping ``wasted_bytes`` of unusable blocks, and its merge
+    patch of ``template.extraEnv`` (a merge patch replaces the list: the other variables are kept in it), or None
+    where there is none (:func:`alloc_conf.expandable_segments_advice`: only ``expandable_segments`` changes; no
+    patch when it is on already or set to False deliberately)."""
+    advice = expandable_segments_advice(spec.template.extra_env, wasted_bytes / GIB)
+    patch = None if advice.env is None else _patch({"spec": {"template": {"extraEnv": advice.env}}})
+    return advice.remedy, patch
 
 
 # --- the rules, per pod -------------------------------------------------------------------------------------
@@ -476,6 +478,7 @@ def allocator_fragmentation(pod: PodSignals, look: DiagnosisLook, spec: MoEInfer
         return None
     if pod.memory_failures <= 0:
         return False
+    remedy, patch = alloc_conf_patch(spec, reserved - allocated)
     return Held(
         message=(f"GPU allocator fragmentation on {pod.pod}: {reserved / GIB:.1f} GiB reserved for "
                  f"{allocated / GIB:.1f} GiB allocated, with {pod.memory_failures:.0f} memory failures in the window"),
@@ -485,9 +488,7 @@ def allocator_fragmentation(pod: PodSignals, look: DiagnosisLook, spec: MoEInfer
                       contract.METRIC_GPU_MEMORY_ALLOCATED_BYTES, pod.pod),
                   _ev("memory failures in the window", pod.memory_failures, "failures",
                       "moeguard_oom_errors_total + memory refusals + chunk shrinks", pod.pod)),
-        remedy=(f"set {ALLOC_CONF}={ALLOC_CONF_VALUE} in spec.template.extraEnv (the caching allocator then grows "
-                f"segments instead of keeping {(reserved - allocated) / GIB:.1f} GiB of unusable blocks)"),
-        patch=alloc_conf_patch(spec), pods=(pod.pod,))
+        remedy=remedy, patch=patch, pods=(pod.pod,))
 
 
 PodRule = Callable[[PodSignals, DiagnosisLook, MoEInferenceServiceSpec], Verdict]

@@ -68,12 +68,25 @@ class Verdict:
     event: tuple[str, str] | None = None
 
 
+SCALED_TO_ZERO = "ScaledToZero"
+"""Reason of ``MetricsAvailable=Unknown`` while ``spec.replicas`` is 0 (issue 29, item 3; the kind of
+kserve/kserve#6079): a deliberate scale to zero is a calm, known state, not a blind operator."""
+
+
+def scaled_to_zero_verdict() -> Verdict:
+    """MetricsAvailable while ``spec.replicas`` is 0: Unknown, reason ``ScaledToZero``, no Event (no pod has
+    series to see, and Prometheus is not asked)."""
+    return Verdict("Unknown", SCALED_TO_ZERO, "replicas: 0: no worker pods, so no metrics to look at; Prometheus is "
+                                              "not asked until the service scales up")
+
+
 def metrics_verdict(obs: Observation, prior: Condition | None, prior_silent: Sequence[str], now: datetime,
                     grace_seconds: float) -> Verdict:
     """The MetricsAvailable condition after one look.
 
-    * blind and never yet seeing (or waiting less than ``grace_seconds``): ``WaitingForMetrics``, no Event —
-      a new service has no series until its first scrapes and batches;
+    * blind and never yet seeing, or just scaled up from zero (``ScaledToZero``), or waiting less than
+      ``grace_seconds``: ``WaitingForMetrics``, no Event — a new pod has no series until its first scrapes and
+      batches;
     * blind otherwise: ``MetricsUnavailable`` and one Warning Event when it starts;
     * some pods silent: ``SilentPods`` naming them, a Warning Event when the set changes;
     * all visible: ``AllPodsReporting``, and a Normal Event when sight comes back.
@@ -84,7 +97,7 @@ def metrics_verdict(obs: Observation, prior: Condition | None, prior_silent: Seq
         waiting = prior is not None and prior.reason == "WaitingForMetrics"
         young = (waiting and prior is not None
                  and (now - prior.last_transition_time).total_seconds() < grace_seconds)
-        if prior is None or young:
+        if prior is None or prior.reason == SCALED_TO_ZERO or young:
             return Verdict("False", "WaitingForMetrics", message)
         started = prior.reason != "MetricsUnavailable"
         return Verdict("False", "MetricsUnavailable", message, ("Warning", "MetricsUnavailable") if started else None)

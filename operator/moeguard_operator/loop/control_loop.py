@@ -41,7 +41,13 @@ from kubernetes.client.exceptions import ApiException
 from moeguard_core.contract import API_GROUP, API_VERSION
 from moeguard_operator import constants as c
 from moeguard_operator.children import children, kube
-from moeguard_operator.children.builders import Owner, build_workload, restart_patch, worker_name
+from moeguard_operator.children.builders import (
+    Owner,
+    build_workload,
+    restart_patch,
+    template_hash,
+    worker_name,
+)
 from moeguard_operator.config import OperatorConfig
 from moeguard_operator.constants import FIELD_MANAGER
 from moeguard_operator.diagnosis.diagnosis import DiagnosisMemory
@@ -119,6 +125,8 @@ class Memory:
     pending: Observation | None = None
     spec_key: tuple[str, int | None] | None = None
     spec: MoEInferenceServiceSpec | SpecError | None = None
+    template_hash: str | None = None
+    """The pod-template hash of ``spec`` (:func:`builders.template_hash`), computed with it once per generation."""
     status_rv: str | None = None
     retry_at: float = 0.0
     """Monotonic time before which a failed write is not retried (one tick after the failure)."""
@@ -184,6 +192,7 @@ class ControlLoop:
             self.views.services.pop(key, None)
             self.memory.pop(key, None)
             self.views.missing.pop(key, None)
+            metrics.forget_service(*key)  # no series outlives its service (issue 29, item 2)
             return
         known = self.views.services.get(key)
         same_object = known is not None and (known.get("metadata") or {}).get("uid") == meta.get("uid")
@@ -320,7 +329,9 @@ class ControlLoop:
                 continue
             pods = list(self.views.pods.get(key, {}).values())
             new_ooms = self._new_ooms(mem, pods) if changed else 0
-            due = not mem.looking and (since is None or since >= interval or new_ooms > 0 or joining)
+            # replicas 0: no pods to see, so no look at all (issue 29, item 3): readiness reports ScaledToZero
+            due = spec.replicas > 0 and not mem.looking and (
+                since is None or since >= interval or new_ooms > 0 or joining)
             self.dirty.discard(key)
             if due and url in busy_urls and not self._looks[url].answered:
                 # A look at that URL is in flight and not yet late: it ends within the look deadline, and its
@@ -377,6 +388,9 @@ class ControlLoop:
                 check_model_source(parsed, self.config.allow_host_path_models)
                 check_prometheus_url(parsed, self.config.prometheus_urls)
                 mem.spec = parsed
+                mem.template_hash = template_hash(
+                    Owner(name=meta.get("name", ""), namespace=meta.get("namespace", ""), uid=meta.get("uid", "")),
+                    parsed)
             except SpecError as exc:
                 mem.spec = exc
             except ValueError as exc:  # pydantic: the API server's schema should have refused it
@@ -408,7 +422,10 @@ class ControlLoop:
                    now: datetime) -> None:
         prior = self.memory[key].status_of(svc)
         writes = tick.readiness_step(prior, spec, pods, self.views.configmaps.get(key), now,
-                                     (svc.get("metadata") or {}).get("generation"), key not in self.views.hand_edited)
+                                     (svc.get("metadata") or {}).get("generation"), key not in self.views.hand_edited,
+                                     self.memory[key].template_hash)
+        if spec.replicas == 0:
+            metrics.record_scaled_to_zero(*key)
         missing = self.views.missing.get(key, set())
         if missing or writes.events or report.status_patch(prior, writes.status):
             self._submit(key, svc, spec, prior, writes, missing)
@@ -424,13 +441,13 @@ class ControlLoop:
         writes = tick.look_step(prior, spec, pods, self.views.configmaps.get(key), obs, mem.blind_floor, now,
                                 (svc.get("metadata") or {}).get("generation"), key not in self.views.hand_edited,
                                 mem.diagnosis or DiagnosisMemory(blind_at=self.started),
-                                leak_warmup_seconds=self.config.leak_warmup_seconds)
+                                leak_warmup_seconds=self.config.leak_warmup_seconds, template_hash=mem.template_hash)
         if not obs.fully_visible:
             mem.blind_floor = max(mem.blind_floor, now)
         decision, found = writes.decision, writes.diagnosis
         assert decision is not None and found is not None
         mem.diagnosis = found.memory
-        metrics.record_look(key[0], key[1], obs, decision, floors(spec.batching))
+        metrics.record_look(key[0], key[1], obs, decision, floors(spec.batching), scaled_to_zero=spec.replicas == 0)
         metrics.record_diagnosis(key[0], key[1], found)
         for kind in found.started:
             log.warning("%s/%s: diagnosis: %s started", key[0], key[1], kind)

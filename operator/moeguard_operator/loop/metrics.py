@@ -1,4 +1,10 @@
-"""The operator's own Prometheus metrics (served with ``--metrics-port``)."""
+"""The operator's own Prometheus metrics (served with ``--metrics-port``).
+
+Every series is labelled by its service (``namespace``, ``moeis``); none is per pod. They live as long as the
+service: :func:`forget_service` removes all of them when the watch reports the service deleted (issue 29, item 2,
+the kind of kedacore/keda#6617: a deleted service's ``metrics_available 0`` and ``budget_at_floor 1`` series kept
+the chart's alerts firing until the operator restarted).
+"""
 
 from __future__ import annotations
 
@@ -36,11 +42,34 @@ BUDGET_AT_FLOOR = Gauge(
     [*LABELS, "budget"])
 
 
-def record_look(namespace: str, name: str, obs: Observation, decision: Decision, floors: Budgets) -> None:
-    """The operator's metrics after one look at Prometheus and its decision (``floors``: the spec's)."""
+SERVICE_METRICS = (RECONCILIATIONS, BUDGET_CHANGES, PROMETHEUS_QUERIES, METRICS_AVAILABLE, PREFILL_BUDGET, OVERLOAD,
+                   CHILD_APPLY_REFUSALS, OOM_KILLS, DIAGNOSIS_FINDING, BUDGET_AT_FLOOR)
+"""Every metric above: each has the labels ``namespace`` and ``moeis`` (:func:`forget_service`)."""
+
+
+def forget_service(namespace: str, name: str) -> None:
+    """Remove every series of the service ``namespace``/``name`` from every metric (its counters, gauges and
+    per-kind, per-budget series): a deleted service exports nothing, so no alert on it fires after it is gone."""
+    for metric in SERVICE_METRICS:
+        metric.remove_by_labels({"namespace": namespace, "moeis": name})
+
+
+def record_scaled_to_zero(namespace: str, name: str) -> None:
+    """``replicas: 0``: no ``metrics_available`` series (neither 1, every signal seen, nor 0, blind: there are no
+    pods to see, and the chart's ``MoeguardMetricsUnavailable`` alert must stay calm); issue 29, item 3."""
+    METRICS_AVAILABLE.remove_by_labels({"namespace": namespace, "moeis": name})
+
+
+def record_look(namespace: str, name: str, obs: Observation, decision: Decision, floors: Budgets,
+                scaled_to_zero: bool = False) -> None:
+    """The operator's metrics after one look at Prometheus and its decision (``floors``: the spec's;
+    ``scaled_to_zero``: the spec asks for no replicas, :func:`record_scaled_to_zero`)."""
     budgets = decision.state.budgets
     PROMETHEUS_QUERIES.labels(namespace, name, "ok" if obs.fully_visible else "blind").inc()
-    METRICS_AVAILABLE.labels(namespace, name).set(1 if obs.fully_visible else 0)
+    if scaled_to_zero:
+        record_scaled_to_zero(namespace, name)
+    else:
+        METRICS_AVAILABLE.labels(namespace, name).set(1 if obs.fully_visible else 0)
     if obs.new_oom_kills:
         OOM_KILLS.labels(namespace, name).inc(obs.new_oom_kills)
     if decision.changed:

@@ -116,6 +116,24 @@ def crash_looping(cs: dict[str, Any]) -> bool:
     return failed and not cs.get("ready") and int(cs.get("restartCount") or 0) >= 2
 
 
+CRASH_LOOP = "CrashLoopBackOff"
+
+
+def cannot_start(pod: dict[str, Any]) -> tuple[str, str] | None:
+    """Why a pod (not being deleted) cannot start, as (reason, message): the kubelet's waiting reason of a
+    container that waits in :data:`WAITING_FAILURES`, or ``CrashLoopBackOff`` for a container in a crash loop
+    (:func:`crash_looping`, also while it runs between two back-offs); the message is :func:`container_failure`'s.
+    None while every container starts, runs or is ready."""
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return None
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        waiting = ((cs.get("state") or {}).get("waiting") or {}).get("reason")
+        if waiting in WAITING_FAILURES or crash_looping(cs):
+            reason = waiting if waiting in WAITING_FAILURES else CRASH_LOOP
+            return str(reason), container_failure(cs) or f"container {cs.get('name', '')} {reason}"
+    return None
+
+
 def pod_facts(pods: list[dict[str, Any]]) -> PodFacts:
     """Summarize pods (``kubectl get pods -o json``'s items) into :class:`PodFacts`."""
     running, restarts, ooms, started, failures, looping = [], 0, [], [], [], set()

@@ -20,10 +20,11 @@ from moeguard_operator.loop.conditions import (
     find_condition,
     leak_unknown,
     metrics_verdict,
+    scaled_to_zero_verdict,
     set_condition,
 )
 from moeguard_operator.loop.observation import Observation
-from moeguard_operator.loop.podstate import PodFacts
+from moeguard_operator.loop.podstate import CRASH_LOOP, WAITING_FAILURES, PodFacts
 from moeguard_operator.loop.policy import Decision, PolicyState, ceilings, initial_budgets
 from moeguard_operator.spec.models import (
     Adjustment,
@@ -91,23 +92,36 @@ def stalled(prior: MoEInferenceServiceStatus, reason: str, message: str, now: da
 
 
 def is_stalled(status: MoEInferenceServiceStatus, generation: int | None) -> bool:
-    """Whether ``generation`` of the spec was stalled (``Stalled=True``): nothing to control, nothing to
-    re-apply (a child the API server refused would be refused again on every tick)."""
+    """Whether ``generation`` of the spec was stalled (``Stalled=True``) by its reconcile: nothing to control,
+    nothing to re-apply (a child the API server refused would be refused again on every tick). A rollout stall
+    (a pod's reason, :data:`podstate.WAITING_FAILURES` or ``CrashLoopBackOff``: :func:`readiness`) is not: the
+    loop keeps reading the pods and clears it when they start."""
     cond = find_condition(status.conditions, c.CONDITION_STALLED)
-    return cond is not None and cond.status == "True" and status.observed_generation == generation
+    return (cond is not None and cond.status == "True" and status.observed_generation == generation
+            and cond.reason not in ROLLOUT_STALLS)
 
 
 def reconciled(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, document: BudgetDocument,
                selector: str, now: datetime, generation: int | None) -> MoEInferenceServiceStatus:
-    """Children and ``document`` applied for ``generation``: Stalled=False, budgets, and, until the
-    worker pods are ready, Ready=False and Reconciling=True."""
-    conditions = set_condition(prior.conditions, c.CONDITION_STALLED, "False", "Reconciled", "", now, generation)
+    """Children and ``document`` applied for ``generation``: Stalled=False (a rollout stall of this generation
+    stays: a resumed operator re-applies the same children, and the pods still cannot start), budgets, and,
+    until the worker pods are ready, Ready=False and Reconciling=True; a new generation of a Ready service is
+    Reconciling=True (``ChildrenApplied``) until the loop reads its pods (:func:`readiness`)."""
+    conditions = prior.conditions
+    stall = find_condition(conditions, c.CONDITION_STALLED)
+    if stall is None or stall.reason not in ROLLOUT_STALLS or prior.observed_generation != generation:
+        conditions = set_condition(conditions, c.CONDITION_STALLED, "False", "Reconciled", "", now, generation)
     ready = find_condition(conditions, c.CONDITION_READY)
     if ready is None or ready.status != "True":
         conditions = set_condition(conditions, c.CONDITION_READY, "False", "WaitingForReplicas",
                                    f"0/{spec.replicas} worker pods ready", now, generation)
         conditions = set_condition(conditions, c.CONDITION_RECONCILING, "True", "WaitingForReplicas",
                                    "children applied; waiting for worker pods", now, generation)
+    elif prior.observed_generation != generation:
+        # kstatus reads Reconciling first: a new generation is in progress until its pods are read
+        conditions = set_condition(conditions, c.CONDITION_RECONCILING, "True", CHILDREN_APPLIED,
+                                   f"children applied for generation {generation}; reading the worker pods", now,
+                                   generation)
     return prior.model_copy(update={
         "observed_generation": generation,
         "conditions": conditions,
@@ -120,30 +134,68 @@ def reconciled(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, 
     })
 
 
+ROLLOUT_STALLS = WAITING_FAILURES | {CRASH_LOOP}
+"""Reasons of a Stalled=True that :func:`readiness` sets from the pods (not from a reconcile)."""
 STARTUP_FAILED = "WorkerStartupFailed"
 """Reason of Ready=False while worker containers fail to start (:attr:`PodFacts.startup_failures`)."""
 
 
+ROLLING_OUT = "RollingOut"
+"""Reason of Reconciling=True while pods of an earlier template are still there (:mod:`rollout`)."""
+CHILDREN_APPLIED = "ChildrenApplied"
+"""Reason of Reconciling=True from a new generation's reconcile until the pods are read (:func:`reconciled`)."""
+
+
 def readiness(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, ready: int,
               groups: list[GroupStatus] | None, now: datetime, generation: int | None,
-              startup_failures: Sequence[tuple[str, str]] = ()) -> MoEInferenceServiceStatus:
-    """Ready and Reconciling from the ``ready`` replicas (worker pods, or LeaderWorkerSet ``groups`` whose every
-    pod is ready: ``tick.replica_readiness``). While some are missing and ``startup_failures`` (pod, why) is not
-    empty, the reason is ``WorkerStartupFailed`` and the message carries the first pod's failure (the worker's
-    own words: its termination message) and how many other pods fail."""
-    state: Status = "True" if ready >= spec.replicas else "False"
-    why = "AllReplicasReady" if state == "True" else "WaitingForReplicas"
-    message = f"{ready}/{spec.replicas} worker pods ready" if groups is None else (
-        f"{ready}/{spec.replicas} groups ready ({spec.parallelism.pods_per_replica} pods, "
+              startup_failures: Sequence[tuple[str, str]] = (), earlier: int = 0, earlier_ready: int = 0,
+              stuck: tuple[str, str, str] | None = None) -> MoEInferenceServiceStatus:
+    """Ready, Reconciling and Stalled as kstatus reads a rollout (issue 29, item 1), from the ``ready`` replicas
+    *of the current template* (worker pods, or LeaderWorkerSet ``groups`` whose every pod is ready:
+    ``tick.replica_readiness``), the ``earlier`` pods of earlier templates still there (``earlier_ready`` of them
+    ready) and the current pod that cannot start (``stuck``: pod, reason, message; :mod:`rollout`).
+
+    * **Ready** is True only when ``spec.replicas`` current replicas are ready and no current pod is ``stuck``.
+      While some are missing and ``startup_failures`` (pod, why) is not empty, the reason is
+      ``WorkerStartupFailed`` and the message carries the first pod's failure (the worker's own words: its
+      termination message) and how many other pods fail.
+    * **Stalled** is True, with the pod's reason (``CrashLoopBackOff``, ``ImagePullBackOff``, …), while a pod of
+      the current template cannot start: the rollout makes no progress without a change. Reconciling is then
+      False: kstatus (sigs.k8s.io/cli-utils, as Flux and Argo CD read it) checks Reconciling before Stalled, so
+      both True would read "in progress" and hide the failure.
+    * **Reconciling** is True while not Ready, or Ready with pods of an earlier template still there (reason
+      ``RollingOut``); False once only current pods are left and Ready.
+    """
+    done = ready >= spec.replicas and stuck is None
+    state: Status = "True" if done else "False"
+    why = "AllReplicasReady" if done else "WaitingForReplicas"
+    of = " of the current template" if earlier else ""
+    message = f"{ready}/{spec.replicas} worker pods{of} ready" if groups is None else (
+        f"{ready}/{spec.replicas} groups{of} ready ({spec.parallelism.pods_per_replica} pods, "
         f"{spec.parallelism.expert_parallel_size} ranks each)")
     if state == "False" and startup_failures:
         why = STARTUP_FAILED
         pod, failure = startup_failures[0]
         others = len({p for p, _ in startup_failures} - {pod})
         message += f"; pod {pod}: {failure}" + (f" (and {others} more pods failing)" if others else "")
+    if earlier:
+        message += f"; {earlier} pods of an earlier template still there ({earlier_ready} ready, serving)"
     conditions = set_condition(prior.conditions, c.CONDITION_READY, state, why, message, now, generation)
-    conditions = set_condition(conditions, c.CONDITION_RECONCILING, "False" if state == "True" else "True", why,
-                               message, now, generation)
+    if stuck is not None:
+        pod, reason, failure = stuck
+        stall = f"pod {pod} of the current template cannot start: {failure}" + (
+            f"; {earlier_ready} pods of an earlier template still serve" if earlier_ready else "")
+        conditions = set_condition(conditions, c.CONDITION_STALLED, "True", reason, stall, now, generation)
+        conditions = set_condition(conditions, c.CONDITION_RECONCILING, "False", reason, stall, now, generation)
+    else:
+        conditions = set_condition(conditions, c.CONDITION_STALLED, "False", "Reconciled", "", now, generation)
+        reconciling: Status = "True" if not done or earlier else "False"
+        conditions = set_condition(conditions, c.CONDITION_RECONCILING, reconciling,
+                                   ROLLING_OUT if done and earlier else why, message, now, generation)
+    if spec.replicas == 0:
+        verdict = scaled_to_zero_verdict()
+        conditions = set_condition(conditions, c.CONDITION_METRICS_AVAILABLE, verdict.status, verdict.reason,
+                                   verdict.message, now, generation)
     return prior.model_copy(update={"conditions": conditions, "ready_replicas": ready, "replicas": spec.replicas,
                                     "groups": groups})
 
@@ -220,8 +272,9 @@ def looked(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, obs:
     before = policy_state(prior, spec)
     last_seen = prior.observed or Observed()
 
-    verdict = metrics_verdict(obs, find_condition(prior.conditions, c.CONDITION_METRICS_AVAILABLE),
-                              last_seen.silent_pods, now, grace_seconds=max(60, 3 * control.window_seconds))
+    verdict = scaled_to_zero_verdict() if spec.replicas == 0 else metrics_verdict(
+        obs, find_condition(prior.conditions, c.CONDITION_METRICS_AVAILABLE), last_seen.silent_pods, now,
+        grace_seconds=max(60, 3 * control.window_seconds))
     conditions = set_condition(prior.conditions, c.CONDITION_METRICS_AVAILABLE, verdict.status, verdict.reason,
                                verdict.message, now, generation)
     if verdict.event is not None:

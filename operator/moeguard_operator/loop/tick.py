@@ -41,7 +41,7 @@ from moeguard_operator.diagnosis.diagnosis import (
     diagnose,
     unchanged_but_time,
 )
-from moeguard_operator.loop import budget_document, report
+from moeguard_operator.loop import budget_document, report, rollout
 from moeguard_operator.loop.conditions import set_condition
 from moeguard_operator.loop.observation import LEAK_WARMUP_SECONDS, Observation
 from moeguard_operator.loop.podstate import pod_facts
@@ -130,13 +130,26 @@ def document_in(data: Mapping[str, str] | None) -> BudgetDocument | None:
         return None
 
 
+def rollout_readiness(status: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, pods: list[dict[str, Any]],
+                      now: datetime, generation: int | None,
+                      template_hash: str | None) -> MoEInferenceServiceStatus:
+    """:func:`report.readiness` from the pods of the current template (``template_hash``, the label
+    :func:`children.builders.template_hash` gives; None: every pod counts as current) and those of earlier ones
+    (:func:`rollout.split`)."""
+    split = rollout.split(pods, template_hash)
+    current = [dict(p) for p in split.current]
+    return report.readiness(status, spec, *replica_readiness(current, spec), now, generation,
+                            pod_facts(current).startup_failures, len(split.earlier), split.earlier_ready,
+                            split.stuck)
+
+
 def readiness_step(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, pods: list[dict[str, Any]],
-                   data: Mapping[str, str] | None, now: datetime, generation: int | None, ours: bool = True) -> Writes:
-    """Ready/Reconciling from the pods, and the budgets of a ConfigMap of the operator's (``ours``) ahead of
-    ``prior``; no look."""
+                   data: Mapping[str, str] | None, now: datetime, generation: int | None, ours: bool = True,
+                   template_hash: str | None = None) -> Writes:
+    """Ready/Reconciling/Stalled from the pods (:func:`rollout_readiness`), and the budgets of a ConfigMap of the
+    operator's (``ours``) ahead of ``prior``; no look."""
     status = budget_document.caught_up(prior, None if data is None else dict(data), ours)
-    facts = pod_facts(pods)
-    new = report.readiness(status, spec, *replica_readiness(pods, spec), now, generation, facts.startup_failures)
+    new = rollout_readiness(status, spec, pods, now, generation, template_hash)
     return Writes(new, tuple(report.readiness_events(status, new)))
 
 
@@ -158,16 +171,17 @@ def policy_state(status: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpe
 def look_step(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, pods: list[dict[str, Any]],
               data: Mapping[str, str] | None, obs: Observation, blind_floor: datetime, now: datetime,
               generation: int | None, ours: bool = True, diagnosis: DiagnosisMemory | None = None,
-              leak_warmup_seconds: float = LEAK_WARMUP_SECONDS) -> Writes:
+              leak_warmup_seconds: float = LEAK_WARMUP_SECONDS, template_hash: str | None = None) -> Writes:
     """Readiness, OOM kills (counted from the pods now: ``obs.new_oom_kills`` is replaced), the decision on
     ``obs``, the incident diagnosis (after the decision, from the same look: it never feeds it) and what they
     ask to write; ``ours``: the ConfigMap's document is the operator's (not a hand edit); ``diagnosis``: the
     loop's diagnosis memory (None: a fresh one, blind until ``blind_floor``); ``leak_warmup_seconds``: the
-    operator's ``--leak-warmup-seconds`` (a younger pod's leak window still holds its warm-up)."""
+    operator's ``--leak-warmup-seconds`` (a younger pod's leak window still holds its warm-up); ``template_hash``:
+    the current pod template's (:func:`rollout_readiness`)."""
     raw = None if data is None else dict(data)
     status = budget_document.caught_up(prior, raw, ours)
     facts = pod_facts(pods)
-    new = report.readiness(status, spec, *replica_readiness(pods, spec), now, generation, facts.startup_failures)
+    new = rollout_readiness(status, spec, pods, now, generation, template_hash)
     events = report.readiness_events(status, new)
     new, new_ooms = report.oom_check(new, facts, now)
     obs = replace(obs, new_oom_kills=new_ooms, crash_looping_pods=facts.crash_looping)

@@ -13,6 +13,7 @@ and the Kubernetes API conventions for status (``observedGeneration``,
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -29,6 +30,24 @@ QUANTITY_PATTERN = r"^([0-9]+(\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
 
 DEFAULT_IMAGE = "ghcr.io/moeguard/worker:0.1.0-cpu"
 
+_PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|[-]+)[a-z0-9]+)*"
+_DOMAIN_COMPONENT = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
+IMAGE_REFERENCE = (rf"^(?:(?:{_DOMAIN_COMPONENT}(?:[.]{_DOMAIN_COMPONENT})*|\[[a-fA-F0-9:]+\])(?::[0-9]+)?/)?"
+                   rf"{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*"
+                   r"(?::[\w][\w.-]{0,127})?(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?$")
+"""An image reference as the container runtimes parse it (the grammar of ``distribution/reference``'s
+``ReferenceRegexp``: ``[host[:port]/]path[:tag][@digest]``, path components lower case). The API server checks
+only that a pod's image has no leading or trailing whitespace; a reference outside this grammar passes it and the
+pod then waits in ``InvalidImageName`` (issue 29, item 5)."""
+IMAGE_WORDS = "[registry[:port]/]path[:tag][@digest], path in lower case, no whitespace"
+""":data:`IMAGE_REFERENCE` in words, for messages."""
+ENV_VAR_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+"""An environment variable name as Kubernetes validated it up to 1.33 (``IsEnvVarName``: letters, digits, '-',
+'.', '_', not starting with a digit). Later versions accept any printable ASCII but '='; this subset is what
+every supported cluster's pods accept (issue 29, item 5: a ``=`` in a name was refused only by the pod)."""
+ENV_NAME_WORDS = "letters, digits, -, . and _, not starting with a digit"
+""":data:`ENV_VAR_NAME` in words, for messages."""
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(
@@ -40,13 +59,21 @@ class _Model(BaseModel):
     )
 
 
-def _cel(*rules: tuple[str, str, str]) -> dict[str, Any]:
-    """``x-kubernetes-validations`` entries from (rule, message, fieldPath) triples."""
+CelRule = tuple[str, str, str] | tuple[str, str, str, str]
+"""(rule, message, fieldPath) or (rule, message, fieldPath, messageExpression)."""
+
+
+def _cel(*rules: CelRule) -> dict[str, Any]:
+    """``x-kubernetes-validations`` entries from (rule, message, fieldPath) triples, or (rule, message, fieldPath,
+    messageExpression) where the message names the offending item (the API server shows ``message`` when the
+    expression fails)."""
     out = []
-    for rule, message, path in rules:
+    for rule, message, path, *expression in rules:
         entry = {"rule": rule, "message": message}
         if path:
             entry["fieldPath"] = path
+        if expression:
+            entry["messageExpression"] = expression[0]
         out.append(entry)
     return {"x-kubernetes-validations": out}
 
@@ -438,6 +465,9 @@ class UcxSpec(_Model):
     """``UCX_RCACHE_MAX_UNRELEASED``: regions held in the rcache invalidation queue."""
     extra_env: dict[str, str] = Field(default_factory=dict, max_length=64, json_schema_extra=_cel(
         ("self.all(k, k.startsWith('UCX_'))", "ucx.extraEnv keys must start with UCX_", ""),
+        # no messageExpression naming the key: a map key has no maxLength, and the API server estimates the cost
+        # of joining unbounded keys far above its budget
+        (f"self.all(k, k.matches('{ENV_VAR_NAME}'))", f"ucx.extraEnv keys must be {ENV_NAME_WORDS}", ""),
         ("self.all(k, " + " && ".join(f"k != '{v}'" for v in reversed(contract.UCX_MANAGED_VARS)) + ")",
          f"ucx.extraEnv must not set {' or '.join(reversed(contract.UCX_MANAGED_VARS))} (use ucx.mode and "
          "ucx.rcacheMaxUnreleased)", "")))
@@ -449,6 +479,9 @@ class UcxSpec(_Model):
         bad = sorted(k for k in env if not k.startswith("UCX_"))
         if bad:
             raise ValueError(f"ucx.extraEnv keys must start with UCX_ (got {', '.join(bad)})")
+        bad = sorted(k for k in env if not re.fullmatch(ENV_VAR_NAME, k))
+        if bad:
+            raise ValueError(f"ucx.extraEnv: {', '.join(bad)} is not a variable name (keys must be {ENV_NAME_WORDS})")
         managed = sorted(k for k in env if k in contract.UCX_MANAGED_VARS)
         if managed:
             raise ValueError(f"ucx.extraEnv must not set {', '.join(managed)} (use ucx.mode and ucx.rcacheMaxUnreleased)")
@@ -514,7 +547,7 @@ RESERVED_MOUNT_PATHS = ("/tmp", contract.MODEL_MOUNT_PATH)
 """Paths where the operator mounts its own volumes (``/moeguard/model``: ``spec.model.source``, always reserved)."""
 
 
-def _core(name: str, *rules: tuple[str, str, str], message_expressions: dict[str, str] | None = None,
+def _core(name: str, *rules: CelRule, message_expressions: dict[str, str] | None = None,
           max_lengths: dict[str, int] | None = None) -> dict[str, Any]:
     """JSON Schema asking crdgen for the API server's core/v1 ``name`` schema, plus CEL ``rules``
     (``messageExpression`` per rule index where given) and ``maxLength`` bounds on top-level string
@@ -555,12 +588,17 @@ _MOUNT_RULES = (
      "template.volumeMounts: mountPath must be an absolute path without ':'", ".mountPath"),
 )
 _ENV_RULES = (
-    ("self.name.matches('^[A-Za-z_][A-Za-z0-9_]*$')",
-     "template.extraEnv: a variable name is letters, digits and '_', not starting with a digit", ".name"),
+    (f"self.name.matches('{ENV_VAR_NAME}')", f"template.extraEnv: a variable name is {ENV_NAME_WORDS}", ".name",
+     f"'template.extraEnv: ' + self.name + ' is not a variable name ({ENV_NAME_WORDS})'"),
     ("!self.name.startsWith('MOEGUARD_') && !self.name.startsWith('UCX_')",
      "template.extraEnv must not set MOEGUARD_* or UCX_* (use spec fields and ucx.extraEnv)", ".name"),
     ("!has(self.value) || !has(self.valueFrom)", "template.extraEnv: set value or valueFrom, not both", ""),
 )
+
+
+_MOUNTED = ("m.name in " + repr(list(MOUNTABLE_RESERVED_VOLUMES)) +
+            " || (has(self.volumes) && self.volumes.exists(v, v.name == m.name))")
+"""CEL: mount ``m`` names a volume of ``template.volumes`` (or one of the operator's it may mount again)."""
 
 
 class PodTemplateSpec(_Model):
@@ -569,8 +607,10 @@ class PodTemplateSpec(_Model):
     cannot state; every name is checked against the children the operator creates."""
 
     model_config = ConfigDict(json_schema_extra=_cel(
-        ("!has(self.volumeMounts) || self.volumeMounts.all(m, m.name in " + repr(list(MOUNTABLE_RESERVED_VOLUMES)) +
-         " || (has(self.volumes) && self.volumes.exists(v, v.name == m.name)))",
+        (f"!has(self.volumeMounts) || self.volumeMounts.all(m, {_MOUNTED})",
+         # No messageExpression naming the item (template.volumeMounts[i].name): every form tried (transformList,
+         # filter + indexOf) is estimated above the API server's CEL cost budget by more than 100x (issue 29, item 5;
+         # Kubernetes 1.34). The operator's own check (PodTemplateSpec._names) names the item.
          "template.volumeMounts must name a volume of template.volumes", ".volumeMounts"),
     ))
 
@@ -618,10 +658,14 @@ class PodTemplateSpec(_Model):
         dups = sorted({n for n in env if env.count(n) > 1})
         if dups:
             raise ValueError(f"template.extraEnv names must be unique (repeated: {', '.join(dups)})")
+        bad = [n for n in env if not re.fullmatch(ENV_VAR_NAME, n)]
+        if bad:
+            raise ValueError(f"template.extraEnv: {', '.join(bad)} is not a variable name ({ENV_NAME_WORDS})")
         volumes = {str(v.get("name")) for v in self.volumes} | set(MOUNTABLE_RESERVED_VOLUMES)
-        missing = sorted(str(m.get("name")) for m in self.volume_mounts if m.get("name") not in volumes)
+        missing = [f"template.volumeMounts[{i}].name: {m.get('name')}" for i, m in enumerate(self.volume_mounts)
+                   if m.get("name") not in volumes]
         if missing:
-            raise ValueError(f"template.volumeMounts name no volume in template.volumes: {', '.join(missing)}")
+            raise ValueError(f"{'; '.join(missing)} names no volume of template.volumes")
         return self
 
 
@@ -660,8 +704,11 @@ class MoEInferenceServiceSpec(_Model):
     replicas: int = Field(default=1, ge=0, le=1024)
     """Number of replicas (the scale subresource: ``kubectl scale`` and HPAs work): worker pods, or with
     ``parallelism.podsPerReplica`` above 1, LeaderWorkerSet groups of that many pods."""
-    image: str = Field(default=DEFAULT_IMAGE, min_length=1, max_length=512)
-    """Worker container image."""
+    image: str = Field(default=DEFAULT_IMAGE, min_length=1, max_length=512, json_schema_extra=_cel(
+        (f"self.matches(r'{IMAGE_REFERENCE}')", f"image must be {IMAGE_WORDS}", "",
+         f"'image: ' + self + ' is not an image reference ({IMAGE_WORDS})'")))
+    """Worker container image: a reference the container runtimes accept (``[registry[:port]/]path[:tag][@digest]``,
+    checked at apply time)."""
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     """Image pull policy of the worker container."""
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
@@ -695,9 +742,9 @@ class MoEInferenceServiceSpec(_Model):
 
     @field_validator("image")
     @classmethod
-    def _no_space(cls, v: str) -> str:
-        if any(c.isspace() for c in v):
-            raise ValueError("image must not contain whitespace")
+    def _reference(cls, v: str) -> str:
+        if not re.fullmatch(IMAGE_REFERENCE, v):
+            raise ValueError(f"image: {v} is not an image reference ({IMAGE_WORDS})")
         return v
 
 

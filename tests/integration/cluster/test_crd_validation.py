@@ -102,6 +102,18 @@ REFUSED = [
                                     "resources": {"gpus": 2}},
      "resources.gpus must equal parallelism.expertParallelSize / parallelism.podsPerReplica"),
     ("pods-per-replica-zero", {"parallelism": {"podsPerReplica": 0}}, "spec.parallelism.podsPerReplica: Invalid value"),
+    # Issue 29, item 5: refused at apply, naming the field, not stored and refused later by the operator or the pod.
+    ("image-with-whitespace", {"image": "repo/img: tag"},
+     "spec.image: Invalid value: \"string\": image: repo/img: tag is not an image reference"),
+    ("image-upper-case-path", {"image": "registry.example/Team/worker:1"},
+     "image: registry.example/Team/worker:1 is not an image reference"),
+    ("ucx-env-key-with-equals", {"ucx": {"extraEnv": {"UCX_TLS": "rc", "UCX_A=B": "1"}}},
+     "spec.ucx.extraEnv: Invalid value: \"object\": ucx.extraEnv keys must be letters, digits, -, . and _"),
+    ("env-name-with-equals", {"template": {"extraEnv": [{"name": "HF_HOME", "value": "/c"}, {"name": "A=B", "value": "1"}]}},
+     "spec.template.extraEnv[1].name: Invalid value: \"object\": template.extraEnv: A=B is not a variable name"),
+    ("second-mount-of-an-undefined-volume", {"template": {"volumes": [PVC], "volumeMounts": [
+        {"name": "models", "mountPath": "/models"}, {"name": "nope", "mountPath": "/m"}]}},
+     "spec.template.volumeMounts: Invalid value: \"object\": template.volumeMounts must name a volume of template.volumes"),
 ]
 
 
@@ -134,9 +146,12 @@ ACCEPTED: dict[str, Any] = {
         "volumeMounts": [{"name": "models", "mountPath": "/models"}, {"name": "weights", "mountPath": "/weights"},
                          {"name": "scratch", "mountPath": "/scratch", "readOnly": False}],
         "extraEnv": [{"name": "HF_HOME", "value": "/scratch"},
-                     {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
+                     {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+                     {"name": "spring.profiles-active", "value": "gpu"}],
         "annotations": {"example.com/team": "ml 😀"},
     },
+    "image": "registry.example:5000/team/moe_worker:1.2-cpu@sha256:" + "0a" * 32,
+    "ucx": {"extraEnv": {"UCX_CUDA_IPC_CACHE": "n", "UCX_TLS": "rc,cuda_copy"}},
 }
 
 

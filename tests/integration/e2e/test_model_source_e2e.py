@@ -5,8 +5,8 @@
   off as the kubelet does, and writes the pod status as the kubelet does: a crash loop whose last
   termination carries the log's tail (``terminationMessagePolicy: FallbackToLogsOnError``: outside a
   container there is no /dev/termination-log). That status becomes the service's Ready=False condition
-  (reason WorkerStartupFailed) with the worker's own message, one Warning Event, and the pod named in
-  ``status.observed.crashLoopingPods``.
+  (reason WorkerStartupFailed) with the worker's own message, Stalled=True with reason CrashLoopBackOff (kstatus:
+  the rollout cannot progress), one Warning Event, and the pod named in ``status.observed.crashLoopingPods``.
 * A hostPath source on an operator run without ``--allow-host-path-models``: Stalled, HostPathNotAllowed.
 * An image source on this API server (1.34, ImageVolume feature gate off): Stalled, VolumeDropped.
 """
@@ -85,7 +85,12 @@ def test_a_worker_start_up_failure_is_the_ready_condition(cluster: Cluster, oper
     assert ready is not None and ready["status"] == "False"
     assert ready["message"].startswith(f"0/1 worker pods ready; pod {name}: container worker exited 3 (Error): ")
     assert MISSING in ready["message"]
-    assert stack.condition(obj, "Stalled")["status"] == "False"  # type: ignore[index]
+    # kstatus: the current template cannot start, so the rollout is Stalled (the pod's reason), not in progress
+    obj = wait_cr(cluster, namespace, "broken",
+                  lambda o: (stack.condition(o, "Stalled") or {}).get("reason") == "CrashLoopBackOff", 60,
+                  "Stalled=True CrashLoopBackOff")
+    assert stack.condition(obj, "Stalled")["status"] == "True"  # type: ignore[index]
+    assert stack.condition(obj, "Reconciling")["status"] == "False"  # type: ignore[index]
     looping = wait_cr(cluster, namespace, "broken",
                       lambda o: (o["status"].get("observed") or {}).get("crashLoopingPods") == [name], 120,
                       f"{name} named crash-looping")

@@ -51,7 +51,9 @@ def _events(cluster: Cluster, ns: str, name: str) -> list[tuple[str, str, str]]:
 def test_a_service_gets_its_children_status_and_conditions(
         cluster: Cluster, namespace: str, operator_in_process: KopfRunner) -> None:
     ns = namespace
-    cluster.kubectl("-n", ns, "apply", "-f", "-", input=moeis("wired", replicas=0, batching={"maxPrefillTokens": 2048}))
+    # one CPU pod (kwok makes it Ready; no worker): a service scaled to zero would never be looked at
+    cluster.kubectl("-n", ns, "apply", "-f", "-", input=moeis("wired", replicas=1, resources={"gpus": 0},
+                                                             batching={"maxPrefillTokens": 2048}))
     obj = wait_cr(cluster, ns, "wired", lambda o: _condition(o, "Ready").get("status") == "True"
                   and _condition(o, "MetricsAvailable"), DEADLINE_SECONDS, "Ready=True and a first look")
 
@@ -59,7 +61,7 @@ def test_a_service_gets_its_children_status_and_conditions(
     assert status["observedGeneration"] == obj["metadata"]["generation"]
     assert status["budgets"]["maxPrefillTokens"] == 2048 and status["initialBudgets"] == status["budgets"]
     assert status["budgetGeneration"] == 1 and status["overloadMode"] == "Off"
-    assert status["replicas"] == 0 and status["readyReplicas"] == 0
+    assert status["replicas"] == 1 and status["readyReplicas"] == 1
     assert status["selector"] == "app.kubernetes.io/name=moeguard-worker,app.kubernetes.io/instance=wired"
     assert (_condition(obj, "Stalled")["status"], _condition(obj, "Reconciling")["status"]) == ("False", "False")
     assert _condition(obj, "Ready")["reason"] == "AllReplicasReady"

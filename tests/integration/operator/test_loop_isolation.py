@@ -110,9 +110,10 @@ def test_hung_prometheus_stalls_no_other_service_and_no_deletion(
                 "the old finalizer removed")
 
         hung = [f"hung-{i}" for i in range(HUNG)]
-        for name in hung:
-            cluster.kubectl("-n", ns, "apply", "-f", "-", input=moeis(
-                name, **(SPEC | {"replicas": 0, "control": SPEC["control"] | {"prometheusUrl": trickle.url}})))
+        for name in hung:  # one CPU pod each (kwok makes it Ready; no worker): replicas 0 would never be looked at
+            cluster.kubectl("-n", ns, "apply", "-f", "-", input=moeis(name, **(SPEC | {
+                "replicas": 1, "resources": SPEC["resources"] | {"gpus": 0},
+                "control": SPEC["control"] | {"prometheusUrl": trickle.url}})))
         for name in hung:
             wait_cr(cluster, ns, name, lambda o: "PrometheusTimeout" in ((stack.condition(o, "MetricsAvailable") or {})
                                                                           .get("message") or ""),
@@ -192,7 +193,8 @@ def test_a_service_due_while_a_look_is_in_flight_joins_the_next_look(
     services that message flipped with the looked-at one, thousands of idle status writes)."""
     ns, slow = namespace, SlowPrometheus(2.5)
     stack.apply_crds(run_dir=cluster.run_dir)
-    spec = SPEC | {"replicas": 0, "control": SPEC["control"] | {"prometheusUrl": slow.url}}
+    spec = SPEC | {"replicas": 1, "resources": SPEC["resources"] | {"gpus": 0},  # looked at: not scaled to zero
+                   "control": SPEC["control"] | {"prometheusUrl": slow.url}}
     log = cluster.run_dir / "logs" / "operator-loop-in-flight.log"
     proc = stack.start_operator(log, run_dir=cluster.run_dir, args=(
         "-n", ns, "--standalone", "--metrics-port", str(METRICS_PORT),

@@ -14,11 +14,9 @@ from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
 from moeguard_operator.diagnosis.diagnosis import (
-    ALLOC_CONF,
     LEAK_MIN_WINDOW_GROWTH_BYTES,
     DiagnosisLook,
     DiagnosisMemory,
-    alloc_conf_patch,
     clear_after_seconds,
     diagnose,
     leak_kind,
@@ -240,11 +238,66 @@ def test_patches_respect_floors_and_the_other_env() -> None:
     lowered = lowered_budget_patch(floored, "max_concurrent_batches")
     assert lowered is not None and json.loads(lowered[1]) == {"spec": {"batching": {
         "maxConcurrentBatches": 2, "floors": {"maxConcurrentBatches": 2}}}}
-    env = json.loads(alloc_conf_patch(SPEC))["spec"]["template"]["extraEnv"]
-    assert env == [{"name": "HF_HOME", "value": "/cache"}, {"name": ALLOC_CONF, "value": "expandable_segments:True"}]
     amd = MoEInferenceServiceSpec.model_validate({"resources": {"gpus": 1, "gpuResourceName": "amd.com/gpu",
                                                                 "softLimit": "3Gi", "hardLimit": "4Gi"}})
     assert json.loads(ucx_patch(amd))["spec"]["ucx"]["mode"] == "rcache"
+
+
+def fragmentation(alloc_conf: dict[str, object] | None) -> tuple[str, dict[str, object] | None]:
+    """The AllocatorFragmentation finding's remedy and patch for a spec whose ``template.extraEnv`` holds HF_HOME,
+    then ``alloc_conf`` (a PYTORCH_CUDA_ALLOC_CONF EnvVar; None: not set), then TZ."""
+    env = [{"name": "HF_HOME", "value": "/cache"}, *([alloc_conf] if alloc_conf else []), {"name": "TZ", "value": "UTC"}]
+    spec = SPEC.model_copy(update={"template": SPEC.template.model_copy(update={"extra_env": env})})
+    out = diagnose(DiagnosisMemory(blind_at=T0 - timedelta(hours=1)), look(DRILLS["AllocatorFragmentation"][0], 0),
+                   None, spec, T0)
+    (finding,) = out.status.findings
+    assert finding.kind == "AllocatorFragmentation"
+    return finding.remedy, None if finding.patch is None else json.loads(finding.patch)
+
+
+def _env_patch(value: str) -> dict[str, object]:
+    return {"spec": {"template": {"extraEnv": [{"name": "HF_HOME", "value": "/cache"},
+                                               {"name": "PYTORCH_CUDA_ALLOC_CONF", "value": value},
+                                               {"name": "TZ", "value": "UTC"}]}}}
+
+
+def test_fragmentation_patch_adds_expandable_segments_keeping_the_other_allocator_options() -> None:
+    """Issue 29 item 4 (pytorch/torchtitan#3865): the other options of PYTORCH_CUDA_ALLOC_CONF stay, in place."""
+    conf = {"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "max_split_size_mb:128,garbage_collection_threshold:0.6"}
+    remedy, patch = fragmentation(conf)
+    assert patch == _env_patch("max_split_size_mb:128,garbage_collection_threshold:0.6,expandable_segments:True")
+    assert "max_split_size_mb:128,garbage_collection_threshold:0.6,expandable_segments:True" in remedy
+    # a bracketed value holds commas and colons of its own (roundup_power2_divisions)
+    conf = {"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "roundup_power2_divisions:[256:1,512:2,>:8], max_split_size_mb:64"}
+    assert fragmentation(conf)[1] == _env_patch(
+        "roundup_power2_divisions:[256:1,512:2,>:8],max_split_size_mb:64,expandable_segments:True")
+    # unset: appended after the other variables
+    remedy, patch = fragmentation(None)
+    assert patch == {"spec": {"template": {"extraEnv": [
+        {"name": "HF_HOME", "value": "/cache"}, {"name": "TZ", "value": "UTC"},
+        {"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "expandable_segments:True"}]}}}
+    assert remedy.startswith("set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in spec.template.extraEnv")
+
+
+def test_fragmentation_with_expandable_segments_on_already_has_no_patch() -> None:
+    conf = {"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "max_split_size_mb:128,expandable_segments:True"}
+    remedy, patch = fragmentation(conf)
+    assert patch is None
+    assert remedy.startswith("PYTORCH_CUDA_ALLOC_CONF already has expandable_segments:True: lower maxPrefillTokens")
+
+
+def test_fragmentation_keeps_a_deliberate_false_and_names_the_trade_off() -> None:
+    conf = {"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "expandable_segments:False,max_split_size_mb:128"}
+    remedy, patch = fragmentation(conf)
+    assert patch is None
+    assert "expandable_segments:False, kept as a deliberate choice" in remedy
+    assert "pytorch/pytorch#165419" in remedy and "uccl-project/uccl#839" in remedy
+
+
+def test_fragmentation_with_the_variable_from_value_from_has_no_patch() -> None:
+    conf = {"name": "PYTORCH_CUDA_ALLOC_CONF", "valueFrom": {"configMapKeyRef": {"name": "alloc", "key": "conf"}}}
+    remedy, patch = fragmentation(conf)
+    assert patch is None and remedy.startswith("PYTORCH_CUDA_ALLOC_CONF comes from valueFrom")
 
 
 def test_missing_signals_start_nothing_and_are_named() -> None:

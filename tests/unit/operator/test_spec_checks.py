@@ -38,7 +38,11 @@ def test_shape_rules() -> None:
 @pytest.mark.parametrize(("spec", "message"), [
     ({"ucx": {"extraEnv": {"UCX_RCACHE_MAX_UNRELEASED": "inf"}}}, "ucx.extraEnv must not set UCX_RCACHE_MAX_UNRELEASED"),
     ({"template": {"extraEnv": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}}, "names must be unique (repeated: A)"),
-    ({"template": {"volumeMounts": [{"name": "nope", "mountPath": "/x"}]}}, "volumeMounts name no volume in template.volumes: nope"),
+    ({"template": {"volumeMounts": [{"name": "tmp", "mountPath": "/t"}, {"name": "nope", "mountPath": "/x"}]}},
+     "template.volumeMounts[1].name: nope names no volume of template.volumes"),
+    ({"ucx": {"extraEnv": {"UCX_A=B": "1"}}}, "ucx.extraEnv: UCX_A=B is not a variable name"),
+    ({"template": {"extraEnv": [{"name": "A=B", "value": "1"}]}}, "template.extraEnv: A=B is not a variable name"),
+    ({"image": "repo/img: tag"}, "image: repo/img: tag is not an image reference"),
     ({"resources": {"softLimit": "0"}}, "resources.softLimit must be above 0"),
     ({"resources": {"cpu": "0"}}, "resources.cpu must be above 0"),
     ({"resources": {"hardLimit": "99999Ti", "softLimit": "1Gi"}}, "resources.hardLimit must be below 64Ti"),
