@@ -65,9 +65,16 @@ def lowest(a: Budgets, b: Budgets) -> Budgets:
     return a.model_copy(update={n: min(getattr(a, n), getattr(b, n)) for n in BUDGET_FIELDS})
 
 
+def _mib(n: int) -> int:
+    """``n`` bytes rounded to a whole MiB: status shows the prediction at that grain, so that an idle pod's
+    footprint moving by a few pages does not rewrite status at every look (``tick.stable``)."""
+    return round(n / 2**20) * 2**20
+
+
 def _status(p: memory_fit.Prediction) -> PodMemoryPrediction:
-    return PodMemoryPrediction(pod=p.pod, idle_footprint_bytes=p.idle_footprint_bytes,
-                               predicted_peak_bytes=p.peak_bytes, headroom_bytes=p.headroom_bytes)
+    peak = _mib(p.peak_bytes)
+    return PodMemoryPrediction(pod=p.pod, idle_footprint_bytes=_mib(p.idle_footprint_bytes),
+                               predicted_peak_bytes=peak, headroom_bytes=_mib(p.limit_bytes) - peak)
 
 
 def decide(observation: Observation, state: PolicyState, spec: MoEInferenceServiceSpec, now: datetime) -> Decision:

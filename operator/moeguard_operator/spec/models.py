@@ -826,7 +826,7 @@ class SloAttainment(_Model):
 
 class PodMemoryPrediction(_Model):
     """One pod's predicted memory peak at the budgets in effect (the memory model, ``moeguard_core.memory_model``,
-    at the pod's observed skew and context mix), against the soft limit."""
+    at the pod's observed skew and context mix), against the soft limit; bytes, rounded to whole MiB."""
 
     pod: str
     """The pod."""

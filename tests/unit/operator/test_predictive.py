@@ -203,3 +203,12 @@ def test_where_the_operator_cannot_predict_it_holds_and_says_why() -> None:
     assert d.direction == "hold" and d.memory == ()
     assert "no memory prediction (GPU workers: the memory model is of the CPU path): not loosening" in d.reason
     assert ceilings(gpu.batching) != START  # there was room to climb
+
+
+def test_status_shows_the_prediction_at_a_mib_grain_so_page_noise_writes_nothing() -> None:
+    noisy = tuple(PodLoad(p.pod, idle_footprint_bytes=(p.idle_footprint_bytes or 0) + 12_288, skew_ratio=2.0,
+                          context_mean_tokens=300, context_max_tokens=2048) for p in loads())
+    assert decide(obs(), PolicyState(START), SPEC, NOW).memory == decide(obs(pod_loads=noisy), PolicyState(START),
+                                                                        SPEC, NOW).memory
+    (first, _) = decide(obs(), PolicyState(START), SPEC, NOW).memory
+    assert first.idle_footprint_bytes == 799 * MIB and first.predicted_peak_bytes % MIB == 0
