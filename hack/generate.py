@@ -365,6 +365,19 @@ ADVICE: dict[str, str] = {
         "tightening is the expected price of safety; rising without one is queueing — add replicas. "
         "Interactive TTFT should stay near its unloaded value while batch TTFT absorbs the load."),
     "moeguard_e2e_request_latency_seconds": "Arrival to last token (vLLM `e2e_request_latency_seconds`).",
+    "moeguard_request_time_per_output_token_seconds": (
+        "Per answered request, its time per output token after the first (DistServe's TPOT; vLLM "
+        "`request_time_per_output_token_seconds`), by priority class. With TTFT it is what "
+        "`spec.slo` measures: `status.observed.slo` is the share of the window's requests within each objective. "
+        "Rising with the batch size: decode steps carry more sequences — lower `maxDecodeTokens` or add replicas."),
+    "moeguard_request_context_tokens": (
+        "Per request accepted into the queue, prompt + `max_tokens`: the KV capacity its cache is allocated with. "
+        "The operator's predictive policy reads the window's mean (the KV the requests in flight hold) and its "
+        "largest bucket (the worst step's mask)."),
+    "moeguard_memory_idle_footprint_bytes": (
+        "Memory in use at the latest check with no request in the worker: weights, runtime and the heap it "
+        "keeps. The predictive policy measures each pod's headroom to the soft limit from it. Growing from one "
+        "idle moment to the next: a leak the requests leave behind."),
     "moeguard_step_duration_seconds": (
         "Engine step wall time. Slower steps at the same batch tokens: contention (CPU threads, GPU shared "
         "with another process) or allocator churn."),

@@ -334,6 +334,36 @@ METRIC_E2E_LATENCY_SECONDS = "moeguard_e2e_request_latency_seconds"
 """Histogram of end-to-end request latency, seconds, label ``priority`` (the operator sums over it)."""
 METRIC_TTFT_SECONDS = "moeguard_time_to_first_token_seconds"
 """Histogram of arrival to first token, seconds, label ``priority`` (vLLM ``time_to_first_token_seconds``)."""
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 2.5, 3.0, 5.0, 10.0, 30.0, 60.0, 120.0)
+"""Upper bounds of :data:`METRIC_TTFT_SECONDS`' buckets, seconds: the worker's latency buckets plus 2 and 3 s, so
+that the default interactive TTFT objective (``spec.slo.interactive.ttftSeconds`` 3 s, the headline's) is a bucket
+bound and its attainment is exact (another target is interpolated within its bucket)."""
+METRIC_TPOT_SECONDS = "moeguard_request_time_per_output_token_seconds"
+"""Histogram, label ``priority``: one observation per request that finished with an answer, its time per output
+token after the first, ``(last token - first token) / (tokens - 1)``, seconds; 0 for a one-token answer (nothing
+after the first). DistServe's TPOT (Zhong et al., OSDI 2024) and ``bench/slo.py``'s; vLLM v1's
+``vllm:request_time_per_output_token_seconds``. Buckets :data:`TPOT_BUCKETS`."""
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+"""Upper bounds of :data:`METRIC_TPOT_SECONDS`' buckets, seconds (the default TPOT objectives, 0.25 s interactive
+and 1 s batch, are bounds)."""
+METRIC_REQUEST_CONTEXT_TOKENS = "moeguard_request_context_tokens"
+"""Histogram: one observation per request accepted into the queue, its KV capacity ``prompt + max_tokens``,
+tokens (the worker allocates a sequence's cache whole at admission). The operator reads the window's mean
+(``_sum`` / ``_count``) and its largest bucket bound: the context mix its memory prediction uses. Buckets
+:data:`CONTEXT_TOKEN_BUCKETS`."""
+CONTEXT_TOKEN_BUCKETS = (16.0, 32.0, 64.0, 128.0, 192.0, 256.0, 384.0, 512.0, 768.0, 1024.0, 1536.0, 2048.0, 3072.0,
+                         4096.0, 6144.0, 8192.0, 12288.0, 16384.0, 24576.0, 32768.0, 49152.0, 65536.0, 98304.0,
+                         131072.0, 196608.0, 262144.0, 524288.0, 1048576.0)
+"""Upper bounds of :data:`METRIC_REQUEST_CONTEXT_TOKENS`' buckets, tokens: about two per doubling, so that the
+window's largest bound is at most 1.5 times the longest request."""
+METRIC_MEMORY_IDLE_FOOTPRINT_BYTES = "moeguard_memory_idle_footprint_bytes"
+"""Gauge: the memory in use (the figure of :data:`METRIC_MEMORY_USAGE_BYTES`, the one the soft and hard limits
+compare) at the worker's latest memory check with no request in it (nothing queued, running or holding a KV
+cache), bytes: the loaded model, the runtime and the heap the process keeps. Absent until the first such check.
+The operator measures each pod's headroom to the soft limit from it (``--policy predictive``)."""
+METRIC_MEMORY_PREDICTION_CORRECTION_RATIO = "moeguard_memory_prediction_correction_ratio"
+"""Gauge: the factor (>= 1) the worker multiplies the memory model's step predictions by
+(:class:`moeguard_core.memory_admission.Correction`); memory-aware admission only."""
 METRIC_PREEMPTIONS_TOTAL = "moeguard_preemptions_total"
 """Counter, label ``priority``: running requests moved back to the queue (KV kept) to make room for a
 higher class (vLLM ``vllm:num_preemptions_total``)."""
@@ -481,6 +511,12 @@ OPERATOR_READS = (
     METRIC_PYTHON_ALLOCATED_BLOCKS,
     # an expert-parallel group's rank imbalance, part of the skew signal (issue 15)
     METRIC_EP_RANK_TOKENS_TOTAL,
+    # SLO attainment and the memory prediction (issue 30)
+    METRIC_TTFT_SECONDS,
+    METRIC_TPOT_SECONDS,
+    METRIC_REQUEST_CONTEXT_TOKENS,
+    METRIC_MEMORY_IDLE_FOOTPRINT_BYTES,
+    METRIC_MEMORY_PREDICTION_CORRECTION_RATIO,
 )
 """Every worker series the operator's Prometheus queries name (the budget look and issue 14's diagnosis): a
 test checks that the worker's registry declares each, and that the queries name none outside it. The GPU gauges are declared

@@ -23,7 +23,7 @@ import kopf
 import prometheus_client
 
 from moeguard_operator import handlers
-from moeguard_operator.config import TEST_PAUSE_ENV, OperatorConfig
+from moeguard_operator.config import POLICIES, TEST_PAUSE_ENV, OperatorConfig
 from moeguard_operator.constants import PROMETHEUS_URL_ENV
 from moeguard_operator.loop import observe
 
@@ -78,6 +78,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Opera
     parser.add_argument("--leak-warmup-seconds", type=float, default=OperatorConfig.leak_warmup_seconds,
                         help="a worker's warm-up before its RSS slope may count as a leak, seconds "
                              "(default: %(default)s; shorter only in tests)")
+    parser.add_argument("--policy", choices=POLICIES, default=OperatorConfig.policy,
+                        help="the outer loop's policy: threshold (AIMD on skew, memory and refusal thresholds) or "
+                             "predictive (budgets from each pod's predicted memory, overload mode from SLO "
+                             "attainment); default: %(default)s")
     parser.add_argument("--allow-secrets", action="store_true",
                         help="serve specs that mount Secrets or read them into env (template.volumes[].secret, "
                              "template.extraEnv[].valueFrom.secretKeyRef); default: refuse them")
@@ -97,6 +101,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Opera
                                 allowed_prometheus_urls=tuple(args.allowed_prometheus_url),
                                 look_deadline_seconds=args.look_deadline_seconds,
                                 leak_warmup_seconds=args.leak_warmup_seconds,
+                                policy=args.policy,
                                 test_pause_at=os.environ.get(TEST_PAUSE_ENV) or None)
     except ValueError as exc:
         parser.error(str(exc))

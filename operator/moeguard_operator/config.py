@@ -12,6 +12,10 @@ TEST_PAUSE_POINTS = ("after-configmap", "after-status")
 """Where a decision's writes may be paused by a test (``MOEGUARD_TEST_PAUSE_AT``): after the budget ConfigMap,
 after the status patch."""
 TEST_PAUSE_ENV = "MOEGUARD_TEST_PAUSE_AT"
+POLICIES = ("threshold", "predictive")
+"""The outer loop's budget and overload policies (``--policy``): ``threshold`` (:mod:`moeguard_operator.loop.policy`:
+AIMD on skew, memory and refusal thresholds; the default) and ``predictive``
+(:mod:`moeguard_operator.loop.predictive`: budgets from the predicted memory, overload mode from SLO attainment)."""
 MEMO_KEY = "config"
 """Key of the :class:`OperatorConfig` in kopf's operator-wide memo (each resource's memo copies it)."""
 
@@ -49,6 +53,8 @@ class OperatorConfig:
         leak_warmup_seconds: a worker's warm-up, seconds, before its leak window may start
             (:data:`moeguard_operator.loop.observation.LEAK_WARMUP_SECONDS` by default; flag ``--leak-warmup-seconds``).
             Only tests shorten it, so that a leak judgement does not wait a minute and a half.
+        policy: the outer loop's policy, one of :data:`POLICIES` (flag ``--policy``; default ``threshold`` until
+            the headline benchmark has measured ``predictive``).
     """
 
     prometheus_url: str | None = None
@@ -61,6 +67,7 @@ class OperatorConfig:
     allowed_prometheus_urls: tuple[str, ...] = ()
     test_pause_at: str | None = None
     leak_warmup_seconds: float = LEAK_WARMUP_SECONDS
+    policy: str = "threshold"
 
     @property
     def prometheus_urls(self) -> tuple[str, ...]:
@@ -77,6 +84,8 @@ class OperatorConfig:
                              f"(got {self.test_pause_at!r})")
         if self.leak_warmup_seconds < 0:
             raise ValueError(f"leak_warmup_seconds must be 0 or above (got {self.leak_warmup_seconds})")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)} (got {self.policy!r})")
         if self.peering_lifetime_seconds <= 0:
             raise ValueError(f"peering_lifetime_seconds must be above 0 (got {self.peering_lifetime_seconds})")
 

@@ -441,7 +441,8 @@ class ControlLoop:
         writes = tick.look_step(prior, spec, pods, self.views.configmaps.get(key), obs, mem.blind_floor, now,
                                 (svc.get("metadata") or {}).get("generation"), key not in self.views.hand_edited,
                                 mem.diagnosis or DiagnosisMemory(blind_at=self.started),
-                                leak_warmup_seconds=self.config.leak_warmup_seconds, template_hash=mem.template_hash)
+                                leak_warmup_seconds=self.config.leak_warmup_seconds, template_hash=mem.template_hash,
+                                policy=self.config.policy)
         if not obs.fully_visible:
             mem.blind_floor = max(mem.blind_floor, now)
         decision, found = writes.decision, writes.diagnosis

@@ -11,6 +11,48 @@ from moeguard_operator.loop.signals import DiagnosisSignals
 
 
 @dataclass(frozen=True)
+class PodLoad:
+    """One pod's inputs to the memory prediction (``--policy predictive``), over the window. None: no data.
+
+    Attributes:
+        pod: the pod.
+        memory_bytes: its highest memory in use in the window (``moeguard_memory_usage_bytes``), bytes.
+        idle_footprint_bytes: its memory in use when it last held no request
+            (``moeguard_memory_idle_footprint_bytes``), bytes; None before its first idle check.
+        skew_ratio: its highest step's expert skew ratio in the window (None: no step large enough).
+        context_mean_tokens: the mean KV capacity (prompt + max_tokens) of the requests it accepted in the window
+            (``moeguard_request_context_tokens``), tokens; None: no request in the window.
+        context_max_tokens: the bucket bound of the longest of them, tokens; None: no request in the window.
+        correction: its memory model correction factor (``moeguard_memory_prediction_correction_ratio``); None:
+            memory-aware admission off.
+    """
+
+    pod: str
+    memory_bytes: float | None = None
+    idle_footprint_bytes: float | None = None
+    skew_ratio: float | None = None
+    context_mean_tokens: float | None = None
+    context_max_tokens: float | None = None
+    correction: float | None = None
+
+
+@dataclass(frozen=True)
+class ClassLatency:
+    """One priority class's latency histograms over the window, summed over the Running pods: ``(le, count)``
+    cumulative bucket counts (``increase`` over the window), ``le`` ascending and ``math.inf`` last.
+
+    Attributes:
+        priority: ``interactive`` or ``batch``.
+        ttft: ``moeguard_time_to_first_token_seconds``' buckets.
+        tpot: ``moeguard_request_time_per_output_token_seconds``' buckets.
+    """
+
+    priority: str
+    ttft: tuple[tuple[float, float], ...] = ()
+    tpot: tuple[tuple[float, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Observation:
     """What the operator saw in one look. ``None`` means *no data*, never 0.
 
@@ -42,6 +84,9 @@ class Observation:
         error: why Prometheus values are missing (unreachable, no series), or None.
         signals: the diagnosis signals (:mod:`diagnosis`; never read by :func:`decide`), or None when missing.
         signals_missing: why ``signals`` is None although the look was not blind (a diagnosis query failed).
+        pod_loads: per reporting pod, the memory prediction's inputs (:class:`PodLoad`).
+        latency: per priority class, the latency histograms of the window (:class:`ClassLatency`); empty unless
+            every reporting pod has a full window.
     """
 
     time: datetime
@@ -64,6 +109,8 @@ class Observation:
     error: str | None = None
     signals: DiagnosisSignals | None = None
     signals_missing: str | None = None
+    pod_loads: tuple[PodLoad, ...] = ()
+    latency: tuple[ClassLatency, ...] = ()
 
     @property
     def silent_pods(self) -> tuple[str, ...]:

@@ -65,9 +65,11 @@ from moeguard_core.contract import (
     METRIC_LONG_REQUESTS_RUNNING,
     METRIC_MEMORY_CHUNK_SHRINKS_TOTAL,
     METRIC_MEMORY_GROWTH_BYTES_PER_SECOND,
+    METRIC_MEMORY_IDLE_FOOTPRINT_BYTES,
     METRIC_MEMORY_LEAK_SUSPECTED,
     METRIC_MEMORY_LIMIT_STATE,
     METRIC_MEMORY_PEAK_BREAKDOWN_BYTES,
+    METRIC_MEMORY_PREDICTION_CORRECTION_RATIO,
     METRIC_MEMORY_USAGE_BYTES,
     METRIC_OOM_ERRORS_TOTAL,
     METRIC_PROCESS_MEMORY_MAPPINGS_GROWTH,
@@ -76,13 +78,16 @@ from moeguard_core.contract import (
     METRIC_PYTHON_ALLOCATED_BLOCKS,
     METRIC_QUEUE_REQUESTS,
     METRIC_REJECTIONS_TOTAL,
+    METRIC_REQUEST_CONTEXT_TOKENS,
     METRIC_STEP_EXPERT_SKEW_RATIO,
     METRIC_STEP_PREFILL_BATCHES,
     METRIC_STEP_QUEUE_REQUESTS,
+    METRIC_TPOT_SECONDS,
+    METRIC_TTFT_SECONDS,
     METRIC_UCX_INFO,
     METRIC_WORKER_START_TIME_SECONDS,
 )
-from moeguard_operator.loop.observation import Observation, leak_window_start
+from moeguard_operator.loop.observation import ClassLatency, Observation, PodLoad, leak_window_start
 from moeguard_operator.loop.podstate import PodFacts
 from moeguard_operator.loop.signals import DiagnosisSignals, PodSignals, TopLayer, UcxInfo
 from moeguard_operator.spec.models import MoEInferenceServiceSpec
@@ -293,6 +298,12 @@ class Queries:
     rejection_rate: str
     p99_latency: str
     reporting_pods: str
+    pod_load: str = ""
+    """The memory prediction's per-pod inputs, one series per pod and signal (label ``signal``:
+    :data:`LOAD_SIGNALS`)."""
+    latency: str = ""
+    """The TTFT and TPOT histograms' bucket counts in the window (label ``histogram``: ``ttft``, ``tpot``), by pod,
+    priority and ``le`` (SLO attainment)."""
     diag: str = ""
     """The diagnosis's per-pod numbers, one series per pod and signal (label ``signal``: :data:`DIAG_SIGNALS`)."""
     breakdown: str = ""
@@ -301,6 +312,8 @@ class Queries:
     ucx_info: str = ""
 
 
+LOAD_SIGNALS = ("idle_footprint_bytes", "correction", "context_max_tokens", "context_mean_tokens")
+"""The ``signal`` label values of the ``pod_load`` query: :class:`observation.PodLoad` field names."""
 DIAG_FIELDS = ("diag", "breakdown", "top_share", "hot_experts", "ucx_info")
 """The diagnosis's queries (issue 14): their failure makes the diagnosis signals missing, never the budget
 policy's look blind."""
@@ -375,8 +388,29 @@ def queries(namespaces: str | Iterable[str], names: str | Iterable[str], window_
         p99_latency=f"histogram_quantile(0.99, sum by ({', '.join(GROUP_LABELS)}, le) "
                     f"(rate({METRIC_E2E_LATENCY_SECONDS}_bucket{{{sel}}}[{w}])))",
         reporting_pods=f"count {by} ({rss})",
+        pod_load=pod_load_query(sel, window_seconds),
+        latency=" or ".join(
+            f'label_replace(sum by ({g}, priority, le) (increase({metric}_bucket{{{sel}}}[{w}])), "histogram", '
+            f'"{name}", "", "")' for name, metric in (("ttft", METRIC_TTFT_SECONDS), ("tpot", METRIC_TPOT_SECONDS))),
         **diagnosis_queries(sel, window_seconds, leak_window_seconds),
     )
+
+
+def pod_load_query(sel: str, window_seconds: int) -> str:
+    """The memory prediction's per-pod inputs (:data:`LOAD_SIGNALS`) for the selector ``sel`` over the window
+    (seconds), one query with a ``signal`` label, pure."""
+    g, w = ", ".join(GROUP_LABELS), f"{window_seconds}s"
+    ctx = METRIC_REQUEST_CONTEXT_TOKENS
+    parts = {
+        "idle_footprint_bytes": f"max by ({g}) ({METRIC_MEMORY_IDLE_FOOTPRINT_BYTES}{{{sel}}})",
+        "correction": f"max by ({g}) ({METRIC_MEMORY_PREDICTION_CORRECTION_RATIO}{{{sel}}})",
+        # The longest request's bucket bound (NaN, left out, without a request in the window) and the exact mean
+        # (0 / 0, left out, likewise).
+        "context_max_tokens": f"(histogram_quantile(1, sum by ({g}, le) (increase({ctx}_bucket{{{sel}}}[{w}]))) >= 0)",
+        "context_mean_tokens": f"(sum by ({g}) (increase({ctx}_sum{{{sel}}}[{w}])) "
+                               f"/ sum by ({g}) (increase({ctx}_count{{{sel}}}[{w}])) >= 0)",
+    }
+    return " or ".join(f'label_replace({expr}, "signal", "{name}", "", "")' for name, expr in parts.items())
 
 
 def steady_growth_steps(window_seconds: int, leak_window_seconds: int) -> tuple[int, int, int]:
@@ -673,6 +707,9 @@ def slice_look(url: str, answers: Mapping[str, Answer], look: Look, now: datetim
     p99s = per_pod("p99_latency")
     all_full = not short and bool(reporting)
     signals, signals_missing = diagnosis_signals(mine, reporting, per_pod("memory"), counts, ages)
+    pod_skews = {pod: all_skews.get(pod) if pod in young else window_skews.get(pod) for pod in reporting}
+    loads = pod_loads(reporting, per_pod("memory"), pod_skews, mine["pod_load"])
+    latency = class_latency(mine["latency"], full) if all_full else ()
     missing = [trouble] if trouble else []
     if memory_err and memory_err != MALFORMED:
         missing.append(f"memory: {memory_err}")
@@ -696,7 +733,41 @@ def slice_look(url: str, answers: Mapping[str, Answer], look: Look, now: datetim
         error="; ".join(missing) or None,
         signals=signals,
         signals_missing=signals_missing,
+        pod_loads=loads,
+        latency=latency,
     )
+
+
+def pod_loads(reporting: Sequence[str], memory: Mapping[str, float], skews: Mapping[str, float | None],
+              load: Answer) -> tuple[PodLoad, ...]:
+    """The memory prediction's inputs per reporting pod (:class:`observation.PodLoad`) from the window max memory
+    (bytes), the skew and the ``pod_load`` answer (:data:`LOAD_SIGNALS`), pure: None where a pod has no value (no
+    data, never 0)."""
+    values = parse_by_labels(load, (LABEL_POD, "signal"))
+    return tuple(PodLoad(pod=pod, memory_bytes=memory.get(pod), skew_ratio=skews.get(pod),
+                         **{name: values.get((pod, name)) for name in LOAD_SIGNALS})
+                 for pod in reporting)
+
+
+def class_latency(latency: Answer, pods: Iterable[str]) -> tuple[ClassLatency, ...]:
+    """Per priority class, the TTFT and TPOT bucket counts (the ``latency`` answer, label ``histogram``) summed over
+    ``pods``, pure: ``(le, count)`` ascending, ``+Inf`` last (a series without a numeric ``le`` is left out).
+    Classes sorted by name."""
+    keep = set(pods)
+    sums: dict[str, dict[str, dict[float, float]]] = {"ttft": {}, "tpot": {}}
+    for (pod, histogram, priority, le), value in parse_by_labels(
+            latency, (LABEL_POD, "histogram", "priority", "le")).items():
+        try:
+            bound = float(le)
+        except ValueError:
+            continue
+        if pod in keep and histogram in sums and not math.isnan(bound):
+            per = sums[histogram].setdefault(priority, {})
+            per[bound] = per.get(bound, 0.0) + value
+    first, per_token = sums["ttft"], sums["tpot"]
+    return tuple(ClassLatency(priority, tuple(sorted(first.get(priority, {}).items())),
+                              tuple(sorted(per_token.get(priority, {}).items())))
+                 for priority in sorted(set(first) | set(per_token)))
 
 
 def observe_looks(url: str, looks: Sequence[Look], now: datetime, *, ca_file: str | None = None,

@@ -44,7 +44,12 @@ from moeguard_operator.loop.observation import (
     LEAK_NOISE_BYTES_PER_SECOND,
     Observation,
 )
-from moeguard_operator.spec.models import BUDGET_FIELDS, BatchingSpec, MoEInferenceServiceSpec
+from moeguard_operator.spec.models import (
+    BUDGET_FIELDS,
+    BatchingSpec,
+    MoEInferenceServiceSpec,
+    PodMemoryPrediction,
+)
 
 OverloadMode = Literal["On", "Off"]
 SKEW_FIELDS = ("max_prefill_tokens", "max_long_requests_per_batch")
@@ -77,6 +82,8 @@ class Decision:
         leak_suspected: the RSS slope passed the leak threshold (None: slope unknown).
         restart: roll the workers now (leak action Restart).
         leak: the leak verdict behind ``leak_suspected`` (None: slope unknown).
+        memory: per pod, the predicted memory peak at the budgets decided (the predictive policy's; empty for
+            the threshold policy).
     """
 
     state: PolicyState
@@ -87,6 +94,7 @@ class Decision:
     leak_suspected: bool | None = None
     restart: bool = False
     leak: LeakVerdict | None = None
+    memory: tuple[PodMemoryPrediction, ...] = ()
 
     @property
     def changed(self) -> bool:
@@ -224,6 +232,78 @@ def _camel(name: str) -> str:
     return head + "".join(p.title() for p in rest)
 
 
+def visibility_reasons(obs: Observation) -> list[str]:
+    """Why ``obs`` may not loosen anything (the first blind spot, in words), or nothing when it is fully
+    visible; shared by every policy."""
+    if not obs.available:
+        return [f"metrics unavailable ({obs.error or 'no data'}): not loosening"]
+    if obs.silent_pods:
+        return [f"silent pods {', '.join(obs.silent_pods)}: not loosening"]
+    if obs.crash_looping_pods:
+        return [f"crash-looping pods {', '.join(obs.crash_looping_pods)}: not loosening"]
+    if obs.short_history_pods:
+        return [f"{obs.short_history}: not loosening"]
+    if obs.skew_unknown_pods:
+        return [f"expert skew unknown for {', '.join(obs.skew_unknown_pods)} (counter reset): not loosening"]
+    if not obs.skew_seen:
+        return ["no expert-skew samples yet (no batch large enough): not loosening"]
+    if obs.slope_unknown is not None:
+        return [f"leak window not judged ({obs.slope_unknown}): not loosening"]
+    return []
+
+
+def calm_for(state: PolicyState, now: datetime, window_seconds: float) -> bool:
+    """No pressure and no blind time for ``window_seconds`` (the stabilization window)."""
+    return min(_since(now, state.last_pressure), _since(now, state.last_blind)) >= window_seconds
+
+
+@dataclass(frozen=True)
+class OverloadStep:
+    """Overload mode after one look: the mode, whether it switched, the last trigger's time, and the sentence
+    that says why it switched (None: it did not)."""
+
+    mode: OverloadMode
+    changed: bool
+    last_trigger: datetime | None
+    reason: str | None
+
+
+def overload_step(state: PolicyState, spec: MoEInferenceServiceSpec, obs: Observation, triggers: list[str],
+                  now: datetime) -> OverloadStep:
+    """Overload mode (``spec.overload.mode`` Auto): On at once on any of ``triggers`` (sentences), Off only after
+    a stabilization window without triggers and without blind time, with ``obs`` fully visible; forced modes
+    as set. Shared by every policy (each brings its own triggers)."""
+    control, overload_spec = spec.control, spec.overload
+    last_trigger = now if triggers else state.last_overload_trigger
+    overload = state.overload
+    if overload_spec.mode != "Auto":
+        overload = overload_spec.mode
+    elif triggers:
+        overload = "On"
+    elif (state.overload == "On" and obs.fully_visible
+          and min(_since(now, state.last_overload_trigger), _since(now, state.last_blind))
+          >= control.stabilization_window_seconds):
+        overload = "Off"
+    if overload == state.overload:
+        return OverloadStep(overload, False, last_trigger, None)
+    why = "; ".join(triggers) if overload == "On" and triggers else (
+        f"overload.mode {overload_spec.mode}" if overload_spec.mode != "Auto" else
+        f"no overload trigger for {control.stabilization_window_seconds}s")
+    return OverloadStep(overload, True, last_trigger, f"overload mode {state.overload} -> {overload} ({why})")
+
+
+def leak_step(obs: Observation, spec: MoEInferenceServiceSpec, state: PolicyState,
+              now: datetime) -> tuple[LeakVerdict | None, bool | None, bool, list[str]]:
+    """The leak verdict (:func:`judge_leak`), whether a leak is suspected (None: unknown), whether to roll the
+    workers (``leakAction: Restart``, at most once per leak window), and the sentence for the reasons."""
+    verdict = judge_leak(obs, spec)
+    leak = None if verdict is None else verdict.suspected
+    restart = (bool(leak) and spec.control.leak_action == "Restart"
+               and _since(now, state.last_restart) >= spec.control.leak_window_seconds)
+    reasons = [verdict.message + ("; rolling restart" if restart else "")] if verdict and verdict.suspected else []
+    return verdict, leak, restart, reasons
+
+
 def decide(observation: Observation, state: PolicyState, spec: MoEInferenceServiceSpec, now: datetime) -> Decision:
     """Decide the next loop state from one observation (see the module docstring)."""
     control, batching, overload_spec = spec.control, spec.batching, spec.overload
@@ -243,24 +323,12 @@ def decide(observation: Observation, state: PolicyState, spec: MoEInferenceServi
         pressure.append("MemoryPressure")
         reasons.append(f"memory {obs.memory_ratio:.0%} of hardLimit > rssSoftFraction {control.rss_soft_fraction:.0%}")
         names.update(BUDGET_FIELDS)
-    if not obs.available:
-        reasons.append(f"metrics unavailable ({obs.error or 'no data'}): not loosening")
-    elif obs.silent_pods:
-        reasons.append(f"silent pods {', '.join(obs.silent_pods)}: not loosening")
-    elif obs.crash_looping_pods:
-        reasons.append(f"crash-looping pods {', '.join(obs.crash_looping_pods)}: not loosening")
-    elif obs.short_history_pods:
-        reasons.append(f"{obs.short_history}: not loosening")
-    elif obs.skew_unknown_pods:
-        reasons.append(f"expert skew unknown for {', '.join(obs.skew_unknown_pods)} (counter reset): not loosening")
-    elif not obs.skew_seen:
-        reasons.append("no expert-skew samples yet (no batch large enough): not loosening")
-    elif obs.slope_unknown is not None:
-        reasons.append(f"leak window not judged ({obs.slope_unknown}): not loosening")
+    reasons += visibility_reasons(obs)
     # Blind time never counts as calm: the stabilization window restarts when sight returns.
     last_blind = state.last_blind if obs.fully_visible else now
 
-    budgets, direction = state.budgets, "hold"
+    budgets = state.budgets
+    direction: Literal["down", "up", "hold"] = "hold"
     last_change, last_pressure = state.last_change, state.last_pressure
     if pressure:
         last_pressure = now
@@ -276,7 +344,7 @@ def decide(observation: Observation, state: PolicyState, spec: MoEInferenceServi
         else:
             reasons.append("in cooldown")
     elif obs.fully_visible:
-        calm = min(_since(now, state.last_pressure), _since(now, state.last_blind)) >= control.stabilization_window_seconds
+        calm = calm_for(state, now, control.stabilization_window_seconds)
         rested = _since(now, state.last_change) >= control.cooldown_seconds
         new = increase(state.budgets, control.increase_step, ceilings(batching))
         if new != state.budgets and calm and rested:
@@ -286,56 +354,56 @@ def decide(observation: Observation, state: PolicyState, spec: MoEInferenceServi
             reasons.append("no pressure; waiting for the stabilization window" if not calm else "no pressure; in cooldown")
 
     # Overload mode.
-    triggers: list[str] = []
-    if obs.memory_ratio is not None and obs.memory_ratio > control.rss_hard_fraction:
-        triggers.append(f"memory {obs.memory_ratio:.0%} of hardLimit > rssHardFraction {control.rss_hard_fraction:.0%}")
+    triggers = hard_memory_trigger(obs, spec)
     if obs.rejection_rate_per_second is not None and obs.rejection_rate_per_second > overload_spec.rejection_rate_per_second:
         triggers.append(f"{obs.rejection_rate_per_second:.2f} refusals/s > {overload_spec.rejection_rate_per_second:g}")
     if obs.p99_latency_seconds is not None and obs.p99_latency_seconds > overload_spec.p99_latency_seconds:
         triggers.append(f"p99 latency {obs.p99_latency_seconds:.1f}s > {overload_spec.p99_latency_seconds:g}s")
+    return conclude(obs, state, spec, now, Move(budgets, direction, last_change, last_pressure, last_blind),
+                    triggers, reasons, pressure)
+
+
+def hard_memory_trigger(obs: Observation, spec: MoEInferenceServiceSpec) -> list[str]:
+    """The overload trigger both policies share: memory in use past ``control.rssHardFraction`` of the hard limit."""
+    control = spec.control
+    if obs.memory_ratio is not None and obs.memory_ratio > control.rss_hard_fraction:
+        return [f"memory {obs.memory_ratio:.0%} of hardLimit > rssHardFraction {control.rss_hard_fraction:.0%}"]
+    return []
+
+
+@dataclass(frozen=True)
+class Move:
+    """A policy's budget move of one look: the budgets, the direction, and the times it updates."""
+
+    budgets: Budgets
+    direction: Literal["down", "up", "hold"]
+    last_change: datetime | None
+    last_pressure: datetime | None
+    last_blind: datetime | None
+
+
+def conclude(obs: Observation, state: PolicyState, spec: MoEInferenceServiceSpec, now: datetime, move: Move,
+             triggers: list[str], reasons: list[str], pressure: list[str],
+             memory: tuple[PodMemoryPrediction, ...] = ()) -> Decision:
+    """The :class:`Decision` of a look, shared by every policy: its budget ``move``, overload mode from its
+    ``triggers`` (an OOM kill is one for every policy: :func:`overload_step`) and the leak verdict
+    (:func:`leak_step`), with the ``reasons`` (extended here) and ``pressure`` it saw."""
     if obs.new_oom_kills:
-        triggers.append("OOM kill")
-    last_trigger = now if triggers else state.last_overload_trigger
-    overload = state.overload
-    if overload_spec.mode != "Auto":
-        overload = overload_spec.mode
-    elif triggers:
-        overload = "On"
-    elif (state.overload == "On" and obs.fully_visible
-          and min(_since(now, state.last_overload_trigger), _since(now, state.last_blind))
-          >= control.stabilization_window_seconds):
-        overload = "Off"
-    overload_changed = overload != state.overload
-    if overload_changed:
-        why = "; ".join(triggers) if overload == "On" and triggers else (
-            f"overload.mode {overload_spec.mode}" if overload_spec.mode != "Auto" else
-            f"no overload trigger for {control.stabilization_window_seconds}s")
-        reasons.append(f"overload mode {state.overload} -> {overload} ({why})")
-
-    # Leak.
-    verdict = judge_leak(obs, spec)
-    leak = None if verdict is None else verdict.suspected
-    restart = bool(leak) and control.leak_action == "Restart" and _since(now, state.last_restart) >= control.leak_window_seconds
-    if verdict is not None and verdict.suspected:
-        reasons.append(verdict.message + ("; rolling restart" if restart else ""))
-
+        triggers = [*triggers, "OOM kill"]
+    over = overload_step(state, spec, obs, triggers, now)
+    if over.reason:
+        reasons.append(over.reason)
+    verdict, leak, restart, leak_reasons = leak_step(obs, spec, state, now)
+    reasons += leak_reasons
     next_state = replace(
         state,
-        budgets=budgets,
-        overload=overload,
-        last_change=last_change,
-        last_pressure=last_pressure,
-        last_overload_trigger=last_trigger,
+        budgets=move.budgets,
+        overload=over.mode,
+        last_change=move.last_change,
+        last_pressure=move.last_pressure,
+        last_overload_trigger=over.last_trigger,
         last_restart=now if restart else state.last_restart,
-        last_blind=last_blind,
+        last_blind=move.last_blind,
     )
-    return Decision(
-        state=next_state,
-        direction=direction,  # type: ignore[arg-type]
-        reasons=tuple(reasons),
-        pressure=tuple(pressure),
-        overload_changed=overload_changed,
-        leak_suspected=leak,
-        restart=restart,
-        leak=verdict,
-    )
+    return Decision(state=next_state, direction=move.direction, reasons=tuple(reasons), pressure=tuple(pressure),
+                    overload_changed=over.changed, leak_suspected=leak, restart=restart, leak=verdict, memory=memory)

@@ -26,6 +26,7 @@ from moeguard_operator.loop.conditions import (
 from moeguard_operator.loop.observation import Observation
 from moeguard_operator.loop.podstate import CRASH_LOOP, WAITING_FAILURES, PodFacts
 from moeguard_operator.loop.policy import Decision, PolicyState, ceilings, initial_budgets
+from moeguard_operator.loop.slo import attainments
 from moeguard_operator.spec.models import (
     Adjustment,
     ControlStatus,
@@ -33,6 +34,8 @@ from moeguard_operator.spec.models import (
     MoEInferenceServiceSpec,
     MoEInferenceServiceStatus,
     Observed,
+    PodMemoryPrediction,
+    SloAttainment,
 )
 
 
@@ -241,7 +244,8 @@ def _round(value: float | None, digits: int) -> float | None:
 
 
 def observed(prior: Observed | None, obs: Observation, restarts: int, now: datetime,
-             eta: float | None = None, crash_looping: tuple[str, ...] = ()) -> Observed:
+             eta: float | None = None, crash_looping: tuple[str, ...] = (),
+             slo: Sequence[SloAttainment] = (), predicted_memory: Sequence[PodMemoryPrediction] = ()) -> Observed:
     """``status.observed`` after one look: missing values stay null; OOM kills add up; ``eta``: the
     projected seconds to the hard limit (:attr:`policy.LeakVerdict.seconds_to_limit`; inf or None: null);
     ``crash_looping``: :attr:`podstate.PodFacts.crash_looping`."""
@@ -260,6 +264,8 @@ def observed(prior: Observed | None, obs: Observation, restarts: int, now: datet
         restarts=restarts,
         silent_pods=list(obs.silent_pods),
         crash_looping_pods=list(crash_looping),
+        slo=list(slo),
+        predicted_memory=list(predicted_memory),
     )
 
 
@@ -329,6 +335,8 @@ def looked(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, obs:
     })
     status = prior.model_copy(update={**update, "observed": observed(prior.observed, obs, restarts, now,
                                                             None if decision.leak is None else decision.leak.seconds_to_limit,
-                                                            crash_looping),
+                                                            crash_looping,
+                                                            [a.status() for a in attainments(obs.latency, spec.slo)],
+                                                            decision.memory),
                                       "conditions": conditions, "control": loop})
     return status, events

@@ -23,7 +23,7 @@ in, and writes what comes back, ConfigMap first.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
@@ -41,7 +41,7 @@ from moeguard_operator.diagnosis.diagnosis import (
     diagnose,
     unchanged_but_time,
 )
-from moeguard_operator.loop import budget_document, report, rollout
+from moeguard_operator.loop import budget_document, predictive, report, rollout
 from moeguard_operator.loop.conditions import set_condition
 from moeguard_operator.loop.observation import LEAK_WARMUP_SECONDS, Observation
 from moeguard_operator.loop.podstate import pod_facts
@@ -55,6 +55,9 @@ from moeguard_operator.spec.models import (
 )
 
 Pod = Mapping[str, Any]
+DECIDERS: dict[str, Callable[[Observation, PolicyState, MoEInferenceServiceSpec, datetime], Decision]] = {
+    "threshold": decide, "predictive": predictive.decide}
+"""Each policy's pure ``decide`` (``config.POLICIES``: the operator's ``--policy``)."""
 
 
 @dataclass(frozen=True)
@@ -171,13 +174,19 @@ def policy_state(status: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpe
 def look_step(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, pods: list[dict[str, Any]],
               data: Mapping[str, str] | None, obs: Observation, blind_floor: datetime, now: datetime,
               generation: int | None, ours: bool = True, diagnosis: DiagnosisMemory | None = None,
-              leak_warmup_seconds: float = LEAK_WARMUP_SECONDS, template_hash: str | None = None) -> Writes:
+              leak_warmup_seconds: float = LEAK_WARMUP_SECONDS, template_hash: str | None = None,
+              policy: str = "threshold") -> Writes:
     """Readiness, OOM kills (counted from the pods now: ``obs.new_oom_kills`` is replaced), the decision on
     ``obs``, the incident diagnosis (after the decision, from the same look: it never feeds it) and what they
     ask to write; ``ours``: the ConfigMap's document is the operator's (not a hand edit); ``diagnosis``: the
     loop's diagnosis memory (None: a fresh one, blind until ``blind_floor``); ``leak_warmup_seconds``: the
     operator's ``--leak-warmup-seconds`` (a younger pod's leak window still holds its warm-up); ``template_hash``:
-    the current pod template's (:func:`rollout_readiness`)."""
+    the current pod template's (:func:`rollout_readiness`); ``policy``: the
+    operator's ``--policy`` (:data:`DECIDERS`).
+
+    Raises:
+        KeyError: ``policy`` is not one of :data:`DECIDERS`.
+    """
     raw = None if data is None else dict(data)
     status = budget_document.caught_up(prior, raw, ours)
     facts = pod_facts(pods)
@@ -188,7 +197,7 @@ def look_step(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, p
     state = policy_state(prior, spec, data, blind_floor, ours)
     state = replace(state, budgets=new.budgets or state.budgets,
                     overload="On" if new.overload_mode == "On" else "Off")
-    decision = decide(obs, state, spec, now)
+    decision = DECIDERS[policy](obs, state, spec, now)
     document = budget_document.for_decision(spec, new, raw, decision, now)
     looked, look_events = report.looked(new, spec, obs, decision, document, facts.restarts, now, generation,
                                                facts.crash_looping)

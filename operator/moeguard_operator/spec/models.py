@@ -451,6 +451,74 @@ class OverloadSpec(_Model):
     """While overload is on, prompts plus max_tokens above this are refused. Unset: half the model's context."""
 
 
+class SloTarget(_Model):
+    """Latency objectives of one priority class (DistServe's two: Zhong et al., OSDI 2024), and the share of
+    requests that must meet each."""
+
+    ttft_seconds: float = Field(default=3.0, gt=0, le=3600)
+    """Time to first token objective (arrival to first token), seconds. Measured from the worker's
+    ``moeguard_time_to_first_token_seconds`` histogram; exact when it is one of its bucket bounds
+    (``contract.TTFT_BUCKETS``), else interpolated within its bucket."""
+    tpot_seconds: float = Field(default=0.25, gt=0, le=60)
+    """Time per output token objective (after the first), seconds. Measured from the worker's
+    ``moeguard_request_time_per_output_token_seconds`` histogram (``contract.TPOT_BUCKETS``)."""
+    attainment: float = Field(default=0.9, gt=0, le=1)
+    """Share of the window's answered requests that must meet each objective (0.9: 90 %)."""
+
+
+class BatchSloTarget(SloTarget):
+    """Latency objectives of the ``batch`` priority class: looser defaults than interactive's."""
+
+    ttft_seconds: float = Field(default=30.0, gt=0, le=3600)
+    """Time to first token objective (arrival to first token), seconds (``contract.TTFT_BUCKETS``)."""
+    tpot_seconds: float = Field(default=1.0, gt=0, le=60)
+    """Time per output token objective (after the first), seconds (``contract.TPOT_BUCKETS``)."""
+
+
+SLO_RULES = (
+    ("self.batch.ttftSeconds >= self.interactive.ttftSeconds",
+     "slo.batch.ttftSeconds must be >= slo.interactive.ttftSeconds (batch requests wait behind interactive ones)",
+     ".batch.ttftSeconds"),
+    ("self.batch.tpotSeconds >= self.interactive.tpotSeconds",
+     "slo.batch.tpotSeconds must be >= slo.interactive.tpotSeconds (batch requests wait behind interactive ones)",
+     ".batch.tpotSeconds"),
+)
+
+
+class SloSpec(_Model):
+    """Service-level objectives per priority class (the worker's ``X-Priority`` classes: ``interactive``,
+    ``batch``). ``status.observed.slo`` shows the attainment measured over ``control.windowSeconds``. With the
+    operator's ``--policy predictive``, overload mode (Auto) turns on while the interactive attainment of either
+    objective is below its ``attainment``; with ``--policy threshold`` they are reported only."""
+
+    model_config = ConfigDict(json_schema_extra=_cel(*SLO_RULES))
+
+    interactive: SloTarget = Field(default_factory=SloTarget)
+    """Objectives of interactive requests (the default class)."""
+    batch: BatchSloTarget = Field(default_factory=BatchSloTarget)
+    """Objectives of batch requests."""
+    min_requests: int = Field(default=10, ge=1, le=1_000_000)
+    """Answered requests a class needs in the window before its attainment can turn overload mode on (fewer:
+    reported, not acted on)."""
+
+    @model_validator(mode="after")
+    def _batch_not_tighter(self) -> SloSpec:
+        for name in ("ttft_seconds", "tpot_seconds"):
+            if getattr(self.batch, name) < getattr(self.interactive, name):
+                camel = to_camel(name)
+                raise ValueError(f"slo.batch.{camel} must be >= slo.interactive.{camel} (batch requests wait "
+                                 "behind interactive ones)")
+        return self
+
+    def target(self, priority: str) -> SloTarget:
+        """The objectives of ``priority`` (``interactive`` or ``batch``).
+
+        Raises:
+            KeyError: another class.
+        """
+        return {"interactive": self.interactive, "batch": self.batch}[priority]
+
+
 class UcxSpec(_Model):
     """UCX settings of the worker. UCX's memory-invalidation queue is unbounded by default and grows host
     RSS outside the Python heap (vLLM/NIXL reports); both fixes are on by default."""
@@ -719,6 +787,8 @@ class MoEInferenceServiceSpec(_Model):
     """The outer control loop."""
     overload: OverloadSpec = Field(default_factory=OverloadSpec)
     """Overload mode."""
+    slo: SloSpec = Field(default_factory=SloSpec)
+    """Latency objectives (TTFT, TPOT) per priority class, and their attainment targets."""
     ucx: UcxSpec = Field(default_factory=UcxSpec)
     """UCX environment of the worker."""
     template: PodTemplateSpec = Field(default_factory=PodTemplateSpec)
@@ -780,6 +850,41 @@ class Adjustment(_Model):
     """Budgets after."""
 
 
+class SloAttainment(_Model):
+    """One priority class's SLO attainment over the window: the share of its answered requests that met each
+    objective (from the worker histograms, summed over the Running pods). A missing value is null, never 1."""
+
+    priority: str
+    """``interactive`` or ``batch``."""
+    requests: float | None = None
+    """Requests that got a first token in the window (the TTFT histogram's count; ``increase`` extrapolates)."""
+    ttft_attainment: float | None = None
+    """Share of them whose TTFT met ``spec.slo.<class>.ttftSeconds`` (null: none in the window)."""
+    finished: float | None = None
+    """Requests that finished with an answer in the window (the TPOT histogram's count)."""
+    tpot_attainment: float | None = None
+    """Share of them whose TPOT met ``spec.slo.<class>.tpotSeconds`` (null: none in the window)."""
+    target: float
+    """``spec.slo.<class>.attainment``."""
+    met: bool | None = None
+    """Both attainments at or above the target; null while either is unknown or a count is below
+    ``spec.slo.minRequests``."""
+
+
+class PodMemoryPrediction(_Model):
+    """One pod's predicted memory peak at the budgets in effect (the memory model, ``moeguard_core.memory_model``,
+    at the pod's observed skew and context mix), against the soft limit; bytes, rounded to whole MiB."""
+
+    pod: str
+    """The pod."""
+    idle_footprint_bytes: int
+    """Its idle footprint (``moeguard_memory_idle_footprint_bytes``), bytes: where its headroom is measured from."""
+    predicted_peak_bytes: int
+    """Idle footprint plus the predicted load (KV caches and the worst step), bytes."""
+    headroom_bytes: int
+    """``resources.softLimit`` minus the predicted peak, bytes (negative: it does not fit)."""
+
+
 class Observed(_Model):
     """What the control loop last saw. A missing value is absent (null), never 0."""
 
@@ -811,6 +916,11 @@ class Observed(_Model):
     crash_looping_pods: list[str] = Field(default_factory=list)
     """Worker pods in the kubelet's crash-loop back-off (``CrashLoopBackOff``, or restarted after one and
     not ready since); budgets do not loosen while any is."""
+    slo: list[SloAttainment] = Field(default_factory=list)
+    """SLO attainment per priority class over ``control.windowSeconds`` (empty while any reporting pod lacks a
+    full window)."""
+    predicted_memory: list[PodMemoryPrediction] = Field(default_factory=list)
+    """Per pod, the predicted memory peak at the budgets in effect (``--policy predictive`` only)."""
 
 
 class ControlStatus(_Model):

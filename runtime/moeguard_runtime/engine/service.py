@@ -299,6 +299,9 @@ class Worker:
         if not self.memory.due(now, force):
             return
         factor = self.memory.check(now)
+        reading = self.memory.last_memory
+        if reading is not None and self.loop.idle:
+            self.telemetry.memory_idle_footprint.labels(**self.telemetry.labels).set(reading.usage_bytes)
         if factor is not None:
             with self.loop.cond:
                 self.scheduler.set_shrink_factor(factor)

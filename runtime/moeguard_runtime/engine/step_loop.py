@@ -100,6 +100,14 @@ class _Active:
     sink: Sink
     arrival: float
     first_token_at: float | None = None
+    tokens: int = 0
+    """Tokens delivered so far (the TPOT observation's count)."""
+
+
+def time_per_output_token(first_token_at: float, last_token_at: float, tokens: int) -> float:
+    """A request's TPOT, seconds: ``(last - first token) / (tokens - 1)``; 0.0 for one token (nothing after the
+    first): DistServe's definition, as ``bench/slo.py`` computes it from the client's side."""
+    return 0.0 if tokens <= 1 else max(0.0, last_token_at - first_token_at) / (tokens - 1)
 
 
 class StepLoop:
@@ -149,6 +157,8 @@ class StepLoop:
             self._active[request.req_id] = _Active(request, sink, self._clock())
             self.update_queue_gauges()
             self.cond.notify()
+        self.telemetry.context_tokens.labels(**self.telemetry.labels).observe(
+            len(request.prompt) + request.max_new_tokens)
         if shed:
             self._shed(shed, request.priority)
 
@@ -253,6 +263,12 @@ class StepLoop:
             self._shown_peak = largest
             shown = largest or Breakdown(0, 0, 0, 0, tel.model_weight_bytes)
             tel.set_peak_breakdown(shown.stages())
+
+    @property
+    def idle(self) -> bool:
+        """No request in the worker: nothing queued or running, no sequence holding a KV cache."""
+        with self.cond:
+            return not self._active and not self.engine.sequences
 
     def iteration(self) -> None:
         """Release finished caches, expire queued requests, run at most one step;
@@ -451,6 +467,7 @@ class StepLoop:
             active = sinks.get(req_id)
             if active is None:
                 continue
+            active.tokens += 1
             if active.first_token_at is None:
                 active.first_token_at = now
                 self.telemetry.ttft.labels(**self.telemetry.l(priority=active.request.priority)).observe(
@@ -461,6 +478,9 @@ class StepLoop:
             if active is not None:
                 self.telemetry.e2e.labels(**self.telemetry.l(priority=active.request.priority)).observe(
                     now - active.arrival)
+                if active.first_token_at is not None:
+                    self.telemetry.tpot.labels(**self.telemetry.l(priority=active.request.priority)).observe(
+                        time_per_output_token(active.first_token_at, now, active.tokens))
                 active.sink(Event("finish", finish_reason=finished_reasons[req_id]))
 
     def fail(self, req_ids: list[str], status: int, reason: str, message: str) -> None:

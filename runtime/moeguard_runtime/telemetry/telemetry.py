@@ -140,7 +140,14 @@ class Telemetry:
         self.queue_tokens = gauge("moeguard_queue_tokens", "Prompt tokens waiting in the queue.")
         self.running_requests = gauge("moeguard_running_requests", "Requests in running batches.")
         self.ttft = Histogram(contract.METRIC_TTFT_SECONDS, "Arrival to first token, by priority class.",
-                              [*base, "priority"], registry=r, buckets=LATENCY_BUCKETS, unit="seconds")
+                              [*base, "priority"], registry=r, buckets=contract.TTFT_BUCKETS, unit="seconds")
+        self.tpot = Histogram(contract.METRIC_TPOT_SECONDS,
+                              "Per request answered: time per output token after the first, (last - first token) "
+                              "/ (tokens - 1); 0 for a one-token answer. By priority class.",
+                              [*base, "priority"], registry=r, buckets=contract.TPOT_BUCKETS, unit="seconds")
+        self.context_tokens = Histogram(contract.METRIC_REQUEST_CONTEXT_TOKENS,
+                                        "Per request accepted into the queue: its KV capacity, prompt + max_tokens.",
+                                        base, registry=r, buckets=contract.CONTEXT_TOKEN_BUCKETS)
         self.e2e = Histogram(contract.METRIC_E2E_LATENCY_SECONDS, "Arrival to last token, by priority class.",
                              [*base, "priority"], registry=r, buckets=LATENCY_BUCKETS, unit="seconds")
         self.preemptions = Counter(contract.METRIC_PREEMPTIONS_TOTAL.removesuffix("_total"),
@@ -171,6 +178,10 @@ class Telemetry:
         self.memory_limit = gauge("moeguard_memory_limit_bytes",
                                   "The worker's soft and hard limits, compared with "
                                   "moeguard_memory_usage_bytes.", ["limit"], unit="bytes")
+        self.memory_idle_footprint = gauge(
+            contract.METRIC_MEMORY_IDLE_FOOTPRINT_BYTES,
+            "Memory in use (moeguard_memory_usage_bytes' figure) at the latest memory check with no request in "
+            "the worker: the loaded model, the runtime and the heap it keeps.", unit="bytes")
         self.memory_state = gauge(contract.METRIC_MEMORY_LIMIT_STATE,
                                   "0 below the soft limit, 1 above soft, 2 above hard.")
         self.gpu = {name: gauge(f"moeguard_gpu_memory_{name}_bytes", doc, unit="bytes")
@@ -214,7 +225,7 @@ class Telemetry:
             "was under, the unsafe side).", base, registry=r, unit="ratio",
             buckets=(-0.75, -0.5, -0.25, -0.1, 0.0, 0.1, 0.25, 0.5, 1.0, 2.0))
         self.memory_correction = gauge(
-            "moeguard_memory_prediction_correction_ratio",
+            contract.METRIC_MEMORY_PREDICTION_CORRECTION_RATIO,
             "The factor (>= 1) the memory model's predictions are multiplied by for admission: the largest "
             "measured/predicted ratio of the recent steps.", unit="ratio")
         self.memory_chunk_shrinks = Counter(
@@ -267,6 +278,7 @@ class Telemetry:
         for phase in ("prefill", "decode"):
             self.batch_tokens.labels(**labels, phase=phase)
         self.step_skew.labels(**labels)  # 0 steps from the start: an idle worker says so
+        self.context_tokens.labels(**labels)
         self.step_prefill_batches.labels(**labels)
         self.step_queue_requests.labels(**labels)
         self.long_admitted.labels(**labels)
@@ -284,6 +296,7 @@ class Telemetry:
             self.overload.labels(**labels, source=source).set(0)
         for priority in PRIORITIES:  # every class from the start: zero is a reading
             self.ttft.labels(**labels, priority=priority)
+            self.tpot.labels(**labels, priority=priority)
             self.e2e.labels(**labels, priority=priority)
             self.preemptions.labels(**labels, priority=priority)
             for state in ("waiting", "preempted", "running"):

@@ -114,6 +114,14 @@ REFUSED = [
     ("second-mount-of-an-undefined-volume", {"template": {"volumes": [PVC], "volumeMounts": [
         {"name": "models", "mountPath": "/models"}, {"name": "nope", "mountPath": "/m"}]}},
      "spec.template.volumeMounts: Invalid value: \"object\": template.volumeMounts must name a volume of template.volumes"),
+    ("slo-batch-ttft-tighter", {"slo": {"interactive": {"ttftSeconds": 5}, "batch": {"ttftSeconds": 2}}},
+     "slo.batch.ttftSeconds must be >= slo.interactive.ttftSeconds"),
+    ("slo-batch-tpot-tighter-than-the-interactive-default", {"slo": {"batch": {"tpotSeconds": 0.1}}},
+     "slo.batch.tpotSeconds must be >= slo.interactive.tpotSeconds"),
+    ("slo-ttft-zero", {"slo": {"interactive": {"ttftSeconds": 0}}}, "spec.slo.interactive.ttftSeconds: Invalid value"),
+    ("slo-attainment-above-one", {"slo": {"interactive": {"attainment": 1.5}}},
+     "spec.slo.interactive.attainment: Invalid value"),
+    ("slo-min-requests-zero", {"slo": {"minRequests": 0}}, "spec.slo.minRequests: Invalid value"),
 ]
 
 
@@ -215,3 +223,17 @@ def test_each_model_source_is_accepted_and_its_deployment_too(cluster: Cluster, 
     assert env["MOEGUARD_CHECKPOINT_PATH"] == ("/moeguard/model/hub/Qwen3-30B-A3B" if kind == "pvc"
                                                else "/moeguard/model")
     assert env["MOEGUARD_SERVED_MODEL_NAME"] == "Qwen/Qwen3-30B-A3B"
+
+
+def test_slo_defaults_are_filled_by_the_api_server_per_class(cluster: Cluster, namespace: str, crd: None) -> None:
+    """Issue 30: an unset ``spec.slo`` and a class given in part both come back whole, each class with its own
+    defaults (interactive TTFT 3 s / TPOT 0.25 s, batch 30 s / 1 s), as the operator's models default them."""
+    for name, given in (("slo-unset", {}), ("slo-part", {"slo": {"interactive": {"ttftSeconds": 2.0}}})):
+        obj = {"apiVersion": "moeguard.dev/v1alpha1", "kind": "MoEInferenceService",
+               "metadata": {"name": name, "namespace": namespace}, "spec": {"resources": {"gpus": 0}, **given}}
+        res = cluster.kubectl("apply", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(obj))
+        stored = json.loads(res.stdout)["spec"]["slo"]
+        expected = MoEInferenceServiceSpec.model_validate(given).slo.model_dump(by_alias=True)
+        assert stored == expected, stored
+    assert stored["interactive"] == {"ttftSeconds": 2.0, "tpotSeconds": 0.25, "attainment": 0.9}
+    assert stored["batch"] == {"ttftSeconds": 30.0, "tpotSeconds": 1.0, "attainment": 0.9}

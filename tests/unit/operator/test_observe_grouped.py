@@ -4,6 +4,7 @@ slicing of grouped answers (:func:`observe.slice_look`)."""
 from __future__ import annotations
 
 import json
+import math
 from datetime import UTC, datetime
 from typing import Any
 
@@ -303,10 +304,37 @@ def test_a_failed_or_malformed_diagnosis_query_leaves_the_signals_missing_not_th
 
 def test_the_diagnosis_queries_are_few_and_grouped() -> None:
     q = queries("ns", "svc", 30, 600)
-    assert len(DIAG_FIELDS) == 5 and len(Queries.__dataclass_fields__) == 19
+    assert len(DIAG_FIELDS) == 5 and len(Queries.__dataclass_fields__) == 21
     for field in DIAG_FIELDS:
         assert "by (namespace, moeis, pod" in getattr(q, field)
     assert steady_growth_steps(30, 600) == (150, 450, 75)
     assert steady_growth_steps(30, 30) == (30, 30, 15)
     assert "min_over_time(deriv(moeguard_process_resident_memory_bytes{namespace=\"ns\",moeis=\"svc\"}[150s])" \
            "[450s:75s])" in q.diag
+
+
+def test_the_memory_prediction_inputs_and_the_latency_histograms_are_per_running_pod() -> None:
+    """Issue 30: the ``pod_load`` answer gives each pod's idle footprint, correction and context mix; the
+    ``latency`` answer's buckets are summed over the Running pods with a full window, per class."""
+    answers = pod_answers({("ns", "svc", p): healthy() for p in ("svc-a", "svc-b", "svc-old")})
+    load = [series("ns", "svc", "svc-a", v, signal=s) for s, v in (
+        ("idle_footprint_bytes", 800 * 2**20), ("correction", 1.3), ("context_max_tokens", 3072),
+        ("context_mean_tokens", 700.5))]
+    load.append(series("ns", "svc", "svc-b", "NaN", signal="context_mean_tokens"))  # 0 / 0: no request
+    answers["pod_load"] = answer(*load)
+    hist = [series("ns", "svc", pod, n, histogram=h, priority="interactive", le=le)
+            for pod in ("svc-a", "svc-b", "svc-old") for h, le, n in (
+                ("ttft", "3.0", 9), ("ttft", "+Inf", 10), ("tpot", "0.25", 10), ("tpot", "+Inf", 10))]
+    hist.append(series("ns", "svc", "svc-a", 1, histogram="ttft", priority="batch", le="+Inf"))
+    answers["latency"] = answer(*hist)
+    obs = slice_look(URL, answers, look(pods=("svc-a", "svc-b")), NOW)
+    a, b = obs.pod_loads
+    assert (a.pod, a.idle_footprint_bytes, a.correction, a.context_max_tokens, a.context_mean_tokens,
+            a.memory_bytes, a.skew_ratio) == ("svc-a", 800 * 2**20, 1.3, 3072, 700.5, GIB / 2, 2.0)
+    assert (b.pod, b.idle_footprint_bytes, b.context_mean_tokens) == ("svc-b", None, None)  # no data, never 0
+    batch, interactive = obs.latency
+    assert interactive.ttft == ((3.0, 18.0), (math.inf, 20.0)) and interactive.tpot == ((0.25, 20.0), (math.inf, 20.0))
+    assert batch.priority == "batch" and batch.ttft == ((math.inf, 1.0),) and batch.tpot == ()
+    short = pod_answers({("ns", "svc", "svc-a"): healthy(samples=1)})
+    short["latency"] = answer(*hist)
+    assert slice_look(URL, short, look(pods=("svc-a",)), NOW).latency == ()  # not every pod has a full window

@@ -230,3 +230,39 @@ def test_a_finding_writes_diagnosis_a_condition_and_one_event_then_clears_with_o
     cond = report.find_condition(current.conditions, "BurstOverlap")
     assert cond is not None and (cond.status, cond.reason) == ("False", "Cleared")
     assert current.diagnosis is not None and current.diagnosis.findings == []
+
+
+def test_the_policy_flag_picks_the_decide_and_status_shows_slo_and_predicted_memory() -> None:
+    """``--policy predictive`` (issue 30): the same step, the predictive decide; status carries the SLO
+    attainment (both policies) and each pod's predicted peak (predictive only)."""
+    from tests.unit.operator.test_predictive import MET, MET_TPOT, loads
+    from tests.unit.operator.test_predictive import SPEC as PREDICTIVE
+
+    from moeguard_operator.loop.observation import ClassLatency
+
+    prior = report.reconciled(MoEInferenceServiceStatus(), PREDICTIVE,
+                              BudgetDocument(generation=1, budgets=initial_budgets(PREDICTIVE.batching)), "a=b",
+                              NOW - timedelta(hours=1), 1)
+    skewed = Observation(time=NOW, skew_ratio=384.0, skew_steps=40, memory_ratio=0.74, expected_pods=("w-0", "w-1"),
+                         reporting_pods=("w-0", "w-1"), pod_loads=loads(skew=384.0),
+                         latency=(ClassLatency("interactive", MET, MET_TPOT),))
+    pods = [pod("w-0"), pod("w-1")]
+    floor = NOW - timedelta(seconds=5)  # just started: blind until now, so nothing may climb
+    old = tick.look_step(prior, PREDICTIVE, pods, None, skewed, floor, NOW, 1)
+    new = tick.look_step(prior, PREDICTIVE, pods, None, skewed, floor, NOW, 1, policy="predictive")
+    assert old.decision is not None and old.decision.direction == "down"  # threshold: skew 384 > 32 halves
+    assert new.decision is not None and new.decision.direction == "hold" and new.document is None
+    for step in (old, new):
+        assert step.status.observed is not None
+        (interactive,) = step.status.observed.slo
+        assert (interactive.priority, interactive.ttft_attainment, interactive.tpot_attainment, interactive.met) == (
+            "interactive", 0.95, 0.95, True)
+    assert old.status.observed is not None and old.status.observed.predicted_memory == []
+    assert new.status.observed is not None
+    assert [(m.pod, round(m.headroom_bytes / 2**20)) for m in new.status.observed.predicted_memory] == [
+        ("w-0", 132), ("w-1", 132)]
+    patch = report.status_patch(prior, new.status)
+    assert patch["observed"]["slo"][0]["ttftAttainment"] == 0.95
+    assert patch["observed"]["predictedMemory"][0]["idleFootprintBytes"] == 799 * 2**20
+    with pytest.raises(KeyError):
+        tick.look_step(prior, PREDICTIVE, pods, None, skewed, floor, NOW, 1, policy="nope")
