@@ -433,9 +433,10 @@ ADVICE: dict[str, str] = {
     "moeguard_oom_errors": (
         "Batches that failed to allocate memory and that the worker survived (label `kind`: `cuda` for the "
         "device's allocator, `host` for the CPU's allocator, oneDNN or `MemoryError`); their requests got 503 "
-        "`out_of_memory` with Retry-After. The worker already drops its budgets as above the soft limit; three "
-        "in a row make `/readyz` 503 until a probe step runs, and a minute with no step running makes "
-        "`/healthz` 503 (a restart). Rising: the budgets are too high for the memory the process can get."),
+        "`out_of_memory` with Retry-After. The worker already drops its budgets as above the soft limit for 30 s; "
+        "the first makes `/readyz` 503 until a probe step (or a request's step) runs, and a minute with no step "
+        "running makes `/healthz` 503 (a restart). Rising: the budgets are too high for the memory the process "
+        "can get."),
     "moeguard_expert_split_steps": (
         "Steps whose expert work ran in more than one chunk: an expert got more token-slots than "
         "`MOEGUARD_EXPERT_CHUNK_TOKENS` (256 on the CPU's oneDNN path). Chunking bounds the per-expert "

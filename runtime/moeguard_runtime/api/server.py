@@ -296,7 +296,7 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
     @app.get("/readyz", response_class=PlainTextResponse)
     async def readyz() -> Response:
         """Readiness: 503 while the model loads, the loop is stopped, memory is above hard, steps
-        keep failing to allocate, or before the first budget document
+        failed to allocate (until a probe step runs), or before the first budget document
         (:attr:`Worker.not_ready_reason`); the body says why."""
         w = slot.worker
         why = "model is loading" if w is None else w.not_ready_reason

@@ -20,8 +20,8 @@ its broken state are reset (:func:`reset_after_allocation_failure`; oneDNN,
 whose failed primitives keep failing, is left for ``F.linear``), the
 budgets drop as on a soft-limit breach (the ``on_allocation_failure`` callback:
 :meth:`memory_guard.MemoryGuard.allocation_failed`), and the loop goes on;
-:class:`allocation.AllocationHealth` turns repeated failures into readiness and
-liveness answers, with probe steps while not ready. Any other error in a step
+:class:`allocation.AllocationHealth` turns failures into readiness (from the first
+failed step) and liveness answers, with probe steps while not ready. Any other error in a step
 is a 500 ``engine_error``, but a broken expert-parallel group
 (:class:`expert_parallel.GroupUnavailable`) is a 503 ``expert_parallel_group_unavailable``.
 
