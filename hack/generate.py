@@ -394,6 +394,12 @@ ADVICE: dict[str, str] = {
         "The container's own memory.max. It should equal spec.resources.hardLimit; if not, something else "
         "(a LimitRange, a mutating webhook) changed the pod."),
     "moeguard_memory_limit_bytes": "The soft and hard limits (label `limit`): plot usage against them.",
+    "moeguard_memory_admission_limit_bytes": (
+        "The limit memory-aware admission fits every step under: the smaller of the hard limit and the memory "
+        "cgroup's limit, one series whose label `limit` names the one in effect (`hard` or `cgroup`). `cgroup`: "
+        "the container's limit is below `MOEGUARD_HARD_LIMIT_BYTES` (the kernel kills there, so admission fits "
+        "there); check `spec.resources.hardLimit` against the pod's memory limit. Logged as "
+        "`event=memory_admission_limit` at start and on every change."),
     "moeguard_gpu_memory_allocated_bytes": "Live tensors on the GPU (torch caching allocator).",
     "moeguard_gpu_memory_reserved_bytes": "Memory torch's allocator holds, live or cached.",
     "moeguard_gpu_memory_fragmentation_bytes": (

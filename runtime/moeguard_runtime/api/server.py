@@ -21,9 +21,10 @@ Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``:
   before the body is read (:meth:`Worker.refuse_early`) when no batch request
   could make room: a refusal costs no parsing and no tokenization;
 * 400 ``memory_predicted``: with memory-aware admission (:mod:`moeguard_core.memory_admission`),
-  a request whose smallest step is predicted not to fit under the hard limit on an idle worker (it
-  can never be served there); 503 ``memory_predicted`` with ``Retry-After`` while other requests
-  hold the memory (an SSE error event if a started stream can no longer progress);
+  a request whose smallest step is predicted not to fit under the limit (the hard limit, or the
+  memory cgroup's when smaller) even above the worker's idle footprint (it can never be served
+  there); 503 ``memory_predicted`` with ``Retry-After`` when it fits the idle worker but not now
+  (an SSE error event if a started stream can no longer progress);
 * 503 with ``Retry-After``: a batch request shed for an interactive one
   (``priority_shed``; an SSE error event once its stream has answered), above the hard memory limit, queue timeout, a
   context over the overload threshold, out of memory, the model still loading, or

@@ -78,7 +78,7 @@ class Worker:
         self.loop = StepLoop(self.scheduler, engine, telemetry, log, self._now, settings.faults,
                              self._budgets_applied, self.memory_snapshot, idle_wait_s,
                              self._allocation_failed, AllocationHealth(settings.unrecovered_oom_s),
-                             admission, lambda: memory_reader().usage_bytes, predictor)
+                             admission, memory_reader, predictor)
         self._read_ucx = read_ucx
         self._next_ucx_scan = 0.0
         self.budget_generation = NO_GENERATION
