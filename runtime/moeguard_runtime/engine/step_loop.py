@@ -188,9 +188,14 @@ class StepLoop:
             raise Rejected(MEMORY_REASON, f"{what}; it would need {never} bytes even on the idle worker "
                            f"(its idle footprint: {footprint} bytes in use), so it can never be served here; "
                            f"send a shorter prompt or fewer max_tokens", status=400)
-        why = ("the requests in flight hold memory: retry when they have finished" if not idle else
-               f"the idle worker holds {usage - footprint} bytes more than its idle footprint (the "
-               f"allocator's caches after earlier requests): retry later")
+        if not idle:
+            why = "the requests in flight hold memory: retry when they have finished"
+        elif usage > footprint:
+            why = (f"the idle worker holds {usage - footprint} bytes more than its idle footprint (the "
+                   f"allocator's caches after earlier requests): retry later")
+        else:
+            why = (f"the memory model's correction is {adm.correction.factor:.2f} after recent steps (it "
+                   f"falls back to {adm.correction.floor:.2f}): retry later")
         raise Rejected(MEMORY_REASON, f"{what}; it fits the idle worker ({footprint} bytes in use), but {why}",
                        retry_after_s=MEMORY_RETRY_AFTER_S, status=503)
 

@@ -7,7 +7,9 @@ that a request's memory is large next to the process-to-process spread of a work
 (about ±30 MiB on this machine). Admitting by current use, the
 kernel kills the worker in the prefill (the client gets no event at all); admitting by the predicted
 step peak, the prefill is chunked to what fits and the stream completes. A request whose smallest step
-cannot fit is refused up front: 400 on an idle worker, 503 with Retry-After while others hold memory.
+cannot fit is refused up front: 400 when it could not fit even on the idle worker, 503 with Retry-After
+when it fits the idle worker but not now (issue 29). Admission fits under the cgroup's limit where that is
+below the hard limit (issue 29).
 """
 
 from __future__ import annotations
@@ -40,15 +42,19 @@ def env(limit: int, admission: str) -> dict[str, str]:
             "MOEGUARD_MEMORY_ADMISSION": admission, "MOEGUARD_OVERLOAD_MODE": "Off"}
 
 
+Confined = Callable[..., tuple[WorkerProcess, MemoryCgroup]]
+
+
 @pytest.fixture
-def confined(tmp_path: Path) -> Iterator[Callable[[int, str], tuple[WorkerProcess, MemoryCgroup]]]:
-    """``confined(limit, admission)``: a worker in its own memory cgroup of ``limit`` bytes."""
+def confined(tmp_path: Path) -> Iterator[Confined]:
+    """``confined(limit, admission, hard=limit)``: a worker in its own memory cgroup of ``limit`` bytes,
+    its ``MOEGUARD_HARD_LIMIT_BYTES`` ``hard`` (as a pod's: the same)."""
     made: list[tuple[WorkerProcess, MemoryCgroup]] = []
 
-    def start(limit: int, admission: str) -> tuple[WorkerProcess, MemoryCgroup]:
+    def start(limit: int, admission: str, hard: int | None = None) -> tuple[WorkerProcess, MemoryCgroup]:
         cg = MemoryCgroup.create(f"moeguard-test-admission-{os.getpid()}-{len(made)}", limit)
         try:
-            w = start_worker_process(tmp_path, env(limit, admission), wrap=cg.wrap)
+            w = start_worker_process(tmp_path, env(hard or limit, admission), wrap=cg.wrap)
         except BaseException:
             cg.remove()  # a worker that never loaded (killed at start) leaves no cgroup behind
             raise
@@ -102,7 +108,7 @@ def max_usage(cg: MemoryCgroup) -> int:
 
 
 def test_a_long_stream_over_a_tight_limit_is_chunked_to_fit_where_admission_by_current_use_is_killed(
-        confined: Callable[[int, str], tuple[WorkerProcess, MemoryCgroup]], steady_bytes: int) -> None:
+        confined: Confined, steady_bytes: int) -> None:
     limit = steady_bytes + 300 * MiB  # the whole prompt's prefill needs about 600 MiB more
     off, off_cg = confined(limit, "off")
     status, data = stream_long(off)
@@ -128,8 +134,31 @@ def test_a_long_stream_over_a_tight_limit_is_chunked_to_fit_where_admission_by_c
     assert "event=memory_state" not in w.logs() or "state=hard" not in w.logs()
 
 
+def test_admission_fits_under_a_memory_cgroup_smaller_than_the_hard_limit(
+        confined: Confined, steady_bytes: int) -> None:
+    """Issue 29: the cgroup at 901 MiB and the hard limit at 1,080 MiB, a streamed long prompt got its 200,
+    then nothing, then the kernel's kill: the steps were fitted under the hard limit. Here the hard limit
+    leaves room for the whole prefill (~600 MiB), the cgroup for half of it."""
+    limit = steady_bytes + 300 * MiB
+    w, cg = confined(limit, "predicted", hard=limit + 500 * MiB)
+    status, data = stream_long(w)
+    assert status == 200, (status, data[-3:], cg.oom_kills())
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert chunks[-1]["usage"] == {"prompt_tokens": 16001, "completion_tokens": 8, "total_tokens": 16009}
+    assert w.proc.poll() is None and cg.oom_kills() == 0
+    assert max_usage(cg) <= limit
+    cgroup_limit = cg.limit_bytes()
+    assert metric(w, "moeguard_memory_admission_limit_bytes", limit="cgroup") == cgroup_limit
+    assert metric(w, "moeguard_memory_admission_limit_bytes", limit="hard") is None
+    logged = next(line for line in w.logs().splitlines() if "event=memory_admission_limit" in line)
+    assert "limit=cgroup" in logged and f"limit_bytes={cgroup_limit}" in logged, logged
+    shrinks = metric(w, "moeguard_memory_chunk_shrinks_total")
+    assert shrinks is not None and shrinks >= 2  # cut to the cgroup's room
+
+
 def test_a_request_whose_smallest_step_cannot_fit_is_refused_up_front(
-        confined: Callable[[int, str], tuple[WorkerProcess, MemoryCgroup]], steady_bytes: int) -> None:
+        confined: Confined, steady_bytes: int) -> None:
     limit = steady_bytes + 120 * MiB  # the long prompt's smallest step: 125 MiB of KV cache and a 16-token chunk
     w, cg = confined(limit, "predicted")
     url = f"{w.base_url}/v1/completions"
@@ -154,8 +183,10 @@ def test_a_request_whose_smallest_step_cannot_fit_is_refused_up_front(
     assert "r" not in other, "the other request finished before the long one was sent"
     busy = httpx.post(url, json=long_body, timeout=60)
     t.join(120)
-    assert busy.status_code == 503 and busy.headers["retry-after"] == "5"
-    assert busy.json()["error"]["code"] == "memory_predicted"
+    # it could not fit on the idle worker either: final, busy or not (a request that fits the idle worker
+    # gets 503 with Retry-After: test_a_prompt_that_fits_the_idle_worker_is_retryable_after_a_burst)
+    assert busy.status_code == 400 and "retry-after" not in busy.headers
+    assert busy.json()["error"]["code"] == "memory_predicted" and "can never be served" in busy.json()["error"]["message"]
     assert other["r"].status_code == 200
     ok = httpx.post(url, json={"prompt": "a short prompt", "max_tokens": 4}, timeout=60)
     assert ok.status_code == 200
@@ -164,7 +195,7 @@ def test_a_request_whose_smallest_step_cannot_fit_is_refused_up_front(
 
 
 def test_page_cache_the_kernel_can_reclaim_does_not_count_against_the_limits(
-        confined: Callable[[int, str], tuple[WorkerProcess, MemoryCgroup]], steady_bytes: int,
+        confined: Confined, steady_bytes: int,
         tmp_path: Path) -> None:
     """A checkpoint read from disk leaves page cache in the container's cgroup. The worker compares its limits
     with the working set (usage minus inactive file pages, the kubelet's figure), so the cache neither holds it

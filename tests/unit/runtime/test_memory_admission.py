@@ -274,6 +274,7 @@ def test_a_correction_raised_by_a_burst_does_not_make_a_request_final() -> None:
     worker.loop.admission.correction.window.append(2.0)  # a step of the burst measured at twice its prediction
     rej = refusal(worker, "r", prompt, 100)
     assert rej is not None and (rej.status, rej.retry_after_s) == (503, 5)
+    assert "the memory model's correction is 2.00 after recent steps (it falls back to 1.20)" in rej.message
 
 
 def test_admission_fits_under_a_memory_cgroup_smaller_than_the_hard_limit_and_says_so() -> None:
