@@ -191,8 +191,9 @@ class StepLoop:
         if not idle:
             why = "the requests in flight hold memory: retry when they have finished"
         elif usage > footprint:
-            why = (f"the idle worker holds {usage - footprint} bytes more than its idle footprint (the "
-                   f"allocator's caches after earlier requests): retry later")
+            why = (f"the idle worker holds {usage - footprint} bytes more than its idle footprint (not "
+                   f"given back since: the allocator's caches after earlier requests, or the container's "
+                   f"other processes and tmpfs): retry later")
         else:
             why = (f"the memory model's correction is {adm.correction.factor:.2f} after recent steps (it "
                    f"falls back to {adm.correction.floor:.2f}): retry later")

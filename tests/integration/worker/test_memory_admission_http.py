@@ -194,6 +194,43 @@ def test_a_request_whose_smallest_step_cannot_fit_is_refused_up_front(
     assert cg.oom_kills() == 0
 
 
+def test_a_prompt_that_fits_the_idle_worker_is_retryable_when_it_does_not_fit_now(
+        confined: Confined, steady_bytes: int) -> None:
+    """Issue 29: under a tight limit, an idle worker whose use had grown past its idle footprint (the
+    allocator's caches after a burst of long prompts) answered the prompt it had served a minute earlier
+    with a final 400 "can never be served here", while /readyz and /v1/models said it was fine. The use
+    here grows by tmpfs pages charged to the worker's cgroup (what a sidecar's memory-backed emptyDir does,
+    and deterministic where a burst's leftovers are not): the refusal is a 503 with Retry-After, and once
+    the memory is back the retry is served."""
+    limit = steady_bytes + 200 * MiB
+    w, cg = confined(limit, "predicted")
+    url = f"{w.base_url}/v1/completions"
+    body = {"prompt": prompt_of_length(8000), "max_tokens": 8}  # its smallest step: ~63 MiB of KV cache + a chunk
+    served = httpx.post(url, json=body, timeout=120)
+    assert served.status_code == 200, served.text
+    held = Path("/dev/shm") / f"moeguard-test-held-{os.getpid()}"
+    usage = metric(w, "moeguard_memory_usage_bytes")
+    assert usage is not None
+    count = (limit - int(usage)) // MiB - 40  # leaves 40 MiB: less than the prompt's smallest step
+    try:
+        subprocess.run(cg.wrap(["dd", "if=/dev/zero", f"of={held}", "bs=1M", f"count={count}", "status=none"]),
+                       check=True, timeout=60)
+        time.sleep(1.0)  # the memory check runs every 0.25 s
+        refused = httpx.post(url, json=body, timeout=60)
+        assert refused.status_code == 503, refused.text
+        assert refused.headers["retry-after"] == "5"
+        err = refused.json()["error"]
+        assert (err["type"], err["code"]) == ("service_unavailable_error", "memory_predicted")
+        assert "it fits the idle worker" in err["message"] and "retry later" in err["message"]
+        assert httpx.get(f"{w.base_url}/readyz", timeout=10).status_code == 200
+    finally:
+        held.unlink(missing_ok=True)
+    time.sleep(1.0)
+    again = httpx.post(url, json=body, timeout=120)
+    assert again.status_code == 200, again.text
+    assert cg.oom_kills() == 0
+
+
 def test_page_cache_the_kernel_can_reclaim_does_not_count_against_the_limits(
         confined: Confined, steady_bytes: int,
         tmp_path: Path) -> None:
