@@ -184,7 +184,7 @@ def test_a_request_whose_smallest_step_cannot_fit_is_refused_up_front(
     busy = httpx.post(url, json=long_body, timeout=60)
     t.join(120)
     # it could not fit on the idle worker either: final, busy or not (a request that fits the idle worker
-    # gets 503 with Retry-After: test_a_prompt_that_fits_the_idle_worker_is_retryable_after_a_burst)
+    # gets 503 with Retry-After: test_a_prompt_that_fits_the_idle_worker_is_retryable_when_it_does_not_fit_now)
     assert busy.status_code == 400 and "retry-after" not in busy.headers
     assert busy.json()["error"]["code"] == "memory_predicted" and "can never be served" in busy.json()["error"]["message"]
     assert other["r"].status_code == 200
