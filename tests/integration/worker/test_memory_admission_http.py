@@ -202,12 +202,17 @@ def test_a_prompt_that_fits_the_idle_worker_is_retryable_when_it_does_not_fit_no
     here grows by tmpfs pages charged to the worker's cgroup (what a sidecar's memory-backed emptyDir does,
     and deterministic where a burst's leftovers are not): the refusal is a 503 with Retry-After, and once
     the memory is back the retry is served."""
-    limit = steady_bytes + 200 * MiB
+    limit = steady_bytes + 140 * MiB
     w, cg = confined(limit, "predicted")
     url = f"{w.base_url}/v1/completions"
     body = {"prompt": prompt_of_length(8000), "max_tokens": 8}  # its smallest step: ~63 MiB of KV cache + a chunk
     served = httpx.post(url, json=body, timeout=120)
     assert served.status_code == 200, served.text
+    # the long prompt's smallest step (125 MiB of KV cache) cannot fit even the idle worker: a final 400, and
+    # before it the worker gave glibc's free heap back (malloc_trim), so the use read next is what it holds
+    never = httpx.post(url, json={"prompt": LONG_PROMPT, "max_tokens": 8}, timeout=60)
+    assert never.status_code == 400 and "can never be served" in never.json()["error"]["message"], never.text
+    time.sleep(0.5)
     held = Path("/dev/shm") / f"moeguard-test-held-{os.getpid()}"
     usage = metric(w, "moeguard_memory_usage_bytes")
     assert usage is not None
