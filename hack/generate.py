@@ -407,6 +407,12 @@ ADVICE: dict[str, str] = {
         "The container's own memory.max. It should equal spec.resources.hardLimit; if not, something else "
         "(a LimitRange, a mutating webhook) changed the pod."),
     "moeguard_memory_limit_bytes": "The soft and hard limits (label `limit`): plot usage against them.",
+    "moeguard_memory_admission_limit_bytes": (
+        "The limit memory-aware admission fits every step under: the smaller of the hard limit and the memory "
+        "cgroup's limit, one series whose label `limit` names the one in effect (`hard` or `cgroup`). `cgroup`: "
+        "the container's limit is below `MOEGUARD_HARD_LIMIT_BYTES` (the kernel kills there, so admission fits "
+        "there); check `spec.resources.hardLimit` against the pod's memory limit. Logged as "
+        "`event=memory_admission_limit` at start and on every change."),
     "moeguard_gpu_memory_allocated_bytes": "Live tensors on the GPU (torch caching allocator).",
     "moeguard_gpu_memory_reserved_bytes": "Memory torch's allocator holds, live or cached.",
     "moeguard_gpu_memory_fragmentation_bytes": (
@@ -446,9 +452,10 @@ ADVICE: dict[str, str] = {
     "moeguard_oom_errors": (
         "Batches that failed to allocate memory and that the worker survived (label `kind`: `cuda` for the "
         "device's allocator, `host` for the CPU's allocator, oneDNN or `MemoryError`); their requests got 503 "
-        "`out_of_memory` with Retry-After. The worker already drops its budgets as above the soft limit; three "
-        "in a row make `/readyz` 503 until a probe step runs, and a minute with no step running makes "
-        "`/healthz` 503 (a restart). Rising: the budgets are too high for the memory the process can get."),
+        "`out_of_memory` with Retry-After. The worker already drops its budgets as above the soft limit for 30 s; "
+        "the first makes `/readyz` 503 until a probe step (or a request's step) runs, and a minute with no step "
+        "running makes `/healthz` 503 (a restart). Rising: the budgets are too high for the memory the process "
+        "can get."),
     "moeguard_expert_split_steps": (
         "Steps whose expert work ran in more than one chunk: an expert got more token-slots than "
         "`MOEGUARD_EXPERT_CHUNK_TOKENS` (256 on the CPU's oneDNN path). Chunking bounds the per-expert "

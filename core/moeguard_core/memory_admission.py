@@ -9,12 +9,20 @@ plan`` uses), from its composition: the KV caches of the sequences it admits, it
 top-expert share of token-slots::
 
     predicted increment = correction x step_peak(step).total_bytes          (bytes above current use)
-    the step fits       <=> current use + predicted increment <= hard limit
+    the step fits       <=> current use + predicted increment <= limit
+    limit               =   min(hard limit, memory cgroup limit)
 
 ``current use`` is the figure the hard limit is compared with (:mod:`moeguard_runtime.memory.memory`: the
-cgroup's ``memory.current``, else the RSS), read once per planned step. It already holds the
+cgroup's working set, else the RSS), read once per planned step. It already holds the
 running sequences' KV caches and the heap the process keeps after earlier requests, which a step
 reuses before it grows the resident set: counting both is the safe side.
+
+**The limit** (:attr:`MemoryAdmission.limit_bytes`) is ``MOEGUARD_HARD_LIMIT_BYTES`` or, when the memory
+cgroup the worker runs in (the tightest of its own and its ancestors', read with every reading:
+:meth:`MemoryAdmission.observe_reading`) is smaller, the cgroup's limit: the kernel OOM-kills at the
+cgroup's limit whatever the hard limit says (issue 29: a cgroup of 901 MiB under a hard limit of
+1,080 MiB, a 4,031-token stream fitted under the hard limit and killed). Which one is in effect is
+:attr:`MemoryAdmission.limit_source` (``hard`` or ``cgroup``; the worker exports and logs it).
 
 What the scheduler does with it (:class:`StepFit`, passed to ``Scheduler.schedule``):
 
@@ -28,8 +36,14 @@ What the scheduler does with it (:class:`StepFit`, passed to ``Scheduler.schedul
 
 At submission (:meth:`MemoryAdmission.refusal`), a request whose smallest step (its KV cache plus
 its last chunk of :data:`MIN_PREFILL_CHUNK_TOKENS`, the one with the largest mask) does not fit now
-is refused up front: 503 ``memory_predicted`` with ``Retry-After`` while other requests hold memory,
-400 ``memory_predicted`` (not retryable) when the worker holds none: then it can never fit.
+is refused up front with ``memory_predicted``: 400 (not retryable) only when it could never fit
+(:meth:`MemoryAdmission.never_fits`: not even above the worker's **idle footprint**, at the correction's
+floor), else 503 with ``Retry-After``. The idle footprint (:attr:`MemoryAdmission.idle_usage_bytes`) is
+the smallest use read while the worker held no sequence (from the first reading after the model
+loaded on): not the current use of an idle worker, which after a burst of long prompts still holds
+the allocator's caches and fragments (glibc arenas ``malloc_trim`` does not give back) and a
+correction raised by the burst's steps; judged on those, a prompt served a minute earlier was
+answered 400 "can never be served here" (issue 29).
 
 **The correction factor** (:class:`Correction`): after each step the measured increment
 (resident-set high-water mark during the step minus the resident set before it,
@@ -174,12 +188,13 @@ class StepPredictor:
 
 
 class MemoryAdmission(StepPredictor):
-    """Predicts a worker's steps and fits them under ``hard_limit_bytes``.
+    """Predicts a worker's steps and fits them under ``min(hard_limit_bytes, the cgroup's limit)``.
 
     Args:
         shape: the served model's shape (a preset's ``ModelArgs``, or ``family_shape.from_hf_config``).
         dtype: ``float32``, ``bfloat16`` or ``float16``.
-        hard_limit_bytes: the worker's hard limit (``MOEGUARD_HARD_LIMIT_BYTES``).
+        hard_limit_bytes: the worker's hard limit (``MOEGUARD_HARD_LIMIT_BYTES``); the cgroup's limit
+            comes with the readings (:meth:`observe_reading`).
         expert_chunk_tokens, capacity_factor: the worker's MoE settings (they bound the busiest expert).
         correction_floor: the correction factor's starting value and floor (>= 1; default
             :data:`CORRECTION_FLOOR`).
@@ -190,8 +205,43 @@ class MemoryAdmission(StepPredictor):
                  correction_floor: float = CORRECTION_FLOOR) -> None:
         super().__init__(shape, dtype, expert_chunk_tokens, capacity_factor)
         self.hard_limit_bytes = hard_limit_bytes
+        self.cgroup_limit_bytes: int | None = None
+        """The memory cgroup's limit last read (bytes), None when the worker runs in no limited cgroup."""
+        self.idle_usage_bytes: int | None = None
+        """The worker's idle footprint: the smallest use read while it held no sequence (bytes), None
+        before the first such reading."""
         self.correction = Correction(correction_floor)
 
+    # --- the limit and the footprint it is judged on ----------------------------------
+    @property
+    def limit_bytes(self) -> int:
+        """The limit steps are fitted under: ``min(hard limit, cgroup limit)``, bytes."""
+        cgroup = self.cgroup_limit_bytes
+        return self.hard_limit_bytes if cgroup is None else min(self.hard_limit_bytes, cgroup)
+
+    @property
+    def limit_source(self) -> str:
+        """``cgroup`` when the cgroup's limit is below the hard limit (it is in effect), else ``hard``."""
+        cgroup = self.cgroup_limit_bytes
+        return "cgroup" if cgroup is not None and cgroup < self.hard_limit_bytes else "hard"
+
+    def describe_limit(self) -> str:
+        """The limit in effect in words, for refusal messages."""
+        if self.limit_source == "cgroup":
+            return (f"the memory cgroup's limit of {self.limit_bytes} bytes (below the hard memory limit "
+                    f"of {self.hard_limit_bytes} bytes)")
+        return f"the hard memory limit of {self.hard_limit_bytes} bytes"
+
+    def observe_reading(self, usage_bytes: int, cgroup_limit_bytes: int | None, idle: bool) -> bool:
+        """Record a memory reading: the cgroup's limit (``None``: no limited cgroup) and, when ``idle``
+        (the worker holds no sequence), the idle footprint. Returns whether the limit in effect changed."""
+        before = self.limit_bytes, self.limit_source
+        self.cgroup_limit_bytes = cgroup_limit_bytes
+        if idle and (self.idle_usage_bytes is None or usage_bytes < self.idle_usage_bytes):
+            self.idle_usage_bytes = usage_bytes
+        return (self.limit_bytes, self.limit_source) != before
+
+    # --- predictions and refusals ------------------------------------------------------
     def predict(self, step: Step) -> int:
         """:meth:`raw` times the correction factor, bytes."""
         return math.ceil(self.raw(step) * self.correction.factor)
@@ -207,9 +257,20 @@ class MemoryAdmission(StepPredictor):
     def refusal(self, usage_bytes: int, prompt_tokens: int, max_new_tokens: int,
                 kv_allocated: bool = False) -> int | None:
         """The predicted bytes of the request's :meth:`smallest_step` when it does not fit above
-        ``usage_bytes``, else None."""
+        ``usage_bytes`` under :attr:`limit_bytes`, else None."""
         need = self.predict(self.smallest_step(prompt_tokens, max_new_tokens, kv_allocated))
-        return need if usage_bytes + need > self.hard_limit_bytes else None
+        return need if usage_bytes + need > self.limit_bytes else None
+
+    def never_fits(self, prompt_tokens: int, max_new_tokens: int, usage_bytes: int) -> int | None:
+        """The bytes of the request's :meth:`smallest_step` at the correction's floor when it does not
+        fit even above the idle footprint (:attr:`idle_usage_bytes`; ``usage_bytes``, the use now, before
+        any idle reading) under :attr:`limit_bytes`: it can never be served by this worker (a 400). None
+        when it would fit on the idle worker: a refusal now is retryable (503). The floor, not the
+        current factor: the factor falls back to it once the window's large ratios have passed."""
+        idle = usage_bytes if self.idle_usage_bytes is None else min(usage_bytes, self.idle_usage_bytes)
+        raw = self.raw(self.smallest_step(prompt_tokens, max_new_tokens))
+        need = math.ceil(raw * self.correction.floor)
+        return need if idle + need > self.limit_bytes else None
 
     def fit(self, usage_bytes: int) -> StepFit:
         """A fit for the next step, above ``usage_bytes``."""
@@ -235,6 +296,7 @@ class StepFit:
         self.blocked = 0
         """Chunks (or admissions) that did not fit even at the smallest size."""
         self._factor = admission.correction.factor
+        self._limit = admission.limit_bytes
 
     def step(self, extra: tuple[int, int] | None = None, extra_kv: int = 0) -> Step:
         """The composition so far, plus a candidate chunk ``(start, n)`` and its new KV tokens."""
@@ -243,7 +305,7 @@ class StepFit:
 
     def _fits(self, start: int, n: int, new_kv_tokens: int) -> bool:
         need = math.ceil(self.admission.raw(self.step((start, n), new_kv_tokens)) * self._factor)
-        return self.usage_bytes + need <= self.admission.hard_limit_bytes
+        return self.usage_bytes + need <= self._limit
 
     def cap(self, start: int, n: int, new_kv_tokens: int = 0) -> int:
         """The largest chunk ``m <= n`` at ``start`` that fits with the step so far (and

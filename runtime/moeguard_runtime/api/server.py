@@ -21,9 +21,10 @@ Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``:
   before the body is read (:meth:`Worker.refuse_early`) when no batch request
   could make room: a refusal costs no parsing and no tokenization;
 * 400 ``memory_predicted``: with memory-aware admission (:mod:`moeguard_core.memory_admission`),
-  a request whose smallest step is predicted not to fit under the hard limit on an idle worker (it
-  can never be served there); 503 ``memory_predicted`` with ``Retry-After`` while other requests
-  hold the memory (an SSE error event if a started stream can no longer progress);
+  a request whose smallest step is predicted not to fit under the limit (the hard limit, or the
+  memory cgroup's when smaller) even above the worker's idle footprint (it can never be served
+  there); 503 ``memory_predicted`` with ``Retry-After`` when it fits the idle worker but not now
+  (an SSE error event if a started stream can no longer progress);
 * 503 with ``Retry-After``: a batch request shed for an interactive one
   (``priority_shed``; an SSE error event once its stream has answered), above the hard memory limit, queue timeout, a
   context over the overload threshold, out of memory, the model still loading, or
@@ -50,7 +51,9 @@ step is the same JSON error (503 or 429, ``Retry-After``, the reason in
 ``code``) as without streaming; only a failure in a later step (out of memory
 in the batch) arrives as an SSE error event.
 ``stream_options: {"include_usage": true}`` (OpenAI) adds a final chunk
-with ``usage`` and ``"choices": []``; an unknown key in it is a 400 naming it.
+with ``usage`` and ``"choices": []`` (every other chunk then has ``"usage": null``); without it
+(``stream_options`` absent, ``{}`` or ``include_usage: false``) no chunk carries ``usage``, as
+OpenAI streams. An unknown key in it is a 400 naming it.
 
 A client that disconnects cancels its request (polled every 0.25 s while it
 waits; a streaming response is cancelled by Starlette when the socket closes).
@@ -294,7 +297,7 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
     @app.get("/readyz", response_class=PlainTextResponse)
     async def readyz() -> Response:
         """Readiness: 503 while the model loads, the loop is stopped, memory is above hard, steps
-        keep failing to allocate, or before the first budget document
+        failed to allocate (until a probe step runs), or before the first budget document
         (:attr:`Worker.not_ready_reason`); the body says why."""
         w = slot.worker
         why = "model is loading" if w is None else w.not_ready_reason
@@ -598,45 +601,58 @@ async def _serve(worker: Worker, job: _Job, tok: Tokenizer, request: Request,
         "usage": _usage(len(job.prompt), output.tokens)})
 
 
+def stream_chunk(job: _Job, req_id: str, created: int, text: str | None, finish: str | None,
+                 usage: dict[str, int] | None = None, role: bool = False) -> dict[str, Any]:
+    """One SSE chunk's JSON body, as OpenAI streams completions (``object`` ``text_completion``) and chat
+    completions (``chat.completion.chunk``; ``delta``, the first ``{"role": "assistant", "content": ""}``).
+    ``text`` None: a chunk with ``"choices": []`` (the usage chunk). The ``usage`` key is there only when
+    the request asked for it (``stream_options.include_usage``), null but on the usage chunk: OpenAI's
+    ``ChatCompletionStreamOptions`` ("All other chunks will also include a usage field, but with a null
+    value"); without it no chunk has the key (pure)."""
+    choices: list[dict[str, Any]] = []
+    if text is not None and job.chat:
+        delta: dict[str, str] = {"role": "assistant", "content": text} if role else (
+            {"content": text} if text or finish is None else {})
+        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+    elif text is not None:
+        choices = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+    body: dict[str, Any] = {"id": req_id, "created": created, "model": job.model,
+                            "object": "chat.completion.chunk" if job.chat else "text_completion",
+                            "choices": choices}
+    if job.include_usage:
+        body["usage"] = usage
+    return body
+
+
+def finish_chunks(job: _Job, req_id: str, created: int, text: str, reason: str,
+                  usage: dict[str, int]) -> list[dict[str, Any]]:
+    """The chunks that end a stream before ``[DONE]``: the one with ``finish_reason`` (and the last
+    text), then, only when the request asked (``stream_options.include_usage``), OpenAI's extra chunk
+    with ``"choices": []`` and ``usage`` (pure). Without it no chunk carries usage, as OpenAI streams
+    (a client that reads usage from the finishing chunk must ask with ``include_usage: true``)."""
+    last = stream_chunk(job, req_id, created, text, reason)
+    return [last, stream_chunk(job, req_id, created, None, None, usage)] if job.include_usage else [last]
+
+
 async def _stream(worker: Worker, job: _Job, req_id: str, queue: asyncio.Queue[Event],
                   created: int, output: _Output, count: Any,
                   first: Event | None = None) -> AsyncIterator[str]:
-    """Server-sent events as OpenAI streams completions and chat completions, ending
-    with ``data: [DONE]``.
+    """Server-sent events as OpenAI streams completions and chat completions (:func:`stream_chunk`,
+    :func:`finish_chunks`), ending with ``data: [DONE]``.
 
     Started once the request is admitted (``first``: an event already taken off
     the queue, if any). An error after admission (out of memory in a batch)
-    can only be an ``error`` event in the stream. Chat chunks carry ``delta``
-    (the first ``{"role": "assistant", "content": ""}``). Without
-    ``include_usage`` the finishing chunk carries ``usage``; with it (OpenAI
-    ``stream_options``), every chunk has ``"usage": null`` and a last chunk with
-    ``"choices": []`` and the usage precedes ``[DONE]``.
+    can only be an ``error`` event in the stream.
     """
     done = False
-    include_usage = job.include_usage
 
-    def chunk(text: str | None, finish: str | None, usage: dict[str, int] | None = None,
-              role: bool = False) -> str:
-        choices: list[dict[str, Any]] = []
-        if text is not None and job.chat:
-            delta: dict[str, str] = {"role": "assistant", "content": text} if role else (
-                {"content": text} if text or finish is None else {})
-            choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
-        elif text is not None:
-            choices = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
-        body: dict[str, Any] = {"id": req_id, "created": created, "model": job.model,
-                                "object": "chat.completion.chunk" if job.chat else "text_completion",
-                                "choices": choices}
-        if usage is not None or include_usage:
-            body["usage"] = usage
-        return f"data: {json.dumps(body)}\n\n"
+    def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
+        return f"data: {json.dumps(stream_chunk(job, req_id, created, text, finish, role=role))}\n\n"
 
     def finish(text: str, reason: str) -> list[str]:
         count("ok", 200)
         usage = _usage(len(job.prompt), output.tokens)
-        if include_usage:
-            return [chunk(text, reason), chunk(None, None, usage)]
-        return [chunk(text, reason, usage)]
+        return [f"data: {json.dumps(c)}\n\n" for c in finish_chunks(job, req_id, created, text, reason, usage)]
 
     try:
         if job.chat:

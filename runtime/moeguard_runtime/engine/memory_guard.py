@@ -22,7 +22,9 @@ from moeguard_runtime.telemetry.telemetry import RateLimitedLog, Telemetry
 MEMORY_CHECK_INTERVAL_S = 0.25
 ALLOCATION_FAILURE_HOLD_S = 30.0
 """After an allocation failure in a step, the budgets stay shrunk (state at least SOFT, as on a
-soft-limit breach) for this many seconds: no usage figure says when the pressure is over."""
+soft-limit breach) for this many seconds from the last failed step: no usage figure says when the
+pressure is over. When they are up the state is the measured one at once: the hold feeds neither
+the soft limit's hysteresis nor the overload trigger's hold (docs/api.md, "Out of memory in a step")."""
 
 
 class MemoryGuard:
@@ -35,6 +37,9 @@ class MemoryGuard:
         self.policy = MemoryPolicy(settings.soft_limit_bytes, settings.hard_limit_bytes,
                                    settings.soft_shrink_factor)
         self.state = MemoryState.NORMAL
+        """The state in effect: :attr:`measured_state`, raised to SOFT while an allocation failure's hold lasts."""
+        self.measured_state = MemoryState.NORMAL
+        """The state of the readings alone (with the limits' hysteresis), without the hold."""
         self.last_memory: MemoryReading | None = None
         self.last_device: DeviceMemory | None = None
         self._telemetry, self._log = telemetry, log
@@ -44,6 +49,11 @@ class MemoryGuard:
         for name, value in (("soft", settings.soft_limit_bytes), ("hard", settings.hard_limit_bytes)):
             if value is not None:
                 telemetry.memory_limit.labels(**telemetry.l(limit=name)).set(value)
+
+    @property
+    def allocation_hold_until(self) -> float:
+        """When the last allocation failure's hold ends (monotonic s; in the past when none holds)."""
+        return self._hold_soft_until
 
     @property
     def shrink_factor(self) -> float:
@@ -107,11 +117,12 @@ class MemoryGuard:
         tel.memory_usage.labels(**tel.l(source=reading.source)).set(reading.usage_bytes)
         if reading.limit_bytes is not None:
             tel.memory_cgroup_limit.labels(**tel.l(source=reading.source)).set(reading.limit_bytes)
-        state = decide(self.state, reading.usage_bytes, self.policy)
+        state = decide(self.measured_state, reading.usage_bytes, self.policy)
         if device is not None:
             tel.set_device(device)
-            state = max(state, decide_device(self.state, device.used, device.total,
+            state = max(state, decide_device(self.measured_state, device.used, device.total,
                                              s.gpu_soft_fraction, s.gpu_hard_fraction))
+        self.measured_state = state
         reason = "limit"
         if now < self._hold_soft_until and state < MemoryState.SOFT:
             state, reason = MemoryState.SOFT, "allocation_failure"

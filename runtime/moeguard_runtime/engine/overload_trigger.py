@@ -7,7 +7,10 @@ mode ``Auto``, the worker itself: on when memory is above the soft limit or the
 queue holds at least :data:`OVERLOAD_QUEUE_ON` of ``max_queue_requests``; off
 again once memory is below the soft limit, the queue at most
 :data:`OVERLOAD_QUEUE_OFF` of it, and :data:`OVERLOAD_HOLD_S` seconds have
-passed since the last trigger.
+passed since the last trigger. An allocation failure in a step holds it on for
+exactly its hold (``memory_guard.ALLOCATION_FAILURE_HOLD_S`` from the last failed
+step, the documented 30 s): that hold is a known end, not a reading, so it is not
+prolonged by :data:`OVERLOAD_HOLD_S` (it was, to 35 s: issue 29).
 """
 
 from __future__ import annotations
@@ -53,8 +56,11 @@ class OverloadTrigger:
                             sources=",".join(k for k, v in self.sources.items() if v) or "none",
                             max_context_tokens=self.policy.max_context_tokens)
 
-    def trigger(self, scheduler: Scheduler, now: float, memory_normal: bool) -> None:
-        """The worker's own trigger at ``now`` (monotonic s); mode ``Auto`` only."""
+    def trigger(self, scheduler: Scheduler, now: float, memory_normal: bool,
+                held_until: float | None = None) -> None:
+        """The worker's own trigger at ``now`` (monotonic s); mode ``Auto`` only. ``memory_normal``:
+        the readings are below the soft limit (``MemoryGuard.measured_state``); ``held_until``: the end
+        of an allocation failure's hold (monotonic s), on until then and calm from then on."""
         if self.mode != "Auto":
             return
         max_queue = scheduler.next_budgets.max_queue_requests
@@ -62,9 +68,10 @@ class OverloadTrigger:
         pressure = not memory_normal or queue >= OVERLOAD_QUEUE_ON * max_queue
         if pressure:
             self._last_trigger = now
-        calm = (memory_normal and queue <= OVERLOAD_QUEUE_OFF * max_queue
+        held = held_until is not None and now < held_until
+        calm = (memory_normal and not held and queue <= OVERLOAD_QUEUE_OFF * max_queue
                 and now - self._last_trigger >= OVERLOAD_HOLD_S)
-        want = worker_wants_overload(self.sources["worker"], pressure, calm)
+        want = worker_wants_overload(self.sources["worker"], pressure or held, calm)
         if want != self.sources["worker"]:
             self.sources["worker"] = want
             self.apply(scheduler)

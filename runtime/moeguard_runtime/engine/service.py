@@ -78,7 +78,7 @@ class Worker:
         self.loop = StepLoop(self.scheduler, engine, telemetry, log, self._now, settings.faults,
                              self._budgets_applied, self.memory_snapshot, idle_wait_s,
                              self._allocation_failed, AllocationHealth(settings.unrecovered_oom_s),
-                             admission, lambda: memory_reader().usage_bytes, predictor)
+                             admission, memory_reader, predictor)
         self._read_ucx = read_ucx
         self._next_ucx_scan = 0.0
         self.budget_generation = NO_GENERATION
@@ -183,7 +183,7 @@ class Worker:
     @property
     def not_ready_reason(self) -> str | None:
         """Why ``/readyz`` answers 503, or None when ready: the engine loop stopped, memory above
-        the hard limit, repeated allocation failures in steps
+        the hard limit, the last step (or probe step) failed to allocate
         (:meth:`allocation.AllocationHealth.not_ready_reason`), or, with a budget ConfigMap named
         (``MOEGUARD_BUDGET_CONFIGMAP``), no valid budget document applied yet (the env's defaults
         are never served in place of the spec's)."""
@@ -308,7 +308,8 @@ class Worker:
         self.leaks.sample(now, force)
         self.scan_ucx(now, force)
         with self.loop.cond:
-            self.overload_trigger.trigger(self.scheduler, now, self.memory.state == MemoryState.NORMAL)
+            self.overload_trigger.trigger(self.scheduler, now, self.memory.measured_state == MemoryState.NORMAL,
+                                          self.memory.allocation_hold_until)
 
     def scan_ucx(self, now: float, force: bool = False) -> None:
         """Every :data:`ucx.SCAN_INTERVAL_S` (or ``force``): read the UCX state and, when it changed, set
@@ -339,12 +340,15 @@ class Worker:
         self.loop.iteration()
 
     def _allocation_failed(self) -> None:
-        """A step failed to allocate (engine thread): drop the budgets as on a soft-limit breach."""
-        factor = self.memory.allocation_failed(self._clock())
+        """A step failed to allocate (engine thread): drop the budgets as on a soft-limit breach, and
+        overload mode (Auto) on, both for the hold (``memory_guard.ALLOCATION_FAILURE_HOLD_S``)."""
+        now = self._clock()
+        factor = self.memory.allocation_failed(now)
         with self.loop.cond:
             if factor is not None:
                 self.scheduler.set_shrink_factor(factor)
-            self.overload_trigger.trigger(self.scheduler, self._clock(), False)
+            self.overload_trigger.trigger(self.scheduler, now, self.memory.measured_state == MemoryState.NORMAL,
+                                          self.memory.allocation_hold_until)
 
     def _budgets_applied(self, budgets: Budgets) -> None:
         factor = self.memory.shrink_factor

@@ -20,18 +20,22 @@ its broken state are reset (:func:`reset_after_allocation_failure`; oneDNN,
 whose failed primitives keep failing, is left for ``F.linear``), the
 budgets drop as on a soft-limit breach (the ``on_allocation_failure`` callback:
 :meth:`memory_guard.MemoryGuard.allocation_failed`), and the loop goes on;
-:class:`allocation.AllocationHealth` turns repeated failures into readiness and
-liveness answers, with probe steps while not ready. Any other error in a step
+:class:`allocation.AllocationHealth` turns failures into readiness (from the first
+failed step) and liveness answers, with probe steps while not ready. Any other error in a step
 is a 500 ``engine_error``, but a broken expert-parallel group
 (:class:`expert_parallel.GroupUnavailable`) is a 503 ``expert_parallel_group_unavailable``.
 
 **Memory** (with a :class:`memory_admission.MemoryAdmission`): each step is planned through a
-``StepFit`` above the memory in use, read just before (:mod:`moeguard_core.memory_admission`);
-a request that cannot fit even alone is refused at submission (503 ``memory_predicted`` with
-``Retry-After``, or 400 when the worker holds nothing else: it can never fit), and one that cannot
-progress when no step can run at all is ended with 503 ``memory_predicted`` after a ``malloc_trim``
-and a second look. After each step the measured peak (``VmHWM`` over the resident set before it)
-corrects the model and is exported.
+``StepFit`` above the memory in use, read just before (:mod:`moeguard_core.memory_admission`), under
+``min(hard limit, the memory cgroup's limit)`` (the one in effect is exported as
+``moeguard_memory_admission_limit_bytes{limit}`` and logged, ``event=memory_admission_limit``, at the
+first reading and on every change); the reading the engine thread takes while it holds no sequence
+keeps the idle footprint. A request that cannot fit even alone now is refused at submission with
+``memory_predicted``: 400 when it could never fit (not even above the idle footprint), else 503 with
+``Retry-After`` (on an idle worker too, after a ``malloc_trim`` and a second look: its use then can be
+the allocator's caches after a burst). One that cannot progress when no step can run at all is ended
+with 503 ``memory_predicted`` after a ``malloc_trim`` and a second look. After each step the measured
+peak (``VmHWM`` over the resident set before it) corrects the model and is exported.
 
 **Diagnosis signals** (issue 14): each planned step's prefill batches and long admissions
 (``StepPlan.prefill_batches``, ``long_admitted``), the batches and long requests in flight with the
@@ -62,6 +66,7 @@ from moeguard_runtime.memory.allocation import (
     AllocationHealth,
     allocation_failure_kind,
 )
+from moeguard_runtime.memory.memory import MemoryReading
 from moeguard_runtime.memory.peak_breakdown import Breakdown, PeakWindow, breakdown
 from moeguard_runtime.memory.procmem import read_peak_rss, reset_peak_rss, trim_malloc
 from moeguard_runtime.model.moe import leave_onednn
@@ -121,7 +126,7 @@ class StepLoop:
                  on_allocation_failure: Callable[[], None] = lambda: None,
                  health: AllocationHealth | None = None,
                  admission: MemoryAdmission | None = None,
-                 read_usage: Callable[[], int] | None = None,
+                 read_memory: Callable[[], MemoryReading] | None = None,
                  predictor: StepPredictor | None = None) -> None:
         self.scheduler, self.engine = scheduler, engine
         self.telemetry, self.log = telemetry, log
@@ -138,9 +143,11 @@ class StepLoop:
         self._idle_wait_s = idle_wait_s
         self._active: dict[str, _Active] = {}
         self._to_release: list[str] = []
-        self.admission = admission if read_usage is not None else None
-        """Memory-aware admission (None: off); ``read_usage`` reads what the hard limit is compared with."""
-        self._read_usage = read_usage or (lambda: 0)
+        self.admission = admission if read_memory is not None else None
+        """Memory-aware admission (None: off); ``read_memory`` reads what the limits are compared with
+        (and the cgroup's limit)."""
+        self._read_memory = read_memory or (lambda: MemoryReading(0, "rss"))
+        self._limit_reported = False
         self._trimmed_for_memory = False
         self.predictor = predictor or self.admission
         """The memory model of the steps (the admission's when on), for the peak breakdown; None: no model."""
@@ -164,8 +171,9 @@ class StepLoop:
 
     def _refuse_for_memory(self, request: GenerationRequest) -> None:
         """Raise :class:`scheduler.Rejected` ``memory_predicted`` when the request's smallest step does
-        not fit above the memory in use now: 503 with ``Retry-After`` while other requests hold memory;
-        400 (after a ``malloc_trim`` and a second look) when the worker holds none. Call with the lock held."""
+        not fit above the memory in use now (on an idle worker, after a ``malloc_trim`` and a second look):
+        400 when it could never fit (:meth:`MemoryAdmission.never_fits`: not even above the idle
+        footprint), else 503 with ``Retry-After``. Call with the lock held."""
         adm = self.admission
         if adm is None:
             return
@@ -182,17 +190,46 @@ class StepLoop:
             if need is None:
                 return
         what = (f"the request's smallest step (its KV cache of {prompt} + {max_new} tokens and its last "
-                f"prefill chunk) is predicted at {need} bytes; with {usage} bytes in use that passes the "
-                f"hard memory limit of {adm.hard_limit_bytes} bytes")
-        if idle:
-            raise Rejected(MEMORY_REASON, f"{what} on an idle worker, so it can never be served here; "
+                f"prefill chunk) is predicted at {need} bytes; with {usage} bytes in use that passes "
+                f"{adm.describe_limit()}")
+        footprint = usage if adm.idle_usage_bytes is None else min(usage, adm.idle_usage_bytes)
+        never = adm.never_fits(prompt, max_new, usage)
+        if never is not None:
+            raise Rejected(MEMORY_REASON, f"{what}; it would need {never} bytes even on the idle worker "
+                           f"(its idle footprint: {footprint} bytes in use), so it can never be served here; "
                            f"send a shorter prompt or fewer max_tokens", status=400)
-        raise Rejected(MEMORY_REASON, f"{what}; retry when the requests in flight have finished",
+        if not idle:
+            why = "the requests in flight hold memory: retry when they have finished"
+        elif usage > footprint:
+            why = (f"the idle worker holds {usage - footprint} bytes more than its idle footprint (not "
+                   f"given back since: the allocator's caches after earlier requests, or the container's "
+                   f"other processes and tmpfs): retry later")
+        else:
+            why = (f"the memory model's correction is {adm.correction.factor:.2f} after recent steps (it "
+                   f"falls back to {adm.correction.floor:.2f}): retry later")
+        raise Rejected(MEMORY_REASON, f"{what}; it fits the idle worker ({footprint} bytes in use), but {why}",
                        retry_after_s=MEMORY_RETRY_AFTER_S, status=503)
+
+    def _read_usage(self, engine_thread: bool = False) -> int:
+        """The memory in use now (bytes); the reading's cgroup limit goes into the admission's limit
+        (logged and exported at the first reading and when the limit in effect changes), and, read by the
+        engine thread while it holds no sequence, its use into the idle footprint."""
+        reading = self._read_memory()
+        adm = self.admission
+        if adm is None:
+            return reading.usage_bytes
+        idle = engine_thread and not self.engine.sequences
+        if adm.observe_reading(reading.usage_bytes, reading.limit_bytes, idle) or not self._limit_reported:
+            self._limit_reported = True
+            self.telemetry.set_admission_limit(adm.limit_source, adm.limit_bytes)
+            self.log.event("memory_admission_limit", force=True, limit=adm.limit_source,
+                           limit_bytes=adm.limit_bytes, hard_limit_bytes=adm.hard_limit_bytes,
+                           cgroup_limit_bytes=reading.limit_bytes, cgroup_path=reading.cgroup_path)
+        return reading.usage_bytes
 
     def _fit(self) -> StepFit | None:
         """The memory fit of the next step, above the memory in use now (None: admission off)."""
-        return None if self.admission is None else self.admission.fit(self._read_usage())
+        return None if self.admission is None else self.admission.fit(self._read_usage(engine_thread=True))
 
     def _fits_alone(self, usage: int) -> Callable[[int, int, bool], bool]:
         adm = self.admission
@@ -212,12 +249,12 @@ class StepLoop:
             self.telemetry.refused(MEMORY_REASON, priority)
         assert self.admission is not None
         self.log.event("memory_predicted", force=True, requests=len(req_ids), usage_bytes=fit.usage_bytes,
-                       hard_limit_bytes=self.admission.hard_limit_bytes,
+                       limit_bytes=self.admission.limit_bytes, limit=self.admission.limit_source,
                        correction=round(self.admission.correction.factor, 3), ids=",".join(req_ids)[:300])
         self.fail(req_ids, 503, MEMORY_REASON,
-                  f"no step of this request is predicted to fit under the hard memory limit of "
-                  f"{self.admission.hard_limit_bytes} bytes with {fit.usage_bytes} bytes in use, and "
-                  f"nothing else is running that would free memory; retry later")
+                  f"no step of this request is predicted to fit under {self.admission.describe_limit()} "
+                  f"with {fit.usage_bytes} bytes in use, and nothing else is running that would free "
+                  f"memory; retry later")
 
     def _shed(self, req_ids: list[str], for_priority: str) -> None:
         """End ``req_ids``, already out of the scheduler, with 503 :data:`scheduler.SHED_REASON`."""

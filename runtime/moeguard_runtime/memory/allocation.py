@@ -14,13 +14,15 @@ any other error is a 500 ``engine_error``.
 **Health** (:class:`AllocationHealth`, pure, the clock injected): every failed step
 counts, every step that runs resets the count.
 
-* After :data:`NOT_READY_AFTER_FAILURES` failures in a row, ``/readyz`` answers 503
+* After :data:`NOT_READY_AFTER_FAILURES` failed step (the first), ``/readyz`` answers 503
   with the reason (:meth:`AllocationHealth.not_ready_reason`), so the Service stops
-  sending traffic.
+  sending traffic. Not after three: a burst of requests that fits in one or two steps
+  would have left the worker ready while every step it ran failed (issue 29).
 * An unready pod gets no traffic, so nothing would show that allocations work
   again: while not ready for this reason, the loop runs a one-token probe step
   every :data:`PROBE_INTERVAL_S` (:meth:`AllocationHealth.probe_due`). The first
-  that runs makes the worker ready again.
+  that runs (or a request's step that runs) makes the worker ready again: a
+  transient failure costs about a second of readiness.
 * When no step has run for ``unrecovered_s`` seconds since the first failure of
   the run (``MOEGUARD_UNRECOVERED_OOM_SECONDS``, default
   :data:`DEFAULT_UNRECOVERED_S`), ``/healthz`` answers 503 too
@@ -52,8 +54,8 @@ DEVICE_MARKERS = (
 )
 """Messages of device allocation failures raised as a plain ``RuntimeError`` (cuBLAS and
 cuDNN workspaces; older torch's CUDA allocator)."""
-NOT_READY_AFTER_FAILURES = 3
-"""Failed steps in a row after which ``/readyz`` answers 503."""
+NOT_READY_AFTER_FAILURES = 1
+"""Failed steps in a row after which ``/readyz`` answers 503: the first, until a step or a probe runs."""
 PROBE_INTERVAL_S = 1.0
 """Seconds between probe steps while not ready for allocation failures."""
 DEFAULT_UNRECOVERED_S = 60.0
@@ -116,8 +118,10 @@ class AllocationHealth:
         """Why ``/readyz`` answers 503 for allocation failures, or None."""
         if not self.degraded or self.first_failure_at is None:
             return None
-        return (f"out of memory: the last {self.consecutive} engine steps failed to allocate "
-                f"memory, for {now - self.first_failure_at:.1f} s (last error: {self.last_error})")
+        steps = "engine step" if self.consecutive == 1 else f"{self.consecutive} engine steps"
+        return (f"out of memory: the last {steps} failed to allocate memory, for "
+                f"{now - self.first_failure_at:.1f} s; a probe step every {PROBE_INTERVAL_S:g} s "
+                f"clears it once allocation works (last error: {self.last_error})")
 
     def not_alive_reason(self, now: float) -> str | None:
         """Why ``/healthz`` answers 503: no step has run for ``unrecovered_s`` s since the first

@@ -10,6 +10,7 @@ are suffixes (``_seconds``, ``_bytes``), ratios end in ``_ratio``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -182,6 +183,10 @@ class Telemetry:
             contract.METRIC_MEMORY_IDLE_FOOTPRINT_BYTES,
             "Memory in use (moeguard_memory_usage_bytes' figure) at the latest memory check with no request in "
             "the worker: the loaded model, the runtime and the heap it keeps.", unit="bytes")
+        self.admission_limit = gauge("moeguard_memory_admission_limit_bytes",
+                                     "The limit memory-aware admission fits each step under: "
+                                     "min(hard limit, memory cgroup limit); label limit names the one "
+                                     "in effect (hard or cgroup).", ["limit"], unit="bytes")
         self.memory_state = gauge(contract.METRIC_MEMORY_LIMIT_STATE,
                                   "0 below the soft limit, 1 above soft, 2 above hard.")
         self.gpu = {name: gauge(f"moeguard_gpu_memory_{name}_bytes", doc, unit="bytes")
@@ -301,6 +306,15 @@ class Telemetry:
             self.preemptions.labels(**labels, priority=priority)
             for state in ("waiting", "preempted", "running"):
                 self.priority_requests.labels(**labels, priority=priority, state=state).set(0)
+
+    def set_admission_limit(self, limit: str, limit_bytes: int) -> None:
+        """``moeguard_memory_admission_limit_bytes{limit}``: one series, of the limit in effect (``hard`` or
+        ``cgroup``); the other one's is removed."""
+        for other in ("hard", "cgroup"):
+            if other != limit:
+                with contextlib.suppress(KeyError):  # never set
+                    self.admission_limit.remove(*(self.labels[k] for k in contract.WORKER_LABELS), other)
+        self.admission_limit.labels(**self.l(limit=limit)).set(limit_bytes)
 
     def l(self, **extra: str) -> dict[str, str]:  # noqa: E743 - short on purpose
         return {**self.labels, **extra}

@@ -7,7 +7,9 @@ that a request's memory is large next to the process-to-process spread of a work
 (about ±30 MiB on this machine). Admitting by current use, the
 kernel kills the worker in the prefill (the client gets no event at all); admitting by the predicted
 step peak, the prefill is chunked to what fits and the stream completes. A request whose smallest step
-cannot fit is refused up front: 400 on an idle worker, 503 with Retry-After while others hold memory.
+cannot fit is refused up front: 400 when it could not fit even on the idle worker, 503 with Retry-After
+when it fits the idle worker but not now (issue 29). Admission fits under the cgroup's limit where that is
+below the hard limit (issue 29).
 """
 
 from __future__ import annotations
@@ -40,15 +42,19 @@ def env(limit: int, admission: str) -> dict[str, str]:
             "MOEGUARD_MEMORY_ADMISSION": admission, "MOEGUARD_OVERLOAD_MODE": "Off"}
 
 
+Confined = Callable[..., tuple[WorkerProcess, MemoryCgroup]]
+
+
 @pytest.fixture
-def confined(tmp_path: Path) -> Iterator[Callable[[int, str], tuple[WorkerProcess, MemoryCgroup]]]:
-    """``confined(limit, admission)``: a worker in its own memory cgroup of ``limit`` bytes."""
+def confined(tmp_path: Path) -> Iterator[Confined]:
+    """``confined(limit, admission, hard=limit)``: a worker in its own memory cgroup of ``limit`` bytes,
+    its ``MOEGUARD_HARD_LIMIT_BYTES`` ``hard`` (as a pod's: the same)."""
     made: list[tuple[WorkerProcess, MemoryCgroup]] = []
 
-    def start(limit: int, admission: str) -> tuple[WorkerProcess, MemoryCgroup]:
+    def start(limit: int, admission: str, hard: int | None = None) -> tuple[WorkerProcess, MemoryCgroup]:
         cg = MemoryCgroup.create(f"moeguard-test-admission-{os.getpid()}-{len(made)}", limit)
         try:
-            w = start_worker_process(tmp_path, env(limit, admission), wrap=cg.wrap)
+            w = start_worker_process(tmp_path, env(hard or limit, admission), wrap=cg.wrap)
         except BaseException:
             cg.remove()  # a worker that never loaded (killed at start) leaves no cgroup behind
             raise
@@ -102,7 +108,7 @@ def max_usage(cg: MemoryCgroup) -> int:
 
 
 def test_a_long_stream_over_a_tight_limit_is_chunked_to_fit_where_admission_by_current_use_is_killed(
-        confined: Callable[[int, str], tuple[WorkerProcess, MemoryCgroup]], steady_bytes: int) -> None:
+        confined: Confined, steady_bytes: int) -> None:
     limit = steady_bytes + 300 * MiB  # the whole prompt's prefill needs about 600 MiB more
     off, off_cg = confined(limit, "off")
     status, data = stream_long(off)
@@ -128,8 +134,31 @@ def test_a_long_stream_over_a_tight_limit_is_chunked_to_fit_where_admission_by_c
     assert "event=memory_state" not in w.logs() or "state=hard" not in w.logs()
 
 
+def test_admission_fits_under_a_memory_cgroup_smaller_than_the_hard_limit(
+        confined: Confined, steady_bytes: int) -> None:
+    """Issue 29: the cgroup at 901 MiB and the hard limit at 1,080 MiB, a streamed long prompt got its 200,
+    then nothing, then the kernel's kill: the steps were fitted under the hard limit. Here the hard limit
+    leaves room for the whole prefill (~600 MiB), the cgroup for half of it."""
+    limit = steady_bytes + 300 * MiB
+    w, cg = confined(limit, "predicted", hard=limit + 500 * MiB)
+    status, data = stream_long(w)
+    assert status == 200, (status, data[-3:], cg.oom_kills())
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert chunks[-1]["usage"] == {"prompt_tokens": 16001, "completion_tokens": 8, "total_tokens": 16009}
+    assert w.proc.poll() is None and cg.oom_kills() == 0
+    assert max_usage(cg) <= limit
+    cgroup_limit = cg.limit_bytes()
+    assert metric(w, "moeguard_memory_admission_limit_bytes", limit="cgroup") == cgroup_limit
+    assert metric(w, "moeguard_memory_admission_limit_bytes", limit="hard") is None
+    logged = next(line for line in w.logs().splitlines() if "event=memory_admission_limit" in line)
+    assert "limit=cgroup" in logged and f"limit_bytes={cgroup_limit}" in logged, logged
+    shrinks = metric(w, "moeguard_memory_chunk_shrinks_total")
+    assert shrinks is not None and shrinks >= 2  # cut to the cgroup's room
+
+
 def test_a_request_whose_smallest_step_cannot_fit_is_refused_up_front(
-        confined: Callable[[int, str], tuple[WorkerProcess, MemoryCgroup]], steady_bytes: int) -> None:
+        confined: Confined, steady_bytes: int) -> None:
     limit = steady_bytes + 120 * MiB  # the long prompt's smallest step: 125 MiB of KV cache and a 16-token chunk
     w, cg = confined(limit, "predicted")
     url = f"{w.base_url}/v1/completions"
@@ -154,8 +183,10 @@ def test_a_request_whose_smallest_step_cannot_fit_is_refused_up_front(
     assert "r" not in other, "the other request finished before the long one was sent"
     busy = httpx.post(url, json=long_body, timeout=60)
     t.join(120)
-    assert busy.status_code == 503 and busy.headers["retry-after"] == "5"
-    assert busy.json()["error"]["code"] == "memory_predicted"
+    # it could not fit on the idle worker either: final, busy or not (a request that fits the idle worker
+    # gets 503 with Retry-After: test_a_prompt_that_fits_the_idle_worker_is_retryable_when_it_does_not_fit_now)
+    assert busy.status_code == 400 and "retry-after" not in busy.headers
+    assert busy.json()["error"]["code"] == "memory_predicted" and "can never be served" in busy.json()["error"]["message"]
     assert other["r"].status_code == 200
     ok = httpx.post(url, json={"prompt": "a short prompt", "max_tokens": 4}, timeout=60)
     assert ok.status_code == 200
@@ -163,8 +194,50 @@ def test_a_request_whose_smallest_step_cannot_fit_is_refused_up_front(
     assert cg.oom_kills() == 0
 
 
+def test_a_prompt_that_fits_the_idle_worker_is_retryable_when_it_does_not_fit_now(
+        confined: Confined, steady_bytes: int) -> None:
+    """Issue 29: under a tight limit, an idle worker whose use had grown past its idle footprint (the
+    allocator's caches after a burst of long prompts) answered the prompt it had served a minute earlier
+    with a final 400 "can never be served here", while /readyz and /v1/models said it was fine. The use
+    here grows by tmpfs pages charged to the worker's cgroup (what a sidecar's memory-backed emptyDir does,
+    and deterministic where a burst's leftovers are not): the refusal is a 503 with Retry-After, and once
+    the memory is back the retry is served."""
+    limit = steady_bytes + 140 * MiB
+    w, cg = confined(limit, "predicted")
+    url = f"{w.base_url}/v1/completions"
+    body = {"prompt": prompt_of_length(8000), "max_tokens": 8}  # its smallest step: ~63 MiB of KV cache + a chunk
+    served = httpx.post(url, json=body, timeout=120)
+    assert served.status_code == 200, served.text
+    # the long prompt's smallest step (125 MiB of KV cache) cannot fit even the idle worker: a final 400, and
+    # before it the worker gave glibc's free heap back (malloc_trim), so the use read next is what it holds
+    never = httpx.post(url, json={"prompt": LONG_PROMPT, "max_tokens": 8}, timeout=60)
+    assert never.status_code == 400 and "can never be served" in never.json()["error"]["message"], never.text
+    time.sleep(0.5)
+    held = Path("/dev/shm") / f"moeguard-test-held-{os.getpid()}"
+    usage = metric(w, "moeguard_memory_usage_bytes")
+    assert usage is not None
+    count = (limit - int(usage)) // MiB - 40  # leaves 40 MiB: less than the prompt's smallest step
+    try:
+        subprocess.run(cg.wrap(["dd", "if=/dev/zero", f"of={held}", "bs=1M", f"count={count}", "status=none"]),
+                       check=True, timeout=60)
+        time.sleep(1.0)  # the memory check runs every 0.25 s
+        refused = httpx.post(url, json=body, timeout=60)
+        assert refused.status_code == 503, refused.text
+        assert refused.headers["retry-after"] == "5"
+        err = refused.json()["error"]
+        assert (err["type"], err["code"]) == ("service_unavailable_error", "memory_predicted")
+        assert "it fits the idle worker" in err["message"] and "retry later" in err["message"]
+        assert httpx.get(f"{w.base_url}/readyz", timeout=10).status_code == 200
+    finally:
+        held.unlink(missing_ok=True)
+    time.sleep(1.0)
+    again = httpx.post(url, json=body, timeout=120)
+    assert again.status_code == 200, again.text
+    assert cg.oom_kills() == 0
+
+
 def test_page_cache_the_kernel_can_reclaim_does_not_count_against_the_limits(
-        confined: Callable[[int, str], tuple[WorkerProcess, MemoryCgroup]], steady_bytes: int,
+        confined: Confined, steady_bytes: int,
         tmp_path: Path) -> None:
     """A checkpoint read from disk leaves page cache in the container's cgroup. The worker compares its limits
     with the working set (usage minus inactive file pages, the kubelet's figure), so the cache neither holds it

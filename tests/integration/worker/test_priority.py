@@ -30,6 +30,7 @@ FULL_OF_BATCH = {"MOEGUARD_MAX_BATCH_REQUESTS": "2", "MOEGUARD_MAX_CONCURRENT_BA
                  "MOEGUARD_MAX_QUEUE_REQUESTS": "1", "MOEGUARD_OVERLOAD_MODE": "Off",
                  "MOEGUARD_TEST_FAULTS": "1", "MOEGUARD_FAULT_STEP_DELAY_SECONDS": "0.02"}
 PROMPT = "hello there"  # greedy: no end of sequence in its first 200 tokens (no early finish)
+USAGE = {"stream_options": {"include_usage": True}}  # a stream's usage only when asked for, as OpenAI's
 
 
 @dataclass
@@ -79,9 +80,9 @@ class Calls:
 
 def fill_with_batch(w: WorkerProcess, calls: Calls) -> tuple[Call, Call, Call]:
     """Two batch streams running (the batch is full), a third batch request queued (the queue is full)."""
-    first = calls.start({"max_tokens": 100, "stream": True, "priority": "batch"})
+    first = calls.start({"max_tokens": 100, "stream": True, **USAGE, "priority": "batch"})
     wait_for(lambda: value(w, "moeguard_running_requests") >= 1, 60, "the first batch request running", 0.02)
-    second = calls.start({"max_tokens": 100, "stream": True, "priority": 5})  # vLLM: > 0 is below default
+    second = calls.start({"max_tokens": 100, "stream": True, **USAGE, "priority": 5})  # vLLM: > 0 is below default
     wait_for(lambda: value(w, "moeguard_running_requests") >= 2, 60, "two batch requests running", 0.02)
     queued = calls.start({"max_tokens": 4}, headers={"X-Priority": "Sheddable"})  # llm-d criticality
     wait_for(lambda: value(w, "moeguard_queue_requests") >= 1, 60, "a batch request queued", 0.02)
@@ -106,8 +107,8 @@ def test_interactive_is_admitted_into_a_worker_full_of_batch(start_worker: Calla
     for call in (first, second):
         events = call.events
         assert call.status == 200 and events[-1] == "[DONE]", call.text[-300:]
-        assert events[-2]["choices"][0]["finish_reason"] == "length"
-        assert events[-2]["usage"]["completion_tokens"] == 100
+        assert events[-3]["choices"][0]["finish_reason"] == "length"
+        assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 100
     assert value(w, "moeguard_preemptions_total", priority="batch") >= 1
     assert value(w, "moeguard_preemptions_total", priority="interactive") == 0
     assert value(w, "moeguard_priority_rejections_total", priority="batch", reason="priority_shed") == 1
@@ -123,7 +124,7 @@ def test_a_running_batch_stream_shed_at_the_concurrency_cap_ends_with_an_sse_err
         start_worker: Callable[..., WorkerProcess]) -> None:
     w = start_worker(**FULL_OF_BATCH, MOEGUARD_MAX_CONCURRENT_REQUESTS="2")
     calls = Calls(w)
-    first = calls.start({"max_tokens": 100, "stream": True, "priority": "batch"})
+    first = calls.start({"max_tokens": 100, "stream": True, **USAGE, "priority": "batch"})
     wait_for(lambda: value(w, "moeguard_running_requests") >= 1, 60, "the first batch request running", 0.02)
     second = calls.start({"max_tokens": 100, "stream": True}, headers={"X-Priority": "batch"})
     wait_for(lambda: value(w, "moeguard_running_requests") >= 2, 60, "two batch requests running", 0.02)

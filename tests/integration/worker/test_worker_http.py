@@ -6,6 +6,7 @@ import json
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -96,7 +97,7 @@ def test_streaming_completion(worker: WorkerProcess) -> None:
     assert events[-1] == "[DONE]"
     last = json.loads(events[-2])
     assert last["choices"][0]["finish_reason"] in ("length", "stop")
-    assert last["usage"]["prompt_tokens"] == 3
+    assert "usage" not in last  # not asked for (stream_options.include_usage)
     text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
     plain = post(worker, {**body, "stream": False}).json()["choices"][0]["text"]
     assert text == plain
@@ -122,11 +123,38 @@ def test_stream_options_include_usage_ends_with_a_usage_chunk(worker: WorkerProc
     plain = post(worker, {"prompt": "Hi", "max_tokens": 6, "temperature": 0}).json()
     assert usage == plain["usage"]
     assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == plain["choices"][0]["text"]
-    off = {**body, "stream_options": {"include_usage": False}}
-    with httpx.stream("POST", f"{worker.base_url}/v1/completions", json=off, timeout=60) as r:
-        last = [json.loads(line[6:]) for line in r.iter_lines()
-                if line.startswith("data: {")][-1]
-    assert last["choices"][0]["finish_reason"] and last["usage"] == plain["usage"]
+
+
+STREAM_BODIES = {"/v1/completions": {"prompt": "Hi", "max_tokens": 6, "temperature": 0, "stream": True},
+                 "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6,
+                                          "temperature": 0, "stream": True}}
+
+
+def stream_chunks(w: WorkerProcess, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.stream("POST", f"{w.base_url}{path}", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+@pytest.mark.parametrize("path", list(STREAM_BODIES))
+@pytest.mark.parametrize("options", [None, {}, {"include_usage": False}], ids=["absent", "empty", "false"])
+def test_a_stream_that_did_not_ask_for_usage_carries_none(
+        worker: WorkerProcess, path: str, options: dict[str, bool] | None) -> None:
+    """OpenAI streams usage only with ``stream_options.include_usage: true`` (issue 29 item 2: the
+    finishing chunk carried it whatever the request asked)."""
+    body = dict(STREAM_BODIES[path])
+    if options is not None:
+        body["stream_options"] = options
+    chunks = stream_chunks(worker, path, body)
+    assert [c for c in chunks if "usage" in c] == []
+    assert all(len(c["choices"]) == 1 for c in chunks)
+    finish = chunks[-1]["choices"][0]["finish_reason"]
+    assert finish in ("length", "stop")
+    asked = stream_chunks(worker, path, {**body, "stream_options": {"include_usage": True}})
+    assert asked[-1]["choices"] == [] and asked[-1]["usage"]["prompt_tokens"] > 0
+    assert all(c["usage"] is None for c in asked[:-1]) and len(asked) == len(chunks) + 1
 
 
 def test_stream_options_are_validated(worker: WorkerProcess) -> None:

@@ -15,6 +15,7 @@ from moeguard_runtime.api import tokenizer
 from moeguard_runtime.config import ConfigError, load_settings
 from moeguard_runtime.engine.engine import Engine
 from moeguard_runtime.engine.memory_guard import ALLOCATION_FAILURE_HOLD_S
+from moeguard_runtime.engine.scheduler import Rejected
 from moeguard_runtime.engine.service import Event, GenerationRequest, Worker
 from moeguard_runtime.memory.allocation import NOT_READY_AFTER_FAILURES, allocation_failure_kind
 from moeguard_runtime.memory.memory import MemoryReading, MemoryState
@@ -80,16 +81,24 @@ def run(worker: Worker, req_id: str, clock: list[float], steps: int = 6) -> list
 
 def test_failed_steps_are_503_drop_budgets_and_then_readiness_until_a_probe_runs() -> None:
     clock = [100.0]
-    worker, lines = make({"MOEGUARD_FAULT_ALLOC_FAIL_STEPS": str(NOT_READY_AFTER_FAILURES)}, clock)
-    assert worker.ready
+    worker, lines = make({"MOEGUARD_FAULT_ALLOC_FAIL_STEPS": "3"}, clock)
+    assert worker.ready and NOT_READY_AFTER_FAILURES == 1
     prefill = worker.scheduler.next_budgets.max_prefill_tokens
-    for i in range(NOT_READY_AFTER_FAILURES):
+    for i in range(3):
         events = run(worker, f"r{i}", clock)
         assert [e.kind for e in events] == ["error"]  # no "admitted": a stream answers a plain 503
         assert (events[0].status, events[0].reason) == (503, "out_of_memory")
         assert "ran out of memory (host)" in events[0].message
+        # not ready from the first failed step on (issue 29: a burst that fits in one or two steps
+        # left it ready while every step failed), with the reason; still alive
+        reason = worker.not_ready_reason
+        assert reason is not None and reason.startswith("out of memory: the last "), reason
+        assert worker.alive
         clock[0] += 0.1
-    assert sample(worker, "moeguard_oom_errors_total", kind="host") == NOT_READY_AFTER_FAILURES
+    assert worker.not_ready_reason is not None
+    assert worker.not_ready_reason.startswith("out of memory: the last 3 engine steps failed")
+    assert "a probe step every 1 s clears it" in worker.not_ready_reason
+    assert sample(worker, "moeguard_oom_errors_total", kind="host") == 3
     assert worker.engine.sequences == {}  # the failed requests' KV caches are released
     # the budgets dropped as on a soft-limit breach (factor 0.5), from the next step planned
     assert worker.memory.state == MemoryState.SOFT and worker.memory.shrink_factor == 0.5
@@ -99,10 +108,6 @@ def test_failed_steps_are_503_drop_budgets_and_then_readiness_until_a_probe_runs
     assert "DefaultCPUAllocator: can't allocate memory" in str(oom[0]["error"])
     state = next(kw for ev, kw in lines.lines if ev == "memory_state")
     assert state["reason"] == "allocation_failure" and state["shrink_factor"] == 0.5
-    # three in a row: not ready, with the reason; still alive
-    assert worker.not_ready_reason is not None
-    assert worker.not_ready_reason.startswith("out of memory: the last 3 engine steps failed")
-    assert worker.alive
     # an idle loop probes once a second: the fault is spent, so the probe runs and heals
     worker._iteration()  # too early for a probe
     assert not worker.ready
@@ -119,6 +124,64 @@ def test_failed_steps_are_503_drop_budgets_and_then_readiness_until_a_probe_runs
     assert worker.memory.state == MemoryState.NORMAL
     worker._iteration()
     assert worker.scheduler.budgets.max_prefill_tokens == prefill
+
+
+def test_a_single_failed_step_makes_the_worker_unready_until_a_probe_step_runs() -> None:
+    clock = [10.0]
+    worker, lines = make({"MOEGUARD_FAULT_ALLOC_FAIL_STEPS": "2"}, clock)
+    events: list[Event] = []
+    for i in range(4):  # four requests in one step: one failure
+        worker.submit(GenerationRequest(f"r{i}", tokenizer.encode("hi"), 2), events.append)
+    worker._iteration()
+    assert [(e.kind, e.reason) for e in events] == [("error", "out_of_memory")] * 4
+    assert worker.loop.health.consecutive == 1
+    assert worker.not_ready_reason is not None
+    assert worker.not_ready_reason.startswith("out of memory: the last engine step failed to allocate memory")
+    clock[0] += 1.0
+    worker._iteration()  # the probe: the fault's second failing step
+    assert not worker.ready and worker.loop.health.consecutive == 2
+    clock[0] += 1.0
+    worker._iteration()  # the next probe runs
+    assert worker.ready
+    assert [kw["result"] for ev, kw in lines.lines if ev == "allocation_probe"] == ["failed", "ok"]
+
+
+@pytest.mark.parametrize("soft", [None, 1000])
+def test_the_overload_cap_after_an_allocation_failure_ends_with_its_hold(soft: int | None) -> None:
+    """Issue 29: the budgets drop for ALLOCATION_FAILURE_HOLD_S (docs/api.md), but the Auto trigger's own
+    OVERLOAD_HOLD_S kept overload mode (its context cap) on 5 s longer, and with a soft limit the hold fed
+    its hysteresis (usage 95 % of soft: shrunk for as long as it stayed there)."""
+    clock = [50.0]
+    env = {"MOEGUARD_FAULT_ALLOC_FAIL_STEPS": "1"}
+    if soft is not None:
+        env["MOEGUARD_SOFT_LIMIT_BYTES"] = str(soft)
+    worker, _ = make(env, clock)
+    worker.memory._read_memory = lambda: MemoryReading(950 if soft else 100, "rss")
+    worker.check_memory(force=True)
+    assert worker.memory.state == MemoryState.NORMAL and not worker.overload
+    cap = worker.overload_trigger.policy.max_context_tokens
+    assert run(worker, "r0", clock)[-1].reason == "out_of_memory"
+    failed_at = clock[0]
+    long_prompt = tokenizer.encode("y" * cap)  # over the overload context cap with its max_tokens
+
+    def submit_long() -> str:
+        try:
+            worker.submit(GenerationRequest(f"long-{clock[0]}", long_prompt, 4), lambda e: None)
+        except Rejected as rej:
+            return rej.reason
+        worker.cancel(f"long-{clock[0]}")
+        return "admitted"
+
+    while clock[0] < failed_at + ALLOCATION_FAILURE_HOLD_S - 0.25:
+        clock[0] += 0.25
+        worker.check_memory(force=True)
+        assert worker.overload and worker.memory.state == MemoryState.SOFT
+    assert submit_long() == "overload_context_limit"
+    clock[0] = failed_at + ALLOCATION_FAILURE_HOLD_S
+    worker.check_memory(force=True)
+    assert not worker.overload and worker.memory.state == MemoryState.NORMAL
+    assert worker.memory.shrink_factor == 1.0
+    assert submit_long() == "admitted"
 
 
 def test_a_loop_that_cannot_allocate_stops_claiming_to_be_alive(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
-"""Generated ids to response text: end of sequence, stop strings, held-back bytes;
-and the chat endpoint while the model loads."""
+"""Generated ids to response text: end of sequence, stop strings, held-back bytes; the stream's
+chunks (usage only when asked for); and the chat endpoint while the model loads."""
 
 from __future__ import annotations
 
@@ -7,7 +7,14 @@ import httpx
 import pytest
 
 from moeguard_runtime.api import tokenizer
-from moeguard_runtime.api.server import WorkerSlot, _Output, create_app
+from moeguard_runtime.api.server import (
+    WorkerSlot,
+    _Job,
+    _Output,
+    create_app,
+    finish_chunks,
+    stream_chunk,
+)
 from moeguard_runtime.telemetry.telemetry import Telemetry
 
 pytestmark = pytest.mark.unit
@@ -52,3 +59,34 @@ async def test_chat_while_loading_validates_then_answers_503() -> None:
         model = (await client.get("/v1/models")).json()["data"][0]
     assert model == {"id": "tiny", "object": "model", "created": 0, "owned_by": "moeguard",
                      "max_model_len": 1024, "model_type": "mixtral", "aliases": ["moeguard-tiny"]}
+
+
+def job(chat: bool, include_usage: bool) -> _Job:
+    return _Job(chat, [1, 2, 3], 4, 0.0, None, "interactive", True, include_usage, [], "tiny")
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_stream_that_did_not_ask_for_usage_carries_none(chat: bool) -> None:
+    """OpenAI sends usage in a stream only with ``stream_options.include_usage: true``: without it
+    (absent, ``{}`` or false: all read as False) neither the finishing chunk nor any other has the key."""
+    usage = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    chunks = [stream_chunk(job(chat, False), "id-1", 5, "", None, role=chat),
+              stream_chunk(job(chat, False), "id-1", 5, "ab", None),
+              *finish_chunks(job(chat, False), "id-1", 5, "c", "length", usage)]
+    assert [("usage" in c) for c in chunks] == [False, False, False]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert len(chunks[-1]["choices"]) == 1
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_stream_that_asked_for_usage_ends_with_an_extra_usage_chunk(chat: bool) -> None:
+    """With ``include_usage: true``: every chunk has ``"usage": null`` but an extra last one with
+    ``"choices": []`` and the counts (OpenAI's ``ChatCompletionStreamOptions``)."""
+    usage = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    token = stream_chunk(job(chat, True), "id-1", 5, "ab", None)
+    last, extra = finish_chunks(job(chat, True), "id-1", 5, "c", "stop", usage)
+    assert token["usage"] is None and last["usage"] is None
+    assert last["choices"][0]["finish_reason"] == "stop"
+    assert extra["choices"] == [] and extra["usage"] == usage
+    assert extra["object"] == ("chat.completion.chunk" if chat else "text_completion")
+    assert (extra["id"], extra["created"], extra["model"]) == ("id-1", 5, "tiny")
