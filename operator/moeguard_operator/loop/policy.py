@@ -232,6 +232,19 @@ def _camel(name: str) -> str:
     return head + "".join(p.title() for p in rest)
 
 
+def tighten(state: PolicyState, target: Budgets, urgent: bool, rested: bool, now: datetime,
+            note: str = "") -> tuple[Budgets, Literal["down", "hold"], datetime | None, str]:
+    """One look under pressure, in either policy: ``target`` takes effect (``down``) when the move is
+    ``urgent`` (an OOM kill: no cooldown) or the loop is ``rested`` (``cooldownSeconds`` since the last move),
+    unless it changes nothing. Returns the budgets, the direction, the last change's time and the reason
+    (``note`` appended to the moves)."""
+    if not (urgent or rested):
+        return state.budgets, "hold", state.last_change, "in cooldown"
+    if target == state.budgets:
+        return state.budgets, "hold", state.last_change, "budgets already at their floors"
+    return target, "down", now, _describe(state.budgets, target) + note
+
+
 def visibility_reasons(obs: Observation) -> list[str]:
     """Why ``obs`` may not loosen anything (the first blind spot, in words), or nothing when it is fully
     visible; shared by every policy."""
@@ -332,17 +345,11 @@ def decide(observation: Observation, state: PolicyState, spec: MoEInferenceServi
     last_change, last_pressure = state.last_change, state.last_pressure
     if pressure:
         last_pressure = now
-        urgent = "OOMKilled" in pressure
-        if urgent or _since(now, state.last_change) >= control.cooldown_seconds:
-            ordered = tuple(n for n in BUDGET_FIELDS if n in names)
-            new = decrease(state.budgets, control.decrease_factor, floors(batching), ordered)
-            if new != state.budgets:
-                reasons.append(_describe(state.budgets, new))
-                budgets, direction, last_change = new, "down", now
-            else:
-                reasons.append("budgets already at their floors")
-        else:
-            reasons.append("in cooldown")
+        ordered = tuple(n for n in BUDGET_FIELDS if n in names)
+        new = decrease(state.budgets, control.decrease_factor, floors(batching), ordered)
+        budgets, direction, last_change, why = tighten(
+            state, new, "OOMKilled" in pressure, _since(now, state.last_change) >= control.cooldown_seconds, now)
+        reasons.append(why)
     elif obs.fully_visible:
         calm = calm_for(state, now, control.stabilization_window_seconds)
         rested = _since(now, state.last_change) >= control.cooldown_seconds

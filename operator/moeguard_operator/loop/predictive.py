@@ -51,6 +51,7 @@ from moeguard_operator.loop.policy import (
     floors,
     hard_memory_trigger,
     increase,
+    tighten,
     visibility_reasons,
 )
 from moeguard_operator.spec.models import (
@@ -115,14 +116,9 @@ def decide(observation: Observation, state: PolicyState, spec: MoEInferenceServi
     rested = _since(now, state.last_change) >= control.cooldown_seconds
     if pressure:
         last_pressure = now
-        if "OOMKilled" in pressure or rested:
-            if target != state.budgets:
-                reasons.append(_describe(state.budgets, target) + (" (the largest that fit)" if unfit else ""))
-                budgets, direction, last_change = target, "down", now
-            else:
-                reasons.append("budgets already at their floors")
-        else:
-            reasons.append("in cooldown")
+        budgets, direction, last_change, why = tighten(state, target, "OOMKilled" in pressure, rested, now,
+                                                       " (the largest that fit)" if unfit else "")
+        reasons.append(why)
     elif obs.fully_visible:
         candidate = increase(state.budgets, control.increase_step, upper)
         blocked = _no_loosening(obs, spec, model, no_model, predictions)
