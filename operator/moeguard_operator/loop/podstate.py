@@ -8,6 +8,7 @@ The fields read are those the kubelet writes (``containerStatuses[]``: ``state``
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -162,3 +163,11 @@ def pod_facts(pods: list[dict[str, Any]]) -> PodFacts:
                     ooms.append((name, cs.get("name", ""), finished))
     return PodFacts(tuple(sorted(running)), restarts, tuple(sorted(set(ooms))), tuple(sorted(started)),
                     tuple(sorted(failures)), tuple(sorted(looping)))
+
+
+def is_ready(pod: Mapping[str, Any]) -> bool:
+    """A pod counts as a ready worker: its ``Ready`` condition is True and it is not being deleted."""
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)

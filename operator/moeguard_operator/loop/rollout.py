@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moeguard_operator import constants as c
-from moeguard_operator.loop.podstate import cannot_start
+from moeguard_operator.loop.podstate import cannot_start, is_ready
 
 Pod = Mapping[str, Any]
 
@@ -42,11 +42,6 @@ def _name(pod: Pod) -> str:
     return str((pod.get("metadata") or {}).get("name") or "")
 
 
-def _ready(pod: Pod) -> bool:
-    conditions = (pod.get("status") or {}).get("conditions") or []
-    return any(x.get("type") == "Ready" and x.get("status") == "True" for x in conditions)
-
-
 def split(pods: Iterable[Pod], template_hash: str | None) -> Rollout:
     """The :class:`Rollout` of ``pods`` for the current ``template_hash`` (None: unknown, every pod current)."""
     current, earlier, earlier_ready = [], [], 0
@@ -56,6 +51,6 @@ def split(pods: Iterable[Pod], template_hash: str | None) -> Rollout:
             current.append(pod)
         elif not meta.get("deletionTimestamp"):
             earlier.append(_name(pod))
-            earlier_ready += _ready(pod)
+            earlier_ready += is_ready(pod)
     stuck = next(((_name(p), *why) for p in current if (why := cannot_start(dict(p))) is not None), None)
     return Rollout(tuple(current), tuple(earlier), earlier_ready, stuck)

@@ -44,7 +44,7 @@ from moeguard_operator.diagnosis.diagnosis import (
 from moeguard_operator.loop import budget_document, predictive, report, rollout
 from moeguard_operator.loop.conditions import set_condition
 from moeguard_operator.loop.observation import LEAK_WARMUP_SECONDS, Observation
-from moeguard_operator.loop.podstate import pod_facts
+from moeguard_operator.loop.podstate import is_ready, pod_facts
 from moeguard_operator.loop.policy import Decision, PolicyState, decide
 from moeguard_operator.spec.models import (
     ControlStatus,
@@ -81,14 +81,6 @@ class Writes:
     restart: bool = False
     decision: Decision | None = None
     diagnosis: Diagnosis | None = None
-
-
-def is_ready(pod: Pod) -> bool:
-    """A pod counts as a ready worker: its ``Ready`` condition is True and it is not being deleted."""
-    if (pod.get("metadata") or {}).get("deletionTimestamp"):
-        return False
-    conditions = (pod.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
 def ready_pods(pods: Iterable[Pod]) -> int:
