@@ -316,6 +316,11 @@ def burst_overlap(pod: PodSignals, look: DiagnosisLook, spec: MoEInferenceServic
                  at_least(pod.queue_requests, BURST_MIN_QUEUE), not3(longs)))
     if held is not True:
         return held
+    if grows_steadily(pod, spec):
+        # The memory symptom is a trend, not a burst: a leaking worker with two prefills and a short queue (a slow
+        # machine's ordinary traffic) is the leak's finding alone (CI of issue 29: the PythonHeapLeak drill also
+        # read as BurstOverlap). A burst's jump leaves flat sub-windows, so its smallest slope stays low.
+        return False
     assert pod.prefill_batches is not None and pod.queue_requests is not None
     lowered = lowered_budget_patch(spec, "max_concurrent_batches")
     change = (f"lower batching.maxConcurrentBatches to {lowered[0]}" if lowered
@@ -411,6 +416,16 @@ def leak_kind(pod: PodSignals) -> str | None:
     return "native" if blocks * contract.LEAK_BYTES_PER_BLOCK_NATIVE < anon else "python_heap"
 
 
+def grows_steadily(pod: PodSignals, spec: MoEInferenceServiceSpec) -> bool | None:
+    """Whether ``pod``'s memory grows as a leak does: its smallest sub-window RSS slope above
+    ``LEAK_NOISE_BYTES_PER_SECOND`` and adding at least :data:`LEAK_MIN_WINDOW_GROWTH_BYTES` over
+    ``control.leakWindowSeconds``; None when the slope is unknown."""
+    slope = pod.steady_growth_bytes_per_second
+    if slope is None:
+        return None
+    return slope > LEAK_NOISE_BYTES_PER_SECOND and slope * spec.control.leak_window_seconds >= LEAK_MIN_WINDOW_GROWTH_BYTES
+
+
 def _leak(kind: str) -> Callable[[PodSignals, DiagnosisLook, MoEInferenceServiceSpec], Verdict]:
     def rule(pod: PodSignals, look: DiagnosisLook, spec: MoEInferenceServiceSpec) -> Verdict:
         if pod.age_seconds is None:
@@ -418,11 +433,13 @@ def _leak(kind: str) -> Callable[[PodSignals, DiagnosisLook, MoEInferenceService
         lw = spec.control.leak_window_seconds
         if pod.age_seconds < look.leak_warmup_seconds + lw:
             return False  # the leak window still holds the worker's warm-up
-        slope = pod.steady_growth_bytes_per_second
-        if slope is None:
+        growing = grows_steadily(pod, spec)
+        if growing is None:
             return None
-        if slope <= LEAK_NOISE_BYTES_PER_SECOND or slope * lw < LEAK_MIN_WINDOW_GROWTH_BYTES:
+        if not growing:
             return False
+        slope = pod.steady_growth_bytes_per_second
+        assert slope is not None
         judged = leak_kind(pod)
         if judged is None:
             return None

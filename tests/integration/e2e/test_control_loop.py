@@ -152,12 +152,21 @@ def test_c8_one_silent_pod_is_named_and_never_read_as_healthy(
 
 LEAK_RATE_BYTES_PER_SECOND = 32 << 20
 """The worker (about 400 MiB once loaded) reaches its 1 GiB limit about 20 s after it starts."""
-LEAKING: dict[str, Any] = {
-    "resources": {"gpus": 1, "softLimit": "960Mi", "hardLimit": "1Gi"},
-    # the harness adds this env to the worker process (the CRD refuses MOEGUARD_* in template.extraEnv)
-    "template": {"annotations": {"harness.moeguard.dev/test-env": json.dumps({
-        "MOEGUARD_TEST_FAULTS": "1", "MOEGUARD_FAULT_LEAK_ANON_BYTES_PER_SECOND": str(LEAK_RATE_BYTES_PER_SECOND)})}},
-}
+
+
+def leaking(lock_file: Path) -> dict[str, Any]:
+    """The spec of a worker that leaks while ``lock_file`` exists (``MOEGUARD_FAULT_LEAK_LOCK_FILE``): the test
+    removes it once the kernel has killed the first process, so the restarted one lives to be scraped. (CI of
+    issue 29: a restarted worker that leaked again was killed again, and its CrashLoopBackOff restarts on a
+    loaded machine left no window to scrape it in 120 s.)"""
+    lock_file.touch()
+    return {
+        "resources": {"gpus": 1, "softLimit": "960Mi", "hardLimit": "1Gi"},
+        # the harness adds this env to the worker process (the CRD refuses MOEGUARD_* in template.extraEnv)
+        "template": {"annotations": {"harness.moeguard.dev/test-env": json.dumps({
+            "MOEGUARD_TEST_FAULTS": "1", "MOEGUARD_FAULT_LEAK_ANON_BYTES_PER_SECOND": str(LEAK_RATE_BYTES_PER_SECOND),
+            "MOEGUARD_FAULT_LEAK_LOCK_FILE": str(lock_file)})}},
+    }
 
 
 def cgroup_oom_kills(cgroup: str) -> int:
@@ -172,7 +181,8 @@ def test_a_real_oom_kill_tightens_at_once_scale_and_rollout(
     """A worker that leaks past its memory limit (1 GiB, the pod's container limit = hardLimit) is killed
     by the kernel in its cgroup; the harness writes the pod status as the kubelet does and restarts it."""
     ns, name = namespace, "oom"
-    (url,) = start(cluster, ns, name, pod_workers, **LEAKING,
+    lock_file = cluster.run_dir / f"leak-{ns}.lock"
+    (url,) = start(cluster, ns, name, pod_workers, **leaking(lock_file),
                    control=SPEC["control"] | {"queryIntervalSeconds": 3600, "windowSeconds": 3600})
     dep_gen = cluster.kubectl_json("-n", ns, "get", "deployment", f"{name}-worker")["metadata"]["generation"]
     pod_name = cluster.kubectl_json("-n", ns, "get", "pods", "-l", f"app.kubernetes.io/instance={name}")["items"][0][
@@ -199,6 +209,7 @@ def test_a_real_oom_kill_tightens_at_once_scale_and_rollout(
         return cs if (cs.get("lastState") or {}).get("terminated") else None
 
     cs = wait(killed, DEADLINE, "the kernel's OOM kill in the pod status")
+    lock_file.unlink()  # the restarted process does not leak
     term = cs["lastState"]["terminated"]
     assert (term["reason"], term["exitCode"]) == ("OOMKilled", 137), cs
     assert term["startedAt"] <= term["finishedAt"] and cs["restartCount"] == 1

@@ -255,8 +255,19 @@ def test_an_api_server_outage_is_blind_time_and_control_resumes_at_its_own_pace(
         time.sleep(35)
         up = subprocess.Popen([str(stack.ROOT / "hack" / "cluster-up.sh")], stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True, env={**os.environ, "MOEGUARD_RUN_DIR": str(cluster.run_dir)})
-        wait(lambda: cluster.kubectl("get", "--raw", "/readyz", check=False, timeout=5).returncode == 0, 120,
-             "the API server back")
+        # The return lies between the start of the last failed probe (``down``) and the end of the first good
+        # one (``back``): a kubectl call takes seconds on a loaded machine, and the operator, probing on its own,
+        # may see the API server before this test does (CI of issue 29: a climb 6.1 s after ``back``, 8-s window).
+        down = time.time()
+
+        def api_back() -> bool:
+            nonlocal down
+            started = time.time()
+            if cluster.kubectl("get", "--raw", "/readyz", check=False, timeout=5).returncode == 0:
+                return True
+            down = started
+            return False
+        wait(api_back, 120, "the API server back")
         back = time.time()
 
         # The first status write after the return records the outage as blind time (control.lastBlindTime moves
@@ -275,7 +286,8 @@ def test_an_api_server_outage_is_blind_time_and_control_resumes_at_its_own_pace(
         assert up.returncode == 0, err[-3000:]
         climbed = wait_cr(cluster, ns, name, lambda o: relaxed_at(o, back - 120) is not None, 90, "a climb")
         at = relaxed_at(climbed, back - 120)
-        assert at is not None and at >= back + WINDOW - 1, f"climbed {at - back:.1f} s after the API server returned"
+        assert at is not None and at >= down + WINDOW - 1, (
+            f"climbed {at - down:.1f} s after the API server's last refusal ({at - back:.1f} s after it was seen back)")
         # Fault 7: readiness follows the pods after the outage (not a Deployment status that may lag behind).
         obj = wait_cr(cluster, ns, name, lambda o: (stack.condition(o, "Ready") or {}).get("status") == "True", 30,
                       "Ready after the outage")

@@ -136,7 +136,8 @@ def test_real_ucx_loaded_is_seen_with_its_settings(start_worker: Callable[..., W
     plain = start_worker()
     hooked = start_worker(**library)
     safe = start_worker(**library, UCX_MEM_MMAP_HOOK_MODE="none", UCX_RCACHE_MAX_UNRELEASED="1024")
-    r = httpx.post(f"{hooked.base_url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3},
+    r = httpx.post(f"{hooked.base_url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3,
+                                                                "temperature": 0},
                    timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     assert ucx_labels(plain) == {"loaded": "false", "libraries": "", "mmap_hook_mode": "default:bistro",

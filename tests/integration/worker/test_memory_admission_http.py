@@ -84,7 +84,9 @@ def steady_bytes(tmp_path_factory: pytest.TempPathFactory) -> int:
 
 def stream_long(w: WorkerProcess) -> tuple[int | None, list[str]]:
     """Stream the long prompt; ``(status, data payloads)``, status None when the connection broke."""
-    body = {"prompt": LONG_PROMPT, "max_tokens": 8, "stream": True, "stream_options": {"include_usage": True}}
+    # greedy: a sampled EOS would end the stream early (CI of issue 29: 1 of 8 tokens, finish "stop")
+    body = {"prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
     data: list[str] = []
     try:
         with httpx.stream("POST", f"{w.base_url}/v1/completions", json=body, timeout=120) as r:

@@ -323,6 +323,18 @@ def test_a_pod_without_the_breakdown_is_unknown_not_calm() -> None:
     assert kinds(status) == set()
 
 
+def test_a_leaking_worker_with_overlapping_prefills_and_a_short_queue_is_a_leak_not_a_burst() -> None:
+    """CI of issue 29: the PythonHeapLeak drill on a loaded machine (two prefills at once, a queue of two, memory
+    over the soft fraction because of the leak) also read as BurstOverlap."""
+    leak, _ = DRILLS["PythonHeapLeak"]
+    pod = replace(leak, memory_bytes=0.9 * HARD, prefill_batches=2, queue_requests=2, limit_state=1)
+    status, _ = run([look(pod, 0), look(pod, 30)])
+    assert kinds(status) == {"PythonHeapLeak"}
+    # the same pod without the steady growth (a burst's jump leaves flat sub-windows) is a burst
+    status, _ = run([look(replace(pod, steady_growth_bytes_per_second=1024.0), 0)])
+    assert kinds(status) == {"BurstOverlap"}
+
+
 def test_a_burst_of_ordinary_prompts_is_a_burst_whatever_its_breakdown_and_long_prompts_are_not() -> None:
     """On small models attention outweighs the experts even for ordinary prompts: the burst is told from a
     pile-up by its long requests, not by the breakdown."""
