@@ -1,4 +1,4 @@
-"""The headline with the operator in the loop (issue 11 §2): four arms, the same traffic, rotated
+"""The headline with the operator in the loop (issue 11 §2, issue 30): five arms, the same traffic, rotated
 order, repetitions.
 
 ``python -m bench.headline_loop [--reps 3]`` writes the raw runs to ``bench/results/headline_loop/``;
@@ -18,12 +18,15 @@ at a time).
 1. **request-count**, 2. **static-budgets**, 3. **inner-loop**: bare worker processes
    (:class:`bench.headline_worker.Worker`, its cgroup and restart), configured by environment
    (:mod:`bench.headline_policies`).
-4. **full-moeguard**: the local control plane: a MoEInferenceService applied with kubectl (the
-   inner-loop arm's settings as its spec, ``control.leakAction: Restart``, the other ``control``
-   fields at their defaults), the operator as ``make operator`` runs it, Prometheus (5 s scrape),
-   the kwok pod harness (``hack/pod_workers.py``: the pod's memory cgroup, restarts, pod status).
-   The leak's variables are patched into the worker Deployment by hand (``spec.template.extraEnv``
-   may not set ``MOEGUARD_*``).
+4. **threshold-loop**, 5. **full-moeguard**: the local control plane: a MoEInferenceService applied
+   with kubectl (the inner-loop arm's settings as its spec, ``control.leakAction: Restart``, the other
+   ``control`` fields at their defaults), the operator as ``make operator`` runs it, Prometheus (5 s
+   scrape), the kwok pod harness (``hack/pod_workers.py``: the pod's memory cgroup, restarts, pod
+   status). The leak's variables are patched into the worker Deployment by hand
+   (``spec.template.extraEnv`` may not set ``MOEGUARD_*``). The two differ only in the operator's
+   ``--policy`` (:data:`LOOP_POLICIES`): ``threshold`` (halving on thresholds, issue 11) and
+   ``predictive`` (budgets from predicted memory and SLO attainment, issue 30); each arm starts its own
+   operator and stops it at its end.
 """
 
 from __future__ import annotations
@@ -62,7 +65,9 @@ from bench.headline_worker import Worker, cgroups_writable
 from bench.traffic import Labeled
 
 ROOT = Path(__file__).resolve().parents[1]
-ARMS = ("request-count", "static-budgets", "inner-loop", "full-moeguard")
+ARMS = ("request-count", "static-budgets", "inner-loop", "threshold-loop", "full-moeguard")
+LOOP_POLICIES = {"threshold-loop": "threshold", "full-moeguard": "predictive"}
+"""The arms with the operator in the loop, and the ``--policy`` each runs it with."""
 NAMESPACE = "bench-headline"
 REPLICAS = 2
 KUBELET_BACKOFF_S = 10.0
@@ -278,11 +283,22 @@ class PodWatch(threading.Thread):
         self.join(10)
 
 
-def full_arm(spec: dict[str, Any], items: list[Labeled], duration: float, cfg: LoopTrafficConfig, rep: int,
-             out: Path) -> dict[str, Any]:
-    name = f"moe-rep{rep}"
-    lock = out / f"leak-full-rep{rep}.lock"
+def full_arm(arm: str, spec: dict[str, Any], items: list[Labeled], duration: float, cfg: LoopTrafficConfig,
+             rep: int, out: Path) -> dict[str, Any]:
+    """One run of a loop arm (:data:`LOOP_POLICIES`): its own operator, a fresh service, the traffic."""
+    policy = LOOP_POLICIES[arm]
+    name = f"{arm}-rep{rep}"
+    lock = out / f"leak-{arm}-rep{rep}.lock"
     lock.unlink(missing_ok=True)
+    operator = cp.start_operator(stack.RUN_DIR / "logs" / f"bench-operator-{arm}.log", ("--policy", policy))
+    try:
+        return _full_arm(arm, policy, name, lock, spec, items, duration, cfg, rep)
+    finally:
+        stack.stop_process(operator)
+
+
+def _full_arm(arm: str, policy: str, name: str, lock: Path, spec: dict[str, Any], items: list[Labeled],
+              duration: float, cfg: LoopTrafficConfig, rep: int) -> dict[str, Any]:
     t0 = time.monotonic()
     try:
         cp.start_service(NAMESPACE, name, spec, leak_env(lock), timeout_s=240)
@@ -314,7 +330,8 @@ def full_arm(spec: dict[str, Any], items: list[Labeled], duration: float, cfg: L
         lock.unlink(missing_ok=True)
         cp.stop_service(NAMESPACE, name)
     terms = [{"pod": p, "restart": n, **t} for (p, n), t in sorted(watch.terminations.items())]
-    return {"arm": "full-moeguard", "rep": rep, "how": "local control plane: operator + Prometheus + kwok pod harness",
+    return {"arm": arm, "policy": policy, "rep": rep,
+            "how": f"local control plane: operator (--policy {policy}) + Prometheus + kwok pod harness",
             "spec": spec, "t_traffic": t_traffic, "traffic_start_unix": t_unix, "results": results, "wall_s": wall,
             "oom_kills": sum(1 for t in terms if t.get("reason") == "OOMKilled"), "restarts": len(terms),
             "terminations": terms, "pods_replaced": max(0, len(watch.pod_names) - REPLICAS),
@@ -353,14 +370,13 @@ def main(argv: list[str] | None = None) -> int:
         "traffic": cfg.to_dict(), "duration_s": duration, "n_requests": len(items),
         "n_skewed": sum(it.skewed for it in items), "leak_mib_s": LEAK_MIB_S, "plan_budgets": budgets,
         "plan_lines": plan_lines, "idle_measured": idle, "envs": envs, "full_spec": spec, "reps": args.reps,
-        "arms": arms, "request_timeout_s": REQUEST_TIMEOUT_S, "drain_s": DRAIN_S, "restart_delay_s": KUBELET_BACKOFF_S,
+        "arms": arms, "loop_policies": LOOP_POLICIES, "request_timeout_s": REQUEST_TIMEOUT_S, "drain_s": DRAIN_S, "restart_delay_s": KUBELET_BACKOFF_S,
         "scrape_s": SCRAPE_S, "started_unix": time.time()}
     (args.out / "meta.json").write_text(json.dumps(meta, indent=1))
-    operator = None
-    if "full-moeguard" in arms:
+    loops = any(a in LOOP_POLICIES for a in arms)
+    if loops:
         cp.cluster_up()
         cp.set_scrape_interval(SCRAPE_S)
-        operator = cp.start_operator(stack.RUN_DIR / "logs" / "bench-operator.log")
         stack.pod_workers("start")
         cp.delete_namespace(NAMESPACE)
         cp.create_namespace(NAMESPACE)
@@ -370,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             for j, arm in enumerate(order):
                 t = time.monotonic()
                 try:
-                    res = (full_arm(spec, items, duration, cfg, rep, args.out) if arm == "full-moeguard"
+                    res = (full_arm(arm, spec, items, duration, cfg, rep, args.out) if arm in LOOP_POLICIES
                            else bare_arm(arm, envs[arm], items, duration, cfg, rep, j, use_cgroup, args.out))
                 except (RuntimeError, TimeoutError) as exc:  # one arm that cannot run must not lose the others
                     (args.out / f"{arm}-rep{rep}.json").write_text(json.dumps({"arm": arm, "rep": rep, "error": str(exc)}))
@@ -382,9 +398,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"oom_kills={res['oom_kills']} restarts={res['restarts']} pods_replaced={res['pods_replaced']}",
                       flush=True)
     finally:
-        if operator is not None:
+        if loops:
             cp.delete_namespace(NAMESPACE)
-            stack.stop_process(operator)
             stack.pod_workers("stop")
             with contextlib.suppress(Exception):
                 cp.set_scrape_interval(2)

@@ -143,7 +143,7 @@ def render(meta: dict[str, Any], runs: dict[str, list[dict[str, Any]]], pilot: b
         "no request cap, unbounded queue.",
         "3. **inner-loop**: the moeguard worker with everything the full arm's spec gives it (plan budgets, concurrency cap, "
         "bounded queue with a 2 s timeout, soft/hard limits, overload Auto), no operator.",
-        "4. **full-moeguard**: the same worker settings as the spec of a MoEInferenceService "
+        "4. **threshold-loop** and 5. **full-moeguard**: the same worker settings as the spec of a MoEInferenceService "
         f"(`{json.dumps(meta['full_spec']['batching'])}`) and `control` `{json.dumps(meta['full_spec']['control'])}`, the "
         "other control fields default (query interval 10 s, window 30 s, cooldown 30 s, stabilization 120 s, "
         "leakHorizonSeconds 12 h). Why these four differ from the defaults: leakAction Restart is the ask (a drained restart "
@@ -152,7 +152,10 @@ def render(meta: dict[str, Any], runs: dict[str, list[dict[str, Any]]], pilot: b
         "compressed); skewThreshold 32 because real text on this random-weight model reaches 30-s maxima of 6-10 "
         "(repetitive prompts: 100-384); rssSoftFraction 0.9 because the default 0.8 sits below softLimit/hardLimit "
         "(0.85) and made the operator cut every budget while the worker ran at its own soft limit (pilot). maxPrefillTokens' "
-        "floor is 64 (the plan's 256 per step is the default floor).",
+        "floor is 64 (the plan's 256 per step is the default floor). The two loop arms differ only in the operator's "
+        "`--policy`: **threshold-loop** runs `threshold` (issue 11's policy: halve on a crossed threshold, overload from "
+        "the refusal rate), **full-moeguard** runs `predictive` (issue 30: tighten only what the predicted step peak "
+        "says will not fit, overload from SLO attainment; `spec.slo` at its defaults).",
         "",
         "## Results (medians of the repetitions)",
         "",
@@ -183,6 +186,7 @@ def render(meta: dict[str, Any], runs: dict[str, list[dict[str, Any]]], pilot: b
         if a in figs:
             lines.append(f"| {a} | " + " | ".join(f(x["slo_goodput"]) for x in figs[a]) + " |")
     full, inner, rc = m("full-moeguard", "slo_goodput"), m("inner-loop", "slo_goodput"), m("request-count", "slo_goodput")
+    threshold = m("threshold-loop", "slo_goodput")
     full_ooms = [x["oom_kills"] for x in figs.get("full-moeguard", [])]
 
     def ratio(a: float | None, b: float | None) -> str:
@@ -199,6 +203,8 @@ def render(meta: dict[str, Any], runs: dict[str, list[dict[str, Any]]], pilot: b
         f"{f(full)} vs {f(rc)} req/s = {ratio(full, rc)} |",
         f"| SLO goodput ≥ 1.2× inner-loop only | {verdict(full is not None and inner is not None and full >= 1.2 * inner, full is not None and inner is not None)} | "
         f"{f(full)} vs {f(inner)} req/s = {ratio(full, inner)} |",
+        f"| (side by side) predictive vs threshold loop | {'measured' if full is not None and threshold is not None else 'not measured'} | "
+        f"{f(full)} vs {f(threshold)} req/s = {ratio(full, threshold)} |",
         "",
         "## Where the outer loop wins or loses (SLO goodput by stretch of the schedule, medians)",
         "",
@@ -211,11 +217,11 @@ def render(meta: dict[str, Any], runs: dict[str, list[dict[str, Any]]], pilot: b
         if a in runs:
             lines.append(f"| {a} | " + " | ".join(
                 f(med([window_goodput(r, lo, hi) for r in runs[a]])) for lo, hi in itertools.pairwise(cuts)) + " |")
-    lines += ["", "### The operator's actions in the full arm (Events, per repetition)", ""]
-    for r in runs.get("full-moeguard", []):
+    lines += ["", "### The operator's actions in the loop arms (Events, per repetition)", ""]
+    for r in [*runs.get("threshold-loop", []), *runs.get("full-moeguard", [])]:
         evs = [e for e in r.get("events", []) if e.get("reason") not in ("Reconciled",)]
         terms = r.get("terminations", [])
-        lines.append(f"- rep {r['rep']}: " + ("; ".join(f"{e['reason']}: {str(e['message'])[:160]}" for e in evs[:8]) or "no Events")
+        lines.append(f"- {r['arm']} rep {r['rep']}: " + ("; ".join(f"{e['reason']}: {str(e['message'])[:160]}" for e in evs[:8]) or "no Events")
                      + (f". Terminations: {', '.join(str(t.get('reason')) + ' ' + str(t.get('pod', ''))[-5:] for t in terms)}" if terms else ""))
     lines += ["", "## Refusals (all repetitions): status, Retry-After, reason", ""]
     for a in ARMS:

@@ -59,14 +59,14 @@ def set_scrape_interval(seconds: int, run_dir: Path = stack.RUN_DIR) -> None:
     httpx.post(f"{stack.PROMETHEUS_URL}/-/reload", timeout=10).raise_for_status()
 
 
-def start_operator(log_path: Path) -> subprocess.Popen[bytes]:
-    """``python -m moeguard_operator -A --standalone --prometheus-url <the stack's>``: the Makefile's
-    ``operator`` target, logging to ``log_path``."""
+def start_operator(log_path: Path, args: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+    """``python -m moeguard_operator -A --standalone --prometheus-url <the stack's> [args]``: the Makefile's
+    ``operator`` target (with ``args``, e.g. ``--policy threshold``), logging to ``log_path``."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "moeguard_operator", "-A", "--standalone", "--prometheus-url",
-             stack.PROMETHEUS_URL], cwd=stack.ROOT, env=stack.tools_env(), stdout=log,
+             stack.PROMETHEUS_URL, *args], cwd=stack.ROOT, env=stack.tools_env(), stdout=log,
             stderr=subprocess.STDOUT, start_new_session=True)
 
 
