@@ -13,7 +13,9 @@ held when a pod with all its signals holds it, else unknown when some pod's sign
 * **BurstOverlap**: the symptom, at least :data:`BURST_MIN_PREFILL_BATCHES` prefill batches in flight at one
   step, the queue at :data:`BURST_MIN_QUEUE` or more, and *no* long-request pile-up (fewer than
   :data:`LONG_MIN_REQUESTS` long requests running and admitted): concurrent prefills of many ordinary prompts,
-  whose transient buffers add up. The peak breakdown (the memory model, ``moeguard_core.memory_model``) is
+  whose transient buffers add up. Not when the symptom has a cause with its own finding: the pod's memory grows
+  steadily (:func:`grows_steadily`, a leak's trend), or the skew ratio is at or above ``control.skewThreshold``
+  (skewed routing swells the hot experts' buffers). The peak breakdown (the memory model, ``moeguard_core.memory_model``) is
   evidence, not a condition: on small models attention's transients outweigh the experts' for ordinary prompts
   too (the drills' model: 6.3 MiB of attention against 3.4 MiB of expert buffers for eight 250-token prompts).
 * **LongContextPileUp**: the symptom, at least :data:`LONG_MIN_REQUESTS` long requests running (or admitted in
@@ -320,6 +322,10 @@ def burst_overlap(pod: PodSignals, look: DiagnosisLook, spec: MoEInferenceServic
         # The memory symptom is a trend, not a burst: a leaking worker with two prefills and a short queue (a slow
         # machine's ordinary traffic) is the leak's finding alone (CI of issue 29: the PythonHeapLeak drill also
         # read as BurstOverlap). A burst's jump leaves flat sub-windows, so its smallest slope stays low.
+        return False
+    if look.skew_ratio is not None and look.skew_ratio >= spec.control.skew_threshold:
+        # Skewed routing swells the hot experts' buffers: the memory symptom is RoutingSkew's (rehearsal of issue
+        # 29: the RoutingSkew drill at 26% of hardLimit against a 25% soft fraction also read as BurstOverlap).
         return False
     assert pod.prefill_batches is not None and pod.queue_requests is not None
     lowered = lowered_budget_patch(spec, "max_concurrent_batches")

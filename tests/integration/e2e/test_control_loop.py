@@ -86,13 +86,16 @@ def test_c7_prometheus_goes_away_budgets_hold_then_control_resumes(
     (url,) = start(cluster, ns, name, pod_workers)
     for i in range(4):
         complete(url, repetitive_prompt(512, 0), max_tokens=1 + i % 2)
-    tight = wait_cr(cluster, ns, name, lambda o: o["status"]["budgets"]["maxPrefillTokens"] < 2048, 60, "tightened")
-    held = tight["status"]["budgets"]
+    wait_cr(cluster, ns, name, lambda o: o["status"]["budgets"]["maxPrefillTokens"] < 2048, 60, "tightened")
 
     os.kill(prometheus_pid(cluster), signal.SIGTERM)
     # (While Prometheus shuts down it may first answer with empty results: also blind.)
     blind = wait_cr(cluster, ns, name, lambda o: "Prometheus at http://127.0.0.1:" in cond(o, "MetricsAvailable")["message"],
                     DEADLINE, "MetricsAvailable=False, Prometheus unreachable")  # its shutdown is slow on a loaded machine
+    # The budgets once blind: while Prometheus shut down it may still have answered a look that tightened again
+    # (rehearsal of issue 29: 1,024 at the first tightening, 512 by the first blind look).
+    held = blind["status"]["budgets"]
+    assert held["maxPrefillTokens"] < 2048
     c = cond(blind, "MetricsAvailable")
     assert c["status"] == "False" and c["reason"] == "MetricsUnavailable"
     assert "PrometheusUnreachable" in c["message"] and "budgets held, nothing loosens" in c["message"]

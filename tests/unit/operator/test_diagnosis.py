@@ -335,6 +335,17 @@ def test_a_leaking_worker_with_overlapping_prefills_and_a_short_queue_is_a_leak_
     assert kinds(status) == {"BurstOverlap"}
 
 
+def test_skewed_routing_with_a_memory_symptom_and_a_short_queue_is_skew_not_a_burst() -> None:
+    """Rehearsal of issue 29: the RoutingSkew drill (memory 26% of hardLimit over a 25% soft fraction, prefills
+    overlapping on a loaded machine) also read as BurstOverlap."""
+    skewed, skew = DRILLS["RoutingSkew"]
+    pod = replace(skewed, memory_bytes=0.9 * HARD, limit_state=1)
+    status, _ = run([look(pod, 0, skew=skew), look(pod, 10, skew=skew)])
+    assert kinds(status) == {"RoutingSkew"}
+    status, _ = run([look(pod, 0, skew=2.0)])  # the same pod without the skew: a burst
+    assert kinds(status) == {"BurstOverlap"}
+
+
 def test_a_burst_of_ordinary_prompts_is_a_burst_whatever_its_breakdown_and_long_prompts_are_not() -> None:
     """On small models attention outweighs the experts even for ordinary prompts: the burst is told from a
     pile-up by its long requests, not by the breakdown."""
