@@ -158,10 +158,11 @@ LEAK_RATE_BYTES_PER_SECOND = 32 << 20
 
 
 def leaking(lock_file: Path) -> dict[str, Any]:
-    """The spec of a worker that leaks while ``lock_file`` exists (``MOEGUARD_FAULT_LEAK_LOCK_FILE``): the test
-    removes it once the kernel has killed the first process, so the restarted one lives to be scraped. (CI of
-    issue 29: a restarted worker that leaked again was killed again, and its CrashLoopBackOff restarts on a
-    loaded machine left no window to scrape it in 120 s.)"""
+    """The spec of a worker that leaks once it holds the lock on ``lock_file`` (``MOEGUARD_FAULT_LEAK_LOCK_FILE``):
+    the test removes the file once the first process has claimed it (it keeps leaking until the kernel kills it),
+    so the restarted one cannot claim it and lives to be scraped. (CI of issue 29: a restarted worker that leaked
+    again was killed again, and its CrashLoopBackOff restarts on a loaded machine left no window to scrape it in
+    120 s; rehearsal 1: removed after the kill was seen, the file was claimed again first.)"""
     lock_file.touch()
     return {
         "resources": {"gpus": 1, "softLimit": "960Mi", "hardLimit": "1Gi"},
@@ -203,6 +204,8 @@ def test_a_real_oom_kill_tightens_at_once_scale_and_rollout(
         except httpx.HTTPError:
             return None
 
+    wait(lambda: lock_file.read_text().strip() or None, DEADLINE, "the first worker's claim on the leak (its pid)")
+    lock_file.unlink()  # the first process leaks on; the restarted one cannot claim it
     (usage,) = wait(memory_usage, DEADLINE, "the worker's moeguard_memory_usage_bytes")
     assert usage[0]["source"] in ("cgroup_v1", "cgroup_v2") and 100 << 20 < usage[1] < 1 << 30, usage
 
@@ -212,7 +215,6 @@ def test_a_real_oom_kill_tightens_at_once_scale_and_rollout(
         return cs if (cs.get("lastState") or {}).get("terminated") else None
 
     cs = wait(killed, DEADLINE, "the kernel's OOM kill in the pod status")
-    lock_file.unlink()  # the restarted process does not leak
     term = cs["lastState"]["terminated"]
     assert (term["reason"], term["exitCode"]) == ("OOMKilled", 137), cs
     assert term["startedAt"] <= term["finishedAt"] and cs["restartCount"] == 1
@@ -244,8 +246,16 @@ def test_a_real_oom_kill_tightens_at_once_scale_and_rollout(
     wait(worker_overloaded, DEADLINE, "the worker to enter overload mode")
     # 32 from the operator, halved again by the worker's overload mode (scheduler.OverloadPolicy.decode_factor),
     # one batch at a time; the gauges follow at the worker's next step
-    wait(lambda: stack.scrape_one(url, "moeguard_budget_max_decode_tokens") == 16
-         and stack.scrape_one(url, "moeguard_budget_max_concurrent_batches") == 1, DEADLINE, "the overload budgets")
+    def overload_budgets() -> tuple[float | None, float | None] | None:
+        got = (stack.scrape_one(url, "moeguard_budget_max_decode_tokens"),
+               stack.scrape_one(url, "moeguard_budget_max_concurrent_batches"))
+        seen.append(got)
+        return got if got == (16, 1) else None
+    seen: list[tuple[float | None, float | None]] = []
+    try:
+        wait(overload_budgets, DEADLINE, "the overload budgets (decode 16, 1 batch)")
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}; (decode, batches) last seen {seen[-3:]}") from exc
     # A budget change travels through the ConfigMap: the workers do not roll.
     assert cluster.kubectl_json("-n", ns, "get", "deployment", f"{name}-worker")["metadata"]["generation"] == dep_gen
 
