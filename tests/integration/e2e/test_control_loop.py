@@ -88,7 +88,8 @@ def test_c7_prometheus_goes_away_budgets_hold_then_control_resumes(
         complete(url, repetitive_prompt(512, 0), max_tokens=1 + i % 2)
     wait_cr(cluster, ns, name, lambda o: o["status"]["budgets"]["maxPrefillTokens"] < 2048, 60, "tightened")
 
-    os.kill(prometheus_pid(cluster), signal.SIGTERM)
+    prom = prometheus_pid(cluster)
+    os.kill(prom, signal.SIGTERM)
     # (While Prometheus shuts down it may first answer with empty results: also blind.)
     blind = wait_cr(cluster, ns, name, lambda o: "Prometheus at http://127.0.0.1:" in cond(o, "MetricsAvailable")["message"],
                     DEADLINE, "MetricsAvailable=False, Prometheus unreachable")  # its shutdown is slow on a loaded machine
@@ -111,8 +112,13 @@ def test_c7_prometheus_goes_away_budgets_hold_then_control_resumes(
     assert ("Warning", "MetricsUnavailable") in [(t, r) for t, r, _ in reasons(cluster, ns, name)]
     assert "BudgetRelaxed" not in [r for _, r, _ in reasons(cluster, ns, name)]
 
-    subprocess.run([str(stack.ROOT / "hack" / "cluster-up.sh")], env={**os.environ, "MOEGUARD_RUN_DIR": str(cluster.run_dir)},
-                   check=True, capture_output=True, timeout=300)
+    # The old process gone first: one still shutting down holds its port and TSDB lock, and cluster-up.sh would
+    # take it as running, or start a second one that exits (rehearsal 2 of issue 29: cluster-up.sh failed).
+    wait(lambda: not os.path.exists(f"/proc/{prom}"), DEADLINE, "Prometheus to exit")
+    up = subprocess.run([str(stack.ROOT / "hack" / "cluster-up.sh")],
+                        env={**os.environ, "MOEGUARD_RUN_DIR": str(cluster.run_dir)}, capture_output=True, text=True,
+                        timeout=300)
+    assert up.returncode == 0, up.stderr[-3000:]
     # Normal traffic brings skew down; once Prometheus sees it, normal control resumes and budgets climb.
     deadline = time.monotonic() + DEADLINE
     while time.monotonic() < deadline:
