@@ -252,12 +252,13 @@ def test_a_real_oom_kill_tightens_at_once_scale_and_rollout(
     wait(worker_overloaded, DEADLINE, "the worker to enter overload mode")
     # 32 from the operator, halved again by the worker's overload mode (scheduler.OverloadPolicy.decode_factor),
     # one batch at a time; the gauges follow at the worker's next step
+    seen: list[tuple[float | None, float | None]] = []
+
     def overload_budgets() -> tuple[float | None, float | None] | None:
         got = (stack.scrape_one(url, "moeguard_budget_max_decode_tokens"),
                stack.scrape_one(url, "moeguard_budget_max_concurrent_batches"))
         seen.append(got)
         return got if got == (16, 1) else None
-    seen: list[tuple[float | None, float | None]] = []
     try:
         wait(overload_budgets, DEADLINE, "the overload budgets (decode 16, 1 batch)")
     except TimeoutError as exc:
