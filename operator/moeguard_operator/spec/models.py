@@ -416,7 +416,9 @@ class ControlSpec(_Model):
     cooldown_seconds: int = Field(default=30, ge=0, le=86_400)
     """Minimum seconds between two budget changes (an OOM kill does not wait)."""
     leak_action: Literal["Warn", "Restart"] = "Warn"
-    """On a suspected native leak: ``Warn`` (condition and Event) or ``Restart`` (roll the workers too)."""
+    """On a suspected native leak: ``Warn`` (condition and Event) or ``Restart`` (roll the workers too; with the
+    operator's ``--policy predictive`` on Deployment workers, each leaking pod is replaced before it reaches
+    hardLimit instead, surge first: ``status.leakReplacement``, docs/runbook.md)."""
     leak_horizon_seconds: int = Field(default=43_200, ge=60, le=604_800)
     """A leak is suspected when the RSS slope (over ``leakWindowSeconds``) would take memory from its current
     use to ``resources.hardLimit`` within this many seconds, and the slope is above the noise floor (64 KiB/s,
