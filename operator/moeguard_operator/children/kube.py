@@ -100,7 +100,8 @@ def annotate_pod(namespace: str, name: str, annotations: dict[str, str]) -> None
         kubernetes.client.exceptions.ApiException: the API server refused (404: the pod is gone).
     """
     client.CoreV1Api().patch_namespaced_pod(name, namespace, {"metadata": {"annotations": annotations}},
-                                            field_manager=FIELD_MANAGER, _request_timeout=REQUEST_TIMEOUT)
+                                            field_manager=FIELD_MANAGER, _content_type="application/merge-patch+json",
+                                            _request_timeout=REQUEST_TIMEOUT)
 
 
 def delete_pod(namespace: str, name: str) -> None:

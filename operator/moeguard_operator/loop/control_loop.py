@@ -111,6 +111,14 @@ def slim_pod(obj: dict[str, Any]) -> dict[str, Any]:
     return kept
 
 
+def slim_deployment(obj: dict[str, Any]) -> dict[str, Any]:
+    """A worker Deployment as the views keep it: :func:`slim` with only what the leak replacement reads
+    (``spec.replicas``, ``spec.strategy``, ``status.conditions``), not its pod template."""
+    spec, status = obj.get("spec") or {}, obj.get("status") or {}
+    return {**slim(obj), "spec": {k: spec[k] for k in ("replicas", "strategy") if k in spec},
+            "status": {"conditions": status.get("conditions") or []}}
+
+
 def _owner_key(obj: dict[str, Any]) -> Key | None:
     meta = obj.get("metadata") or {}
     instance = (meta.get("labels") or {}).get(c.LABEL_INSTANCE)
@@ -128,7 +136,7 @@ class Views:
     """Budget ConfigMaps whose document is not the operator's (edited by hand)."""
     deployments: set[Key] = field(default_factory=set)
     workloads: dict[Key, dict[str, Any]] = field(default_factory=dict)
-    """The worker Deployments (:func:`slim`: ``spec`` and ``status``), read by the leak replacement."""
+    """The worker Deployments (:func:`slim_deployment`), read by the leak replacement."""
     missing: dict[Key, set[str]] = field(default_factory=dict)
     """Children seen deleted while their service lives: applied again."""
 
@@ -270,7 +278,7 @@ class ControlLoop:
         else:
             self.views.deployments.add(key)
             if obj.get("kind", "Deployment") == "Deployment":
-                self.views.workloads[key] = slim(obj, "spec", "status")
+                self.views.workloads[key] = slim_deployment(obj)
         self._touch(key)
 
     def _child_gone(self, key: Key, what: str) -> None:

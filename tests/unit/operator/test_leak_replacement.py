@@ -12,7 +12,7 @@ import pytest
 from moeguard_operator.children.builders import Owner, build_children, build_deployment
 from moeguard_operator.loop import leak_replacement as lr
 from moeguard_operator.loop import policy, predictive, report, tick
-from moeguard_operator.loop.control_loop import slim_pod
+from moeguard_operator.loop.control_loop import slim_deployment, slim_pod
 from moeguard_operator.loop.leak_replacement import Actions, Workload, plan
 from moeguard_operator.loop.observation import Observation, PodLoad
 from moeguard_operator.loop.policy import PolicyState, initial_budgets
@@ -327,3 +327,13 @@ def test_the_views_keep_what_the_replacement_reads_of_a_pod() -> None:
     assert kept["metadata"]["creationTimestamp"] == raw["metadata"]["creationTimestamp"]
     assert kept["spec"] == {"terminationGracePeriodSeconds": 5} and "managedFields" not in kept["metadata"]
     assert "annotations" not in slim_pod(pod("w-b"))["metadata"] and "spec" not in slim_pod(pod("w-b"))
+
+
+def test_the_views_keep_what_the_replacement_reads_of_a_deployment() -> None:
+    raw = {"metadata": {"name": "svc-worker", "managedFields": [{}]},
+           "spec": {"replicas": 3, "strategy": {"rollingUpdate": {"maxSurge": 0}}, "template": {"spec": {}}},
+           "status": {"replicas": 3, "conditions": [{"type": "ReplicaFailure", "status": "True"}]}}
+    kept = slim_deployment(raw)
+    assert kept == {"metadata": {"name": "svc-worker"}, "spec": {"replicas": 3, "strategy": raw["spec"]["strategy"]},
+                    "status": {"conditions": raw["status"]["conditions"]}}
+    assert lr.workload_of(kept) == Workload(replicas=3, max_surge_zero=True, failed_create="FailedCreate")
