@@ -250,8 +250,9 @@ def template_hash(owner: Owner, spec: MoEInferenceServiceSpec) -> str:
     return str(pod_template(owner, spec)["metadata"]["labels"][c.TEMPLATE_HASH_LABEL])
 
 
-def build_deployment(owner: Owner, spec: MoEInferenceServiceSpec) -> Manifest:
-    """The worker Deployment (``parallelism.podsPerReplica: 1``), one pod per replica.
+def build_deployment(owner: Owner, spec: MoEInferenceServiceSpec, replicas: int | None = None) -> Manifest:
+    """The worker Deployment (``parallelism.podsPerReplica: 1``), one pod per replica: ``spec.replicas``, or
+    ``replicas`` where given (a leak replacement's surge: ``leak_replacement.surge_replicas``).
 
     A change of the spec changes the pod template and so rolls the workers; budget
     changes do not (they travel through the ConfigMap).
@@ -261,7 +262,7 @@ def build_deployment(owner: Owner, spec: MoEInferenceServiceSpec) -> Manifest:
         "kind": "Deployment",
         "metadata": _metadata(owner, worker_name(owner)),
         "spec": {
-            "replicas": spec.replicas,
+            "replicas": spec.replicas if replicas is None else replicas,
             "selector": {"matchLabels": selector_labels(owner)},
             "template": pod_template(owner, spec),
         },
@@ -296,9 +297,11 @@ def build_leader_worker_set(owner: Owner, spec: MoEInferenceServiceSpec) -> Mani
     }
 
 
-def build_workload(owner: Owner, spec: MoEInferenceServiceSpec) -> Manifest:
-    """The workers' workload: a LeaderWorkerSet when a replica spans several pods, else a Deployment."""
-    return build_leader_worker_set(owner, spec) if spec.parallelism.multi_node else build_deployment(owner, spec)
+def build_workload(owner: Owner, spec: MoEInferenceServiceSpec, replicas: int | None = None) -> Manifest:
+    """The workers' workload: a LeaderWorkerSet when a replica spans several pods, else a Deployment (of
+    ``replicas`` where given: :func:`build_deployment`)."""
+    return (build_leader_worker_set(owner, spec) if spec.parallelism.multi_node
+            else build_deployment(owner, spec, replicas))
 
 
 def stale_workload(spec: MoEInferenceServiceSpec) -> tuple[str, str]:
@@ -420,14 +423,14 @@ def build_role_binding(owner: Owner) -> Manifest:
     }
 
 
-def build_children(owner: Owner, spec: MoEInferenceServiceSpec) -> list[Manifest]:
+def build_children(owner: Owner, spec: MoEInferenceServiceSpec, replicas: int | None = None) -> list[Manifest]:
     """Every child except the budget ConfigMap and the optional PodMonitor, in apply order
-    (RBAC before the pods that use it)."""
+    (RBAC before the pods that use it); ``replicas``: the Deployment's, where not ``spec.replicas``."""
     return [
         build_service_account(owner),
         build_role(owner),
         build_role_binding(owner),
         build_service(owner, spec),
-        build_workload(owner, spec),
+        build_workload(owner, spec, replicas),
         build_pod_disruption_budget(owner),
     ]

@@ -27,9 +27,10 @@ from moeguard_operator.spec.spec_checks import SpecError
 PODMONITOR_CRD = "podmonitors.monitoring.coreos.com"
 
 
-def apply_children(owner: Owner, spec: MoEInferenceServiceSpec) -> None:
+def apply_children(owner: Owner, spec: MoEInferenceServiceSpec, replicas: int | None = None) -> None:
     """Server-side apply every child (and the PodMonitor when prometheus-operator is installed), then delete
-    the workload of the kind the spec no longer uses (:func:`~moeguard_operator.children.builders.stale_workload`).
+    the workload of the kind the spec no longer uses (:func:`~moeguard_operator.children.builders.stale_workload`);
+    ``replicas``: the Deployment's where not ``spec.replicas`` (a leak replacement's surge).
 
     Raises:
         apply_errors.ChildRefused: the API server refused one (which, and its answer).
@@ -43,7 +44,7 @@ def apply_children(owner: Owner, spec: MoEInferenceServiceSpec) -> None:
                         f"parallelism.podsPerReplica {spec.parallelism.pods_per_replica} needs the LeaderWorkerSet "
                         f"API ({c.LWS_CRD}), which this cluster does not serve: install LeaderWorkerSet "
                         "(https://lws.sigs.k8s.io) or set podsPerReplica to 1")
-    manifests = build_children(owner, spec)
+    manifests = build_children(owner, spec, replicas)
     if kube.crd_exists(PODMONITOR_CRD):
         manifests.append(build_pod_monitor(owner))
     for manifest in manifests:

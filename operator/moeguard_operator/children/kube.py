@@ -86,10 +86,35 @@ def read_configmap(namespace: str, name: str) -> dict[str, Any] | None:
 
 
 def patch_workload(api_version: str, kind: str, namespace: str, name: str, body: dict[str, Any]) -> None:
-    """Merge-patch the workers' Deployment or LeaderWorkerSet (used for the rolling restart annotation only)."""
+    """Merge-patch the workers' Deployment or LeaderWorkerSet (the rolling restart annotation, a leak
+    replacement's ``spec.replicas``)."""
     resource = _dynamic().resources.get(api_version=api_version, kind=kind)
     resource.patch(body=body, name=name, namespace=namespace, content_type="application/merge-patch+json",
                    _request_timeout=REQUEST_TIMEOUT)
+
+
+def annotate_pod(namespace: str, name: str, annotations: dict[str, str]) -> None:
+    """Merge-patch a worker pod's annotations (a leak replacement's ``pod-deletion-cost``).
+
+    Raises:
+        kubernetes.client.exceptions.ApiException: the API server refused (404: the pod is gone).
+    """
+    client.CoreV1Api().patch_namespaced_pod(name, namespace, {"metadata": {"annotations": annotations}},
+                                            field_manager=FIELD_MANAGER, _content_type="application/merge-patch+json",
+                                            _request_timeout=REQUEST_TIMEOUT)
+
+
+def delete_pod(namespace: str, name: str) -> None:
+    """Delete a worker pod gracefully (its own ``terminationGracePeriodSeconds``); a pod already gone is fine.
+
+    Raises:
+        kubernetes.client.exceptions.ApiException: the API server refused (other than 404).
+    """
+    try:
+        client.CoreV1Api().delete_namespaced_pod(name, namespace, _request_timeout=REQUEST_TIMEOUT)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
 
 
 def delete_if_exists(api_version: str, kind: str, namespace: str, name: str) -> bool:

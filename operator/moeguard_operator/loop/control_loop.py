@@ -13,7 +13,8 @@ and, for each service that changed or is due:
   look at its URL is in flight (and not yet late) waits for that look's end and joins the next one. A
   slow Prometheus delays no other URL's looks, no write, no reconcile and no deletion (there is no
   finalizer);
-* **writes** of one service (ConfigMap first, then a Deployment restart, the status, its Events) run
+* **writes** of one service (ConfigMap first, then a Deployment restart, the status, a leak replacement's pod
+  and replica writes, its Events) run
   in a thread pool, one job per service at a time, each request under :data:`kube.REQUEST_TIMEOUT`.
   A failed write is retried at the next pass (the view it came from is unchanged), not after kopf's
   back-off. The status patch carries the ``resourceVersion`` it was computed from.
@@ -51,7 +52,7 @@ from moeguard_operator.children.builders import (
 from moeguard_operator.config import OperatorConfig
 from moeguard_operator.constants import FIELD_MANAGER
 from moeguard_operator.diagnosis.diagnosis import DiagnosisMemory
-from moeguard_operator.loop import budget_document, metrics, report, tick
+from moeguard_operator.loop import budget_document, leak_replacement, metrics, report, tick
 from moeguard_operator.loop.observation import Observation, leak_window_start
 from moeguard_operator.loop.observe import (
     QUERY_DEADLINE_SECONDS,
@@ -84,14 +85,38 @@ def _rv(obj: dict[str, Any]) -> int:
         return 0
 
 
-KEPT_METADATA = ("name", "namespace", "uid", "resourceVersion", "generation", "deletionTimestamp", "labels")
+KEPT_METADATA = ("name", "namespace", "uid", "resourceVersion", "generation", "deletionTimestamp", "labels",
+                 "creationTimestamp")
 """What the views keep of an object's metadata (not managedFields, nor kopf's annotations: memory at scale)."""
+KEPT_POD_ANNOTATIONS = (leak_replacement.DELETION_COST_ANNOTATION,)
+"""The only pod annotations the views keep (the leak replacement's mark)."""
 
 
 def slim(obj: dict[str, Any], *keys: str) -> dict[str, Any]:
     """``obj`` with only :data:`KEPT_METADATA` of its metadata and the top-level ``keys``."""
     meta = obj.get("metadata") or {}
     return {"metadata": {k: meta[k] for k in KEPT_METADATA if k in meta}, **{k: obj[k] for k in keys if k in obj}}
+
+
+def slim_pod(obj: dict[str, Any]) -> dict[str, Any]:
+    """A worker pod as the views keep it: :func:`slim` with its status, :data:`KEPT_POD_ANNOTATIONS` and its
+    ``spec.terminationGracePeriodSeconds`` (the leak replacement's lead)."""
+    kept = slim(obj, "status")
+    annotations = (obj.get("metadata") or {}).get("annotations") or {}
+    if any(a in annotations for a in KEPT_POD_ANNOTATIONS):
+        kept["metadata"]["annotations"] = {a: annotations[a] for a in KEPT_POD_ANNOTATIONS if a in annotations}
+    grace = (obj.get("spec") or {}).get("terminationGracePeriodSeconds")
+    if grace is not None:
+        kept["spec"] = {"terminationGracePeriodSeconds": grace}
+    return kept
+
+
+def slim_deployment(obj: dict[str, Any]) -> dict[str, Any]:
+    """A worker Deployment as the views keep it: :func:`slim` with only what the leak replacement reads
+    (``spec.replicas``, ``spec.strategy``, ``status.conditions``), not its pod template."""
+    spec, status = obj.get("spec") or {}, obj.get("status") or {}
+    return {**slim(obj), "spec": {k: spec[k] for k in ("replicas", "strategy") if k in spec},
+            "status": {"conditions": status.get("conditions") or []}}
 
 
 def _owner_key(obj: dict[str, Any]) -> Key | None:
@@ -110,6 +135,8 @@ class Views:
     hand_edited: set[Key] = field(default_factory=set)
     """Budget ConfigMaps whose document is not the operator's (edited by hand)."""
     deployments: set[Key] = field(default_factory=set)
+    workloads: dict[Key, dict[str, Any]] = field(default_factory=dict)
+    """The worker Deployments (:func:`slim_deployment`), read by the leak replacement."""
     missing: dict[Key, set[str]] = field(default_factory=dict)
     """Children seen deleted while their service lives: applied again."""
 
@@ -213,7 +240,7 @@ class ControlLoop:
         if event_type == "DELETED":
             pods.pop(name, None)
         else:
-            pods[name] = slim(obj, "status")
+            pods[name] = slim_pod(obj)
         self._touch(key)
 
     def on_configmap(self, event_type: str | None, obj: dict[str, Any]) -> None:
@@ -242,12 +269,16 @@ class ControlLoop:
             return
         if event_type == "DELETED":
             self.views.deployments.discard(key)
+            if obj.get("kind", "Deployment") == "Deployment":
+                self.views.workloads.pop(key, None)
             svc = self.views.services.get(key) or {}
             pods_per_replica = (((svc.get("spec") or {}).get("parallelism") or {}).get("podsPerReplica") or 1)
             if (obj.get("kind") == c.LWS_KIND) == (int(pods_per_replica) > 1):
                 self._child_gone(key, str(obj.get("kind") or "Deployment"))
         else:
             self.views.deployments.add(key)
+            if obj.get("kind", "Deployment") == "Deployment":
+                self.views.workloads[key] = slim_deployment(obj)
         self._touch(key)
 
     def _child_gone(self, key: Key, what: str) -> None:
@@ -442,7 +473,7 @@ class ControlLoop:
                                 (svc.get("metadata") or {}).get("generation"), key not in self.views.hand_edited,
                                 mem.diagnosis or DiagnosisMemory(blind_at=self.started),
                                 leak_warmup_seconds=self.config.leak_warmup_seconds, template_hash=mem.template_hash,
-                                policy=self.config.policy)
+                                policy=self.config.policy, workload=self.views.workloads.get(key))
         if not obs.fully_visible:
             mem.blind_floor = max(mem.blind_floor, now)
         decision, found = writes.decision, writes.diagnosis
@@ -455,7 +486,8 @@ class ControlLoop:
         if decision.changed:
             log.info("%s/%s: budget %s: %s", key[0], key[1], decision.direction, decision.reason)
         missing = self.views.missing.get(key, set())
-        if missing or writes.events or writes.document or writes.restart or report.status_patch(prior, writes.status):
+        if (missing or writes.events or writes.document or writes.restart or writes.replacement
+                or report.status_patch(prior, writes.status)):
             self._submit(key, svc, spec, prior, writes, missing)
 
     def _submit(self, key: Key, svc: dict[str, Any], spec: MoEInferenceServiceSpec, prior: MoEInferenceServiceStatus,
@@ -534,7 +566,8 @@ class ControlLoop:
     # --- the writes (in a thread) ----------------------------------------------------------------------
     def _write(self, svc: dict[str, Any], spec: MoEInferenceServiceSpec, prior: MoEInferenceServiceStatus,
                writes: tick.Writes, missing: frozenset[str], data: dict[str, str] | None) -> dict[str, Any] | None:
-        """ConfigMap (where a decision becomes durable), a restart, the status, then its Events; returns the
+        """ConfigMap (where a decision becomes durable), a restart, the status, a leak replacement's writes (once
+        the status holds the replacement), then its Events; returns the
         service as stored after the status patch (None when the status did not change).
 
         Raises:
@@ -544,7 +577,7 @@ class ControlLoop:
         owner = Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
         now = datetime.now(UTC)
         if missing:
-            children.apply_children(owner, spec)
+            children.apply_children(owner, spec, leak_replacement.surge_replicas(spec, writes.status))
             if "budget ConfigMap" in missing:
                 document = budget_document.in_effect(spec, writes.status, "recreated: the ConfigMap was deleted", now)
                 if document is not None:
@@ -568,9 +601,24 @@ class ControlLoop:
             stored = kube.patch_status(owner.namespace, owner.name, patch, meta.get("resourceVersion"))
         if writes.document is not None:
             self._pause("after-status")
+        self._replace(owner, spec, writes.replacement)
         for event in writes.events:
             self._event(svc, event, now)
         return stored
+
+    @staticmethod
+    def _replace(owner: Owner, spec: MoEInferenceServiceSpec, actions: leak_replacement.Actions) -> None:
+        """A leak replacement's writes (:class:`leak_replacement.Actions`), in their order, after the status that
+        holds the replacement."""
+        if actions.mark_pod is not None:
+            kube.annotate_pod(owner.namespace, actions.mark_pod,
+                              {leak_replacement.DELETION_COST_ANNOTATION: leak_replacement.LEAKING_POD_COST})
+        if actions.delete_pod is not None:
+            kube.delete_pod(owner.namespace, actions.delete_pod)
+        if actions.replicas is not None:
+            workload = build_workload(owner, spec)
+            kube.patch_workload(workload["apiVersion"], workload["kind"], owner.namespace, worker_name(owner),
+                                {"spec": {"replicas": actions.replicas}})
 
     @staticmethod
     def _event(svc: dict[str, Any], event: report.Event, now: datetime) -> None:

@@ -66,6 +66,8 @@ class Observation:
             reset): skew is not seen while there is one.
         memory_ratio: highest memory in use / hard limit among the pods.
         rss_slope_bytes_per_second: highest RSS growth among the pods with a full leak window, bytes/s.
+        pod_rss_slopes: ``(pod, bytes/s)``: each pod's own RSS growth, for the pods with a full leak window (the
+            ones ``rss_slope_bytes_per_second`` is the highest of; PromQL ``deriv`` over ``leakWindowSeconds``).
         slope_unknown: why the leak window cannot be judged yet (pods whose worker ran for the leak window but
             whose series in Prometheus do not span it: Prometheus restarted, lost samples), or None.
         leak_kinds: leak kinds the pods flag themselves (``native``, ``python_heap``), sorted.
@@ -93,6 +95,7 @@ class Observation:
     skew_ratio: float | None = None
     memory_ratio: float | None = None
     rss_slope_bytes_per_second: float | None = None
+    pod_rss_slopes: tuple[tuple[str, float], ...] = ()
     skew_steps: float | None = None
     skew_unknown_pods: tuple[str, ...] = ()
     slope_unknown: str | None = None

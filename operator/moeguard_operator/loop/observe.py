@@ -652,8 +652,8 @@ def slice_look(url: str, answers: Mapping[str, Answer], look: Look, now: datetim
       bucket bound; any other pod (a short history, a counter reset) leaves skew Unknown.
     * memory: the highest over the pods (a single sample is a reading); rejections: summed over the pods;
       p99 latency: the highest per-pod p99; both None unless every reporting pod has a full window.
-    * RSS slope: the highest among the Running ``slope_pods`` with a full leak window; those without one
-      (silent ones included) are named in ``slope_unknown``.
+    * RSS slope: the highest among the Running ``slope_pods`` with a full leak window (each of them in
+      ``pod_rss_slopes``); those without one (silent ones included) are named in ``slope_unknown``.
     * diagnosis signals (:func:`diagnosis_signals`): per reporting pod; a failed or malformed diagnosis query
       leaves them None with ``signals_missing`` saying why, and never makes the budget policy's look blind.
     Any failed query, or any malformed series, of the policy's sets ``error`` (blind: budgets hold).
@@ -701,7 +701,8 @@ def slice_look(url: str, answers: Mapping[str, Answer], look: Look, now: datetim
     slope_candidates = [p for p in pods if counts(p)]  # a silent one's leak window is not judged either
     slope_short = [p for p in slope_candidates if not history_ok(leak_history.get(p))]
     slopes = per_pod("rss_slope")
-    counted = [slopes[p] for p in slope_candidates if p not in slope_short and p in slopes]
+    pod_slopes = tuple((p, slopes[p]) for p in slope_candidates if p not in slope_short and p in slopes)
+    counted = [slope for _, slope in pod_slopes]
     leak_kinds, growth = leak_signals(mine["leak_kinds"], mine["growth"], counts)
     rejections = per_pod("rejection_rate")
     p99s = per_pod("p99_latency")
@@ -720,6 +721,7 @@ def slice_look(url: str, answers: Mapping[str, Answer], look: Look, now: datetim
         skew_unknown_pods=tuple(skew_unknown),
         memory_ratio=None if memory is None else memory / look.hard_limit_bytes,
         rss_slope_bytes_per_second=max(counted) if counted else None,
+        pod_rss_slopes=pod_slopes,
         slope_unknown=_short(slope_short, leak_history, look.leak_window_seconds) if slope_short else None,
         leak_kinds=leak_kinds,
         growth_bytes_per_second=growth,

@@ -52,7 +52,8 @@ class PodFacts:
         return max((t for _, _, t in self.oom_kills), default=None)
 
 
-def _time(value: Any) -> datetime | None:
+def timestamp(value: Any) -> datetime | None:
+    """A time as the API returns it (RFC 3339, ``Z`` or an offset; or already a datetime), or None (absent)."""
     if isinstance(value, datetime):
         return value
     if isinstance(value, str) and value:
@@ -144,9 +145,9 @@ def pod_facts(pods: list[dict[str, Any]]) -> PodFacts:
         is_running = status.get("phase") == "Running" and not meta.get("deletionTimestamp")
         if is_running:
             running.append(name)
-        since = [_time(((cs.get("state") or {}).get("running") or {}).get("startedAt"))
+        since = [timestamp(((cs.get("state") or {}).get("running") or {}).get("startedAt"))
                  for cs in status.get("containerStatuses") or []]
-        since_known = [t for t in since if t is not None] or [t for t in [_time(status.get("startTime"))] if t]
+        since_known = [t for t in since if t is not None] or [t for t in [timestamp(status.get("startTime"))] if t]
         if is_running and since_known:
             started.append((name, max(since_known)))
         for cs in status.get("containerStatuses") or []:
@@ -158,7 +159,7 @@ def pod_facts(pods: list[dict[str, Any]]) -> PodFacts:
                 failures.append((name, failure))
             for state_key in ("lastState", "state"):
                 term = (cs.get(state_key) or {}).get("terminated") or {}
-                finished = _time(term.get("finishedAt"))
+                finished = timestamp(term.get("finishedAt"))
                 if term.get("reason") == "OOMKilled" and finished is not None:
                     ooms.append((name, cs.get("name", ""), finished))
     return PodFacts(tuple(sorted(running)), restarts, tuple(sorted(set(ooms))), tuple(sorted(started)),

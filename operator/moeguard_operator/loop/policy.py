@@ -29,7 +29,8 @@ rule TCP congestion control uses):
   ``leakSlopeBytesPerSecond`` where that is set). Its kind is what the workers flag
   (``moeguard_memory_leak_suspected{kind}``: ``native`` or ``python_heap``), else
   ``unclassified``. With ``leakAction: Restart`` it also asks for a rolling restart, at most
-  once per leak window.
+  once per leak window (the predictive policy on Deployment workers replaces each leaking pod before the
+  hard limit instead: :mod:`leak_replacement`).
 """
 
 from __future__ import annotations
@@ -306,14 +307,17 @@ def overload_step(state: PolicyState, spec: MoEInferenceServiceSpec, obs: Observ
 
 
 def leak_step(obs: Observation, spec: MoEInferenceServiceSpec, state: PolicyState,
-              now: datetime) -> tuple[LeakVerdict | None, bool | None, bool, list[str]]:
+              now: datetime, rolling_restart: bool = True) -> tuple[LeakVerdict | None, bool | None, bool, list[str]]:
     """The leak verdict (:func:`judge_leak`), whether a leak is suspected (None: unknown), whether to roll the
-    workers (``leakAction: Restart``, at most once per leak window), and the sentence for the reasons."""
+    workers (``leakAction: Restart``, at most once per leak window; never where ``rolling_restart`` is False: the
+    leaking pods are replaced one by one instead, :mod:`leak_replacement`), and the sentence for the reasons."""
     verdict = judge_leak(obs, spec)
     leak = None if verdict is None else verdict.suspected
-    restart = (bool(leak) and spec.control.leak_action == "Restart"
+    restart = (rolling_restart and bool(leak) and spec.control.leak_action == "Restart"
                and _since(now, state.last_restart) >= spec.control.leak_window_seconds)
-    reasons = [verdict.message + ("; rolling restart" if restart else "")] if verdict and verdict.suspected else []
+    replaced = not rolling_restart and spec.control.leak_action == "Restart"
+    note = "; rolling restart" if restart else "; leaking pods replaced before hardLimit" if replaced else ""
+    reasons = [verdict.message + note] if verdict and verdict.suspected else []
     return verdict, leak, restart, reasons
 
 
@@ -391,16 +395,17 @@ class Move:
 
 def conclude(obs: Observation, state: PolicyState, spec: MoEInferenceServiceSpec, now: datetime, move: Move,
              triggers: list[str], reasons: list[str], pressure: list[str],
-             memory: tuple[PodMemoryPrediction, ...] = ()) -> Decision:
+             memory: tuple[PodMemoryPrediction, ...] = (), rolling_restart: bool = True) -> Decision:
     """The :class:`Decision` of a look, shared by every policy: its budget ``move``, overload mode from its
     ``triggers`` (an OOM kill is one for every policy: :func:`overload_step`) and the leak verdict
-    (:func:`leak_step`), with the ``reasons`` (extended here) and ``pressure`` it saw."""
+    (:func:`leak_step`; ``rolling_restart``: whether ``leakAction: Restart`` rolls the workers), with the
+    ``reasons`` (extended here) and ``pressure`` it saw."""
     if obs.new_oom_kills:
         triggers = [*triggers, "OOM kill"]
     over = overload_step(state, spec, obs, triggers, now)
     if over.reason:
         reasons.append(over.reason)
-    verdict, leak, restart, leak_reasons = leak_step(obs, spec, state, now)
+    verdict, leak, restart, leak_reasons = leak_step(obs, spec, state, now, rolling_restart)
     reasons += leak_reasons
     next_state = replace(
         state,

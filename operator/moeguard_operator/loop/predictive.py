@@ -22,8 +22,11 @@ refusal rate, and refused work the inner loop served within the SLOs):
   those, with full visibility. Never from the refusal rate alone: refusals are the inner loop doing its job
   (``overload.rejectionRatePerSecond`` and ``overload.p99LatencySeconds`` are the threshold policy's).
 * Everything the threshold policy made safe stays (shared code in :mod:`policy`): blind time never loosens and
-  restarts the stabilization window, missing series are never read as healthy, the leak verdict and its
-  restart are the same, and the durable state is the same :class:`policy.PolicyState`.
+  restarts the stabilization window, missing series are never read as healthy, the leak verdict is the same,
+  and the durable state is the same :class:`policy.PolicyState`.
+* **Leaks** with ``leakAction: Restart``: on Deployment workers no rolling restart; each leaking pod is replaced
+  before it reaches the hard limit, with the Deployment's surge where possible (:mod:`leak_replacement`, run by
+  :func:`tick.look_step`). LeaderWorkerSet workers keep the rolling restart.
 
 The goodput framing (requests meeting both latency SLOs per second) is DistServe's (Zhong et al., OSDI 2024);
 planners that scale from SLO attainment rather than utilisation thresholds (NVIDIA Dynamo's SLA planner) take the
@@ -144,8 +147,9 @@ def decide(observation: Observation, state: PolicyState, spec: MoEInferenceServi
                  if a.priority == "interactive" and a.met is False]
     shown = tuple(_status(p) for p in (memory_fit.predict(model, budgets, load, limit) for load in loads)
                   if p is not None) if model is not None else ()
+    # Deployment workers: each leaking pod is replaced before the hard limit (leak_replacement), no rolling restart.
     return conclude(obs, state, spec, now, Move(budgets, direction, last_change, last_pressure, last_blind),
-                    triggers, reasons, pressure, shown)
+                    triggers, reasons, pressure, shown, rolling_restart=spec.parallelism.multi_node)
 
 
 def _no_loosening(obs: Observation, spec: MoEInferenceServiceSpec, model: memory_fit.ModelMemory | None,

@@ -248,7 +248,8 @@ def observed(prior: Observed | None, obs: Observation, restarts: int, now: datet
              slo: Sequence[SloAttainment] = (), predicted_memory: Sequence[PodMemoryPrediction] = ()) -> Observed:
     """``status.observed`` after one look: missing values stay null; OOM kills add up; ``eta``: the
     projected seconds to the hard limit (:attr:`policy.LeakVerdict.seconds_to_limit`; inf or None: null);
-    ``crash_looping``: :attr:`podstate.PodFacts.crash_looping`."""
+    ``crash_looping``: :attr:`podstate.PodFacts.crash_looping`; the measured ``replacementReadySeconds`` is kept
+    (the leak replacement updates it: ``tick.replaced``)."""
     mem = obs.memory_ratio
     return Observed(
         time=now,
@@ -266,6 +267,7 @@ def observed(prior: Observed | None, obs: Observation, restarts: int, now: datet
         crash_looping_pods=list(crash_looping),
         slo=list(slo),
         predicted_memory=list(predicted_memory),
+        replacement_ready_seconds=prior.replacement_ready_seconds if prior else None,
     )
 
 

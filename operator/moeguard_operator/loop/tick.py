@@ -24,7 +24,7 @@ in, and writes what comes back, ConfigMap first.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -41,7 +41,7 @@ from moeguard_operator.diagnosis.diagnosis import (
     diagnose,
     unchanged_but_time,
 )
-from moeguard_operator.loop import budget_document, predictive, report, rollout
+from moeguard_operator.loop import budget_document, leak_replacement, predictive, report, rollout
 from moeguard_operator.loop.conditions import set_condition
 from moeguard_operator.loop.observation import LEAK_WARMUP_SECONDS, Observation
 from moeguard_operator.loop.podstate import is_ready, pod_facts
@@ -71,6 +71,8 @@ class Writes:
         document: the budget document to write to the ConfigMap first (None: none); the decision is
             durable once it is there.
         restart: roll the workers (leak action Restart) after the ConfigMap.
+        replacement: the leak replacement's writes (:mod:`leak_replacement`), after the status (which holds the
+            replacement first, so a restart between the two finishes it).
         decision: the policy decision of a look (None for a readiness step).
         diagnosis: the incident diagnosis of a look (None for a readiness step); its ``memory`` is the loop's next.
     """
@@ -79,6 +81,7 @@ class Writes:
     events: tuple[report.Event, ...] = ()
     document: BudgetDocument | None = None
     restart: bool = False
+    replacement: leak_replacement.Actions = field(default_factory=leak_replacement.Actions)
     decision: Decision | None = None
     diagnosis: Diagnosis | None = None
 
@@ -167,14 +170,15 @@ def look_step(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, p
               data: Mapping[str, str] | None, obs: Observation, blind_floor: datetime, now: datetime,
               generation: int | None, ours: bool = True, diagnosis: DiagnosisMemory | None = None,
               leak_warmup_seconds: float = LEAK_WARMUP_SECONDS, template_hash: str | None = None,
-              policy: str = "threshold") -> Writes:
+              policy: str = "threshold", workload: Mapping[str, Any] | None = None) -> Writes:
     """Readiness, OOM kills (counted from the pods now: ``obs.new_oom_kills`` is replaced), the decision on
     ``obs``, the incident diagnosis (after the decision, from the same look: it never feeds it) and what they
     ask to write; ``ours``: the ConfigMap's document is the operator's (not a hand edit); ``diagnosis``: the
     loop's diagnosis memory (None: a fresh one, blind until ``blind_floor``); ``leak_warmup_seconds``: the
     operator's ``--leak-warmup-seconds`` (a younger pod's leak window still holds its warm-up); ``template_hash``:
     the current pod template's (:func:`rollout_readiness`); ``policy``: the
-    operator's ``--policy`` (:data:`DECIDERS`).
+    operator's ``--policy`` (:data:`DECIDERS`); ``workload``: the worker Deployment as the watch holds it (the
+    leak replacement reads its replicas, ``maxSurge`` and ``ReplicaFailure``: :func:`replaced`).
 
     Raises:
         KeyError: ``policy`` is not one of :data:`DECIDERS`.
@@ -197,8 +201,26 @@ def look_step(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, p
                      prior.diagnosis,
                      spec, now)
     looked, found_events = diagnosed(looked, found, now, generation)
-    return Writes(stable(new, looked, obs), (*events, *look_events, *found_events), document, decision.restart,
-                  decision, found)
+    looked, actions, replace_events = replaced(looked, spec, pods, obs, workload, policy, now)
+    return Writes(stable(new, looked, obs), (*events, *look_events, *found_events, *replace_events), document,
+                  decision.restart, actions, decision, found)
+
+
+def replaced(status: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, pods: list[dict[str, Any]],
+             obs: Observation, workload: Mapping[str, Any] | None, policy: str,
+             now: datetime) -> tuple[MoEInferenceServiceStatus, leak_replacement.Actions, list[report.Event]]:
+    """``status`` with the leak replacement's step (:func:`leak_replacement.plan`: ``leakReplacement`` and the
+    measured ready time in ``observed.replacementReadySeconds``), its writes and Events; unchanged where the
+    replacement does not apply (:func:`leak_replacement.applies`) and none is in progress."""
+    prior = status.leak_replacement
+    if not leak_replacement.applies(spec, policy) and prior is None:
+        return status, leak_replacement.Actions(), []
+    known = None if status.observed is None else status.observed.replacement_ready_seconds
+    step = leak_replacement.plan(prior, obs, pods, leak_replacement.workload_of(workload), spec, known, now)
+    update: dict[str, Any] = {"leak_replacement": step.state}
+    if status.observed is not None and step.ready_seconds != known:
+        update["observed"] = status.observed.model_copy(update={"replacement_ready_seconds": step.ready_seconds})
+    return status.model_copy(update=update), step.actions, list(step.events)
 
 
 CLEARED = "Cleared"

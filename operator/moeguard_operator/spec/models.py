@@ -416,7 +416,9 @@ class ControlSpec(_Model):
     cooldown_seconds: int = Field(default=30, ge=0, le=86_400)
     """Minimum seconds between two budget changes (an OOM kill does not wait)."""
     leak_action: Literal["Warn", "Restart"] = "Warn"
-    """On a suspected native leak: ``Warn`` (condition and Event) or ``Restart`` (roll the workers too)."""
+    """On a suspected native leak: ``Warn`` (condition and Event) or ``Restart`` (roll the workers too; with the
+    operator's ``--policy predictive`` on Deployment workers, each leaking pod is replaced before it reaches
+    hardLimit instead, surge first: ``status.leakReplacement``, docs/runbook.md)."""
     leak_horizon_seconds: int = Field(default=43_200, ge=60, le=604_800)
     """A leak is suspected when the RSS slope (over ``leakWindowSeconds``) would take memory from its current
     use to ``resources.hardLimit`` within this many seconds, and the slope is above the noise floor (64 KiB/s,
@@ -921,6 +923,11 @@ class Observed(_Model):
     full window)."""
     predicted_memory: list[PodMemoryPrediction] = Field(default_factory=list)
     """Per pod, the predicted memory peak at the budgets in effect (``--policy predictive`` only)."""
+    replacement_ready_seconds: float | None = None
+    """Seconds the newest worker pod took from its ``creationTimestamp`` to its ``Ready`` condition's
+    ``lastTransitionTime`` (measured from the service's own pods, not configured); the leak replacement's lead
+    time is built on it (``--policy predictive``, ``leakAction: Restart``, Deployment workers only). Null: not
+    measured yet (the replacement assumes 300 s)."""
 
 
 class ControlStatus(_Model):
@@ -938,6 +945,30 @@ class ControlStatus(_Model):
     """Last look without full visibility (the stabilization window restarts after it)."""
     oom_checked_time: datetime | None = None
     """OOM kills that finished after this time are new."""
+
+
+class LeakReplacementStatus(_Model):
+    """The pod the leak replacement is replacing now (``--policy predictive``, ``leakAction: Restart``, Deployment
+    workers), kept in status so an operator restart mid-way finishes or undoes it (one at a time per service)."""
+
+    pod: str
+    """The leaking pod being replaced."""
+    action: Literal["Surge", "Drain"]
+    """``Surge``: a pod is added first (Deployment replicas + 1, the leaking pod marked with
+    ``controller.kubernetes.io/pod-deletion-cost: -1000``), then replicas go back and the ReplicaSet removes the
+    leaking pod; ``Drain``: the leaking pod is deleted at once (graceful), no surge possible or in time."""
+    phase: Literal["Surging", "Draining"]
+    """``Surging``: waiting for the surge pod to be Ready (the Deployment holds ``replicas`` + 1);
+    ``Draining``: waiting for the leaking pod to be gone."""
+    started_at: datetime
+    """When the replacement started."""
+    hard_limit_at: datetime | None = None
+    """When the leaking pod is projected to reach ``resources.hardLimit`` (its RSS slope, updated at each look
+    that measures it)."""
+    replacement_pod: str | None = None
+    """The surge pod, once it exists."""
+    reason: str = ""
+    """Why this action (the projection and lead, or why no surge)."""
 
 
 FindingKind = Literal["BurstOverlap", "RoutingSkew", "LongContextPileUp", "NativeMemoryLeak", "PythonHeapLeak",
@@ -1048,3 +1079,5 @@ class MoEInferenceServiceStatus(_Model):
     diagnosis: DiagnosisStatus | None = None
     """Incident findings (``moeguard diagnose`` reads them); written by the diagnosis, never read by the budget
     policy."""
+    leak_replacement: LeakReplacementStatus | None = None
+    """The leak replacement in progress (null: none)."""

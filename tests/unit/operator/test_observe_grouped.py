@@ -338,3 +338,12 @@ def test_the_memory_prediction_inputs_and_the_latency_histograms_are_per_running
     short = pod_answers({("ns", "svc", "svc-a"): healthy(samples=1)})
     short["latency"] = answer(*hist)
     assert slice_look(URL, short, look(pods=("svc-a",)), NOW).latency == ()  # not every pod has a full window
+
+
+def test_each_pods_own_rss_slope_is_kept_for_the_pods_with_a_full_leak_window() -> None:
+    """The leak replacement judges each pod by its own slope (issue 30 item 4); the service-level slope stays the
+    highest."""
+    answers = pod_answers({("ns", "svc", "svc-a"): healthy(slope=1e6), ("ns", "svc", "svc-b"): healthy(slope=2e5),
+                           ("ns", "svc", "svc-young"): healthy(slope=9e9) | {"leak_history": 2}})
+    obs = slice_look(URL, answers, look(pods=("svc-a", "svc-b", "svc-young"), slope_pods=("svc-a", "svc-b")), NOW)
+    assert obs.pod_rss_slopes == (("svc-a", 1e6), ("svc-b", 2e5)) and obs.rss_slope_bytes_per_second == 1e6
