@@ -51,7 +51,7 @@ from moeguard_operator.children.builders import (
 from moeguard_operator.config import OperatorConfig
 from moeguard_operator.constants import FIELD_MANAGER
 from moeguard_operator.diagnosis.diagnosis import DiagnosisMemory
-from moeguard_operator.loop import budget_document, metrics, report, tick
+from moeguard_operator.loop import autoscale, budget_document, metrics, report, tick
 from moeguard_operator.loop.observation import Observation, leak_window_start
 from moeguard_operator.loop.observe import (
     QUERY_DEADLINE_SECONDS,
@@ -110,6 +110,8 @@ class Views:
     hand_edited: set[Key] = field(default_factory=set)
     """Budget ConfigMaps whose document is not the operator's (edited by hand)."""
     deployments: set[Key] = field(default_factory=set)
+    workload_replicas: dict[Key, int] = field(default_factory=dict)
+    """The worker workloads' ``spec.replicas`` as last seen (the autoscaler sets it again where it differs)."""
     missing: dict[Key, set[str]] = field(default_factory=dict)
     """Children seen deleted while their service lives: applied again."""
 
@@ -242,12 +244,16 @@ class ControlLoop:
             return
         if event_type == "DELETED":
             self.views.deployments.discard(key)
+            self.views.workload_replicas.pop(key, None)
             svc = self.views.services.get(key) or {}
             pods_per_replica = (((svc.get("spec") or {}).get("parallelism") or {}).get("podsPerReplica") or 1)
             if (obj.get("kind") == c.LWS_KIND) == (int(pods_per_replica) > 1):
                 self._child_gone(key, str(obj.get("kind") or "Deployment"))
         else:
             self.views.deployments.add(key)
+            replicas = (obj.get("spec") or {}).get("replicas")
+            if isinstance(replicas, int):
+                self.views.workload_replicas[key] = replicas
         self._touch(key)
 
     def _child_gone(self, key: Key, what: str) -> None:
@@ -403,7 +409,7 @@ class ControlLoop:
             return None
         if prior.budgets is None or prior.observed_generation != generation or report.is_stalled(prior, generation):
             return None
-        return mem.spec
+        return autoscale.serving_spec(mem.spec, prior)
 
     @staticmethod
     def _spec_of(mem: Memory) -> MoEInferenceServiceSpec:
@@ -442,7 +448,7 @@ class ControlLoop:
                                 (svc.get("metadata") or {}).get("generation"), key not in self.views.hand_edited,
                                 mem.diagnosis or DiagnosisMemory(blind_at=self.started),
                                 leak_warmup_seconds=self.config.leak_warmup_seconds, template_hash=mem.template_hash,
-                                policy=self.config.policy)
+                                policy=self.config.policy, workload_replicas=self.views.workload_replicas.get(key))
         if not obs.fully_visible:
             mem.blind_floor = max(mem.blind_floor, now)
         decision, found = writes.decision, writes.diagnosis
@@ -454,8 +460,11 @@ class ControlLoop:
             log.warning("%s/%s: diagnosis: %s started", key[0], key[1], kind)
         if decision.changed:
             log.info("%s/%s: budget %s: %s", key[0], key[1], decision.direction, decision.reason)
+        if writes.autoscale is not None and writes.autoscale.changed:
+            log.info("%s/%s: replicas %s: %s", key[0], key[1], writes.autoscale.direction, writes.autoscale.reason)
         missing = self.views.missing.get(key, set())
-        if missing or writes.events or writes.document or writes.restart or report.status_patch(prior, writes.status):
+        if (missing or writes.events or writes.document or writes.restart or writes.scale is not None
+                or report.status_patch(prior, writes.status)):
             self._submit(key, svc, spec, prior, writes, missing)
 
     def _submit(self, key: Key, svc: dict[str, Any], spec: MoEInferenceServiceSpec, prior: MoEInferenceServiceStatus,
@@ -534,8 +543,9 @@ class ControlLoop:
     # --- the writes (in a thread) ----------------------------------------------------------------------
     def _write(self, svc: dict[str, Any], spec: MoEInferenceServiceSpec, prior: MoEInferenceServiceStatus,
                writes: tick.Writes, missing: frozenset[str], data: dict[str, str] | None) -> dict[str, Any] | None:
-        """ConfigMap (where a decision becomes durable), a restart, the status, then its Events; returns the
-        service as stored after the status patch (None when the status did not change).
+        """ConfigMap (where a decision becomes durable), a restart, the status, the autoscaler's replica count on
+        the workload, then its Events; returns the service as stored after the status patch (None when the status
+        did not change).
 
         Raises:
             kubernetes.client.exceptions.ApiException, urllib3 errors: a request failed (retried by the loop).
@@ -566,6 +576,10 @@ class ControlLoop:
         patch = report.status_patch(prior, status)
         if patch:
             stored = kube.patch_status(owner.namespace, owner.name, patch, meta.get("resourceVersion"))
+        if writes.scale is not None:  # after the status: the decision is durable before the workload follows it
+            workload = build_workload(owner, spec)
+            kube.patch_workload(workload["apiVersion"], workload["kind"], owner.namespace, worker_name(owner),
+                                {"spec": {"replicas": writes.scale}})
         if writes.document is not None:
             self._pause("after-status")
         for event in writes.events:

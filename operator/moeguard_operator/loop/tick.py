@@ -41,7 +41,7 @@ from moeguard_operator.diagnosis.diagnosis import (
     diagnose,
     unchanged_but_time,
 )
-from moeguard_operator.loop import budget_document, predictive, report, rollout
+from moeguard_operator.loop import autoscale, budget_document, predictive, report, rollout
 from moeguard_operator.loop.conditions import set_condition
 from moeguard_operator.loop.observation import LEAK_WARMUP_SECONDS, Observation
 from moeguard_operator.loop.podstate import is_ready, pod_facts
@@ -73,6 +73,9 @@ class Writes:
         restart: roll the workers (leak action Restart) after the ConfigMap.
         decision: the policy decision of a look (None for a readiness step).
         diagnosis: the incident diagnosis of a look (None for a readiness step); its ``memory`` is the loop's next.
+        scale: the replica count to set on the worker workload after the status (``spec.autoscaling``: the
+            autoscaler changed it, or the workload's count differs from it); None: leave it.
+        autoscale: the autoscaler's decision of a look (None without ``spec.autoscaling``, or a readiness step).
     """
 
     status: MoEInferenceServiceStatus
@@ -81,6 +84,8 @@ class Writes:
     restart: bool = False
     decision: Decision | None = None
     diagnosis: Diagnosis | None = None
+    scale: int | None = None
+    autoscale: autoscale.ScaleDecision | None = None
 
 
 def ready_pods(pods: Iterable[Pod]) -> int:
@@ -167,14 +172,17 @@ def look_step(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, p
               data: Mapping[str, str] | None, obs: Observation, blind_floor: datetime, now: datetime,
               generation: int | None, ours: bool = True, diagnosis: DiagnosisMemory | None = None,
               leak_warmup_seconds: float = LEAK_WARMUP_SECONDS, template_hash: str | None = None,
-              policy: str = "threshold") -> Writes:
+              policy: str = "threshold", workload_replicas: int | None = None) -> Writes:
     """Readiness, OOM kills (counted from the pods now: ``obs.new_oom_kills`` is replaced), the decision on
     ``obs``, the incident diagnosis (after the decision, from the same look: it never feeds it) and what they
     ask to write; ``ours``: the ConfigMap's document is the operator's (not a hand edit); ``diagnosis``: the
     loop's diagnosis memory (None: a fresh one, blind until ``blind_floor``); ``leak_warmup_seconds``: the
     operator's ``--leak-warmup-seconds`` (a younger pod's leak window still holds its warm-up); ``template_hash``:
     the current pod template's (:func:`rollout_readiness`); ``policy``: the
-    operator's ``--policy`` (:data:`DECIDERS`).
+    operator's ``--policy`` (:data:`DECIDERS`); ``workload_replicas``: the worker workload's replica count as the
+    watch last saw it (None: not seen). With ``spec.autoscaling`` the autoscaler decides from the same look,
+    after the budget policy (:func:`autoscale.decide`, at the budgets just decided); ``spec`` is then the
+    serving spec (:func:`autoscale.serving_spec`).
 
     Raises:
         KeyError: ``policy`` is not one of :data:`DECIDERS`.
@@ -197,8 +205,16 @@ def look_step(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, p
                      prior.diagnosis,
                      spec, now)
     looked, found_events = diagnosed(looked, found, now, generation)
-    return Writes(stable(new, looked, obs), (*events, *look_events, *found_events), document, decision.restart,
-                  decision, found)
+    scaled, scale = None, None
+    scale_events: list[report.Event] = []
+    if spec.autoscaling is not None:
+        scaled = autoscale.decide(obs, autoscale.state_of(prior, spec), spec, decision.state.budgets,
+                                  new.ready_replicas or 0, now, blind_floor)
+        looked, scale_events = autoscale.autoscaled(looked, scaled)
+        desired = scaled.state.desired
+        scale = desired if scaled.changed or (workload_replicas is not None and workload_replicas != desired) else None
+    return Writes(stable(new, looked, obs), (*events, *look_events, *found_events, *scale_events), document,
+                  decision.restart, decision, found, scale, scaled)
 
 
 CLEARED = "Cleared"
