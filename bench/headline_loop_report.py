@@ -155,7 +155,10 @@ def render(meta: dict[str, Any], runs: dict[str, list[dict[str, Any]]], pilot: b
         "floor is 64 (the plan's 256 per step is the default floor). The two loop arms differ only in the operator's "
         "`--policy`: **threshold-loop** runs `threshold` (issue 11's policy: halve on a crossed threshold, overload from "
         "the refusal rate), **full-moeguard** runs `predictive` (issue 30: tighten only what the predicted step peak "
-        "says will not fit, overload from SLO attainment; `spec.slo` at its defaults).",
+        "says will not fit, overload from SLO attainment; `spec.slo` at its defaults)."
+        + (f" Both operators run with `--leak-warmup-seconds {meta['leak_warmup_s']:g}` (default 90): the leaking "
+           "replica dies about 86 s after its pod started, before a 90-s warm-up and the leak window could judge it."
+           if meta.get("leak_warmup_s") is not None else ""),
         "",
         "## Results (medians of the repetitions)",
         "",
