@@ -146,15 +146,21 @@ def state_of(status: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec) -
                           saved.scale_down_since)
 
 
+def base_replicas(spec: MoEInferenceServiceSpec, status: MoEInferenceServiceStatus) -> int:
+    """The workload's base replica count: :func:`worker_replicas` of ``spec`` at the autoscaler's count in
+    ``status`` (``spec.replicas`` without ``spec.autoscaling``). A leak replacement's surge is one replica on top
+    of it (:func:`leak_replacement.surge_replicas`). The same for ``spec`` and for its :func:`serving_spec`."""
+    return worker_replicas(spec, status.autoscaling.desired_replicas if status.autoscaling is not None else None)
+
+
 def serving_spec(spec: MoEInferenceServiceSpec, status: MoEInferenceServiceStatus) -> MoEInferenceServiceSpec:
     """``spec`` with ``replicas`` as the workload runs them: the autoscaler's count in ``status`` (within the
-    bounds: :func:`worker_replicas`) when ``spec.autoscaling`` is set, else ``spec`` itself. The readiness
+    bounds: :func:`base_replicas`) when ``spec.autoscaling`` is set, else ``spec`` itself. The readiness
     report, the builders and the loop read this, so "3/3 ready" counts the replicas the autoscaler asked for;
     the stored spec is never written."""
     if spec.autoscaling is None:
         return spec
-    desired = status.autoscaling.desired_replicas if status.autoscaling is not None else None
-    return spec.model_copy(update={"replicas": worker_replicas(spec, desired)})
+    return spec.model_copy(update={"replicas": base_replicas(spec, status)})
 
 
 def scale_signals(obs: Observation, spec: MoEInferenceServiceSpec) -> ScaleSignals:

@@ -232,12 +232,15 @@ def replaced(status: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, p
              now: datetime) -> tuple[MoEInferenceServiceStatus, leak_replacement.Actions, list[report.Event]]:
     """``status`` with the leak replacement's step (:func:`leak_replacement.plan`: ``leakReplacement`` and the
     measured ready time in ``observed.replacementReadySeconds``), its writes and Events; unchanged where the
-    replacement does not apply (:func:`leak_replacement.applies`) and none is in progress."""
+    replacement does not apply (:func:`leak_replacement.applies`) and none is in progress. The surge is one
+    replica on top of the base count, the autoscaler's where ``spec.autoscaling`` is set
+    (:func:`autoscale.base_replicas`)."""
     prior = status.leak_replacement
     if not leak_replacement.applies(spec, policy) and prior is None:
         return status, leak_replacement.Actions(), []
     known = None if status.observed is None else status.observed.replacement_ready_seconds
-    step = leak_replacement.plan(prior, obs, pods, leak_replacement.workload_of(workload), spec, known, now)
+    step = leak_replacement.plan(prior, obs, pods, leak_replacement.workload_of(workload), spec, known, now,
+                                 base=autoscale.base_replicas(spec, status))
     update: dict[str, Any] = {"leak_replacement": step.state}
     if status.observed is not None and step.ready_seconds != known:
         update["observed"] = status.observed.model_copy(update={"replacement_ready_seconds": step.ready_seconds})
