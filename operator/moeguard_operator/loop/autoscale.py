@@ -42,6 +42,14 @@ The spec is never written: a GitOps tool that owns the resource sees no drift.
   not "fits"). A scale-up also waits while a replica is not ready (one that cannot be scheduled, for lack of
   node memory or GPUs, stays Pending: adding more would not help). A refusal is reported
   (``status.autoscaling.scaleUpRefused``, a ``ScaleUpRefused`` Warning Event when it starts).
+* **A leak replacement holds the count** (:mod:`leak_replacement`, ``status.leakReplacement``): on every look
+  where one is in progress, or starts or ends, no step is taken (not even the bounds') and both windows restart
+  (the look's pods include the surge pod and the leaking one: its signals are not the base count's). The
+  autoscaler then writes *no* replica count at all, not even to set a drifted workload back
+  (:func:`tick.scaled`): the leak replacement owns the workload's ``spec.replicas`` until it ends (base + 1
+  while ``Surging``, the base once the surge pod is Ready), so the autoscaler can never undo a surge. The base
+  is this autoscaler's count (:func:`base_replicas`), which therefore does not move under a surge. The status
+  reason says so (``leak replacement of pod ... in progress``).
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ from moeguard_operator.loop.slo import attainments
 from moeguard_operator.spec.models import (
     AutoscalingSpec,
     AutoscalingStatus,
+    LeakReplacementStatus,
     MoEInferenceServiceSpec,
     MoEInferenceServiceStatus,
 )
@@ -252,11 +261,13 @@ def _calm(signals: ScaleSignals, replicas: int, spec: MoEInferenceServiceSpec, a
 
 
 def decide(observation: Observation, state: AutoscaleState, spec: MoEInferenceServiceSpec, budgets: Budgets,
-           ready: int, now: datetime, blind_floor: datetime | None = None) -> ScaleDecision:
+           ready: int, now: datetime, blind_floor: datetime | None = None,
+           replacement: LeakReplacementStatus | None = None) -> ScaleDecision:
     """The replica count after one look (see the module docstring): ``state`` as persisted
     (:func:`state_of`), ``budgets`` the budgets in effect after this look's policy decision (the new replica
     runs them), ``ready`` the replicas ready now, ``blind_floor`` the latest moment this process could not see
-    the service (None: none).
+    the service (None: none), ``replacement`` a leak replacement in progress, starting or ending in this look
+    (None: none; else the count holds and the windows restart).
 
     Raises:
         ValueError: ``spec.autoscaling`` is not set.
@@ -266,6 +277,11 @@ def decide(observation: Observation, state: AutoscaleState, spec: MoEInferenceSe
         raise ValueError("decide needs spec.autoscaling")
     obs, n = observation, state.desired
     signals = scale_signals(obs, spec)
+    if replacement is not None:
+        return ScaleDecision(AutoscaleState(n, state.last_scale), "hold", "Hold",
+                             f"leak replacement of pod {replacement.pod} in progress ({replacement.action}, "
+                             f"{replacement.phase}): holding {n} replicas, no replica count written until it ends "
+                             "(the windows restart)", signals)
     bounded = max(auto.min_replicas, min(auto.max_replicas, n))
     if bounded != n:
         bound = "minReplicas" if bounded > n else "maxReplicas"

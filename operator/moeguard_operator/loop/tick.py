@@ -58,6 +58,7 @@ from moeguard_operator.spec.models import (
     ControlStatus,
     DiagnosisStatus,
     GroupStatus,
+    LeakReplacementStatus,
     MoEInferenceServiceSpec,
     MoEInferenceServiceStatus,
 )
@@ -195,8 +196,9 @@ def look_step(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, p
     leak replacement reads its replicas, ``maxSurge`` and ``ReplicaFailure``: :func:`replaced`);
     ``workload_replicas``: the worker workload's replica count as the watch last saw it (None: not seen). With
     ``spec.autoscaling`` the autoscaler decides from the same look, after the budget policy and the leak
-    replacement (:func:`autoscale.decide`, at the budgets just decided: :func:`scaled`); ``spec`` is then the
-    serving spec (:func:`autoscale.serving_spec`).
+    replacement (:func:`autoscale.decide`, at the budgets just decided; it holds, and writes no count, while a
+    replacement is in progress, starts or ends in this look: :func:`scaled`); ``spec`` is then the serving spec
+    (:func:`autoscale.serving_spec`).
 
     Raises:
         KeyError: ``policy`` is not one of :data:`DECIDERS`.
@@ -222,7 +224,7 @@ def look_step(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, p
     looked, actions, replace_events = replaced(looked, spec, pods, obs, workload, policy, now)
     looked, scale_decision, scale, scale_events = scaled(
         looked, autoscale.state_of(prior, spec), spec, obs, decision.state.budgets, new.ready_replicas or 0, now,
-        blind_floor, workload_replicas)
+        blind_floor, prior.leak_replacement or looked.leak_replacement, workload_replicas)
     return Writes(stable(new, looked, obs), (*events, *look_events, *found_events, *replace_events, *scale_events),
                   document, decision.restart, actions, decision, found, scale, scale_decision)
 
@@ -249,19 +251,22 @@ def replaced(status: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, p
 
 def scaled(status: MoEInferenceServiceStatus, state: autoscale.AutoscaleState, spec: MoEInferenceServiceSpec,
            obs: Observation, budgets: Budgets, ready: int, now: datetime, blind_floor: datetime,
+           replacement: LeakReplacementStatus | None,
            workload_replicas: int | None) -> tuple[MoEInferenceServiceStatus, autoscale.ScaleDecision | None,
                                                    int | None, list[report.Event]]:
     """``status`` with the autoscaler's decision from ``state`` (the prior status's: :func:`autoscale.state_of`;
     ``spec.autoscaling`` only: else unchanged and None), the replica count to write on the workload and its
-    Events: the count is written when the autoscaler changed it or the workload's (``workload_replicas``)
-    differs."""
+    Events. ``replacement``: a leak replacement in progress, or starting or ending in this look: the autoscaler
+    holds (:func:`autoscale.decide`) and no count is written, the leak replacement owns the workload's replicas
+    until the look after it ends (its surge is never undone). Otherwise the count is written when the autoscaler
+    changed it or the workload's (``workload_replicas``) differs."""
     if spec.autoscaling is None:
         return status, None, None, []
-    decision = autoscale.decide(obs, state, spec, budgets, ready, now, blind_floor)
+    decision = autoscale.decide(obs, state, spec, budgets, ready, now, blind_floor, replacement)
     status, events = autoscale.autoscaled(status, decision)
     desired = decision.state.desired
     drifted = workload_replicas is not None and workload_replicas != desired
-    scale = desired if decision.changed or drifted else None
+    scale = None if replacement is not None else desired if decision.changed or drifted else None
     return status, decision, scale, events
 
 

@@ -9,16 +9,22 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from tests.unit.operator import test_autoscale as ta
 from tests.unit.operator.test_leak_replacement import NOW, PODS, SPEC, obs, pod, surging
 
 from moeguard_operator.loop import autoscale, tick
 from moeguard_operator.loop import leak_replacement as lr
+from moeguard_operator.loop.autoscale import AutoscaleState
 from moeguard_operator.loop.leak_replacement import Actions, Workload, plan
+from moeguard_operator.loop.observation import ClassLatency, Observation
+from moeguard_operator.loop.policy import initial_budgets
+from moeguard_operator.loop.signals import DiagnosisSignals, PodSignals
 from moeguard_operator.spec.models import (
     AutoscalingStatus,
     LeakReplacementStatus,
     MoEInferenceServiceSpec,
     MoEInferenceServiceStatus,
+    Observed,
 )
 
 pytestmark = pytest.mark.unit
@@ -98,3 +104,81 @@ def test_the_look_passes_the_autoscalers_count_to_the_replacement() -> None:
     _, back, _ = tick.replaced(status(surging()), AUTO_SPEC, ready, obs(80), {"spec": {"replicas": DESIRED + 1}},
                                "predictive", NOW + timedelta(seconds=1))
     assert back == Actions(replicas=DESIRED)
+
+
+# --- (2) the autoscaler holds while a leak replacement is in progress -------------------------------------------
+@pytest.mark.parametrize("replacement", [surging(), draining(),
+                                         LeakReplacementStatus(pod="w-a", action="Drain", phase="Draining",
+                                                               started_at=NOW)])
+def test_the_autoscaler_takes_no_step_during_a_leak_replacement_and_restarts_its_windows(
+        replacement: LeakReplacementStatus) -> None:
+    up = ta.obs(2, queue=10.0, ttft=ta.MISSED)
+    state = AutoscaleState(2, up_since=ta.ago(60))
+    assert ta.run(up, state).direction == "up"  # without a replacement: one replica added
+    held = autoscale.decide(up, state, ta.SPEC, ta.BUDGETS, 2, NOW, None, replacement)
+    assert (held.direction, held.recommendation, held.state) == ("hold", "Hold", AutoscaleState(2))
+    assert held.reason.startswith(f"leak replacement of pod w-a in progress ({replacement.action}, "
+                                  f"{replacement.phase}): holding 2 replicas")
+    bounded = autoscale.decide(ta.obs(), AutoscaleState(9), ta.SPEC, ta.BUDGETS, 9, NOW, None, replacement)
+    assert bounded.direction == "hold" and bounded.state.desired == 9  # not even the bounds' step
+
+
+def _looked(replacement: LeakReplacementStatus | None, **autoscaling: Any) -> MoEInferenceServiceStatus:
+    return MoEInferenceServiceStatus(budgets=initial_budgets(SPEC.batching), observed=Observed(time=NOW - timedelta(
+        minutes=1)), autoscaling=AutoscalingStatus(desired_replicas=DESIRED, **autoscaling),
+        leak_replacement=replacement)
+
+
+def test_during_a_surge_the_autoscaler_never_sets_the_surged_deployment_back_to_its_count() -> None:
+    prior = _looked(surging())
+    pods = [pod("w-a", cost="-1000"), pod("w-b"), pod("w-c", created=1200), pod("w-d", created=20, ready_after=None)]
+    writes = tick.look_step(prior, autoscale.serving_spec(AUTO_SPEC, prior), pods, None, obs(80), NOW - timedelta(
+        hours=1), NOW, 1, policy="predictive", workload={"spec": {"replicas": DESIRED + 1}, "status": {}},
+        workload_replicas=DESIRED + 1)
+    assert writes.status.leak_replacement is not None and writes.status.leak_replacement.phase == "Surging"
+    assert writes.scale is None  # base + 1 differs from the autoscaler's 3: left alone, the surge is not undone
+    assert not writes.replacement  # the Deployment already shows the surge
+    assert writes.status.autoscaling is not None and writes.status.autoscaling.desired_replicas == DESIRED
+    assert "leak replacement of pod w-a in progress (Surge, Surging)" in writes.status.autoscaling.reason
+
+
+def _leaking_and_loaded() -> Observation:
+    """A look where w-a's replacement is due and the interactive SLO is missed with long queues (up)."""
+    leak = obs(100)
+    names = ("w-a", "w-b", "w-c")
+    return Observation(time=NOW, memory_ratio=leak.memory_ratio, rss_slope_bytes_per_second=leak.
+                       rss_slope_bytes_per_second, pod_rss_slopes=leak.pod_rss_slopes, pod_loads=leak.pod_loads,
+                       expected_pods=names, reporting_pods=names,
+                       latency=(ClassLatency("interactive", ta.MISSED, ta.MET_TPOT),),
+                       signals=DiagnosisSignals(pods=tuple(PodSignals(p, queue_requests=10.0) for p in names)))
+
+
+GPU_SPEC = AUTO_SPEC.model_copy(update={"resources": AUTO_SPEC.resources.model_copy(update={"gpus": 1})})
+"""GPU workers: the memory model does not apply, so a scale-up is allowed (:func:`autoscale.new_replica_fit`)."""
+
+
+def test_a_look_that_starts_a_replacement_takes_no_scale_step_and_the_surge_is_on_the_autoscalers_count() -> None:
+    pods = [pod("w-a"), pod("w-b"), pod("w-c", created=1200)]
+    prior = _looked(None, scale_up_since=NOW - timedelta(minutes=10))
+    scaling = tick.look_step(prior, autoscale.serving_spec(GPU_SPEC, prior), pods, None, _leaking_and_loaded(),
+                             NOW - timedelta(hours=1), NOW, 1, workload={"spec": {"replicas": DESIRED}, "status": {}},
+                             workload_replicas=DESIRED)
+    assert scaling.scale == DESIRED + 1  # the threshold policy does no replacement: the autoscaler steps up
+    writes = tick.look_step(prior, autoscale.serving_spec(GPU_SPEC, prior), pods, None, _leaking_and_loaded(),
+                            NOW - timedelta(hours=1), NOW, 1, policy="predictive",
+                            workload={"spec": {"replicas": DESIRED}, "status": {}}, workload_replicas=DESIRED)
+    assert writes.status.leak_replacement is not None and writes.status.leak_replacement.phase == "Surging"
+    assert writes.replacement == Actions(mark_pod="w-a", replicas=DESIRED + 1)
+    assert writes.scale is None and writes.autoscale is not None and writes.autoscale.direction == "hold"
+    assert writes.status.autoscaling is not None and writes.status.autoscaling.desired_replicas == DESIRED
+
+
+def test_the_look_that_ends_a_replacement_still_holds() -> None:
+    prior = _looked(surging(), scale_up_since=NOW - timedelta(minutes=10))
+    gone = [pod("w-b"), pod("w-c", created=1200), pod("w-d", created=20, ready_after=None)]  # w-a went first
+    writes = tick.look_step(prior, autoscale.serving_spec(GPU_SPEC, prior), gone, None, _leaking_and_loaded(),
+                            NOW - timedelta(hours=1), NOW, 1, policy="predictive",
+                            workload={"spec": {"replicas": DESIRED + 1}, "status": {}},
+                            workload_replicas=DESIRED + 1)
+    assert writes.status.leak_replacement is None and writes.replacement == Actions(replicas=DESIRED)  # undone
+    assert writes.scale is None and writes.autoscale is not None and writes.autoscale.direction == "hold"
