@@ -5,16 +5,23 @@ autoscaler decided 3 here."""
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 from typing import Any
 
+import kopf
 import pytest
 from tests.unit.operator import test_autoscale as ta
 from tests.unit.operator.test_leak_replacement import NOW, PODS, SPEC, obs, pod, surging
 
+from moeguard_operator import handlers
+from moeguard_operator.children import children, kube
+from moeguard_operator.children.builders import Owner, build_children
+from moeguard_operator.config import MEMO_KEY, OperatorConfig
 from moeguard_operator.loop import autoscale, tick
 from moeguard_operator.loop import leak_replacement as lr
 from moeguard_operator.loop.autoscale import AutoscaleState
+from moeguard_operator.loop.control_loop import ControlLoop
 from moeguard_operator.loop.leak_replacement import Actions, Workload, plan
 from moeguard_operator.loop.observation import ClassLatency, Observation
 from moeguard_operator.loop.policy import initial_budgets
@@ -182,3 +189,52 @@ def test_the_look_that_ends_a_replacement_still_holds() -> None:
                             workload_replicas=DESIRED + 1)
     assert writes.status.leak_replacement is None and writes.replacement == Actions(replicas=DESIRED)  # undone
     assert writes.scale is None and writes.autoscale is not None and writes.autoscale.direction == "hold"
+
+
+# --- (3) the reconcile and the loop's re-apply of a deleted Deployment -------------------------------------------
+def _applied_replicas(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record the worker Deployment's replicas each ``children.apply_children`` call would apply."""
+    seen: list[int] = []
+
+    def apply_children(owner: Owner, spec: MoEInferenceServiceSpec, replicas: int | None = None) -> None:
+        (deployment,) = [m for m in build_children(owner, spec, replicas) if m["kind"] == "Deployment"]
+        seen.append(deployment["spec"]["replicas"])
+
+    monkeypatch.setattr(children, "apply_children", apply_children)
+    return seen
+
+
+@pytest.mark.parametrize(("replacement", "expected"), [(surging(), DESIRED + 1), (draining(), DESIRED),
+                                                       (None, DESIRED)])
+def test_the_reconcile_applies_the_autoscalers_count_plus_the_surge(
+        monkeypatch: pytest.MonkeyPatch, replacement: LeakReplacementStatus | None, expected: int) -> None:
+    seen = _applied_replicas(monkeypatch)
+    monkeypatch.setattr(kube, "read_configmap", lambda namespace, name: None)
+    monkeypatch.setattr(children, "apply_budget_document", lambda owner, data, document: document)
+    monkeypatch.setattr(handlers.kopf, "info", lambda *a, **k: None)
+    monkeypatch.setattr(handlers.kopf, "warn", lambda *a, **k: None)
+    body = kopf.Body({"metadata": {"name": "svc", "namespace": "ns", "uid": "uid", "generation": 1},
+                      "spec": AUTO_SPEC.model_dump(mode="json", by_alias=True, exclude_none=True),
+                      "status": status(replacement).model_dump(mode="json", by_alias=True, exclude_none=True)})
+    patch = kopf.Patch()
+    handlers.reconcile(body=body, spec=body.spec, status=body.status, meta=body.meta, name="svc", namespace="ns",
+                       uid="uid", patch=patch, memo=kopf.Memo({MEMO_KEY: OperatorConfig()}), retry=0,
+                       logger=logging.getLogger("test"))
+    assert seen == [expected]
+    assert patch.status["replicas"] == DESIRED  # the status counts the base, not the surge pod
+
+
+def test_the_loop_applies_a_deleted_deployment_again_at_the_autoscalers_count_plus_the_surge(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _applied_replicas(monkeypatch)
+    posted: list[str] = []
+    monkeypatch.setattr(kube, "post_event", lambda involved, type_, reason, message, now: posted.append(reason))
+    prior = status(surging())
+    loop = ControlLoop(OperatorConfig())
+    try:
+        svc = {"metadata": {"name": "svc", "namespace": "ns", "uid": "uid", "resourceVersion": "1"}}
+        loop._write(svc, autoscale.serving_spec(AUTO_SPEC, prior), prior, tick.Writes(status=prior),
+                    frozenset({"Deployment"}), None)
+    finally:
+        loop.shutdown()
+    assert seen == [DESIRED + 1] and posted == ["ChildRecreated"]
