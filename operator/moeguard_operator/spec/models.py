@@ -533,7 +533,8 @@ class AutoscalingSpec(_Model):
     (``scaleUp``/``scaleDown.stabilizationWindowSeconds``, kubernetes.io "Horizontal Pod Autoscaling",
     "Stabilization window"): a step is taken only once every fully visible look of the whole window recommended
     it; moeguard moves at most one replica per step, and a step, or a look that is not fully visible, restarts
-    both windows."""
+    both windows. While a leak replacement is in progress (``status.leakReplacement``) the count holds and no
+    replica count is written (its surge is one replica on top of this count)."""
 
     model_config = ConfigDict(json_schema_extra=_cel(
         ("self.minReplicas <= self.maxReplicas", "autoscaling.minReplicas must be <= autoscaling.maxReplicas",
@@ -1002,11 +1003,12 @@ class LeakReplacementStatus(_Model):
     pod: str
     """The leaking pod being replaced."""
     action: Literal["Surge", "Drain"]
-    """``Surge``: a pod is added first (Deployment replicas + 1, the leaking pod marked with
+    """``Surge``: a pod is added first (Deployment replicas + 1 on top of ``spec.replicas``, or of
+    ``status.autoscaling.desiredReplicas`` with ``spec.autoscaling``; the leaking pod marked with
     ``controller.kubernetes.io/pod-deletion-cost: -1000``), then replicas go back and the ReplicaSet removes the
     leaking pod; ``Drain``: the leaking pod is deleted at once (graceful), no surge possible or in time."""
     phase: Literal["Surging", "Draining"]
-    """``Surging``: waiting for the surge pod to be Ready (the Deployment holds ``replicas`` + 1);
+    """``Surging``: waiting for the surge pod to be Ready (the Deployment holds that count + 1);
     ``Draining``: waiting for the leaking pod to be gone."""
     started_at: datetime
     """When the replacement started."""
@@ -1096,7 +1098,8 @@ class AutoscalingStatus(_Model):
     restart resumes it; the worker workload's replica count follows ``desiredReplicas``."""
 
     desired_replicas: int
-    """Replicas the autoscaler decided (the workload's ``spec.replicas``)."""
+    """Replicas the autoscaler decided (the workload's ``spec.replicas``; one more while a leak replacement's
+    surge is ``Surging``)."""
     attainment: float | None = None
     """The interactive class's lower SLO attainment of TTFT and TPOT over ``control.windowSeconds`` (null: none
     in the window)."""
