@@ -35,7 +35,7 @@ from moeguard_operator import constants as c
 from moeguard_operator.children import apply_errors, children, kube
 from moeguard_operator.children.builders import Owner, selector_string
 from moeguard_operator.config import MEMO_KEY, OperatorConfig, from_memo
-from moeguard_operator.loop import budget_document, leak_replacement, metrics, report
+from moeguard_operator.loop import autoscale, budget_document, leak_replacement, metrics, report
 from moeguard_operator.loop.control_loop import ControlLoop
 from moeguard_operator.spec.models import MoEInferenceServiceStatus
 from moeguard_operator.spec.spec_checks import (
@@ -155,7 +155,8 @@ def reconcile(
             kopf.warn(body, reason="MemoryPredicted", message=warning)
         check_model_source(parsed, config.allow_host_path_models)
         check_prometheus_url(parsed, config.prometheus_urls)
-        # a leak replacement's surge pod is kept (status.leakReplacement): never scaled away by a reconcile
+        parsed = autoscale.serving_spec(parsed, prior)  # spec.autoscaling: the replicas the autoscaler decided
+        # on top of them, a leak replacement's surge pod is kept (status.leakReplacement): never scaled away here
         children.apply_children(owner, parsed, leak_replacement.surge_replicas(parsed, prior))
     except SpecError as exc:
         _stall(body, patch, prior, exc.reason, str(exc), now, generation, "invalid")

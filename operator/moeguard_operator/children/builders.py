@@ -250,9 +250,20 @@ def template_hash(owner: Owner, spec: MoEInferenceServiceSpec) -> str:
     return str(pod_template(owner, spec)["metadata"]["labels"][c.TEMPLATE_HASH_LABEL])
 
 
+def worker_replicas(spec: MoEInferenceServiceSpec, desired: int | None = None) -> int:
+    """The worker workload's replica count: ``spec.replicas`` without ``spec.autoscaling``; with it, the
+    autoscaler's ``desired`` count (``status.autoscaling.desiredReplicas``; None before its first decision:
+    ``spec.replicas``), clamped to ``minReplicas``..``maxReplicas``. The one place the count is decided, for
+    every builder and for the control loop's readiness (:func:`moeguard_operator.loop.autoscale.serving_spec`)."""
+    auto = spec.autoscaling
+    if auto is None:
+        return spec.replicas
+    return max(auto.min_replicas, min(auto.max_replicas, spec.replicas if desired is None else desired))
+
+
 def build_deployment(owner: Owner, spec: MoEInferenceServiceSpec, replicas: int | None = None) -> Manifest:
-    """The worker Deployment (``parallelism.podsPerReplica: 1``), one pod per replica: ``spec.replicas``, or
-    ``replicas`` where given (a leak replacement's surge: ``leak_replacement.surge_replicas``).
+    """The worker Deployment (``parallelism.podsPerReplica: 1``), one pod per replica: :func:`worker_replicas`,
+    or ``replicas`` where given (a leak replacement's surge on top of it: ``leak_replacement.surge_replicas``).
 
     A change of the spec changes the pod template and so rolls the workers; budget
     changes do not (they travel through the ConfigMap).
@@ -262,7 +273,7 @@ def build_deployment(owner: Owner, spec: MoEInferenceServiceSpec, replicas: int 
         "kind": "Deployment",
         "metadata": _metadata(owner, worker_name(owner)),
         "spec": {
-            "replicas": spec.replicas if replicas is None else replicas,
+            "replicas": worker_replicas(spec) if replicas is None else replicas,
             "selector": {"matchLabels": selector_labels(owner)},
             "template": pod_template(owner, spec),
         },
@@ -283,7 +294,7 @@ def build_leader_worker_set(owner: Owner, spec: MoEInferenceServiceSpec) -> Mani
         "kind": c.LWS_KIND,
         "metadata": _metadata(owner, worker_name(owner)),
         "spec": {
-            "replicas": spec.replicas,
+            "replicas": worker_replicas(spec),
             "startupPolicy": "LeaderCreated",
             "networkConfig": {"subdomainPolicy": "Shared"},
             "rolloutStrategy": {"type": "RollingUpdate", "rollingUpdateConfiguration": {"maxUnavailable": 1,

@@ -86,8 +86,8 @@ def read_configmap(namespace: str, name: str) -> dict[str, Any] | None:
 
 
 def patch_workload(api_version: str, kind: str, namespace: str, name: str, body: dict[str, Any]) -> None:
-    """Merge-patch the workers' Deployment or LeaderWorkerSet (the rolling restart annotation, a leak
-    replacement's ``spec.replicas``)."""
+    """Merge-patch the workers' Deployment or LeaderWorkerSet: the rolling restart annotation, and
+    ``spec.replicas`` (the autoscaler's count, a leak replacement's surge)."""
     resource = _dynamic().resources.get(api_version=api_version, kind=kind)
     resource.patch(body=body, name=name, namespace=namespace, content_type="application/merge-patch+json",
                    _request_timeout=REQUEST_TIMEOUT)

@@ -52,7 +52,14 @@ from moeguard_operator.children.builders import (
 from moeguard_operator.config import OperatorConfig
 from moeguard_operator.constants import FIELD_MANAGER
 from moeguard_operator.diagnosis.diagnosis import DiagnosisMemory
-from moeguard_operator.loop import budget_document, leak_replacement, metrics, report, tick
+from moeguard_operator.loop import (
+    autoscale,
+    budget_document,
+    leak_replacement,
+    metrics,
+    report,
+    tick,
+)
 from moeguard_operator.loop.observation import Observation, leak_window_start
 from moeguard_operator.loop.observe import (
     QUERY_DEADLINE_SECONDS,
@@ -137,6 +144,8 @@ class Views:
     deployments: set[Key] = field(default_factory=set)
     workloads: dict[Key, dict[str, Any]] = field(default_factory=dict)
     """The worker Deployments (:func:`slim_deployment`), read by the leak replacement."""
+    workload_replicas: dict[Key, int] = field(default_factory=dict)
+    """The worker workloads' ``spec.replicas`` as last seen (the autoscaler sets it again where it differs)."""
     missing: dict[Key, set[str]] = field(default_factory=dict)
     """Children seen deleted while their service lives: applied again."""
 
@@ -271,6 +280,7 @@ class ControlLoop:
             self.views.deployments.discard(key)
             if obj.get("kind", "Deployment") == "Deployment":
                 self.views.workloads.pop(key, None)
+            self.views.workload_replicas.pop(key, None)
             svc = self.views.services.get(key) or {}
             pods_per_replica = (((svc.get("spec") or {}).get("parallelism") or {}).get("podsPerReplica") or 1)
             if (obj.get("kind") == c.LWS_KIND) == (int(pods_per_replica) > 1):
@@ -279,6 +289,9 @@ class ControlLoop:
             self.views.deployments.add(key)
             if obj.get("kind", "Deployment") == "Deployment":
                 self.views.workloads[key] = slim_deployment(obj)
+            replicas = (obj.get("spec") or {}).get("replicas")
+            if isinstance(replicas, int):
+                self.views.workload_replicas[key] = replicas
         self._touch(key)
 
     def _child_gone(self, key: Key, what: str) -> None:
@@ -434,7 +447,7 @@ class ControlLoop:
             return None
         if prior.budgets is None or prior.observed_generation != generation or report.is_stalled(prior, generation):
             return None
-        return mem.spec
+        return autoscale.serving_spec(mem.spec, prior)
 
     @staticmethod
     def _spec_of(mem: Memory) -> MoEInferenceServiceSpec:
@@ -473,7 +486,8 @@ class ControlLoop:
                                 (svc.get("metadata") or {}).get("generation"), key not in self.views.hand_edited,
                                 mem.diagnosis or DiagnosisMemory(blind_at=self.started),
                                 leak_warmup_seconds=self.config.leak_warmup_seconds, template_hash=mem.template_hash,
-                                policy=self.config.policy, workload=self.views.workloads.get(key))
+                                policy=self.config.policy, workload=self.views.workloads.get(key),
+                                workload_replicas=self.views.workload_replicas.get(key))
         if not obs.fully_visible:
             mem.blind_floor = max(mem.blind_floor, now)
         decision, found = writes.decision, writes.diagnosis
@@ -485,8 +499,11 @@ class ControlLoop:
             log.warning("%s/%s: diagnosis: %s started", key[0], key[1], kind)
         if decision.changed:
             log.info("%s/%s: budget %s: %s", key[0], key[1], decision.direction, decision.reason)
+        if writes.autoscale is not None and writes.autoscale.changed:
+            log.info("%s/%s: replicas %s: %s", key[0], key[1], writes.autoscale.direction, writes.autoscale.reason)
         missing = self.views.missing.get(key, set())
-        if (missing or writes.events or writes.document or writes.restart or writes.replacement
+        if (missing or writes.events or writes.document or writes.restart or writes.scale is not None
+                or writes.replacement
                 or report.status_patch(prior, writes.status)):
             self._submit(key, svc, spec, prior, writes, missing)
 
@@ -566,9 +583,10 @@ class ControlLoop:
     # --- the writes (in a thread) ----------------------------------------------------------------------
     def _write(self, svc: dict[str, Any], spec: MoEInferenceServiceSpec, prior: MoEInferenceServiceStatus,
                writes: tick.Writes, missing: frozenset[str], data: dict[str, str] | None) -> dict[str, Any] | None:
-        """ConfigMap (where a decision becomes durable), a restart, the status, a leak replacement's writes (once
-        the status holds the replacement), then its Events; returns the
-        service as stored after the status patch (None when the status did not change).
+        """ConfigMap (where a decision becomes durable), a restart, the status, the autoscaler's replica count on
+        the workload, a leak replacement's writes (once the status holds the replacement; the autoscaler writes no
+        count while one is in progress: :mod:`autoscale`), then its Events; returns the service as stored after the
+        status patch (None when the status did not change).
 
         Raises:
             kubernetes.client.exceptions.ApiException, urllib3 errors: a request failed (retried by the loop).
@@ -599,6 +617,8 @@ class ControlLoop:
         patch = report.status_patch(prior, status)
         if patch:
             stored = kube.patch_status(owner.namespace, owner.name, patch, meta.get("resourceVersion"))
+        if writes.scale is not None:  # after the status: the decision is durable before the workload follows it
+            self._set_replicas(owner, spec, writes.scale)
         if writes.document is not None:
             self._pause("after-status")
         self._replace(owner, spec, writes.replacement)
@@ -616,9 +636,14 @@ class ControlLoop:
         if actions.delete_pod is not None:
             kube.delete_pod(owner.namespace, actions.delete_pod)
         if actions.replicas is not None:
-            workload = build_workload(owner, spec)
-            kube.patch_workload(workload["apiVersion"], workload["kind"], owner.namespace, worker_name(owner),
-                                {"spec": {"replicas": actions.replicas}})
+            ControlLoop._set_replicas(owner, spec, actions.replicas)
+
+    @staticmethod
+    def _set_replicas(owner: Owner, spec: MoEInferenceServiceSpec, replicas: int) -> None:
+        """Merge-patch the worker workload's ``spec.replicas`` (the autoscaler's count, a leak replacement's)."""
+        workload = build_workload(owner, spec)
+        kube.patch_workload(workload["apiVersion"], workload["kind"], owner.namespace, worker_name(owner),
+                            {"spec": {"replicas": replicas}})
 
     @staticmethod
     def _event(svc: dict[str, Any], event: report.Event, now: datetime) -> None:

@@ -25,10 +25,13 @@ and its memory in use (``PodLoad.memory_bytes``, bytes): the projected seconds t
 
 * **Surge** where one is possible: the leaking pod gets ``controller.kubernetes.io/pod-deletion-cost: -1000``
   (a ReplicaSet scaling down deletes the lowest cost first, among pods equally scheduled, running and ready)
-  and the Deployment ``spec.replicas + 1`` (phase ``Surging``); once the surge pod is Ready, replicas go back
-  to ``spec.replicas`` and the ReplicaSet removes the leaking pod: its graceful termination is the worker's
-  drain (phase ``Draining``). The reconcile applies ``spec.replicas + 1`` while ``Surging``
-  (:func:`surge_replicas`), so it never fights the surge; the resource's spec is never written.
+  and the Deployment the **base** count + 1 (phase ``Surging``); once the surge pod is Ready, replicas go back
+  to the base and the ReplicaSet removes the leaking pod: its graceful termination is the worker's drain (phase
+  ``Draining``). The base is :func:`autoscale.base_replicas`: ``spec.replicas``, or with ``spec.autoscaling``
+  the autoscaler's count (``status.autoscaling.desiredReplicas`` within its bounds; the autoscaler holds while
+  a replacement is in progress, so the base does not move under a surge). The reconcile and the loop's re-apply
+  of a deleted Deployment apply base + 1 while ``Surging`` (:func:`surge_replicas`), so they never fight the
+  surge; the resource's spec is never written.
 * **Drain** (delete the leaking pod, graceful; the ReplicaSet then creates its successor) where no surge is
   possible: the Deployment's ``maxSurge`` is 0, its ReplicaSet cannot create pods (``ReplicaFailure`` True,
   reason ``FailedCreate``: a ResourceQuota), a pod of the service is ``Unschedulable``
@@ -47,6 +50,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from moeguard_operator.children.builders import worker_replicas
+from moeguard_operator.loop.autoscale import base_replicas
 from moeguard_operator.loop.observation import LEAK_NOISE_BYTES_PER_SECOND, Observation
 from moeguard_operator.loop.podstate import is_ready, timestamp
 from moeguard_operator.loop.policy import seconds_to_hard_limit
@@ -80,9 +85,10 @@ def applies(spec: MoEInferenceServiceSpec, policy: str) -> bool:
 
 
 def surge_replicas(spec: MoEInferenceServiceSpec, status: MoEInferenceServiceStatus) -> int:
-    """The Deployment's replicas: ``spec.replicas``, + 1 while a surge waits for its pod (phase ``Surging``)."""
+    """The Deployment's replicas: the base count (:func:`autoscale.base_replicas`: ``spec.replicas``, or the
+    autoscaler's), + 1 while a surge waits for its pod (phase ``Surging``)."""
     replacement = status.leak_replacement
-    return spec.replicas + (1 if replacement is not None and replacement.phase == "Surging" else 0)
+    return base_replicas(spec, status) + (1 if replacement is not None and replacement.phase == "Surging" else 0)
 
 
 def lead_seconds(ready_seconds: float, grace_seconds: float, query_interval_seconds: float) -> float:
@@ -243,15 +249,19 @@ def _leaks(obs: Observation, pods: Mapping[str, Pod], spec: MoEInferenceServiceS
 
 
 def plan(prior: LeakReplacementStatus | None, obs: Observation, pods: Sequence[Pod], workload: Workload,
-         spec: MoEInferenceServiceSpec, known_ready_seconds: float | None, now: datetime) -> Step:
+         spec: MoEInferenceServiceSpec, known_ready_seconds: float | None, now: datetime, *,
+         base: int | None = None) -> Step:
     """The leak replacement's step after one look (see the module docstring), from the replacement in progress
     (``prior``), the look, the service's worker pods (API objects), its Deployment (:func:`workload_of`), the
-    ready time kept in status (``known_ready_seconds``; a newer measurement from ``pods`` wins) and ``now``."""
+    ready time kept in status (``known_ready_seconds``; a newer measurement from ``pods`` wins) and ``now``;
+    ``base``: the Deployment's count without the surge (:func:`autoscale.base_replicas` of the status; None:
+    :func:`worker_replicas` of ``spec``, right for a spec without autoscaling or a serving spec)."""
+    base = worker_replicas(spec) if base is None else base
     ready = measured_ready_seconds(pods)
     ready = known_ready_seconds if ready is None else ready
     by_name = {_name(p): p for p in pods}
     if prior is None:
-        return _start(obs, by_name, pods, workload, spec, ready, now)
+        return _start(obs, by_name, pods, workload, spec, base, ready, now)
     leaking = by_name.get(prior.pod)
     if prior.phase == "Draining":
         if leaking is None:
@@ -259,13 +269,13 @@ def plan(prior: LeakReplacementStatus | None, obs: Observation, pods: Sequence[P
                         ready_seconds=ready)
         if prior.action == "Drain":
             return Step(prior, Actions(delete_pod=None if _deleting(leaking) else prior.pod), ready_seconds=ready)
-        return Step(prior, Actions(replicas=None if workload.replicas == spec.replicas or _deleting(leaking)
-                                   else spec.replicas), ready_seconds=ready)
-    return _surging(prior, obs, leaking, pods, workload, spec, ready, now)
+        return Step(prior, Actions(replicas=None if workload.replicas == base or _deleting(leaking) else base),
+                    ready_seconds=ready)
+    return _surging(prior, obs, leaking, pods, workload, spec, base, ready, now)
 
 
 def _start(obs: Observation, by_name: Mapping[str, Pod], pods: Sequence[Pod], workload: Workload,
-           spec: MoEInferenceServiceSpec, ready: float | None, now: datetime) -> Step:
+           spec: MoEInferenceServiceSpec, base: int, ready: float | None, now: datetime) -> Step:
     assumed = DEFAULT_READY_SECONDS if ready is None else ready
     due = [leak for leak in _leaks(obs, by_name, spec, assumed) if leak.eta <= leak.lead]
     if not due:
@@ -286,8 +296,8 @@ def _start(obs: Observation, by_name: Mapping[str, Pod], pods: Sequence[Pod], wo
                     ready)
     state = LeakReplacementStatus(pod=name, action="Surge", phase="Surging", started_at=now, hard_limit_at=hard_at,
                                   reason=why)
-    return Step(state, Actions(mark_pod=name, replicas=spec.replicas + 1),
-                (Event("Normal", REASON, f"surge: {why}; replicas {spec.replicas} -> {spec.replicas + 1}, then back "
+    return Step(state, Actions(mark_pod=name, replicas=base + 1),
+                (Event("Normal", REASON, f"surge: {why}; replicas {base} -> {base + 1}, then back "
                                          f"once the new pod is Ready ({name} goes first: pod-deletion-cost "
                                          f"{LEAKING_POD_COST})"),), ready)
 
@@ -304,11 +314,12 @@ def surge_pod(prior: LeakReplacementStatus, pods: Sequence[Pod]) -> Pod | None:
 
 
 def _surging(prior: LeakReplacementStatus, obs: Observation, leaking: Pod | None, pods: Sequence[Pod],
-             workload: Workload, spec: MoEInferenceServiceSpec, ready: float | None, now: datetime) -> Step:
+             workload: Workload, spec: MoEInferenceServiceSpec, base: int, ready: float | None,
+             now: datetime) -> Step:
     if leaking is None or _deleting(leaking):
-        return Step(None, Actions(replicas=spec.replicas),
+        return Step(None, Actions(replicas=base),
                     (Event("Normal", REASON, f"pod {prior.pod} went before its surge pod was Ready: replicas back to "
-                                             f"{spec.replicas}, surge undone"),), ready)
+                                             f"{base}, surge undone"),), ready)
     hard_at = prior.hard_limit_at
     for leak in _leaks(obs, {prior.pod: leaking}, spec, DEFAULT_READY_SECONDS if ready is None else ready):
         hard_at = now + timedelta(seconds=leak.eta) if not math.isinf(leak.eta) else None
@@ -317,9 +328,9 @@ def _surging(prior: LeakReplacementStatus, obs: Observation, leaking: Pod | None
                                      "replacement_pod": None if surge is None else _name(surge)})
     if surge is not None and is_ready(surge):
         took = (now - prior.started_at).total_seconds()
-        return Step(state.model_copy(update={"phase": "Draining"}), Actions(replicas=spec.replicas),
+        return Step(state.model_copy(update={"phase": "Draining"}), Actions(replicas=base),
                     (Event("Normal", REASON, f"surge pod {_name(surge)} Ready {took:.0f} s after the surge started; "
-                                             f"replicas {spec.replicas + 1} -> {spec.replicas}: the ReplicaSet "
+                                             f"replicas {base + 1} -> {base}: the ReplicaSet "
                                              f"removes {prior.pod} (graceful)"),), ready)
     left = math.inf if hard_at is None else (hard_at - now).total_seconds()
     blocked = (f"the ReplicaSet cannot create the surge pod (quota?): {workload.failed_create}"
@@ -333,9 +344,9 @@ def _surging(prior: LeakReplacementStatus, obs: Observation, leaking: Pod | None
     if blocked is not None:
         drained = state.model_copy(update={"action": "Drain", "phase": "Draining",
                                            "reason": f"{prior.reason}; drained instead: {blocked}"})
-        return Step(drained, Actions(delete_pod=prior.pod, replicas=spec.replicas),
+        return Step(drained, Actions(delete_pod=prior.pod, replicas=base),
                     (Event("Warning", REASON, f"drain instead of surge ({blocked}): deleting {prior.pod} (graceful), "
-                                              f"replicas back to {spec.replicas}"),), ready)
+                                              f"replicas back to {base}"),), ready)
     redo = Actions(mark_pod=None if _marked(leaking) else prior.pod,
-                   replicas=None if workload.replicas == spec.replicas + 1 else spec.replicas + 1)
+                   replicas=None if workload.replicas == base + 1 else base + 1)
     return Step(state, redo, ready_seconds=ready)

@@ -106,8 +106,10 @@ def is_stalled(status: MoEInferenceServiceStatus, generation: int | None) -> boo
 
 def reconciled(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, document: BudgetDocument,
                selector: str, now: datetime, generation: int | None) -> MoEInferenceServiceStatus:
-    """Children and ``document`` applied for ``generation``: Stalled=False (a rollout stall of this generation
-    stays: a resumed operator re-applies the same children, and the pods still cannot start), budgets, and,
+    """Children and ``document`` applied for ``generation`` (``spec``: the serving spec, its ``replicas`` the
+    autoscaler's where ``spec.autoscaling`` is set; without it ``status.autoscaling`` is cleared): Stalled=False
+    (a rollout stall of this generation stays: a resumed operator re-applies the same children, and the pods
+    still cannot start), budgets, and,
     until the worker pods are ready, Ready=False and Reconciling=True; a new generation of a Ready service is
     Reconciling=True (``ChildrenApplied``) until the loop reads its pods (:func:`readiness`)."""
     conditions = prior.conditions
@@ -134,6 +136,7 @@ def reconciled(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, 
         "overload_mode": document.overload_mode,
         "replicas": spec.replicas,
         "selector": selector,
+        "autoscaling": prior.autoscaling if spec.autoscaling is not None else None,
     })
 
 

@@ -31,6 +31,7 @@ from typing import Any
 from moeguard_core.contract import (
     BudgetDocument,
     BudgetDocumentError,
+    Budgets,
     parse_budget_configmap_data,
 )
 from moeguard_operator import constants as c
@@ -41,7 +42,14 @@ from moeguard_operator.diagnosis.diagnosis import (
     diagnose,
     unchanged_but_time,
 )
-from moeguard_operator.loop import budget_document, leak_replacement, predictive, report, rollout
+from moeguard_operator.loop import (
+    autoscale,
+    budget_document,
+    leak_replacement,
+    predictive,
+    report,
+    rollout,
+)
 from moeguard_operator.loop.conditions import set_condition
 from moeguard_operator.loop.observation import LEAK_WARMUP_SECONDS, Observation
 from moeguard_operator.loop.podstate import is_ready, pod_facts
@@ -50,6 +58,7 @@ from moeguard_operator.spec.models import (
     ControlStatus,
     DiagnosisStatus,
     GroupStatus,
+    LeakReplacementStatus,
     MoEInferenceServiceSpec,
     MoEInferenceServiceStatus,
 )
@@ -75,6 +84,9 @@ class Writes:
             replacement first, so a restart between the two finishes it).
         decision: the policy decision of a look (None for a readiness step).
         diagnosis: the incident diagnosis of a look (None for a readiness step); its ``memory`` is the loop's next.
+        scale: the replica count to set on the worker workload after the status (``spec.autoscaling``: the
+            autoscaler changed it, or the workload's count differs from it); None: leave it.
+        autoscale: the autoscaler's decision of a look (None without ``spec.autoscaling``, or a readiness step).
     """
 
     status: MoEInferenceServiceStatus
@@ -84,6 +96,8 @@ class Writes:
     replacement: leak_replacement.Actions = field(default_factory=leak_replacement.Actions)
     decision: Decision | None = None
     diagnosis: Diagnosis | None = None
+    scale: int | None = None
+    autoscale: autoscale.ScaleDecision | None = None
 
 
 def ready_pods(pods: Iterable[Pod]) -> int:
@@ -170,7 +184,8 @@ def look_step(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, p
               data: Mapping[str, str] | None, obs: Observation, blind_floor: datetime, now: datetime,
               generation: int | None, ours: bool = True, diagnosis: DiagnosisMemory | None = None,
               leak_warmup_seconds: float = LEAK_WARMUP_SECONDS, template_hash: str | None = None,
-              policy: str = "threshold", workload: Mapping[str, Any] | None = None) -> Writes:
+              policy: str = "threshold", workload: Mapping[str, Any] | None = None,
+              workload_replicas: int | None = None) -> Writes:
     """Readiness, OOM kills (counted from the pods now: ``obs.new_oom_kills`` is replaced), the decision on
     ``obs``, the incident diagnosis (after the decision, from the same look: it never feeds it) and what they
     ask to write; ``ours``: the ConfigMap's document is the operator's (not a hand edit); ``diagnosis``: the
@@ -178,7 +193,12 @@ def look_step(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, p
     operator's ``--leak-warmup-seconds`` (a younger pod's leak window still holds its warm-up); ``template_hash``:
     the current pod template's (:func:`rollout_readiness`); ``policy``: the
     operator's ``--policy`` (:data:`DECIDERS`); ``workload``: the worker Deployment as the watch holds it (the
-    leak replacement reads its replicas, ``maxSurge`` and ``ReplicaFailure``: :func:`replaced`).
+    leak replacement reads its replicas, ``maxSurge`` and ``ReplicaFailure``: :func:`replaced`);
+    ``workload_replicas``: the worker workload's replica count as the watch last saw it (None: not seen). With
+    ``spec.autoscaling`` the autoscaler decides from the same look, after the budget policy and the leak
+    replacement (:func:`autoscale.decide`, at the budgets just decided; it holds, and writes no count, while a
+    replacement is in progress, starts or ends in this look: :func:`scaled`); ``spec`` is then the serving spec
+    (:func:`autoscale.serving_spec`).
 
     Raises:
         KeyError: ``policy`` is not one of :data:`DECIDERS`.
@@ -202,8 +222,11 @@ def look_step(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, p
                      spec, now)
     looked, found_events = diagnosed(looked, found, now, generation)
     looked, actions, replace_events = replaced(looked, spec, pods, obs, workload, policy, now)
-    return Writes(stable(new, looked, obs), (*events, *look_events, *found_events, *replace_events), document,
-                  decision.restart, actions, decision, found)
+    looked, scale_decision, scale, scale_events = scaled(
+        looked, autoscale.state_of(prior, spec), spec, obs, decision.state.budgets, new.ready_replicas or 0, now,
+        blind_floor, prior.leak_replacement or looked.leak_replacement, workload_replicas)
+    return Writes(stable(new, looked, obs), (*events, *look_events, *found_events, *replace_events, *scale_events),
+                  document, decision.restart, actions, decision, found, scale, scale_decision)
 
 
 def replaced(status: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, pods: list[dict[str, Any]],
@@ -211,16 +234,40 @@ def replaced(status: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, p
              now: datetime) -> tuple[MoEInferenceServiceStatus, leak_replacement.Actions, list[report.Event]]:
     """``status`` with the leak replacement's step (:func:`leak_replacement.plan`: ``leakReplacement`` and the
     measured ready time in ``observed.replacementReadySeconds``), its writes and Events; unchanged where the
-    replacement does not apply (:func:`leak_replacement.applies`) and none is in progress."""
+    replacement does not apply (:func:`leak_replacement.applies`) and none is in progress. The surge is one
+    replica on top of the base count, the autoscaler's where ``spec.autoscaling`` is set
+    (:func:`autoscale.base_replicas`)."""
     prior = status.leak_replacement
     if not leak_replacement.applies(spec, policy) and prior is None:
         return status, leak_replacement.Actions(), []
     known = None if status.observed is None else status.observed.replacement_ready_seconds
-    step = leak_replacement.plan(prior, obs, pods, leak_replacement.workload_of(workload), spec, known, now)
+    step = leak_replacement.plan(prior, obs, pods, leak_replacement.workload_of(workload), spec, known, now,
+                                 base=autoscale.base_replicas(spec, status))
     update: dict[str, Any] = {"leak_replacement": step.state}
     if status.observed is not None and step.ready_seconds != known:
         update["observed"] = status.observed.model_copy(update={"replacement_ready_seconds": step.ready_seconds})
     return status.model_copy(update=update), step.actions, list(step.events)
+
+
+def scaled(status: MoEInferenceServiceStatus, state: autoscale.AutoscaleState, spec: MoEInferenceServiceSpec,
+           obs: Observation, budgets: Budgets, ready: int, now: datetime, blind_floor: datetime,
+           replacement: LeakReplacementStatus | None,
+           workload_replicas: int | None) -> tuple[MoEInferenceServiceStatus, autoscale.ScaleDecision | None,
+                                                   int | None, list[report.Event]]:
+    """``status`` with the autoscaler's decision from ``state`` (the prior status's: :func:`autoscale.state_of`;
+    ``spec.autoscaling`` only: else unchanged and None), the replica count to write on the workload and its
+    Events. ``replacement``: a leak replacement in progress, or starting or ending in this look: the autoscaler
+    holds (:func:`autoscale.decide`) and no count is written, the leak replacement owns the workload's replicas
+    until the look after it ends (its surge is never undone). Otherwise the count is written when the autoscaler
+    changed it or the workload's (``workload_replicas``) differs."""
+    if spec.autoscaling is None:
+        return status, None, None, []
+    decision = autoscale.decide(obs, state, spec, budgets, ready, now, blind_floor, replacement)
+    status, events = autoscale.autoscaled(status, decision)
+    desired = decision.state.desired
+    drifted = workload_replicas is not None and workload_replicas != desired
+    scale = None if replacement is not None else desired if decision.changed or drifted else None
+    return status, decision, scale, events
 
 
 CLEARED = "Cleared"

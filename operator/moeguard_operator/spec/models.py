@@ -521,6 +521,50 @@ class SloSpec(_Model):
         return {"interactive": self.interactive, "batch": self.batch}[priority]
 
 
+class AutoscalingSpec(_Model):
+    """Replica autoscaling by the operator (``autoscale.decide``): the count of the worker Deployment's (or
+    LeaderWorkerSet's) replicas is set from the interactive class's SLO attainment (``spec.slo``) and the
+    requests waiting per replica, within ``minReplicas`` and ``maxReplicas``, and never up when the memory model
+    says a new replica would not fit. The decision lives in ``status.autoscaling`` and in the workload's replica
+    count; the spec is never written (a GitOps tool that owns this resource sees no drift), and
+    ``spec.replicas`` is then only the starting count (clamped to the bounds) before the first decision.
+
+    The stabilization windows follow the Kubernetes HorizontalPodAutoscaler's ``behavior``
+    (``scaleUp``/``scaleDown.stabilizationWindowSeconds``, kubernetes.io "Horizontal Pod Autoscaling",
+    "Stabilization window"): a step is taken only once every fully visible look of the whole window recommended
+    it; moeguard moves at most one replica per step, and a step, or a look that is not fully visible, restarts
+    both windows. While a leak replacement is in progress (``status.leakReplacement``) the count holds and no
+    replica count is written (its surge is one replica on top of this count)."""
+
+    model_config = ConfigDict(json_schema_extra=_cel(
+        ("self.minReplicas <= self.maxReplicas", "autoscaling.minReplicas must be <= autoscaling.maxReplicas",
+         ".minReplicas"),
+    ))
+
+    min_replicas: int = Field(default=1, ge=1, le=1024)
+    """Fewest replicas the autoscaler keeps (at least 1: scale to zero stays ``spec.replicas: 0`` without
+    autoscaling)."""
+    max_replicas: int = Field(ge=1, le=1024)
+    """Most replicas the autoscaler sets (required, as the HPA's ``maxReplicas``)."""
+    scale_up_stabilization_seconds: int = Field(default=30, ge=0, le=3600)
+    """Seconds every look must recommend a scale-up before one replica is added (HPA ``scaleUp``'s window is 0
+    by default; moeguard waits a little, as a new replica costs a model load)."""
+    scale_down_stabilization_seconds: int = Field(default=300, ge=0, le=86_400)
+    """Seconds every look must recommend a scale-down before one replica is removed (HPA ``scaleDown``'s
+    default, 300)."""
+    queue_requests_per_replica: float = Field(default=8.0, gt=0, le=1_000_000)
+    """Requests waiting per replica above which a replica is added, requests: each pod's window maximum of
+    ``moeguard_queue_requests`` (and of the per-step queue histogram), summed over the pods and divided by the
+    replicas. A replica is removed only while the same sum spread over one replica fewer stays at or below it
+    (the HPA's proportional rule: ``ceil(replicas x queue / target) <= replicas - 1``)."""
+
+    @model_validator(mode="after")
+    def _min_below_max(self) -> AutoscalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("autoscaling.minReplicas must be <= autoscaling.maxReplicas")
+        return self
+
+
 class UcxSpec(_Model):
     """UCX settings of the worker. UCX's memory-invalidation queue is unbounded by default and grows host
     RSS outside the Python heap (vLLM/NIXL reports); both fixes are on by default."""
@@ -773,7 +817,9 @@ class MoEInferenceServiceSpec(_Model):
     """Model to serve."""
     replicas: int = Field(default=1, ge=0, le=1024)
     """Number of replicas (the scale subresource: ``kubectl scale`` and HPAs work): worker pods, or with
-    ``parallelism.podsPerReplica`` above 1, LeaderWorkerSet groups of that many pods."""
+    ``parallelism.podsPerReplica`` above 1, LeaderWorkerSet groups of that many pods. With ``autoscaling`` set,
+    only the starting count (clamped to its bounds): the operator decides the count then
+    (``status.autoscaling.desiredReplicas``)."""
     image: str = Field(default=DEFAULT_IMAGE, min_length=1, max_length=512, json_schema_extra=_cel(
         (f"self.matches(r'{IMAGE_REFERENCE}')", f"image must be {IMAGE_WORDS}", "",
          f"'image: ' + self + ' is not an image reference ({IMAGE_WORDS})'")))
@@ -797,6 +843,9 @@ class MoEInferenceServiceSpec(_Model):
     """Pod template extras: node selector, tolerations, affinity, priority class, env, volumes."""
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
     """Expert parallelism across ranks and pods (multi-node replicas on LeaderWorkerSet)."""
+    autoscaling: AutoscalingSpec | None = None
+    """Replica autoscaling from SLO attainment and queue depth (absent: ``replicas`` and the scale subresource
+    decide, as without it)."""
 
     @model_validator(mode="after")
     def _parallelism_fits(self) -> MoEInferenceServiceSpec:
@@ -954,11 +1003,12 @@ class LeakReplacementStatus(_Model):
     pod: str
     """The leaking pod being replaced."""
     action: Literal["Surge", "Drain"]
-    """``Surge``: a pod is added first (Deployment replicas + 1, the leaking pod marked with
+    """``Surge``: a pod is added first (Deployment replicas + 1 on top of ``spec.replicas``, or of
+    ``status.autoscaling.desiredReplicas`` with ``spec.autoscaling``; the leaking pod marked with
     ``controller.kubernetes.io/pod-deletion-cost: -1000``), then replicas go back and the ReplicaSet removes the
     leaking pod; ``Drain``: the leaking pod is deleted at once (graceful), no surge possible or in time."""
     phase: Literal["Surging", "Draining"]
-    """``Surging``: waiting for the surge pod to be Ready (the Deployment holds ``replicas`` + 1);
+    """``Surging``: waiting for the surge pod to be Ready (the Deployment holds that count + 1);
     ``Draining``: waiting for the leaking pod to be gone."""
     started_at: datetime
     """When the replacement started."""
@@ -1043,6 +1093,36 @@ class GroupStatus(_Model):
     """Ranks the group should have (``parallelism.expertParallelSize``)."""
 
 
+class AutoscalingStatus(_Model):
+    """The replica autoscaler's decision, signals and memory (``spec.autoscaling``), kept in status so an operator
+    restart resumes it; the worker workload's replica count follows ``desiredReplicas``."""
+
+    desired_replicas: int
+    """Replicas the autoscaler decided (the workload's ``spec.replicas``; one more while a leak replacement's
+    surge is ``Surging``)."""
+    attainment: float | None = None
+    """The interactive class's lower SLO attainment of TTFT and TPOT over ``control.windowSeconds`` (null: none
+    in the window)."""
+    requests: float | None = None
+    """Interactive requests that got a first token in the window (attainment is judged from
+    ``spec.slo.minRequests`` on)."""
+    queue_requests_per_replica: float | None = None
+    """Requests waiting per replica in the window (see ``spec.autoscaling.queueRequestsPerReplica``; null: not
+    seen)."""
+    recommendation: Literal["Up", "Down", "Hold"] = "Hold"
+    """What the last look recommended."""
+    reason: str = ""
+    """Why the last look decided what it did (names the signal, its value and the target)."""
+    scale_up_refused: str | None = None
+    """Why a scale-up the signals ask for is refused (the memory model, a replica not yet ready), while it is."""
+    last_scale_time: datetime | None = None
+    """The last replica change by the autoscaler."""
+    scale_up_since: datetime | None = None
+    """Start of the current stretch of fully visible looks that all recommended a scale-up (null: none)."""
+    scale_down_since: datetime | None = None
+    """Start of the current stretch of fully visible looks that all recommended a scale-down (null: none)."""
+
+
 class MoEInferenceServiceStatus(_Model):
     """Observed state, written by the operator only."""
 
@@ -1076,6 +1156,8 @@ class MoEInferenceServiceStatus(_Model):
     """The control loop's last observation."""
     control: ControlStatus | None = None
     """The control loop's bookkeeping."""
+    autoscaling: AutoscalingStatus | None = None
+    """The replica autoscaler (``spec.autoscaling``): its decision, signals and windows; null without it."""
     diagnosis: DiagnosisStatus | None = None
     """Incident findings (``moeguard diagnose`` reads them); written by the diagnosis, never read by the budget
     policy."""

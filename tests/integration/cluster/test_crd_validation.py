@@ -31,6 +31,9 @@ def _apply(cluster: Cluster, namespace: str, name: str, spec: dict[str, Any]) ->
 PVC = {"name": "models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}
 
 REFUSED = [
+    ("autoscaling-min-above-max", {"autoscaling": {"minReplicas": 3, "maxReplicas": 2}},
+     "autoscaling.minReplicas must be <= autoscaling.maxReplicas"),
+    ("autoscaling-without-max", {"autoscaling": {"minReplicas": 1}}, "spec.autoscaling.maxReplicas: Required value"),
     ("affinity-not-an-object", {"template": {"affinity": {"nodeAffinity": "everywhere"}}},
      "spec.template.affinity.nodeAffinity: Invalid value: \"string\""),
     ("toleration-exists-with-value", {"template": {"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}},
