@@ -158,6 +158,10 @@ bench-diagnosis: deps ## Diagnosis drills on the local control plane: 3 drills p
 bench-control: deps ## Control latency on the local control plane: skew step x10, recovery, OOM kill -> bench/results/control_latency.md (~25 min).
 	$(PY) -m bench.control_latency $(BENCH_ARGS)
 
+.PHONY: bench-control-predictive
+bench-control-predictive: deps ## Control latency, operator --policy predictive (issue 30): skew with room x3, a step that would not fit x5, OOM kill x3 -> bench/results/control_latency_predictive.md (~15 min).
+	$(PY) -m bench.control_latency --policy predictive $(BENCH_ARGS)
+
 .PHONY: bench-priority
 bench-priority: ## Interactive first: interactive p95 at 2x capacity (50/50 with batch) vs unloaded, priority vs fcfs, 3 reps -> bench/results/priority.md (~7 min).
 	$(PY) -m bench.priority --reps 3 $(BENCH_ARGS)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 Series = Sequence[tuple[float, float]]
 
@@ -21,7 +21,7 @@ def first_time(series: Series, after: float, pred: object) -> float | None:
     return next((t for t, v in series if t >= after and pred(v)), None)
 
 
-def all_reached(series_by_worker: dict[str, Series], after: float, pred: object) -> float | None:
+def all_reached(series_by_worker: Mapping[str, Series], after: float, pred: object) -> float | None:
     """When the last of the workers first satisfied ``pred`` at or after ``after`` (every worker
     must have); None when one never did or there are no workers."""
     if not series_by_worker:
