@@ -587,18 +587,30 @@ def report(res: dict[str, Any]) -> str:
               "first skewed request until it is back at its ceiling. One descent (the skew may still be in the 30 s window "
               "after it stops, so there can be a second halving) followed by one monotone climb is 1; more is oscillation.",
               "", "### OOM kills", ""]
-    for r in res["oom"]:
+    lines += oom_lines(res["oom"])
+    lines += ["", f"Whole run: {res['elapsed_s'] / 60:.1f} min.", ""]
+    return "\n".join(lines)
+
+
+def _seconds(v: Any) -> str:
+    """Seconds to one decimal, ``n/a`` for None."""
+    return "n/a" if v is None else f"{v:.1f}"
+
+
+def oom_lines(reps: list[dict[str, Any]]) -> list[str]:
+    """The report's "OOM kills" bullets, one per repetition (both policies' reports)."""
+    lines = []
+    for r in reps:
         if r.get("skipped") or r.get("error"):
             lines.append(f"- rep {r['rep']}: {r.get('skipped') or r.get('error')}")
             continue
         term = r.get("terminated") or {}
         adj = r.get("last_adjustment") or {}
         lines.append(f"- rep {r['rep']}: {r['killed_pod']} terminated `{term.get('reason')}` exit {term.get('exitCode')} at "
-                     f"{term.get('finishedAt')}; survivors tightened after {f(r.get('oom_latency_s'))} s "
-                     f"(from the worker seen down: {f(r.get('oom_latency_from_seen_down_s'))} s); "
+                     f"{term.get('finishedAt')}; survivors tightened after {_seconds(r.get('oom_latency_s'))} s "
+                     f"(from the worker seen down: {_seconds(r.get('oom_latency_from_seen_down_s'))} s); "
                      f"the operator's lastAdjustment: {adj.get('reason', 'n/a')!s}")
-    lines += ["", f"Whole run: {res['elapsed_s'] / 60:.1f} min.", ""]
-    return "\n".join(lines)
+    return lines
 
 
 def report_predictive(res: dict[str, Any]) -> str:
@@ -698,16 +710,7 @@ def report_predictive(res: dict[str, Any]) -> str:
         if adj:
             lines.append(f"- rep {r['rep']}: the operator's lastAdjustment: {adj.get('reason')}")
     lines += ["", "### OOM kills", ""]
-    for r in res["oom"]:
-        if r.get("skipped") or r.get("error"):
-            lines.append(f"- rep {r['rep']}: {r.get('skipped') or r.get('error')}")
-            continue
-        term = r.get("terminated") or {}
-        adj = r.get("last_adjustment") or {}
-        lines.append(f"- rep {r['rep']}: {r['killed_pod']} terminated `{term.get('reason')}` exit {term.get('exitCode')} at "
-                     f"{term.get('finishedAt')}; survivors tightened after {f(r.get('oom_latency_s'))} s "
-                     f"(from the worker seen down: {f(r.get('oom_latency_from_seen_down_s'))} s); "
-                     f"the operator's lastAdjustment: {adj.get('reason', 'n/a')!s}")
+    lines += oom_lines(res["oom"])
     lines += ["", f"Whole run: {res['elapsed_s'] / 60:.1f} min.", ""]
     return "\n".join(lines)
 
