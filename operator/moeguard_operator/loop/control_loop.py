@@ -610,15 +610,13 @@ class ControlLoop:
                 status = status.model_copy(update={"budget_generation": written.generation})
             self._pause("after-configmap")
         if writes.restart:
-            workload = build_workload(owner, spec)
-            kube.patch_workload(workload["apiVersion"], workload["kind"], owner.namespace, worker_name(owner),
-                                restart_patch(spec, now.isoformat()))
+            self._patch_workload(owner, spec, restart_patch(spec, now.isoformat()))
         stored = None
         patch = report.status_patch(prior, status)
         if patch:
             stored = kube.patch_status(owner.namespace, owner.name, patch, meta.get("resourceVersion"))
         if writes.scale is not None:  # after the status: the decision is durable before the workload follows it
-            self._set_replicas(owner, spec, writes.scale)
+            self._patch_workload(owner, spec, {"spec": {"replicas": writes.scale}})
         if writes.document is not None:
             self._pause("after-status")
         self._replace(owner, spec, writes.replacement)
@@ -636,14 +634,14 @@ class ControlLoop:
         if actions.delete_pod is not None:
             kube.delete_pod(owner.namespace, actions.delete_pod)
         if actions.replicas is not None:
-            ControlLoop._set_replicas(owner, spec, actions.replicas)
+            ControlLoop._patch_workload(owner, spec, {"spec": {"replicas": actions.replicas}})
 
     @staticmethod
-    def _set_replicas(owner: Owner, spec: MoEInferenceServiceSpec, replicas: int) -> None:
-        """Merge-patch the worker workload's ``spec.replicas`` (the autoscaler's count, a leak replacement's)."""
+    def _patch_workload(owner: Owner, spec: MoEInferenceServiceSpec, body: dict[str, Any]) -> None:
+        """Merge-patch the worker workload of the kind ``spec`` uses: the rolling restart's annotation, the
+        autoscaler's or a leak replacement's ``spec.replicas``."""
         workload = build_workload(owner, spec)
-        kube.patch_workload(workload["apiVersion"], workload["kind"], owner.namespace, worker_name(owner),
-                            {"spec": {"replicas": replicas}})
+        kube.patch_workload(workload["apiVersion"], workload["kind"], owner.namespace, worker_name(owner), body)
 
     @staticmethod
     def _event(svc: dict[str, Any], event: report.Event, now: datetime) -> None:
