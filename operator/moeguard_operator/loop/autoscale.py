@@ -54,7 +54,6 @@ The spec is never written: a GitOps tool that owns the resource sees no drift.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
@@ -63,7 +62,8 @@ from moeguard_core.contract import Budgets
 from moeguard_operator.children.builders import worker_replicas
 from moeguard_operator.loop.memory_fit import model_memory, predict
 from moeguard_operator.loop.observation import Observation
-from moeguard_operator.loop.report import Event
+from moeguard_operator.loop.policy import _since
+from moeguard_operator.loop.report import Event, _round
 from moeguard_operator.loop.slo import attainments
 from moeguard_operator.spec.models import (
     AutoscalingSpec,
@@ -228,10 +228,6 @@ def _latest(*times: datetime | None) -> datetime | None:
     return max(known) if known else None
 
 
-def _elapsed(now: datetime, since: datetime | None) -> float:
-    return math.inf if since is None else (now - since).total_seconds()
-
-
 def _pct(value: float | None) -> str:
     return "unknown" if value is None else f"{value:.0%}"
 
@@ -300,7 +296,7 @@ def decide(observation: Observation, state: AutoscaleState, spec: MoEInferenceSe
         start = _latest(since, state.last_scale, blind_floor) or since
         if n >= auto.max_replicas:
             return ScaleDecision(held, "hold", "Up", f"{why}; at maxReplicas {auto.max_replicas}", signals)
-        if _elapsed(now, start) < auto.scale_up_stabilization_seconds:
+        if _since(now, start) < auto.scale_up_stabilization_seconds:
             return ScaleDecision(held, "hold", "Up", f"{why}; scale-up window of "
                                  f"{auto.scale_up_stabilization_seconds}s from {start.isoformat()}", signals)
         if ready < n:
@@ -319,15 +315,11 @@ def decide(observation: Observation, state: AutoscaleState, spec: MoEInferenceSe
                              f"signals within targets{at_min}: holding {n} replicas", signals)
     since = state.down_since or now
     start = _latest(since, state.last_scale, blind_floor) or since
-    if _elapsed(now, start) < auto.scale_down_stabilization_seconds:
+    if _since(now, start) < auto.scale_down_stabilization_seconds:
         return ScaleDecision(AutoscaleState(n, state.last_scale, down_since=since), "hold", "Down",
                              f"{calm}; scale-down window of {auto.scale_down_stabilization_seconds}s from "
                              f"{start.isoformat()}", signals)
     return ScaleDecision(AutoscaleState(n - 1, now), "down", "Down", f"{calm}: {n} -> {n - 1} replicas", signals)
-
-
-def _round(value: float | None, digits: int) -> float | None:
-    return None if value is None else round(value, digits)
 
 
 def autoscaled(status: MoEInferenceServiceStatus, decision: ScaleDecision) -> tuple[MoEInferenceServiceStatus,
