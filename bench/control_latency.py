@@ -540,9 +540,6 @@ def report(res: dict[str, Any]) -> str:
     oom = [r["oom_latency_s"] for r in res["oom"] if r.get("oom_latency_s") is not None]
     s, o = summary(skew), summary(oom)
 
-    def f(v: Any) -> str:
-        return "n/a" if v is None else f"{v:.1f}"
-
     lines = [
         "# Control latency of the closed loop" + (" (PILOT: shortened run, not the committed result)" if res["pilot"] else ""),
         "",
@@ -568,11 +565,11 @@ def report(res: dict[str, Any]) -> str:
         "| measurement | n | median s | max s | target | verdict |",
         "|---|---|---|---|---|---|",
         f"| skew step: first skewed request → every worker runs the lower maxPrefillTokens | {s['n']}/{len(res['skew'])} | "
-        f"{f(s['median'])} | {f(s['max'])} | median ≤ 25 s | {verdict(s['median'], 25)} |",
+        f"{_seconds(s['median'])} | {_seconds(s['max'])} | median ≤ 25 s | {verdict(s['median'], 25)} |",
         f"| OOM kill: lastState.terminated.finishedAt → every surviving worker runs lower budgets | {o['n']}/{len(res['oom'])} | "
-        f"{f(o['median'])} | {f(o['max'])} | median ≤ 10 s | {verdict(o['median'], 10)} |",
+        f"{_seconds(o['median'])} | {_seconds(o['max'])} | median ≤ 10 s | {verdict(o['median'], 10)} |",
         "",
-        "Skew steps, each: " + ", ".join(f(r.get("skew_latency_s")) for r in res["skew"]) + " s.",
+        "Skew steps, each: " + ", ".join(_seconds(r.get("skew_latency_s")) for r in res["skew"]) + " s.",
         "",
         "### Recovery (skew stopped 10 s after the budgets tightened; real text continues)",
         "",
@@ -582,7 +579,7 @@ def report(res: dict[str, Any]) -> str:
     for r in rec:
         seqs = "; ".join(f"{' → '.join(f'{v:g}' for v in seq)}" for seq in r.get("prefill_steps", {}).values())
         dc = ", ".join(str(n) for n in r.get("direction_changes", {}).values())
-        lines.append(f"| {r['rep']} | {f(r.get('recovery_s'))} | {seqs} | {dc} |")
+        lines.append(f"| {r['rep']} | {_seconds(r.get('recovery_s'))} | {seqs} | {dc} |")
     lines += ["", "Direction changes: flips between moving down and moving up along a worker's maxPrefillTokens from the "
               "first skewed request until it is back at its ceiling. One descent (the skew may still be in the 30 s window "
               "after it stops, so there can be a second halving) followed by one monotone climb is 1; more is oscillation.",
@@ -621,9 +618,6 @@ def report_predictive(res: dict[str, Any]) -> str:
     s, o = summary(step), summary(oom)
     total = sum(r["changes_total"] for r in room) if room else None
     cal = res.get("calibration") or {}
-
-    def f(v: Any) -> str:
-        return "n/a" if v is None else f"{v:.1f}"
 
     def mib(v: Any) -> str:
         return "n/a" if v is None else f"{v / 2**20:,.0f} MiB"
@@ -664,10 +658,10 @@ def report_predictive(res: dict[str, Any]) -> str:
         f"{'n/a' if total is None else total} changes ({', '.join(str(r['changes_total']) for r in room) or 'none'} per rep) | "
         f"0 changes | {pred.no_change_verdict(total)} |",
         f"| step that would not fit: first long request → the operator's cut in effect at every worker | "
-        f"{s['n']}/{len(res['step'])} | median {f(s['median'])} s, max {f(s['max'])} s | median ≤ {pred.STEP_TARGET_S:g} s | "
+        f"{s['n']}/{len(res['step'])} | median {_seconds(s['median'])} s, max {_seconds(s['max'])} s | median ≤ {pred.STEP_TARGET_S:g} s | "
         f"{pred.median_verdict(s['median'], pred.STEP_TARGET_S)} |",
         f"| OOM kill: lastState.terminated.finishedAt → every survivor runs lower budgets | {o['n']}/{len(res['oom'])} | "
-        f"median {f(o['median'])} s, max {f(o['max'])} s | median ≤ {pred.OOM_TARGET_S:g} s | "
+        f"median {_seconds(o['median'])} s, max {_seconds(o['max'])} s | median ≤ {pred.OOM_TARGET_S:g} s | "
         f"{pred.median_verdict(o['median'], pred.OOM_TARGET_S)} |",
         "",
         "### Skew with room: the operator saw the skew",
@@ -696,7 +690,7 @@ def report_predictive(res: dict[str, Any]) -> str:
         eb = (r.get("expected_before") or {}).get("needed", {}).get("maxPrefillTokens")
         ec = (r.get("expected_at_cut") or {}).get("needed", {}).get("maxPrefillTokens")
         gens = " → ".join(f"{g['budgets'].get('maxPrefillTokens'):g}@{g['seen_s']:.0f}s" for g in r.get("generations") or [])
-        lines.append(f"| {r['rep']} | {f(r.get('step_latency_s'))} | {f(r.get('cut_seen_in_status_s'))} | "
+        lines.append(f"| {r['rep']} | {_seconds(r.get('step_latency_s'))} | {_seconds(r.get('cut_seen_in_status_s'))} | "
                      f"{r['ceiling']['maxPrefillTokens']:g} → {cut.get('maxPrefillTokens')} ({r.get('cut_ratio', 0):.3f}) | "
                      f"{', '.join(r.get('cut_budgets_changed') or [])} | {eb} / {ec} | {gens} | "
                      f"{'; '.join(' → '.join(f'{v:g}' for v in s) for s in (r.get('shrink_factors') or {}).values())} |")
