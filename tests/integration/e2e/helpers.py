@@ -61,3 +61,34 @@ def wait_cr(cluster: Cluster, ns: str, name: str, pred: Any, timeout: float, wha
         obj = get(cluster, ns, name)
         return obj if pred(obj) else None
     return dict(wait(probe, timeout, what))
+
+
+Event = tuple[str, str, str]
+"""One core/v1 Event as the tests read it: ``(type, reason, message)``."""
+EVENT_DEADLINE = 30.0
+"""Seconds an Event may follow the status it goes with: the operator posts a look's Events after its status patch
+(the status is the durable record; an Event is best effort), so a test that has just seen the status may read the
+Events a moment too early (CI of stop 36: ``OOMKilled`` and ``ScaleUpRefused`` not yet there when read once)."""
+
+
+def reasons(cluster: Cluster, ns: str, name: str) -> list[Event]:
+    """The Events about the object ``name`` in ``ns``, as ``(type, reason, message)``, in the API server's order."""
+    items = cluster.kubectl_json("-n", ns, "get", "events", "--field-selector", f"involvedObject.name={name}")["items"]
+    return [(e["type"], e["reason"], e["message"]) for e in items]
+
+
+def wait_event(cluster: Cluster, ns: str, name: str, type_: str, reason: str, needle: str = "",
+               timeout: float = EVENT_DEADLINE) -> list[Event]:
+    """Wait until an Event of ``type_`` and ``reason`` whose message holds ``needle`` is about ``name``; returns
+    all Events about it then (:func:`reasons`).
+
+    Raises:
+        TimeoutError: none within ``timeout`` seconds (the message lists the Events seen).
+    """
+    def probe() -> list[Event] | None:
+        seen = reasons(cluster, ns, name)
+        return seen if any((t, r) == (type_, reason) and needle in m for t, r, m in seen) else None
+    try:
+        return list(wait(probe, timeout, f"a {type_} {reason} Event about {name}"))
+    except TimeoutError as exc:
+        raise TimeoutError(f"{exc}; Events: {reasons(cluster, ns, name)}") from None

@@ -26,8 +26,8 @@ import httpx
 from harness import stack
 from harness.loadgen.text import prompt_of_length
 from tests.integration.conftest import Cluster, PodWorkers
-from tests.integration.e2e.helpers import get, wait, wait_cr
-from tests.integration.e2e.test_control_loop import DEADLINE, reasons, start
+from tests.integration.e2e.helpers import get, wait, wait_cr, wait_event
+from tests.integration.e2e.test_control_loop import DEADLINE, start
 
 AUTOSCALING = {"minReplicas": 1, "maxReplicas": 2, "scaleUpStabilizationSeconds": 4,
                "scaleDownStabilizationSeconds": 20, "queueRequestsPerReplica": 2}
@@ -92,7 +92,7 @@ def test_a_load_step_adds_a_replica_and_calm_removes_it_without_writing_the_spec
         pool.shutdown()
     calm_from = time.monotonic()
     assert answered > 0
-    ups = [m for t, r, m in reasons(cluster, ns, name) if r == "ScaledUp"]
+    ups = [m for t, r, m in wait_event(cluster, ns, name, "Normal", "ScaledUp") if r == "ScaledUp"]
     assert len(ups) == 1 and "1 -> 2 replicas" in ups[0]
 
     down = wait_cr(cluster, ns, name, lambda o: autoscaling(o).get("desiredReplicas") == 1, DEADLINE,
@@ -103,7 +103,7 @@ def test_a_load_step_adds_a_replica_and_calm_removes_it_without_writing_the_spec
     wait(lambda: len(worker_pods(cluster, ns, name)) == 1, DEADLINE, "one worker pod left")
     # The down window (20 s) held in full: no removal sooner than that after the load ended.
     assert removed_after >= AUTOSCALING["scaleDownStabilizationSeconds"], removed_after
-    events = [r for _, r, _ in reasons(cluster, ns, name)]
+    events = [r for _, r, _ in wait_event(cluster, ns, name, "Normal", "ScaledDown")]
     assert events.count("ScaledUp") == 1 and events.count("ScaledDown") == 1, events
 
     final = get(cluster, ns, name)
@@ -136,7 +136,8 @@ def test_a_scale_up_that_would_not_fit_the_memory_model_is_refused_with_a_reason
     block = autoscaling(refused)
     assert "would not fit the memory model" in block["scaleUpRefused"] and "softLimit 256 MiB" in block["scaleUpRefused"]
     assert block["desiredReplicas"] == 1 and block["recommendation"] == "Up" and block["attainment"] < 0.9
-    warnings = [m for t, r, m in reasons(cluster, ns, name) if (t, r) == ("Warning", "ScaleUpRefused")]
+    warnings = [m for t, r, m in wait_event(cluster, ns, name, "Warning", "ScaleUpRefused")
+                if (t, r) == ("Warning", "ScaleUpRefused")]
     assert len(warnings) == 1 and "would not fit the memory model" in warnings[0]
     assert workload_replicas(cluster, ns, name) == 1 and len(worker_pods(cluster, ns, name)) == 1
     assert get(cluster, ns, name)["metadata"]["generation"] == generation

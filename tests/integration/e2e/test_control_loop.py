@@ -23,7 +23,7 @@ import pytest
 from harness import stack
 from harness.loadgen.text import prompt_of_length, repetitive_prompt
 from tests.integration.conftest import Cluster, PodWorkers
-from tests.integration.e2e.helpers import get, moeis, operator_looks, wait, wait_cr
+from tests.integration.e2e.helpers import get, moeis, operator_looks, wait, wait_cr, wait_event
 
 DEADLINE = 120
 """Seconds any one wait may take on a loaded machine; each ends as soon as the state is there (timing
@@ -37,11 +37,6 @@ SPEC: dict[str, Any] = {
     "control": {"queryIntervalSeconds": 2, "windowSeconds": 10, "skewThreshold": 8, "cooldownSeconds": 2,
                 "stabilizationWindowSeconds": 6},
 }
-
-
-def reasons(cluster: Cluster, ns: str, name: str) -> list[tuple[str, str, str]]:
-    items = cluster.kubectl_json("-n", ns, "get", "events", "--field-selector", f"involvedObject.name={name}")["items"]
-    return [(e["type"], e["reason"], e["message"]) for e in items]
 
 
 def cond(obj: dict[str, Any], type_: str) -> dict[str, Any]:
@@ -109,8 +104,7 @@ def test_c7_prometheus_goes_away_budgets_hold_then_control_resumes(
     still = get(cluster, ns, name)
     assert still["status"]["budgets"] == held
     assert cond(still, "MetricsAvailable")["status"] == "False"
-    assert ("Warning", "MetricsUnavailable") in [(t, r) for t, r, _ in reasons(cluster, ns, name)]
-    assert "BudgetRelaxed" not in [r for _, r, _ in reasons(cluster, ns, name)]
+    assert "BudgetRelaxed" not in [r for _, r, _ in wait_event(cluster, ns, name, "Warning", "MetricsUnavailable")]
 
     # The old process gone first: one still shutting down holds its port and TSDB lock, and cluster-up.sh would
     # take it as running, or start a second one that exits (rehearsal 2 of issue 29: cluster-up.sh failed).
@@ -130,7 +124,7 @@ def test_c7_prometheus_goes_away_budgets_hold_then_control_resumes(
     else:
         pytest.fail(f"budgets never climbed after Prometheus returned: {obj['status']}")
     assert cond(obj, "MetricsAvailable")["status"] == "True"
-    assert "BudgetRelaxed" in [r for _, r, _ in reasons(cluster, ns, name)]
+    wait_event(cluster, ns, name, "Normal", "BudgetRelaxed")
 
 
 def test_c8_one_silent_pod_is_named_and_never_read_as_healthy(
@@ -150,8 +144,7 @@ def test_c8_one_silent_pod_is_named_and_never_read_as_healthy(
                       60, f"{silent_pod} named silent")
         c = cond(obj, "MetricsAvailable")
         assert c["status"] == "False" and c["reason"] == "SilentPods" and silent_pod in c["message"]
-        warnings = [(r, m) for t, r, m in reasons(cluster, ns, name) if t == "Warning"]
-        assert any(r == "SilentPods" and silent_pod in m for r, m in warnings), warnings
+        wait_event(cluster, ns, name, "Warning", "SilentPods", silent_pod)
         up = cluster.prometheus_query(f'up{{namespace="{ns}",pod="{silent_pod}"}}')
         assert up and up[0]["value"][1] == "0"
     finally:
@@ -235,7 +228,7 @@ def test_a_real_oom_kill_tightens_at_once_scale_and_rollout(
     print(f"\nkernel kill (finishedAt {term['finishedAt']}) to the operator's tightening: "
           f"{(tightened - datetime.fromisoformat(term['finishedAt'])).total_seconds():.1f} s (whole-second finishedAt)")
     assert obj["status"]["overloadMode"] == "On" and cond(obj, "Overloaded")["status"] == "True"
-    assert ("Warning", "OOMKilled") in [(t, r) for t, r, _ in reasons(cluster, ns, name)]
+    wait_event(cluster, ns, name, "Warning", "OOMKilled")
     cm = cluster.kubectl_json("-n", ns, "get", "configmap", f"{name}-budget")
     doc = json.loads(cm["data"]["budget.json"])
     assert doc["overloadMode"] == "On" and doc["budgets"]["maxDecodeTokens"] == 32
@@ -361,7 +354,7 @@ def test_hand_edits_never_pin_or_lose_the_budget(
         return cm.returncode == 0 and dep.returncode == 0 and \
             json.loads(json.loads(cm.stdout)["data"]["budget.json"])["budgets"]["maxPrefillTokens"] == 1024
     wait(back, DEADLINE, "the ConfigMap and the Deployment to come back")
-    assert ("Warning", "ChildRecreated") in [(t, r) for t, r, _ in reasons(cluster, ns, name)]
+    wait_event(cluster, ns, name, "Warning", "ChildRecreated")
 
 
 def test_specs_the_operator_cannot_serve_are_reported(cluster: Cluster, operator: None, namespace: str) -> None:

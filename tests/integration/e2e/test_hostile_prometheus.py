@@ -23,7 +23,7 @@ import httpx
 import pytest
 from harness import stack
 from tests.integration.conftest import Cluster
-from tests.integration.e2e.helpers import OPERATOR_LIVENESS_PORT, moeis, wait, wait_cr
+from tests.integration.e2e.helpers import OPERATOR_LIVENESS_PORT, moeis, wait, wait_cr, wait_event
 from tests.integration.fake_prometheus import FakePrometheusHandler, serve
 
 from moeguard_operator.loop.observe import QUERY_DEADLINE_SECONDS, Answer, fetch_all, observe
@@ -196,6 +196,7 @@ def test_the_operator_reads_hostile_answers_as_no_data_and_reflects_no_body(
     for mode in modes:
         wait_cr(cluster, ns, names[mode], lambda o: (c := _metrics_condition(o)) is not None
                 and c["reason"] == "MetricsUnavailable", 120, f"{mode}: MetricsUnavailable")
+        wait_event(cluster, ns, names[mode], "Warning", "MetricsUnavailable")
     events = cluster.kubectl_json("-n", ns, "get", "events")["items"]
     assert any(e["reason"] == "MetricsUnavailable" for e in events)
     assert any(e["reason"] == "PrometheusURLNotAllowed" for e in events)

@@ -13,7 +13,7 @@ import json
 
 from harness import stack
 from tests.integration.conftest import Cluster, PodWorkers
-from tests.integration.e2e.helpers import moeis, ready_status, wait, wait_cr
+from tests.integration.e2e.helpers import moeis, ready_status, wait_cr, wait_event
 
 LEAK_BYTES_PER_SECOND = 2_000_000
 """120 MB/min: 4Gi of hardLimit is ~30 min away, well within the default 12 h horizon."""
@@ -46,11 +46,4 @@ def test_a_native_leak_is_named_native(cluster: Cluster, operator: None, pod_wor
     assert "hardLimit reached in" in cond["message"]
     assert obj["status"]["observed"]["leakKinds"] == ["native"]
     print(f"\nMemoryLeakSuspected: {cond['message']}")
-    def leak_events() -> list[str] | None:
-        # The operator posts a look's Events after its status patch (status first: it is the durable record),
-        # so the Event may follow the condition by a moment (rehearsal of issue 29: none yet when read once).
-        items = cluster.kubectl_json("-n", ns, "get", "events", "--field-selector", f"involvedObject.name={name}")["items"]
-        found = [e["message"] for e in items if e["reason"] == "MemoryLeakSuspected" and e["type"] == "Warning"]
-        return found if any(m.startswith("native leak suspected") for m in found) else None
-
-    wait(leak_events, 30, "the MemoryLeakSuspected Warning Event naming a native leak")
+    wait_event(cluster, ns, name, "Warning", "MemoryLeakSuspected", "native leak suspected")

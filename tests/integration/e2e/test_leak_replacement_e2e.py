@@ -16,8 +16,8 @@ from typing import Any
 
 from harness import stack
 from tests.integration.conftest import Cluster, PodWorkers
-from tests.integration.e2e.helpers import TEST_LEAK_WARMUP_SECONDS, get, wait, wait_cr
-from tests.integration.e2e.test_control_loop import DEADLINE, SPEC, reasons, start
+from tests.integration.e2e.helpers import TEST_LEAK_WARMUP_SECONDS, get, wait, wait_cr, wait_event
+from tests.integration.e2e.test_control_loop import DEADLINE, SPEC, start
 
 OPERATOR_EXTRA_ARGS = ("--policy", "predictive", "--leak-warmup-seconds", str(TEST_LEAK_WARMUP_SECONDS))
 LEAK_RATE_BYTES_PER_SECOND = 8 << 20
@@ -93,7 +93,7 @@ def test_a_leaking_pod_is_replaced_by_a_surge_pod_ready_before_it_drains(
     assert cluster.kubectl_json("-n", ns, "get", "deployment", f"{name}-worker")["spec"]["replicas"] == 2
     assert obj["status"]["observed"]["oomKills"] == 0
     assert 0 < obj["status"]["observed"]["replacementReadySeconds"] < 300
-    events = reasons(cluster, ns, name)
+    events = wait_event(cluster, ns, name, "Normal", "LeakReplacement", "surge:")
     assert not [e for e in events if e[1] in ("OOMKilled", "RestartingWorkers")], events
     surges = [m for t, r, m in events if r == "LeakReplacement" and t == "Normal" and m.startswith("surge:")]
     assert surges and f"pod {leaking} reaches hardLimit in" in surges[0], events

@@ -19,6 +19,7 @@ from tests.integration.e2e.helpers import (
     ready_status,
     wait,
     wait_cr,
+    wait_event,
 )
 
 SPEC = {
@@ -94,9 +95,7 @@ def test_closed_loop_end_to_end(cluster: Cluster, operator: None, pod_workers: P
          "the worker to apply the new budget")
     cm = cluster.kubectl_json("-n", ns, "get", "configmap", f"{name}-budget")
     assert json.loads(cm["data"]["budget.json"])["generation"] == stack.scrape_one(url, "moeguard_budget_generation")
-    reasons = [e["reason"] for e in cluster.kubectl_json("-n", ns, "get", "events",
-               "--field-selector", f"involvedObject.name={name}")["items"]]
-    assert "BudgetTightened" in reasons
+    wait_event(cluster, ns, name, "Normal", "BudgetTightened")
     # The operator's own metrics say the same.
     text = httpx.get(f"http://127.0.0.1:{OPERATOR_METRICS_PORT}/metrics", timeout=5).text
     assert f'moeguard_operator_budget_changes_total{{direction="down",moeis="{name}",namespace="{ns}"}} 1.0' in text

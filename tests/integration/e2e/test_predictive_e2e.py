@@ -13,8 +13,8 @@ from typing import Any
 from harness import stack
 from harness.loadgen.text import prompt_of_length, repetitive_prompt
 from tests.integration.conftest import Cluster, PodWorkers
-from tests.integration.e2e.helpers import get, operator_looks, wait, wait_cr
-from tests.integration.e2e.test_control_loop import DEADLINE, SPEC, complete, reasons, start
+from tests.integration.e2e.helpers import get, operator_looks, reasons, wait, wait_cr
+from tests.integration.e2e.test_control_loop import DEADLINE, SPEC, complete, start
 
 OPERATOR_EXTRA_ARGS = ("--policy", "predictive")
 RESOURCES = {"gpus": 0, "softLimit": "3Gi", "hardLimit": "4Gi"}
