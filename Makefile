@@ -27,11 +27,12 @@ demo: deps ## The main job end to end: control plane, Prometheus, operator, work
 	$(PY) hack/demo.py $(DEMO_ARGS)
 
 .PHONY: test
-test: test-cluster ## All tests: unit, integration against the real local control plane and Prometheus, then the real node (test-node; root).
-	$(MAKE) --no-print-directory test-node
+test: deps node-deps ## All tests: test-cluster and, beside it (own run dir and ports: hack/test-all.sh), test-node (root).
+	hack/test-all.sh
 
-.PHONY: test-cluster
-test-cluster: deps ## Unit, then integration against the real local control plane and Prometheus (no real node: no root needed).
+.PHONY: test-cluster run-test-cluster
+test-cluster: deps run-test-cluster ## Unit, then integration against the real local control plane and Prometheus (no real node: no root needed).
+run-test-cluster:
 	$(PY) -m pytest tests -m "unit or integration" $(XDIST) $(DURATIONS) $(PYTEST_ARGS)
 
 .PHONY: test-unit
@@ -74,8 +75,9 @@ node-down: ## Stop the real node (the control plane keeps running; cluster-down 
 images: node-deps ## Build the operator and worker images with buildah on a local Debian base (cached by the hash of their inputs).
 	hack/build-images.sh operator worker
 
-.PHONY: test-node
-test-node: deps node-deps ## e2e on the real node: the images built and loaded, the operator's worker pod serving (tests/node; the last step of `make test`; root).
+.PHONY: test-node run-test-node
+test-node: deps node-deps run-test-node ## e2e on the real node: the images built and loaded, the operator's worker pod serving (tests/node; part of `make test`; root).
+run-test-node:
 	hack/cluster-up.sh
 	hack/node-up.sh
 	hack/build-images.sh --load operator worker >$(MOEGUARD_RUN_DIR)/node/images.env
