@@ -26,7 +26,9 @@ refusal rate, and refused work the inner loop served within the SLOs):
   and the durable state is the same :class:`policy.PolicyState`.
 * **Leaks** with ``leakAction: Restart``: on Deployment workers no rolling restart; each leaking pod is replaced
   before it reaches the hard limit, with the Deployment's surge where possible (:mod:`leak_replacement`, run by
-  :func:`tick.look_step`). LeaderWorkerSet workers keep the rolling restart.
+  :func:`tick.look_step`). LeaderWorkerSet workers keep the rolling restart. A leaking pod's predicted peak
+  (its idle footprint grows with the leak) cuts no budget there (:func:`leaking_pods`): a cut would narrow
+  every pod's budgets without stopping the leak.
 
 The goodput framing (requests meeting both latency SLOs per second) is DistServe's (Zhong et al., OSDI 2024);
 planners that scale from SLO attainment rather than utilisation thresholds (NVIDIA Dynamo's SLA planner) take the
@@ -39,8 +41,8 @@ from datetime import datetime
 from typing import Literal
 
 from moeguard_core.contract import Budgets
-from moeguard_operator.loop import memory_fit, slo
-from moeguard_operator.loop.observation import Observation
+from moeguard_operator.loop import leak_replacement, memory_fit, slo
+from moeguard_operator.loop.observation import LEAK_NOISE_BYTES_PER_SECOND, Observation
 from moeguard_operator.loop.policy import (
     Decision,
     Move,
@@ -97,7 +99,15 @@ def decide(observation: Observation, state: PolicyState, spec: MoEInferenceServi
         pressure.append("OOMKilled")
         reasons.append(f"{obs.new_oom_kills} OOM kill(s)")
         target = decrease(state.budgets, control.decrease_factor, lower, BUDGET_FIELDS)
-    unfit = [load for load in loads if (p := predictions.get(load.pod)) is not None and p.observed_mix and not p.fits]
+    over = [load for load in loads if (p := predictions.get(load.pod)) is not None and p.observed_mix and not p.fits]
+    replaced = leaking_pods(obs, spec)
+    unfit = [load for load in over if load.pod not in replaced]
+    for load in over:
+        if load.pod in replaced:
+            p = predictions[load.pod]
+            assert p is not None
+            reasons.append(f"{p.describe()}, but {load.pod} leaks (RSS +{replaced[load.pod] * 60 / 2**20:,.0f} "
+                           f"MiB/min): left to the leak replacement, no budget cut for it")
     if unfit and model is not None:
         pressure.append("PredictedMemory")
         for load in unfit:
@@ -150,6 +160,20 @@ def decide(observation: Observation, state: PolicyState, spec: MoEInferenceServi
     # Deployment workers: each leaking pod is replaced before the hard limit (leak_replacement), no rolling restart.
     return conclude(obs, state, spec, now, Move(budgets, direction, last_change, last_pressure, last_blind),
                     triggers, reasons, pressure, shown, rolling_restart=spec.parallelism.multi_node)
+
+
+def leaking_pods(obs: Observation, spec: MoEInferenceServiceSpec) -> dict[str, float]:
+    """The pods whose RSS grows past the noise floor (``obs.pod_rss_slopes`` above
+    :data:`observation.LEAK_NOISE_BYTES_PER_SECOND`), with their slope in bytes/s, where leaks are handled by
+    replacement (:func:`leak_replacement.applies`); empty elsewhere.
+
+    A leaking pod's idle footprint grows with its leak, so its predicted peak stops fitting whatever the budgets:
+    cutting the service's budgets (every pod's) would not stop the leak, and the pod is replaced before it reaches
+    the hard limit (:mod:`leak_replacement`), while its own worker refuses the work that would not fit its soft
+    limit. Its prediction still holds back any loosening (the safe side)."""
+    if not leak_replacement.applies(spec, "predictive"):
+        return {}
+    return {pod: slope for pod, slope in obs.pod_rss_slopes if slope > LEAK_NOISE_BYTES_PER_SECOND}
 
 
 def _no_loosening(obs: Observation, spec: MoEInferenceServiceSpec, model: memory_fit.ModelMemory | None,

@@ -90,6 +90,23 @@ def test_a_predicted_peak_over_the_soft_limit_solves_the_budget_to_fit_not_half(
     assert d.state.last_pressure == NOW and d.state.last_change == NOW
 
 
+def test_a_leaking_pods_overrun_is_left_to_its_replacement_and_cuts_no_budget() -> None:
+    """Its idle footprint grew with the leak (880 MiB: 2 MiB over); cutting every pod's budgets would not stop it."""
+    leaky = (PodLoad("w-0", idle_footprint_bytes=880 * MIB, skew_ratio=2.0, context_mean_tokens=800,
+                     context_max_tokens=3072), loads()[1])
+    restart = SPEC.model_copy(update={"control": SPEC.control.model_copy(update={"leak_action": "Restart"})})
+    leaking = obs(pod_loads=leaky, pod_rss_slopes=(("w-0", 4 * MIB), ("w-1", 0.0)))
+    d = decide(leaking, PolicyState(START), restart, NOW)
+    assert d.direction == "hold" and d.pressure == () and d.state.budgets == START
+    assert ("w-0 predicted 982 MiB (idle 880 + KV 75 + step 27) of softLimit 980 MiB, but w-0 leaks (RSS +240 "
+            "MiB/min): left to the leak replacement, no budget cut for it") in d.reason
+    # The same look where leaks are only reported (leakAction Warn): no replacement, so the budgets fit the pod.
+    assert decide(leaking, PolicyState(START), SPEC, NOW).state.budgets.max_batch_requests == 7
+    # A slope within the noise floor is no leak: the overrun is cut as before.
+    noisy = obs(pod_loads=leaky, pod_rss_slopes=(("w-0", 32 * 1024),))
+    assert decide(noisy, PolicyState(START), restart, NOW).state.budgets.max_batch_requests == 7
+
+
 def test_a_predicted_overrun_waits_for_the_cooldown_an_oom_kill_does_not() -> None:
     tight = (PodLoad("w-0", idle_footprint_bytes=880 * MIB, context_mean_tokens=800, context_max_tokens=3072),)
     state = PolicyState(START, last_change=ago(10))
