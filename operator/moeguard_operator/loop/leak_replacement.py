@@ -37,6 +37,9 @@ and its memory in use (``PodLoad.memory_bytes``, bytes): the projected seconds t
   reason ``FailedCreate``: a ResourceQuota), a pod of the service is ``Unschedulable``
   (``PodScheduled`` False), or, during a surge, one of these appears or the surge pod is not Ready while
   the leaking pod is within ``grace + interval`` of the hard limit (not Ready in time).
+* **No end-less replacement** (a replacement in progress holds the autoscaler): a surge whose pod is not Ready
+  within twice the lead, the leaking pod far from its limit, is abandoned (replicas back to the base, a Warning;
+  it is replaced again when due); a drain that overruns by :data:`STUCK_SECONDS` ends (see :func:`_draining`).
 
 Events (:class:`report.Event`, reason ``LeakReplacement``): Normal for a surge (the projection, the lead and the
 measured ready time), Warning for a drain, saying why.
@@ -76,6 +79,11 @@ LEAKING_POD_COST = "-1000"
 """The deletion cost the leaking pod gets during a surge (the other pods have none: 0)."""
 REASON = "LeakReplacement"
 """The Events' reason."""
+STUCK_SECONDS = 60.0
+"""How long a drain may overrun before the replacement stops waiting, seconds: past the leaking pod's deletion
+deadline (``deletionTimestamp``: the API server's now + grace), or after the surge pod was Ready while the
+ReplicaSet, back at the base count, kept the leaking pod. Without an end a stuck replacement would hold the
+autoscaler (:mod:`autoscale`) forever."""
 
 
 def applies(spec: MoEInferenceServiceSpec, policy: str) -> bool:
@@ -264,14 +272,39 @@ def plan(prior: LeakReplacementStatus | None, obs: Observation, pods: Sequence[P
         return _start(obs, by_name, pods, workload, spec, base, ready, now)
     leaking = by_name.get(prior.pod)
     if prior.phase == "Draining":
-        if leaking is None:
-            return Step(None, events=(Event("Normal", REASON, f"pod {prior.pod} is gone: leak replacement done"),),
-                        ready_seconds=ready)
-        if prior.action == "Drain":
-            return Step(prior, Actions(delete_pod=None if _deleting(leaking) else prior.pod), ready_seconds=ready)
-        return Step(prior, Actions(replicas=None if workload.replicas == base or _deleting(leaking) else base),
-                    ready_seconds=ready)
+        return _draining(prior, leaking, pods, workload, spec, base, ready, now)
     return _surging(prior, obs, leaking, pods, workload, spec, base, ready, now)
+
+
+def _draining(prior: LeakReplacementStatus, leaking: Pod | None, pods: Sequence[Pod], workload: Workload,
+              spec: MoEInferenceServiceSpec, base: int, ready: float | None, now: datetime) -> Step:
+    """Waiting for the leaking pod to be gone; two ways it could wait forever end instead (:data:`STUCK_SECONDS`):
+    the ReplicaSet scaled back without removing it (it is then deleted, graceful), or it is still there that long
+    after its deletion deadline (a finalizer, a lost node): the replacement ends with a Warning, the autoscaler
+    resumes."""
+    if leaking is None:
+        return Step(None, events=(Event("Normal", REASON, f"pod {prior.pod} is gone: leak replacement done"),),
+                    ready_seconds=ready)
+    if _deleting(leaking):
+        deadline = timestamp((leaking.get("metadata") or {}).get("deletionTimestamp"))
+        if deadline is not None and (now - deadline).total_seconds() > STUCK_SECONDS:
+            return Step(None, events=(Event("Warning", REASON, (
+                f"pod {prior.pod} still terminating {(now - deadline).total_seconds():.0f} s past its deletion "
+                f"deadline {deadline.isoformat()} (a finalizer or a lost node?): leak replacement ended; the "
+                f"autoscaler resumes")),), ready_seconds=ready)
+        return Step(prior, ready_seconds=ready)
+    if prior.action == "Drain":
+        return Step(prior, Actions(delete_pod=prior.pod), ready_seconds=ready)
+    if workload.replicas != base:
+        return Step(prior, Actions(replicas=base), ready_seconds=ready)
+    surge = surge_pod(prior, pods)
+    since = None if surge is None else _ready_since(surge)
+    if since is not None and (now - since).total_seconds() > STUCK_SECONDS:
+        return Step(prior.model_copy(update={"action": "Drain"}), Actions(delete_pod=prior.pod), (Event(
+            "Warning", REASON, f"replicas are back at {base} but the ReplicaSet kept {prior.pod} "
+                               f"{(now - since).total_seconds():.0f} s after the surge pod was Ready (its "
+                               f"pod-deletion-cost lost?): deleting {prior.pod} (graceful)"),), ready)
+    return Step(prior, ready_seconds=ready)
 
 
 def _start(obs: Observation, by_name: Mapping[str, Pod], pods: Sequence[Pod], workload: Workload,
@@ -347,6 +380,16 @@ def _surging(prior: LeakReplacementStatus, obs: Observation, leaking: Pod | None
         return Step(drained, Actions(delete_pod=prior.pod, replicas=base),
                     (Event("Warning", REASON, f"drain instead of surge ({blocked}): deleting {prior.pod} (graceful), "
                                               f"replicas back to {base}"),), ready)
+    took = (now - prior.started_at).total_seconds()
+    patience = 2 * lead_seconds(DEFAULT_READY_SECONDS if ready is None else ready, grace_seconds(leaking),
+                                spec.control.query_interval_seconds)
+    if took > patience:
+        return Step(None, Actions(replicas=base), (Event("Warning", REASON, (
+            f"surge abandoned: surge pod {'not created' if surge is None else _name(surge) + ' not Ready'} "
+            f"{took:.0f} s after the surge started (twice the lead: {patience:.0f} s), and {prior.pod} reaches "
+            f"hardLimit in "
+            f"{'no projected time' if math.isinf(left) else f'{left:.0f} s'}: replicas back to {base}; "
+            f"{prior.pod} serves on and is replaced again when due")),), ready)
     redo = Actions(mark_pod=None if _marked(leaking) else prior.pod,
                    replicas=None if workload.replicas == base + 1 else base + 1)
     return Step(state, redo, ready_seconds=ready)

@@ -254,6 +254,51 @@ def test_draining_ends_when_the_leaking_pod_is_gone_and_writes_again_what_is_mis
     assert not plan(surged, obs(80), PODS, Workload(replicas=2), SPEC, None, NOW).actions
 
 
+def test_a_surge_pod_never_ready_is_abandoned_after_twice_the_lead_when_the_limit_is_far() -> None:
+    """A surge pod that never gets Ready (a crash loop, an image it cannot pull) must not hold the autoscaler (and
+    an extra replica) forever; the leaking pod, far from its limit, serves on and is replaced again when due."""
+    pods = [pod("w-a", cost="-1000"), pod("w-b"), pod("w-c", created=20, ready_after=None)]
+    waiting = plan(surging(started=2 * LEAD, hard_in=200), obs(200), pods, Workload(replicas=3), SPEC, None, NOW)
+    assert waiting.state is not None and waiting.state.phase == "Surging" and not waiting.events
+    step = plan(surging(started=2 * LEAD + 1, hard_in=200), obs(200), pods, Workload(replicas=3), SPEC, None, NOW)
+    assert step.state is None and step.actions == Actions(replicas=2)
+    assert step.events[0].type == "Warning" and step.events[0].message.startswith(
+        f"surge abandoned: surge pod w-c not Ready {2 * LEAD + 1:.0f} s after the surge started (twice the lead: "
+        f"{2 * LEAD:.0f} s), and w-a reaches hardLimit in 200 s: replicas back to 2")
+
+
+def test_a_drain_stuck_past_the_pods_deletion_deadline_ends_with_a_warning() -> None:
+    drain = LeakReplacementStatus(pod="w-a", action="Drain", phase="Draining", started_at=NOW - timedelta(seconds=300))
+
+    def stuck(for_seconds: float) -> list[dict[str, Any]]:
+        leaking = pod("w-a", deleting=True)
+        leaking["metadata"]["deletionTimestamp"] = ago(for_seconds)
+        return [leaking, pod("w-b")]
+
+    assert plan(drain, obs(80), stuck(lr.STUCK_SECONDS), DEPLOYMENT, SPEC, None, NOW).state == drain
+    step = plan(drain, obs(80), stuck(lr.STUCK_SECONDS + 1), DEPLOYMENT, SPEC, None, NOW)
+    assert step.state is None and not step.actions
+    assert step.events[0].type == "Warning" and "w-a still terminating 61 s past its deletion deadline" in (
+        step.events[0].message) and "the autoscaler resumes" in step.events[0].message
+
+
+def test_a_leaking_pod_the_replicaset_kept_after_the_surge_is_deleted() -> None:
+    """Replicas back at the base, the surge pod Ready for a minute, the leaking pod still there (its deletion cost
+    lost, or another pod went): it is deleted (graceful) instead of waited for."""
+    surged = LeakReplacementStatus(pod="w-a", action="Surge", phase="Draining", started_at=NOW - timedelta(seconds=200),
+                                   replacement_pod="w-c")
+
+    def pods(ready_for: float) -> list[dict[str, Any]]:
+        return [pod("w-a"), pod("w-b"), pod("w-c", created=ready_for + 20, ready_after=20)]
+
+    assert not plan(surged, obs(80), pods(lr.STUCK_SECONDS), DEPLOYMENT, SPEC, None, NOW).actions
+    step = plan(surged, obs(80), pods(lr.STUCK_SECONDS + 1), DEPLOYMENT, SPEC, None, NOW)
+    assert step.state is not None and (step.state.action, step.state.phase) == ("Drain", "Draining")
+    assert step.actions == Actions(delete_pod="w-a")
+    assert step.events[0].type == "Warning" and "the ReplicaSet kept w-a 61 s after the surge pod was Ready" in (
+        step.events[0].message)
+
+
 # --- where it applies, the reconcile, the policy, the look ------------------------------------------------------
 def test_it_applies_to_the_predictive_policy_with_leak_action_restart_on_deployments_only() -> None:
     assert lr.applies(SPEC, "predictive") and not lr.applies(SPEC, "threshold")
