@@ -27,7 +27,7 @@ demo: deps ## The main job end to end: control plane, Prometheus, operator, work
 	$(PY) hack/demo.py $(DEMO_ARGS)
 
 .PHONY: test
-test: deps node-deps ## All tests: test-cluster and, beside it (own run dir and ports: hack/test-all.sh), test-node (root).
+test: deps node-deps ## All tests: test-cluster, then test-node (root; hack/test-all.sh times each).
 	hack/test-all.sh
 
 .PHONY: test-cluster run-test-cluster

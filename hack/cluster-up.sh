@@ -209,7 +209,10 @@ start_kwok() {
 start_kwok
 
 # --- fake GPU nodes ---------------------------------------------------------------
-"${KUBECTL[@]}" apply -f "$HERE/cluster/nodes.yaml" >/dev/null || die "kubectl apply of $HERE/cluster/nodes.yaml failed"
+# apply fetches the API server's OpenAPI schema to validate: the 5-s request timeout is too short for that on a
+# loaded machine (CI of stop 36, make test's two parts side by side: "applying LWS's webhook configurations failed",
+# kubectl's "...turn validation off with --validate=false"). Every apply gets 60 s, as the CRD's always had.
+"${KUBECTL[@]}" --request-timeout=60s apply -f "$HERE/cluster/nodes.yaml" >/dev/null || die "kubectl apply of $HERE/cluster/nodes.yaml failed"
 for n in "${NODES[@]}"; do
   gpus=$("${KUBECTL[@]}" get node "$n" -o jsonpath='{.status.allocatable.nvidia\.com/gpu}')
   if [ "$gpus" != 8 ]; then  # create dropped the status: set it through the subresource
@@ -238,8 +241,8 @@ wait_for lws-manager 60 lws_ok
 # Its webhooks (failurePolicy Fail; the pod ones only for pods labelled leaderworkerset.sigs.k8s.io/name)
 # after it serves them: the pod webhook injects LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX.
 "$PYTHON" "$HERE/lws_webhooks.py" "$LWS_DIR/webhook" "$LWS_WEBHOOK_PORT" "$RUN/pki/lws/ca.crt" |
-  "${KUBECTL[@]}" apply --server-side --force-conflicts --field-manager=moeguard-hack -f - >/dev/null ||
-  die "applying LWS's webhook configurations failed"
+  "${KUBECTL[@]}" --request-timeout=60s apply --server-side --force-conflicts --field-manager=moeguard-hack -f - \
+  >/dev/null || die "applying LWS's webhook configurations failed"
 # A kwok that outlived an API server outage can sit on stale watches for minutes while the node controller
 # has marked its nodes NotReady (their Leases lapsed during the outage; kwok's heartbeat stage only acts on
 # Ready nodes): seen once in seven runs of the outage e2e test, nodes Ready only 75 s after the return.

@@ -362,7 +362,7 @@ def test_rollout_without_failed_requests(node: str, images: dict[str, str], name
                           timeout=420)
             stack.wait_for(lambda: (len([p for p in worker_pods(namespace, name)
                                         if ready(p) and p["metadata"]["name"] not in before]) == 2
-                           and len(worker_pods(namespace, name)) == 2) or None, 120, "the old pods gone")
+                           and len(worker_pods(namespace, name)) == 2) or None, 300, "the old pods gone")
             time.sleep(3)
         print(f"rollout: {client.ok} served, {client.retried} Retry-After, {len(client.failed)} failed "
               f"{client.failed[:3]}, endpoints used {sorted(client.served_by)}")
