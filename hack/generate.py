@@ -298,6 +298,11 @@ ADVICE: dict[str, str] = {
         "`loaded=\"true\"` with `mmap_hook_mode` not `none` and `rcache_max_unreleased` unset or `inf` keeps freed "
         "memory resident (vLLM issue 24264): set `spec.ucx` (the operator sets `UCX_MEM_MMAP_HOOK_MODE=none` or "
         "`UCX_RCACHE_MAX_UNRELEASED=1024`)."),
+    "moeguard_memory_model_info": (
+        "The model the worker's memory admission predicts step peaks with (its shape, dtype, expert chunk and "
+        "capacity factor). The operator's predictive policy predicts each pod's peak with the same model: the "
+        "only way it knows a `model.source` checkpoint's shape. Absent: the worker's shape is one the memory "
+        "model does not know (no prediction, no predictive tightening for it); two values for one pod: a bug."),
     "moeguard_expert_skew_ratio": (
         "Rising: the router sends most tokens to few experts (repetitive or single-topic traffic). The "
         "per-expert gather buffers grow with the top expert's count, so prefill peaks grow. Above "

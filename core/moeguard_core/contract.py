@@ -447,6 +447,12 @@ METRIC_UCX_INFO = "moeguard_ucx_info"
 ``libraries`` (the mapped UCX libraries' file names, comma-separated, sorted), ``mmap_hook_mode`` and
 ``rcache_max_unreleased`` (the effective settings: the environment's value, else UCX's default written as
 ``default:<value>``)."""
+METRIC_MEMORY_MODEL_INFO = "moeguard_memory_model_info"
+"""Info gauge (value 1): the memory model the worker predicts its steps with, labels
+``memory_model_info.MEMORY_MODEL_LABELS`` (the model's shape, ``dtype``, ``expert_chunk_tokens``,
+``capacity_factor``); absent where the worker has none (a shape the memory model does not know). The operator's
+predictive policy predicts each pod's peak with it (a ``model.source`` checkpoint's shape is known to the worker
+only)."""
 UCX_ENV_MMAP_HOOK_MODE = "UCX_MEM_MMAP_HOOK_MODE"
 UCX_ENV_RCACHE_MAX_UNRELEASED = "UCX_RCACHE_MAX_UNRELEASED"
 METRIC_EP_RANK_TOKENS_TOTAL = "moeguard_ep_rank_tokens_total"
@@ -517,6 +523,7 @@ OPERATOR_READS = (
     METRIC_REQUEST_CONTEXT_TOKENS,
     METRIC_MEMORY_IDLE_FOOTPRINT_BYTES,
     METRIC_MEMORY_PREDICTION_CORRECTION_RATIO,
+    METRIC_MEMORY_MODEL_INFO,
 )
 """Every worker series the operator's Prometheus queries name (the budget look and issue 14's diagnosis): a
 test checks that the worker's registry declares each, and that the queries name none outside it. The GPU gauges are declared

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from moeguard_core.memory_model_info import ModelMemory
 from moeguard_runtime.config import (
     ConfigError,
     Settings,
@@ -215,6 +216,9 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
     kernel = choose_matmul_kernel(settings, model, slot.telemetry, log)
     weight_bytes = slot.telemetry.set_model_weights(model.parameters())
     admission, predictor = step_models(settings, shape, log)
+    if predictor is not None:  # the operator predicts each pod's peak with the same model (issue 30)
+        slot.telemetry.set_memory_model(ModelMemory(predictor.shape, predictor.dtype, predictor.expert_chunk_tokens,
+                                                    predictor.capacity_factor))
     # generation ends on the checkpoint's generation_config EOS ids and the tokenizer's (as transformers' generate)
     worker = Worker(settings, Engine(model, eos_ids=eos_ids), slot.telemetry, log, admission=admission,
                     predictor=predictor)

@@ -27,23 +27,24 @@ The memory model is the one the worker's admission and ``moeguard plan`` use
 * **Correction**: the worker's own correction factor (``moeguard_memory_prediction_correction_ratio``, at
   least :data:`memory_admission.CORRECTION_FLOOR`) multiplies the step, as it does for admission.
 
-The prediction is of the CPU path (``memory_model``'s own scope): a GPU worker's step is on the device, a
-``model.source`` checkpoint's shape is not known to the operator, and an expert-parallel leader holds only its
-ranks' experts. For those :func:`model_memory` says why there is no prediction.
+The model is the workers' own where they report it (``moeguard_memory_model_info``: shape, dtype, expert chunk,
+capacity factor; the only source for a ``model.source`` checkpoint, whose ``config.json`` the worker alone
+reads), else the spec's preset. The prediction is of the CPU path (``memory_model``'s own scope): a GPU worker's
+step is on the device, and an expert-parallel leader holds only its ranks' experts; for those
+:func:`model_memory` says why there is no prediction.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from moeguard_core.contract import Budgets
-from moeguard_core.family_shape import FamilyShape, from_model_args
+from moeguard_core.contract import METRIC_MEMORY_MODEL_INFO, Budgets
+from moeguard_core.family_shape import from_model_args
 from moeguard_core.memory_admission import (
     CORRECTION_FLOOR,
-    DEFAULT_EXPERT_CHUNK_TOKENS,
     PRIOR_SKEW_RATIO,
 )
 from moeguard_core.memory_model import (
@@ -54,6 +55,7 @@ from moeguard_core.memory_model import (
     step_peak,
     top_share_from_skew_ratio,
 )
+from moeguard_core.memory_model_info import ModelMemory
 from moeguard_core.presets import get_preset
 from moeguard_operator.loop.observation import PodLoad
 from moeguard_operator.spec.models import MoEInferenceServiceSpec
@@ -62,27 +64,26 @@ MEMORY_KNOBS = ("max_prefill_tokens", "max_decode_tokens", "max_batch_requests",
 """The budgets the prediction depends on, in the order a tie is broken (the step's biggest term first)."""
 
 
-@dataclass(frozen=True)
-class ModelMemory:
-    """What the prediction needs of the served model: its shape and the worker's dtype and MoE settings."""
-
-    shape: FamilyShape
-    dtype: str = "float32"
-    expert_chunk_tokens: int = DEFAULT_EXPERT_CHUNK_TOKENS
-    capacity_factor: float = 0.0
-
-
-def model_memory(spec: MoEInferenceServiceSpec) -> tuple[ModelMemory | None, str | None]:
-    """The served model's :class:`ModelMemory` from ``spec`` (preset and overrides; float32, the CPU worker's
-    ``auto`` dtype; the worker's default expert chunk, no capacity factor: the operator sets neither), or
-    ``(None, why)`` where the operator cannot predict: a GPU worker, a ``model.source`` checkpoint, expert
-    parallelism, an unknown preset."""
+def model_memory(spec: MoEInferenceServiceSpec, reported: Sequence[tuple[str, ModelMemory]] = ()
+                 ) -> tuple[ModelMemory | None, str | None]:
+    """The served model's :class:`ModelMemory`: the one the workers report (``reported``: per pod, their
+    ``moeguard_memory_model_info``, :mod:`moeguard_core.memory_model_info`) where every reporting pod reports the
+    same, else from ``spec`` (preset and overrides; float32, the CPU worker's ``auto`` dtype; the worker's
+    default expert chunk, no capacity factor: the operator sets neither); or ``(None, why)`` where the operator
+    cannot predict: a GPU worker, expert parallelism, an unknown preset, a ``model.source`` checkpoint whose
+    workers have not reported their model (or report different ones: a rollout between checkpoints)."""
     if spec.resources.gpus:
         return None, "GPU workers: the memory model is of the CPU path"
-    if spec.model.source is not None:
-        return None, "model.source: the checkpoint's shape is not known to the operator"
     if spec.parallelism.expert_parallel_size > 1:
         return None, "expert parallelism: a leader holds only its ranks' experts"
+    models = {model for _, model in reported}
+    if len(models) == 1:
+        return next(iter(models)), None
+    if spec.model.source is not None:
+        return None, ("model.source: the pods report different memory models (a rollout?): "
+                      f"{', '.join(sorted(pod for pod, _ in reported))}" if models else
+                      f"model.source: no {METRIC_MEMORY_MODEL_INFO} from the workers yet (the checkpoint's shape "
+                      f"is known to them only)")
     try:
         args = dataclasses.replace(get_preset(spec.model.preset), **spec.model.overrides.model_dump(exclude_none=True))
     except KeyError:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from moeguard_core.memory_model_info import ModelMemory
 from moeguard_operator.loop.signals import DiagnosisSignals
 
 
@@ -89,6 +90,8 @@ class Observation:
         pod_loads: per reporting pod, the memory prediction's inputs (:class:`PodLoad`).
         latency: per priority class, the latency histograms of the window (:class:`ClassLatency`); empty unless
             every reporting pod has a full window.
+        memory_models: per reporting pod that exports one, the memory model its worker predicts steps with
+            (``moeguard_memory_model_info``, :class:`memory_model_info.ModelMemory`).
     """
 
     time: datetime
@@ -114,6 +117,7 @@ class Observation:
     signals_missing: str | None = None
     pod_loads: tuple[PodLoad, ...] = ()
     latency: tuple[ClassLatency, ...] = ()
+    memory_models: tuple[tuple[str, ModelMemory], ...] = ()
 
     @property
     def silent_pods(self) -> tuple[str, ...]:

@@ -68,6 +68,7 @@ from moeguard_core.contract import (
     METRIC_MEMORY_IDLE_FOOTPRINT_BYTES,
     METRIC_MEMORY_LEAK_SUSPECTED,
     METRIC_MEMORY_LIMIT_STATE,
+    METRIC_MEMORY_MODEL_INFO,
     METRIC_MEMORY_PEAK_BREAKDOWN_BYTES,
     METRIC_MEMORY_PREDICTION_CORRECTION_RATIO,
     METRIC_MEMORY_USAGE_BYTES,
@@ -87,6 +88,8 @@ from moeguard_core.contract import (
     METRIC_UCX_INFO,
     METRIC_WORKER_START_TIME_SECONDS,
 )
+from moeguard_core.family_shape import ConfigError
+from moeguard_core.memory_model_info import MEMORY_MODEL_LABELS, ModelMemory, from_info_labels
 from moeguard_operator.loop.observation import ClassLatency, Observation, PodLoad, leak_window_start
 from moeguard_operator.loop.podstate import PodFacts
 from moeguard_operator.loop.signals import DiagnosisSignals, PodSignals, TopLayer, UcxInfo
@@ -310,6 +313,8 @@ class Queries:
     top_share: str = ""
     hot_experts: str = ""
     ucx_info: str = ""
+    memory_model: str = ""
+    """Each pod's ``moeguard_memory_model_info`` (the model its worker predicts steps with, as labels)."""
 
 
 LOAD_SIGNALS = ("idle_footprint_bytes", "correction", "context_max_tokens", "context_mean_tokens")
@@ -317,6 +322,9 @@ LOAD_SIGNALS = ("idle_footprint_bytes", "correction", "context_max_tokens", "con
 DIAG_FIELDS = ("diag", "breakdown", "top_share", "hot_experts", "ucx_info")
 """The diagnosis's queries (issue 14): their failure makes the diagnosis signals missing, never the budget
 policy's look blind."""
+INFO_FIELDS = ("memory_model",)
+"""Queries whose failure or absence leaves what they say unknown (the predictive policy falls back to the spec's
+preset), never the budget policy's look blind."""
 MEMORY_REFUSALS = ("memory_predicted", "memory_hard_limit")
 """The worker's refusal reasons that are memory failures (``step_loop.MEMORY_REASON``,
 ``memory_guard.MemoryGuard``'s 503 above the hard limit)."""
@@ -389,6 +397,7 @@ def queries(namespaces: str | Iterable[str], names: str | Iterable[str], window_
                     f"(rate({METRIC_E2E_LATENCY_SECONDS}_bucket{{{sel}}}[{w}])))",
         reporting_pods=f"count {by} ({rss})",
         pod_load=pod_load_query(sel, window_seconds),
+        memory_model=f"max by ({g}, {', '.join(MEMORY_MODEL_LABELS)}) ({METRIC_MEMORY_MODEL_INFO}{{{sel}}})",
         latency=" or ".join(
             f'label_replace(sum by ({g}, priority, le) (increase({metric}_bucket{{{sel}}}[{w}])), "histogram", '
             f'"{name}", "", "")' for name, metric in (("ttft", METRIC_TTFT_SECONDS), ("tpot", METRIC_TPOT_SECONDS))),
@@ -660,12 +669,12 @@ def slice_look(url: str, answers: Mapping[str, Answer], look: Look, now: datetim
     """
     pods = tuple(look.running_pods)
     grouped = {key: group_answer(a) for key, a in answers.items()}
-    policy_answers = {key: a for key, a in grouped.items() if key not in DIAG_FIELDS}
+    policy_answers = {key: a for key, a in grouped.items() if key not in (*DIAG_FIELDS, *INFO_FIELDS)}
     trouble = problems(url, policy_answers)
     if any(a.blind for a in policy_answers.values()):
         return Observation(time=now, expected_pods=pods, new_oom_kills=look.new_oom_kills, error=trouble)
     mine = {key: service_slice(a, look.namespace, look.name, pods) for key, a in grouped.items()}
-    for key in DIAG_FIELDS:
+    for key in (*DIAG_FIELDS, *INFO_FIELDS):
         mine.setdefault(key, Answer())
 
     def per_pod(key: str) -> dict[str, float]:
@@ -737,7 +746,25 @@ def slice_look(url: str, answers: Mapping[str, Answer], look: Look, now: datetim
         signals_missing=signals_missing,
         pod_loads=loads,
         latency=latency,
+        memory_models=memory_models(mine["memory_model"], reporting),
     )
+
+
+def memory_models(answer: Answer, reporting: Sequence[str]) -> tuple[tuple[str, ModelMemory], ...]:
+    """Per reporting pod, the :class:`ModelMemory` its ``moeguard_memory_model_info`` labels say, pure; a pod
+    whose labels do not parse (:func:`memory_model_info.from_info_labels`), or that reports two, is left out."""
+    found: dict[str, list[ModelMemory | None]] = {}
+    keep = set(reporting)
+    for metric, _ in answer.series:
+        pod = metric.get(LABEL_POD)
+        if pod is not None and pod in keep:
+            try:
+                model: ModelMemory | None = from_info_labels(metric)
+            except ConfigError:
+                model = None
+            found.setdefault(pod, []).append(model)
+    return tuple((pod, model) for pod, models in sorted(found.items()) if len(models) == 1
+                 for model in models if model is not None)
 
 
 def pod_loads(reporting: Sequence[str], memory: Mapping[str, float], skews: Mapping[str, float | None],

@@ -41,6 +41,7 @@ from datetime import datetime
 from typing import Literal
 
 from moeguard_core.contract import Budgets
+from moeguard_core.memory_model_info import ModelMemory
 from moeguard_operator.loop import leak_replacement, memory_fit, slo
 from moeguard_operator.loop.observation import LEAK_NOISE_BYTES_PER_SECOND, Observation
 from moeguard_operator.loop.policy import (
@@ -87,7 +88,7 @@ def decide(observation: Observation, state: PolicyState, spec: MoEInferenceServi
     """Decide the next loop state from one observation (see the module docstring)."""
     control, batching, obs = spec.control, spec.batching, observation
     lower, upper, limit = floors(batching), ceilings(batching), spec.resources.soft_limit_bytes
-    model, no_model = memory_fit.model_memory(spec)
+    model, no_model = memory_fit.model_memory(spec, obs.memory_models)
     loads = obs.pod_loads if model is not None else ()
     predictions = {load.pod: memory_fit.predict(model, state.budgets, load, limit)
                    for load in loads} if model is not None else {}
@@ -176,7 +177,7 @@ def leaking_pods(obs: Observation, spec: MoEInferenceServiceSpec) -> dict[str, f
     return {pod: slope for pod, slope in obs.pod_rss_slopes if slope > LEAK_NOISE_BYTES_PER_SECOND}
 
 
-def _no_loosening(obs: Observation, spec: MoEInferenceServiceSpec, model: memory_fit.ModelMemory | None,
+def _no_loosening(obs: Observation, spec: MoEInferenceServiceSpec, model: ModelMemory | None,
                   no_model: str | None, predictions: dict[str, memory_fit.Prediction | None]) -> str | None:
     """Why the budgets may not loosen although the look is fully visible and calm, or None."""
     if model is None:

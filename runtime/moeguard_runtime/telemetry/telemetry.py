@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 
 from moeguard_core import contract
 from moeguard_core.contract import Budgets
+from moeguard_core.memory_model_info import MEMORY_MODEL_LABELS, ModelMemory, info_labels
 from moeguard_runtime.engine.scheduler import PRIORITIES
 from moeguard_runtime.memory.leak import Growth
 from moeguard_runtime.memory.procmem import DeviceMemory, read_process_memory
@@ -219,6 +220,10 @@ class Telemetry:
             "(F.linear), onednn_packed (oneDNN on expert weights packed once into its blocked layout, which "
             "replace the dense ones), or a per-row-bucket plan measured at start-up such as torch<=4,onednn; "
             "cpu is the CPU model from /proc/cpuinfo.", ["kernel", "cpu"])
+        self.memory_model = gauge(
+            contract.METRIC_MEMORY_MODEL_INFO,
+            "1 for the memory model the worker predicts its steps with (set once the model is loaded): the "
+            "model's shape, dtype, expert_chunk_tokens and capacity_factor, as labels.", MEMORY_MODEL_LABELS)
         self.memory_step_peak = gauge(
             "moeguard_memory_step_peak_bytes",
             "The last engine step's peak above the resident set before it: figure=predicted (the memory "
@@ -392,6 +397,11 @@ class Telemetry:
         self.weight_bytes.labels(**self.labels).set(total)
         self.model_weight_bytes = total
         return total
+
+    def set_memory_model(self, model: ModelMemory) -> None:
+        """``moeguard_memory_model_info{<model's labels>} = 1`` (:func:`memory_model_info.info_labels`)."""
+        self.memory_model.clear()
+        self.memory_model.labels(**self.l(**info_labels(model))).set(1)
 
     def set_matmul_kernel(self, kernel: str, cpu: str) -> None:
         """``moeguard_matmul_kernel_info{kernel, cpu} = 1`` (an info metric: the labels carry the value)."""

@@ -173,8 +173,8 @@ def test_one_grouped_look_serves_every_service_with_the_same_queries(pods: Pods)
         observe_looks(stack.PROMETHEUS_URL, batch, datetime.now(UTC))
         counts.append(query_requests() - before)
     print(f"\nqueries per look: 1 service {counts[0]:.0f}, 2 services {counts[1]:.0f}, 200 services {counts[2]:.0f}")
-    # one query per field of Queries (21 since issue 30 added pod_load and latency; the unit test pins it)
-    assert counts[0] == counts[1] == counts[2] == asked == len(Queries.__dataclass_fields__) == 21
+    # one query per field of Queries (22 since issue 30 added pod_load, latency and memory_model; the unit test pins it)
+    assert counts[0] == counts[1] == counts[2] == asked == len(Queries.__dataclass_fields__) == 22
 
 
 def test_old_pods_series_never_steer_a_recreated_service_or_a_rollout(pods: Pods) -> None:
@@ -380,3 +380,27 @@ def test_rank_imbalance_of_an_expert_parallel_leader_is_skew(pods: Pods) -> None
     obs = observe_one(look(pods, "ep", ("ep-0", "ep-0-1")))
     assert obs.skew_ratio == pytest.approx(2.8), obs
     assert obs.skew_steps == 8 and obs.fully_visible, obs
+
+
+def test_each_pods_memory_model_info_reaches_the_predictive_policy(pods: Pods) -> None:
+    """Issue 30 §2: the worker's ``moeguard_memory_model_info`` (its Telemetry's own gauge, scraped by the real
+    Prometheus) becomes the look's per-pod model; a ``model.source`` spec, whose shape the operator cannot
+    know, is predicted with it; a pod without one is left out, never blinding the look."""
+    from moeguard_core.family_shape import from_model_args
+    from moeguard_core.memory_model_info import ModelMemory
+    from moeguard_core.presets import get_preset
+    from moeguard_operator.loop.memory_fit import model_memory
+
+    model = ModelMemory(from_model_args(get_preset("small")), "bfloat16", expert_chunk_tokens=512, capacity_factor=1.25)
+    known, silent = pods.start("mm", "mm-0"), pods.start("mm", "mm-1")
+    known.telemetry.set_memory_model(model)
+    pods.scraped("mm-0", "mm-1")
+    obs = observe_one(look(pods, "mm", ("mm-0", "mm-1")))
+    assert obs.error is None and obs.memory_models == (("mm-0", model),), obs
+    assert silent.name not in dict(obs.memory_models)
+    spec = MoEInferenceServiceSpec.model_validate({**SPEC.model_dump(by_alias=True, exclude_none=True),
+                                                   "model": {"source": {"persistentVolumeClaim": {"claimName": "w"}}},
+                                                   "resources": {"gpus": 0, "softLimit": "3Gi", "hardLimit": "4Gi"}})
+    assert model_memory(spec, obs.memory_models) == (model, None)
+    none, why = model_memory(spec)
+    assert none is None and why is not None and "moeguard_memory_model_info" in why

@@ -15,7 +15,9 @@ from tests.integration.worker.conftest import WorkerProcess
 from tests.integration.worker.test_worker_http import metrics
 
 from moeguard_core import contract
+from moeguard_core.family_shape import from_model_args
 from moeguard_core.memory_model import kv_bytes_per_token
+from moeguard_core.memory_model_info import from_info_labels
 from moeguard_core.presets import get_preset
 
 pytestmark = pytest.mark.integration
@@ -85,6 +87,10 @@ def test_overlapping_prefills_long_requests_kv_and_the_peak_breakdown(
     assert per_request <= stages["kv_cache"] <= REQUESTS * per_request
     assert stages["attention"] > 0 and stages["expert_buffers"] > 0
     assert stages["dense_mlp"] == 0  # the tiny preset (Mixtral's shape) has no dense layer
+    # the memory model the operator predicts this pod with (issue 30 §2): the tiny preset's shape, as served
+    (model_labels, one), = m[contract.METRIC_MEMORY_MODEL_INFO]
+    model = from_info_labels(model_labels)
+    assert one == 1 and model.shape == from_model_args(get_preset("tiny")) and model.dtype == "float32", model
     shares = [v for _, v in m["moeguard_expert_top_share_ratio"]]
     assert len(shares) == 2 and all(1 / 8 <= s <= 1 / 2 for s in shares)
     logs = w.logs()

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from moeguard_core.memory_model import (
@@ -109,6 +111,25 @@ def test_no_idle_footprint_no_prediction() -> None:
 def test_where_the_operator_cannot_predict_it_says_why(change: dict[str, object], why: str) -> None:
     model, reason = memory_fit.model_memory(MoEInferenceServiceSpec.model_validate(change))
     assert model is None and reason is not None and reason.startswith(why)
+
+
+def test_the_workers_reported_model_is_used_where_every_pod_reports_the_same() -> None:
+    """Issue 30: the worker exports the model it predicts with (``moeguard_memory_model_info``): a ``model.source``
+    checkpoint is predicted with it, and a preset's workers' own dtype wins over the operator's float32 guess."""
+    source = MoEInferenceServiceSpec.model_validate(
+        {"resources": {"gpus": 0}, "model": {"source": {"persistentVolumeClaim": {"claimName": "w"}}}})
+    assert MODEL is not None
+    bf16 = dataclasses.replace(MODEL, dtype="bfloat16", expert_chunk_tokens=512)
+    assert memory_fit.model_memory(source, (("w-0", bf16), ("w-1", bf16))) == (bf16, None)
+    assert memory_fit.model_memory(SPEC, (("w-0", bf16),)) == (bf16, None)
+    other = dataclasses.replace(bf16, dtype="float32")
+    model, why = memory_fit.model_memory(source, (("w-0", bf16), ("w-1", other)))
+    assert model is None and why == "model.source: the pods report different memory models (a rollout?): w-0, w-1"
+    assert memory_fit.model_memory(SPEC, (("w-0", bf16), ("w-1", other))) == (MODEL, None)  # the preset's
+    assert memory_fit.model_memory(source)[1] == ("model.source: no moeguard_memory_model_info from the workers yet "
+                                                  "(the checkpoint's shape is known to them only)")
+    gpu = MoEInferenceServiceSpec.model_validate({"resources": {"gpus": 1}})
+    assert memory_fit.model_memory(gpu, (("w-0", bf16),))[0] is None  # the model is of the CPU path
 
 
 def test_largest_is_a_binary_search_of_a_monotone_fit() -> None:

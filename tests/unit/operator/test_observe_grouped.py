@@ -12,6 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from moeguard_core.family_shape import from_model_args
+from moeguard_core.memory_model_info import ModelMemory, info_labels
+from moeguard_core.presets import get_preset
 from moeguard_operator.loop.conditions import leak_unknown
 from moeguard_operator.loop.observe import (
     DIAG_FIELDS,
@@ -304,13 +307,32 @@ def test_a_failed_or_malformed_diagnosis_query_leaves_the_signals_missing_not_th
 
 def test_the_diagnosis_queries_are_few_and_grouped() -> None:
     q = queries("ns", "svc", 30, 600)
-    assert len(DIAG_FIELDS) == 5 and len(Queries.__dataclass_fields__) == 21
+    assert len(DIAG_FIELDS) == 5 and len(Queries.__dataclass_fields__) == 22
     for field in DIAG_FIELDS:
         assert "by (namespace, moeis, pod" in getattr(q, field)
     assert steady_growth_steps(30, 600) == (150, 450, 75)
     assert steady_growth_steps(30, 30) == (30, 30, 15)
     assert "min_over_time(deriv(moeguard_process_resident_memory_bytes{namespace=\"ns\",moeis=\"svc\"}[150s])" \
            "[450s:75s])" in q.diag
+
+
+def test_each_running_pods_memory_model_is_read_from_its_info_labels_and_never_blinds() -> None:
+    """Issue 30: ``moeguard_memory_model_info`` per pod; labels that do not parse, a pod with two, an old pod's,
+    a failed query: left out (the spec's preset stands in), the budget look still sees."""
+    shape = from_model_args(get_preset("small"))
+    model = ModelMemory(shape, "bfloat16")
+    labels = info_labels(model)
+    answers = pod_answers({("ns", "svc", p): healthy() for p in ("svc-a", "svc-b", "svc-c", "svc-old")})
+    answers["memory_model"] = answer(
+        series("ns", "svc", "svc-a", 1, **labels), series("ns", "svc", "svc-old", 1, **labels),
+        series("ns", "svc", "svc-b", 1, **{**labels, "dim": "wide"}),
+        series("ns", "svc", "svc-c", 1, **labels), series("ns", "svc", "svc-c", 1, **{**labels, "dtype": "float32"}))
+    obs = slice_look(URL, answers, look(pods=("svc-a", "svc-b", "svc-c")), NOW)
+    assert obs.memory_models == (("svc-a", model),) and obs.error is None
+    answers["memory_model"] = read_answer(503, b"down")
+    obs = slice_look(URL, answers, look(pods=("svc-a", "svc-b")), NOW)
+    assert obs.memory_models == () and obs.error is None and obs.memory_ratio == 0.5
+    assert "max by (namespace, moeis, pod, n_layer, dim," in queries("ns", "svc", 30, 600).memory_model
 
 
 def test_the_memory_prediction_inputs_and_the_latency_histograms_are_per_running_pod() -> None:
