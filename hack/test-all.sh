@@ -4,8 +4,9 @@
 # Sequential on purpose. Run beside the cluster suite (own run dir and port offset), the node part saved
 # ~4 min of wall time but overloaded the 2-core machine: its kubelet, containerd and image builds slowed the
 # three xdist workers' control planes until `kubectl apply` timed out fetching the OpenAPI schema, and the
-# node tests took 11:41 instead of ~4-5 min (CI of 2026-12-04: 1,670 s in all, 3 failures, every one a
-# timeout under load). A green 31 minutes beats a red 28.
+# node tests took 8-12 min instead of ~4 (two CI runs of 2026-12-04: 1,670 s with 3 failures, 2,462 s with 4,
+# every one a timeout under load). One after the other, the clean-clone runs of c805a8e took 1,679 s and
+# 1,700 s warm, both green (docs/testing.md).
 # Both sub-makes skip `deps` and `node-deps` (the caller ran them once).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -763,8 +763,8 @@ def memory_models(answer: Answer, reporting: Sequence[str]) -> tuple[tuple[str, 
             except ConfigError:
                 model = None
             found.setdefault(pod, []).append(model)
-    return tuple((pod, model) for pod, models in sorted(found.items()) if len(models) == 1
-                 for model in models if model is not None)
+    return tuple((pod, models[0]) for pod, models in sorted(found.items())
+                 if len(models) == 1 and models[0] is not None)
 
 
 def pod_loads(reporting: Sequence[str], memory: Mapping[str, float], skews: Mapping[str, float | None],
