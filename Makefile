@@ -22,12 +22,16 @@ help: ## Show this help.
 deps: ## Install Debian packages, the Python venv and the Go-built control plane (cached).
 	hack/install-deps.sh
 
+.PHONY: all-deps
+all-deps: ## deps and node-deps at once: one apt-get call, the venv downloading while Go builds (what `make test` runs).
+	hack/install-deps.sh --node
+
 .PHONY: demo
 demo: deps ## The main job end to end: control plane, Prometheus, operator, workers, real traffic, closed loop.
 	$(PY) hack/demo.py $(DEMO_ARGS)
 
 .PHONY: test
-test: deps node-deps ## All tests: test-cluster, then test-node (root; hack/test-all.sh times each).
+test: all-deps ## All tests: test-cluster, then test-node (root; hack/test-all.sh times each).
 	hack/test-all.sh
 
 .PHONY: test-cluster run-test-cluster

@@ -4,19 +4,43 @@
 #     loads its real libucs through MOEGUARD_FAULT_LOAD_LIBRARY)
 #   - the Python virtualenv (requirements.txt, cached by hash, linked as .venv)
 #   - the Go-built control plane binaries (cached by version under ~/.cache/moeguard)
+# With --node, also what hack/install-node-deps.sh installs (the real node and the image builds), in the
+# same apt-get call and the same wait: `make test` needs both.
+# The venv (downloads: torch's CUDA build is several GB) is installed in the background while the Go
+# builds use the CPUs, so a cold machine waits for the longer of the two, not their sum.
 # Idempotent: a second run takes seconds.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+node=0
+[ "${1:-}" = --node ] && node=1
 missing=()
 command -v prometheus >/dev/null || missing+=(prometheus)
 command -v openssl >/dev/null || missing+=(openssl)
 command -v curl >/dev/null || missing+=(curl)
 dpkg -s libucx0 >/dev/null 2>&1 || missing+=(libucx0)
+if [ "$node" = 1 ]; then
+  for p in containerd runc containernetworking-plugins buildah mmdebstrap iptables; do
+    dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+  done
+fi
 if [ ${#missing[@]} -gt 0 ]; then
   echo "[deps] apt-get install ${missing[*]}" >&2
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
-"$ROOT/hack/ensure-venv.sh"
-"$ROOT/hack/build-binaries.sh"
+venv_log=$(mktemp)
+"$ROOT/hack/ensure-venv.sh" >"$venv_log" 2>&1 &
+venv_pid=$!
+built=0
+if [ "$node" = 1 ]; then
+  "$ROOT/hack/build-binaries.sh" etcd kwok helm lws kubernetes node || built=$?
+else
+  "$ROOT/hack/build-binaries.sh" || built=$?
+fi
+venv_rc=0
+wait "$venv_pid" || venv_rc=$?
+cat "$venv_log" >&2
+rm -f "$venv_log"
+[ "$venv_rc" -eq 0 ] || { echo "[deps] the Python venv failed (exit $venv_rc)" >&2; exit "$venv_rc"; }
+exit "$built"
