@@ -209,7 +209,7 @@ def blind_reason(obs: Observation, signals: ScaleSignals) -> str | None:
 def new_replica_fit(obs: Observation, spec: MoEInferenceServiceSpec, budgets: Budgets) -> Fit:
     """Whether one more replica fits the memory model at ``budgets`` (see the module docstring): the worst
     current pod's load (:func:`memory_fit.predict` at ``resources.softLimit``) stands for the new replica's."""
-    model, why = model_memory(spec, obs.memory_models)
+    model, why = model_memory(spec, obs.memory_models, obs.memory_models_error)
     if model is None:
         return Fit(None, f"memory fit not predicted ({why})")
     limit = spec.resources.soft_limit_bytes

@@ -64,14 +64,16 @@ MEMORY_KNOBS = ("max_prefill_tokens", "max_decode_tokens", "max_batch_requests",
 """The budgets the prediction depends on, in the order a tie is broken (the step's biggest term first)."""
 
 
-def model_memory(spec: MoEInferenceServiceSpec, reported: Sequence[tuple[str, ModelMemory]] = ()
-                 ) -> tuple[ModelMemory | None, str | None]:
+def model_memory(spec: MoEInferenceServiceSpec, reported: Sequence[tuple[str, ModelMemory]] = (),
+                 query_error: str | None = None) -> tuple[ModelMemory | None, str | None]:
     """The served model's :class:`ModelMemory`: the one the workers report (``reported``: per pod, their
     ``moeguard_memory_model_info``, :mod:`moeguard_core.memory_model_info`) where every reporting pod reports the
     same, else from ``spec`` (preset and overrides; float32, the CPU worker's ``auto`` dtype; the worker's
     default expert chunk, no capacity factor: the operator sets neither); or ``(None, why)`` where the operator
     cannot predict: a GPU worker, expert parallelism, an unknown preset, a ``model.source`` checkpoint whose
-    workers have not reported their model (or report different ones: a rollout between checkpoints)."""
+    workers have not reported their model (or report different ones: a rollout between checkpoints); where the
+    query for the reports failed (``query_error``, :attr:`Observation.memory_models_error`), the reason says so
+    instead of "not reported yet"."""
     if spec.resources.gpus:
         return None, "GPU workers: the memory model is of the CPU path"
     if spec.parallelism.expert_parallel_size > 1:
@@ -82,6 +84,7 @@ def model_memory(spec: MoEInferenceServiceSpec, reported: Sequence[tuple[str, Mo
     if spec.model.source is not None:
         return None, ("model.source: the pods report different memory models (a rollout?): "
                       f"{', '.join(sorted(pod for pod, _ in reported))}" if models else
+                      f"model.source: the {METRIC_MEMORY_MODEL_INFO} query failed ({query_error})" if query_error else
                       f"model.source: no {METRIC_MEMORY_MODEL_INFO} from the workers yet (the checkpoint's shape "
                       f"is known to them only)")
     try:

@@ -92,6 +92,8 @@ class Observation:
             every reporting pod has a full window.
         memory_models: per reporting pod that exports one, the memory model its worker predicts steps with
             (``moeguard_memory_model_info``, :class:`memory_model_info.ModelMemory`).
+        memory_models_error: why ``memory_models`` could not be read (the query's fixed problem), or None: a
+            failed query is not "no worker reported one yet".
     """
 
     time: datetime
@@ -118,6 +120,7 @@ class Observation:
     pod_loads: tuple[PodLoad, ...] = ()
     latency: tuple[ClassLatency, ...] = ()
     memory_models: tuple[tuple[str, ModelMemory], ...] = ()
+    memory_models_error: str | None = None
 
     @property
     def silent_pods(self) -> tuple[str, ...]:

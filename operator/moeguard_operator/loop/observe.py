@@ -747,6 +747,7 @@ def slice_look(url: str, answers: Mapping[str, Answer], look: Look, now: datetim
         pod_loads=loads,
         latency=latency,
         memory_models=memory_models(mine["memory_model"], reporting),
+        memory_models_error=mine["memory_model"].problem if mine["memory_model"].blind else None,
     )
 
 

@@ -88,7 +88,7 @@ def decide(observation: Observation, state: PolicyState, spec: MoEInferenceServi
     """Decide the next loop state from one observation (see the module docstring)."""
     control, batching, obs = spec.control, spec.batching, observation
     lower, upper, limit = floors(batching), ceilings(batching), spec.resources.soft_limit_bytes
-    model, no_model = memory_fit.model_memory(spec, obs.memory_models)
+    model, no_model = memory_fit.model_memory(spec, obs.memory_models, obs.memory_models_error)
     loads = obs.pod_loads if model is not None else ()
     predictions = {load.pod: memory_fit.predict(model, state.budgets, load, limit)
                    for load in loads} if model is not None else {}

@@ -128,6 +128,9 @@ def test_the_workers_reported_model_is_used_where_every_pod_reports_the_same() -
     assert memory_fit.model_memory(SPEC, (("w-0", bf16), ("w-1", other))) == (MODEL, None)  # the preset's
     assert memory_fit.model_memory(source)[1] == ("model.source: no moeguard_memory_model_info from the workers yet "
                                                   "(the checkpoint's shape is known to them only)")
+    assert memory_fit.model_memory(source, (), "PrometheusHTTPError 503")[1] == (
+        "model.source: the moeguard_memory_model_info query failed (PrometheusHTTPError 503)")
+    assert memory_fit.model_memory(SPEC, (), "PrometheusHTTPError 503") == (MODEL, None)  # the preset stands in
     gpu = MoEInferenceServiceSpec.model_validate({"resources": {"gpus": 1}})
     assert memory_fit.model_memory(gpu, (("w-0", bf16),))[0] is None  # the model is of the CPU path
 

@@ -328,10 +328,11 @@ def test_each_running_pods_memory_model_is_read_from_its_info_labels_and_never_b
         series("ns", "svc", "svc-b", 1, **{**labels, "dim": "wide"}),
         series("ns", "svc", "svc-c", 1, **labels), series("ns", "svc", "svc-c", 1, **{**labels, "dtype": "float32"}))
     obs = slice_look(URL, answers, look(pods=("svc-a", "svc-b", "svc-c")), NOW)
-    assert obs.memory_models == (("svc-a", model),) and obs.error is None
+    assert obs.memory_models == (("svc-a", model),) and obs.error is None and obs.memory_models_error is None
     answers["memory_model"] = read_answer(503, b"down")
     obs = slice_look(URL, answers, look(pods=("svc-a", "svc-b")), NOW)
     assert obs.memory_models == () and obs.error is None and obs.memory_ratio == 0.5
+    assert obs.memory_models_error == "PrometheusHTTPError 503"
     assert "max by (namespace, moeis, pod, n_layer, dim," in queries("ns", "svc", 30, 600).memory_model
 
 
