@@ -451,7 +451,7 @@ ADVICE: dict[str, str] = {
         "`MOEGUARD_MATMUL_BACKEND=auto` (default) it was measured at start-up on the model's own shapes "
         "(or read from the cache under `MOEGUARD_KERNEL_CACHE_DIR`; see `event=matmul_kernel_selected`). "
         "Pods of one MoEInferenceService on different CPU models may choose differently; a change after a "
-        "node upgrade explains a change in step time. `MOEGUARD_MATMUL_BACKEND=onednn`, `torch` or "
+        "node upgrade explains a change in step time. `MOEGUARD_MATMUL_BACKEND=onednn`, `torch`, `torch_t` or "
         "`onednn_packed` fixes the kernel without measuring (`onednn_packed` needs the CPU, float32 or "
         "bfloat16 where oneDNN has it, and host dispatch; otherwise the worker does not start and says why)."),
     "moeguard_oom_errors": (

@@ -265,7 +265,7 @@ def _initial_kernel(settings: Settings) -> MatmulBackend:
 def choose_matmul_kernel(settings: Settings, model: object, telemetry: Telemetry,
                          log: RateLimitedLog) -> str:
     """With ``MOEGUARD_MATMUL_BACKEND=auto``, measure the candidate kernels on the model's own
-    expert shapes (or read the cached choice, :mod:`moeguard_runtime.model.kernel_select`) and give
+    expert shapes, at the row counts of decode and of a full prefill budget (or read the cached choice, :mod:`moeguard_runtime.model.kernel_select`) and give
     the plan to every MoE layer (a packed plan packs the experts' weights, replacing the dense ones:
     called after loading and sharding, before the weight bytes are counted); with ``onednn_packed``,
     pack without measuring (``config`` has checked that the weights can be packed); log
@@ -282,8 +282,11 @@ def choose_matmul_kernel(settings: Settings, model: object, telemetry: Telemetry
     if settings.matmul_backend == "auto" and isinstance(model, nn.Module) and experts is not None:
         from moeguard_runtime.memory.memory import read_memory, start_headroom
 
-        selection = kernel_select.select(*experts, threads=settings.torch_threads, cpu=cpu,
-                                         headroom_bytes=start_headroom(read_memory(), settings.hard_limit_bytes))
+        selection = kernel_select.select(
+            *experts, threads=settings.torch_threads, cpu=cpu,
+            headroom_bytes=start_headroom(read_memory(), settings.hard_limit_bytes),
+            prefill_rows=kernel_select.model_prefill_rows(model, settings.budgets.max_prefill_tokens),
+            expert_chunk_tokens=settings.expert_chunk_tokens)
         del experts  # a packed plan replaces the dense weights: no reference may keep them
         kernel_select.apply_plan(model, selection.plan)
         kernel = selection.plan.label

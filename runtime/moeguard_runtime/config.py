@@ -63,9 +63,10 @@ ENV_MATMUL_BACKEND = "MOEGUARD_MATMUL_BACKEND"
 """Kernel of the expert matmuls: ``auto`` (default: the fastest by measurement at start-up, per row
 bucket, or ``onednn_packed`` in every bucket, the experts' weights then packed once into oneDNN's layout in
 place of the dense ones: :mod:`moeguard_runtime.model.kernel_select`), ``onednn`` (oneDNN for CPU
-float32/bfloat16), ``torch`` (``F.linear``) or ``onednn_packed`` (packed weights without measuring; CPU
+float32/bfloat16), ``torch`` (``F.linear``), ``torch_t`` (the same product transposed, ``(w @ x.T).T``: the
+BLAS's tall-skinny path at few rows; CPU) or ``onednn_packed`` (packed weights without measuring; CPU
 float32, or bfloat16 where oneDNN has it, and not ``MOEGUARD_MOE_DISPATCH=device``: else a ConfigError)."""
-MatmulSetting = Literal["auto", "onednn", "torch", "onednn_packed"]
+MatmulSetting = Literal["auto", "onednn", "torch", "torch_t", "onednn_packed"]
 MATMUL_SETTINGS: tuple[MatmulSetting, ...] = ("auto", *MATMUL_BACKENDS)
 ENV_MOE_DISPATCH = "MOEGUARD_MOE_DISPATCH"
 """How the MoE layers group their slots: ``auto`` (default), ``host`` or ``device`` (``moe.MoeDispatch``)."""

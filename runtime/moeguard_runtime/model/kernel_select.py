@@ -4,19 +4,23 @@ A fixed kernel loses somewhere: oneDNN's linear primitive ran the float32 expert
 about twice as fast as MKL (``F.linear``) on the AMD EPYC of the benchmarks and slower on
 an Intel Xeon with AVX-512. So at start-up the worker times every candidate kernel
 (:data:`moeguard_runtime.model.moe.MATMUL_BACKENDS` that run on the model's device and dtype)
-on the model's own experts (one :func:`moe.swiglu_expert` call on layer 0's fused ``w13``
-``[2I, D]`` and ``w2`` ``[D, I]`` of one expert, the next expert at each call, so the weights
-come from memory as in serving rather than from a cache that holds one expert) at each bucket of row counts in
-:data:`ROW_BUCKETS` (decode steps give a few rows per expert, prefill chunks up to
-:data:`moe.ONEDNN_CHUNK_TOKENS`), and keeps the fastest per bucket: a :class:`moe.KernelPlan`.
+on the model's own experts (one expert's slice, :func:`slice_seconds`, on layer 0's fused ``w13``
+``[2I, D]`` and ``w2`` ``[D, I]``, the next expert at each call, so the weights
+come from memory as in serving rather than from a cache that holds one expert) at each bucket of row counts
+that the budgets produce (:func:`row_buckets`: :data:`ROW_BUCKETS` for decode steps and short prefill chunks,
+and the rows per expert of a full prefill budget, ``maxPrefillTokens * k / E``, issue 31: a plan chosen on
+decode buckets alone was applied to 1,024-row prefill slices, where it lost), and keeps the fastest per bucket:
+a :class:`moe.KernelPlan`. A bucket is timed as the dispatch runs it (:func:`moe.slice_call`): a oneDNN
+kernel in chunks of :data:`moe.ONEDNN_CHUNK_TOKENS` rows, ``F.linear`` in one call.
 
 Packed weights (``onednn_packed``, :class:`moe.PackedExperts`): the same oneDNN primitive on
 weights reordered once into its blocked layout; they replace the dense ones, so no other kernel
 can run beside them and a plan is either packed in every bucket or a per-bucket mix of the dense
 kernels. The rule (:func:`packed_wins`): packed when the geometric mean over the buckets of
 ``packed seconds / the dense plan's seconds`` (the dense plan: the fastest dense kernel per bucket)
-is at most ``1 - TIE_FRACTION``, and no bucket is more than :data:`MAX_PACKED_LOSS` slower. The
-buckets count equally, so the three decode buckets (1, 4, 16 rows) weigh three fifths. The
+is at most ``1 - TIE_FRACTION``, and no bucket is more than :data:`MAX_PACKED_LOSS` slower. Each phase
+weighs half (:func:`phase_weights`): the decode buckets (<= :data:`DECODE_MAX_ROWS` rows) share one half,
+the prefill buckets the other, whatever their number. The
 packed candidate is timed on packed copies of the first experts, as many as hold
 :data:`PACKED_PROBE_BYTES` (at least two, at most all), taken in turn as the dense kernels take
 all of them, so their weights come from memory, not from the cache (32 MiB of L3 on the EPYC of
@@ -58,6 +62,7 @@ import torch
 from torch import nn
 
 from moeguard_core import contract
+from moeguard_runtime.model import moe
 from moeguard_runtime.model.moe import (
     DENSE_BACKENDS,
     MATMUL_BACKENDS,
@@ -74,8 +79,12 @@ from moeguard_runtime.model.moe import (
 )
 
 ROW_BUCKETS = (1, 4, 16, 64, 256)
-"""Row counts timed (each already a :func:`moe.padded_rows` bucket): 1-16 cover decode steps
-(a step of ``T`` tokens gives each touched expert about ``T * k / E`` rows), 64-256 prefill chunks."""
+"""Row counts always timed (each already a :func:`moe.padded_rows` bucket): 1-16 cover decode steps
+(a step of ``T`` tokens gives each touched expert about ``T * k / E`` rows), 64-256 prefill chunks;
+:func:`row_buckets` adds a full prefill budget's rows per expert."""
+DECODE_MAX_ROWS = 16
+"""Buckets up to this many rows are decode's in :func:`phase_weights` (a decode step of 64 sequences gives
+each of 8 experts 16 rows at k=2)."""
 REPS = 5
 """Interleaved rounds at most."""
 BUDGET_S = 3.0
@@ -92,8 +101,9 @@ PACKED_PROBE_BYTES = 128 << 20
 """Packed copies made to time ``onednn_packed``: the fewest experts whose weights reach this many bytes
 (at least two, at most all), so consecutive calls read their weights from memory as the dense
 kernels' calls over all the experts do, not from a cache that holds one or two small experts."""
-SELECTION_RULE = 2
-"""In the cache key: choices cached under an earlier rule (1: dense kernels only) are measured again."""
+SELECTION_RULE = 3
+"""In the cache key: choices cached under an earlier rule (1: dense kernels only; 2: one call per bucket,
+decode buckets three fifths of the packed rule) are measured again."""
 ENV_KERNEL_CACHE_DIR = contract.ENV_KERNEL_CACHE_DIR
 DEFAULT_CACHE_DIR = "~/.cache/moeguard/kernels"
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
@@ -101,7 +111,34 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
 """The ``/proc/cpuinfo`` flags that decide which matmul kernels are fast (reported, not used)."""
 
 Timer = Callable[[MatmulBackend, int], float]
-"""``timer(kernel, rows)``: seconds of one call of ``kernel`` at ``rows`` rows."""
+"""``timer(kernel, rows)``: seconds of one expert's slice of ``rows`` rows on ``kernel``."""
+
+
+def row_buckets(prefill_rows: int | None = None,
+                expert_chunk_tokens: int = moe.DEFAULT_EXPERT_CHUNK_TOKENS) -> tuple[int, ...]:
+    """The row counts to time: :data:`ROW_BUCKETS`, and ``prefill_rows`` (a full prefill budget's rows per
+    expert, ``ceil(max_prefill_tokens * top_k / num_experts)``: :func:`prefill_rows`) rounded up to its
+    :func:`moe.padded_rows` bucket and at most ``expert_chunk_tokens`` (no call takes more), where that is
+    above the last of them. A skewed prefill's busier experts take the last bucket's kernel."""
+    if prefill_rows is None:
+        return ROW_BUCKETS
+    rows = min(moe.padded_rows(max(1, prefill_rows)), max(1, expert_chunk_tokens))
+    return ROW_BUCKETS if rows <= ROW_BUCKETS[-1] else (*ROW_BUCKETS, rows)
+
+
+def prefill_rows(max_prefill_tokens: int, top_k: int, num_experts: int) -> int:
+    """Rows per expert of a balanced prefill of ``max_prefill_tokens`` tokens: ``ceil(T * k / E)``
+    (4,096 tokens, k=2, E=8: 1,024)."""
+    return -(-max_prefill_tokens * top_k // max(1, num_experts))
+
+
+def phase_weights(buckets: Sequence[int]) -> dict[int, float]:
+    """Weights summing to 1 over ``buckets``: the decode buckets (``<= DECODE_MAX_ROWS``) share one half and
+    the prefill buckets the other, equally within a phase (all of it to one phase when the other has none)."""
+    decode = [b for b in buckets if b <= DECODE_MAX_ROWS]
+    prefill = [b for b in buckets if b > DECODE_MAX_ROWS]
+    halves = [g for g in (decode, prefill) if g]
+    return {b: 1.0 / len(halves) / len(g) for g in halves for b in g}
 
 
 def cpu_model(cpuinfo: str | None = None) -> str:
@@ -129,29 +166,39 @@ def _read(path: str) -> str:
 
 
 def candidates(dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[MatmulBackend, ...]:
-    """The kernels that run on ``device`` in ``dtype``: ``onednn``, ``torch`` and ``onednn_packed`` on
-    the CPU in float32 (and bfloat16 where oneDNN has it; packed where oneDNN's reorder exists), else
-    ``torch`` alone."""
+    """The kernels that run on ``device`` in ``dtype``: ``onednn``, ``torch``, ``torch_t`` and ``onednn_packed``
+    on the CPU in float32 (and bfloat16 where oneDNN has it; packed where oneDNN's reorder exists), ``torch`` and
+    ``torch_t`` on the CPU in a dtype oneDNN lacks there, else ``torch`` alone."""
     probe = torch.empty(0, dtype=dtype, device=device)
-    if not onednn_supports(probe):
+    if probe.device.type != "cpu":
         return ("torch",)
+    if not onednn_supports(probe):
+        return ("torch", "torch_t")
     return MATMUL_BACKENDS if can_pack(probe) else DENSE_BACKENDS
 
 
 def packed_wins(seconds: Mapping[int, Mapping[str, float]], dense: KernelPlan) -> bool:
-    """Whether packed weights beat the ``dense`` plan (the module docstring's rule): the geometric
-    mean over the buckets of ``seconds[rows]["onednn_packed"] / seconds[rows][dense kernel]`` is at
-    most ``1 - TIE_FRACTION``, and no ratio exceeds ``1 + MAX_PACKED_LOSS``. False when a bucket
-    lacks a packed time."""
-    ratios = []
+    """Whether packed weights beat the ``dense`` plan (the module docstring's rule): the weighted geometric
+    mean (:func:`phase_weights`) over the buckets of ``seconds[rows]["onednn_packed"] / seconds[rows][dense
+    kernel]`` is at most ``1 - TIE_FRACTION``, and no ratio exceeds ``1 + MAX_PACKED_LOSS``. False when a
+    bucket lacks a packed time."""
+    return packed_ratio(seconds, dense) <= 1 - TIE_FRACTION
+
+
+def packed_ratio(seconds: Mapping[int, Mapping[str, float]], dense: KernelPlan) -> float:
+    """The weighted geometric mean of :func:`packed_wins` (packed seconds / the dense plan's, per bucket,
+    :func:`phase_weights`); ``inf`` when a bucket lacks a packed time or loses by more than
+    :data:`MAX_PACKED_LOSS`."""
+    ratios: dict[int, float] = {}
     for rows in dense.bounds:
         packed = seconds.get(rows, {}).get(PACKED_BACKEND)
         if packed is None:
-            return False
-        ratios.append(packed / seconds[rows][dense.kernel_for(rows)])
-    if not ratios or max(ratios) > 1 + MAX_PACKED_LOSS:
-        return False
-    return math.exp(sum(math.log(r) for r in ratios) / len(ratios)) <= 1 - TIE_FRACTION
+            return math.inf
+        ratios[rows] = packed / seconds[rows][dense.kernel_for(rows)]
+    if not ratios or max(ratios.values()) > 1 + MAX_PACKED_LOSS:
+        return math.inf
+    weights = phase_weights(list(ratios))
+    return math.exp(sum(weights[r] * math.log(v) for r, v in ratios.items()))
 
 
 def choose(kernels: Sequence[MatmulBackend], timer: Timer, buckets: Sequence[int] = ROW_BUCKETS,
@@ -209,8 +256,23 @@ def packing_transient_bytes(w13: torch.Tensor, w2: torch.Tensor) -> int:
     return max(probe_experts(w13, w2) * per_expert, w13.numel() * w13.element_size())
 
 
-def expert_timer(w13: torch.Tensor, w2: torch.Tensor, seed: int = 0) -> Timer:
-    """Times one :func:`moe.swiglu_expert` call on the experts ``w13`` ``[E, 2I, D]`` and ``w2``
+def slice_seconds(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, kernel: MatmulBackend,
+                  expert_chunk_tokens: int = moe.DEFAULT_EXPERT_CHUNK_TOKENS) -> float:
+    """Seconds of one expert's slice of ``x`` ``[n, D]`` as :func:`moe.dispatch_experts` runs it on
+    ``kernel``: :func:`moe.swiglu_expert` over chunks of :func:`moe.slice_call`'s bound (``w13`` ``[2I, D]``
+    and ``w2`` ``[D, I]``, dense or packed)."""
+    n = x.shape[0]
+    chunk = moe.slice_call(x, kernel, n, expert_chunk_tokens, kernel == PACKED_BACKEND)[1]
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        for c0 in range(0, n, chunk):
+            swiglu_expert(x[c0:c0 + chunk], w13, w2, kernel)
+        return time.perf_counter() - t0
+
+
+def expert_timer(w13: torch.Tensor, w2: torch.Tensor, seed: int = 0,
+                 expert_chunk_tokens: int = moe.DEFAULT_EXPERT_CHUNK_TOKENS) -> Timer:
+    """Times one expert's slice (:func:`slice_seconds`) on the experts ``w13`` ``[E, 2I, D]`` and ``w2``
     ``[E, D, I]`` (the model's own weights, no copy; one expert per call, the next one each
     time) with ``rows`` random rows in their dtype and device. ``onednn_packed`` runs on packed
     copies of the first :func:`probe_experts` experts, made at its first call and freed with the timer."""
@@ -237,10 +299,7 @@ def expert_timer(w13: torch.Tensor, w2: torch.Tensor, seed: int = 0) -> Timer:
             e = calls[0] % w13.shape[0]
             calls[0] += 1
             a13, a2 = w13[e], w2[e]
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            swiglu_expert(x, a13, a2, kernel)
-            return time.perf_counter() - t0
+        return slice_seconds(x, a13, a2, kernel, expert_chunk_tokens)
 
     return timer
 
@@ -273,13 +332,14 @@ class Selection:
 
 
 def cache_key(w13: torch.Tensor, w2: torch.Tensor, kernels: Sequence[MatmulBackend],
-              threads: int | None = None, cpu: str | None = None) -> dict[str, Any]:
+              threads: int | None = None, cpu: str | None = None,
+              buckets: Sequence[int] = ROW_BUCKETS) -> dict[str, Any]:
     """The fields a cached choice must match: CPU model, ``D``, ``I``, dtype, device type,
     torch threads, torch version, candidates, row buckets and :data:`SELECTION_RULE`."""
     return {"cpu": cpu if cpu is not None else cpu_model(), "dim": int(w13.shape[-1]), "inter": int(w2.shape[-1]),
             "dtype": str(w13.dtype).removeprefix("torch."), "device": w13.device.type,
             "threads": threads if threads is not None else torch.get_num_threads(),
-            "torch": torch.__version__, "kernels": list(kernels), "buckets": list(ROW_BUCKETS),
+            "torch": torch.__version__, "kernels": list(kernels), "buckets": list(buckets),
             "rule": SELECTION_RULE}
 
 
@@ -310,7 +370,9 @@ def _read_cache(path: Path, key: Mapping[str, Any]) -> tuple[KernelPlan, dict[in
 
 def select(w13: torch.Tensor, w2: torch.Tensor, directory: str | None = None, *,
            threads: int | None = None, timer: Timer | None = None,
-           cpu: str | None = None, headroom_bytes: int | None = None) -> Selection:
+           cpu: str | None = None, headroom_bytes: int | None = None,
+           prefill_rows: int | None = None,
+           expert_chunk_tokens: int = moe.DEFAULT_EXPERT_CHUNK_TOKENS) -> Selection:
     """The kernel plan for the experts ``w13`` ``[E, 2I, D]`` / ``w2`` ``[E, D, I]`` on this machine:
     from the cache under ``directory`` (default :func:`cache_dir`) when its key matches,
     else measured (:func:`choose` with ``timer``, default :func:`expert_timer`) and written
@@ -319,7 +381,11 @@ def select(w13: torch.Tensor, w2: torch.Tensor, directory: str | None = None, *,
     ``headroom_bytes``: memory left under the tightest limit (:func:`memory.start_headroom`); when
     the packed candidate's start-up transient (:func:`packing_transient_bytes`) exceeds it,
     ``onednn_packed`` is neither timed nor chosen (``Selection.packed_skipped`` says why): the
-    measurement must not be what OOM-kills the worker. None: no limit known."""
+    measurement must not be what OOM-kills the worker. None: no limit known.
+
+    ``prefill_rows``: a full prefill budget's rows per expert (:func:`prefill_rows`), timed as a bucket of its
+    own (:func:`row_buckets`); None: :data:`ROW_BUCKETS` only. ``expert_chunk_tokens``: the layers' setting
+    (the most rows of one call off oneDNN)."""
     kernels = candidates(w13.dtype, w13.device)
     skipped = None
     if headroom_bytes is not None and PACKED_BACKEND in kernels:
@@ -328,17 +394,19 @@ def select(w13: torch.Tensor, w2: torch.Tensor, directory: str | None = None, *,
             kernels = tuple(k for k in kernels if k != PACKED_BACKEND)
             skipped = (f"packing needs {need} bytes at start-up; {max(0, headroom_bytes)} left under the "
                        f"memory limit")
-    key = cache_key(w13, w2, kernels, threads, cpu)
+    buckets = row_buckets(prefill_rows, expert_chunk_tokens)
+    key = cache_key(w13, w2, kernels, threads, cpu, buckets)
     directory = cache_dir() if directory is None else directory
     path = cache_path(directory, key)
     hit = _read_cache(path, key)
     if hit is not None:
         return Selection(hit[0], hit[1], key["cpu"], key, True, 0.0, str(path), packed_skipped=skipped)
     if len(kernels) == 1:  # nothing to measure, nothing to cache
-        return Selection(KernelPlan((ROW_BUCKETS[-1],), (kernels[0],)), {}, key["cpu"], key, False, 0.0, None,
+        return Selection(KernelPlan((buckets[-1],), (kernels[0],)), {}, key["cpu"], key, False, 0.0, None,
                          packed_skipped=skipped)
     t0 = time.perf_counter()
-    plan, seconds = choose(kernels, timer or expert_timer(w13, w2))
+    plan, seconds = choose(kernels, timer or expert_timer(w13, w2, expert_chunk_tokens=expert_chunk_tokens),
+                           buckets)
     measure_s = time.perf_counter() - t0
     error = None
     try:
@@ -361,6 +429,16 @@ def first_experts(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
         w13, w2 = getattr(module, "w13", None), getattr(module, "w2", None)
         if isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor) and w13.dim() == 3:
             return w13.detach(), w2.detach()
+    return None
+
+
+def model_prefill_rows(model: nn.Module, max_prefill_tokens: int) -> int | None:
+    """:func:`prefill_rows` of ``max_prefill_tokens`` for the first module of ``model`` with routed experts
+    (``top_k`` and ``num_experts``, the router's global count also on an expert-parallel shard), or None."""
+    for module in model.modules():
+        top_k, experts = getattr(module, "top_k", None), getattr(module, "num_experts", None)
+        if isinstance(top_k, int) and isinstance(experts, int) and hasattr(module, "w13"):
+            return prefill_rows(max_prefill_tokens, top_k, experts)
     return None
 
 

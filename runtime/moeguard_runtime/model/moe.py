@@ -156,7 +156,7 @@ _ONEDNN_LINEAR = (bool(torch.backends.mkldnn.is_available())  # type: ignore[no-
                   and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 _ONEDNN_BF16 = _ONEDNN_LINEAR and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 _ONEDNN_PACK = _ONEDNN_LINEAR and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-DenseBackend = Literal["onednn", "torch"]
+DenseBackend = Literal["onednn", "torch", "torch_t"]
 MatmulBackend = DenseBackend | Literal["onednn_packed"]
 """A kernel of the expert matmuls on the host.
 
@@ -168,6 +168,10 @@ expert matmul at about 130 GFLOP/s against MKL's 60; on an Intel Xeon with AVX-5
 to MKL (issue 16), so the worker chooses by measurement (:class:`KernelPlan`,
 :mod:`moeguard_runtime.model.kernel_select`). Other devices and dtypes use ``F.linear``.
 ``torch``: ``F.linear`` everywhere (MKL sgemm for CPU float32, oneDNN's matmul for CPU bfloat16).
+``torch_t``: the same product taken transposed, ``(w @ x.T).T`` (CPU only): the weight is the GEMM's left
+operand (M = the output features, N = the rows), so at a few rows the BLAS runs its tall-skinny path, which
+streams the weight, where ``x @ w.T`` (M = the rows) runs a small-M GEMM far below the read rate (issue 31:
+decode). In :func:`swiglu_expert` the ``[2I, n]`` intermediate stays transposed, so no copy is added.
 ``onednn_packed``: the same oneDNN primitive on expert weights reordered once into oneDNN's
 blocked layout (:class:`PackedExperts`, ``torch.ops.mkldnn._reorder_linear_weight``, the path
 inductor's CPU weight freezing takes), which *replace* the dense ones (:func:`pack_experts`).
@@ -176,7 +180,7 @@ On the AMD EPYC, 8 experts at D=1024, I=2816 in fp32, 4 rows each: 9.4-11.5 ms a
 slightly slower, at 16-1024 rows 5-35 % faster. A packed weight feeds no other kernel, so a
 plan that has it has it in every bucket (:func:`moeguard_runtime.model.kernel_select.choose`); layers
 with dense weights (shared experts) run ``onednn`` under it."""
-DENSE_BACKENDS: tuple[DenseBackend, ...] = ("onednn", "torch")
+DENSE_BACKENDS: tuple[DenseBackend, ...] = ("onednn", "torch", "torch_t")
 """The kernels that run on the dense weights (and the ``MOEGUARD_MATMUL_BACKEND`` values besides ``auto``)."""
 PACKED_BACKEND: MatmulBackend = "onednn_packed"
 MATMUL_BACKENDS: tuple[MatmulBackend, ...] = (*DENSE_BACKENDS, PACKED_BACKEND)
@@ -466,6 +470,8 @@ def expert_linear(x: torch.Tensor, w: torch.Tensor,
         return _onednn_linear(x, w)
     if n > 0 and _onednn(x, backend, n):
         return _onednn_linear(x, w)
+    if n > 0 and x.dim() == 2 and kernel_for(backend, n) == "torch_t":
+        return torch.mm(w, x.T).T  # [n, out], a transposed view
     return F.linear(x, w)
 
 
@@ -487,8 +493,18 @@ def swiglu_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     ``w2`` [D, I] → [n, D]. One matmul reads the gate and up weights together (once for all
     ``n`` rows, also at decode); the activation is computed in place in the ``[n, 2I]``
     result (vLLM's ``SiluAndMul`` on the two halves), so the only temporary is that result.
-    Inference only."""
+    Inference only.
+
+    On ``torch_t`` (:data:`MatmulBackend`) the same in transposed form: ``h.T = w13 @ x.T`` ``[2I, n]``, the
+    activation on its two row halves, ``w2 @ gate.T`` ``[D, n]``, returned as an ``[n, D]`` view."""
     inter = w2.shape[1]
+    n = x.shape[0]
+    if n > 0 and not w13.is_mkldnn and kernel_for(backend, n) == "torch_t":
+        ht = torch.mm(w13, x.T)  # [2I, n]
+        gate_t = ht[:inter]  # [I, n], contiguous
+        F.silu(gate_t, inplace=True)
+        gate_t.mul_(ht[inter:])
+        return torch.mm(w2, gate_t).T  # [n, D] view of [D, n]
     h = expert_linear(x, w13, backend)  # [n, 2I]
     gate = h[:, :inter]  # [n, I] view, row stride 2I
     F.silu(gate, inplace=True)
@@ -544,25 +560,38 @@ class GateUpViews:
         return self.w13[:, self.w2.shape[2]:]
 
 
-def onednn_chunk(x: torch.Tensor, backend: MatmulChoice, expert_chunk_tokens: int) -> int:
-    """Most token-slots one expert processes at once: ``expert_chunk_tokens``, at most
-    :data:`ONEDNN_CHUNK_TOKENS` where chunks of that size run on oneDNN."""
-    if _onednn(x, backend, ONEDNN_CHUNK_TOKENS):
-        return min(expert_chunk_tokens, ONEDNN_CHUNK_TOKENS)
-    return expert_chunk_tokens
+def slice_call(x: torch.Tensor, backend: MatmulChoice, rows: int, expert_chunk_tokens: int,
+               packed: bool = False) -> tuple[MatmulBackend, int]:
+    """How one expert's slice of ``rows`` token-slots runs: ``(kernel, chunk)``, the kernel of every call
+    over the slice and the most rows one call takes.
+
+    The kernel is ``backend``'s choice for the slice's first call (``min(rows, expert_chunk_tokens)`` rows;
+    :data:`PACKED_BACKEND` for packed weights), decided once per slice, so a slice the plan gives to a
+    oneDNN kernel runs on it in every chunk (:func:`moeguard_runtime.model.kernel_select.expert_timer` times
+    a bucket the same way). A oneDNN call takes at most :data:`ONEDNN_CHUNK_TOKENS` rows (its per-call
+    buffers grow with the rows); any other kernel ``expert_chunk_tokens``, the bound of the memory model
+    (``moeguard_core.memory_model.Routing``)."""
+    kernel: MatmulBackend = PACKED_BACKEND if packed else kernel_for(backend, min(rows, expert_chunk_tokens))
+    if kernel in ("onednn", PACKED_BACKEND) and onednn_supports(x):
+        return kernel, min(expert_chunk_tokens, ONEDNN_CHUNK_TOKENS)
+    return kernel, expert_chunk_tokens
 
 
 def host_expert_chunks(x: torch.Tensor, tokens_per_expert: Sequence[int], expert_chunk_tokens: int,
-                       capacity: int | None = None, backend: MatmulChoice = "onednn") -> int:
+                       capacity: int | None = None, backend: MatmulChoice = "onednn",
+                       packed: bool = False) -> int:
     """The most chunks :func:`dispatch_experts` splits one expert's token-slots into, for ``x`` and
-    the layer's counts: ``ceil(kept / chunk)`` of the busiest expert, where ``chunk`` is
-    ``expert_chunk_tokens``, at most :data:`ONEDNN_CHUNK_TOKENS` on the oneDNN path, and
-    ``kept`` the slots under ``capacity``. 0 when nothing was routed."""
-    chunk = onednn_chunk(x, backend, expert_chunk_tokens)
-    top = max(tokens_per_expert, default=0)
-    if capacity is not None:
-        top = min(top, capacity)
-    return -(-top // chunk)
+    the layer's counts: the largest ``ceil(kept / chunk)`` over the experts, where ``kept`` is an
+    expert's slots under ``capacity`` and ``chunk`` its slice's bound (:func:`slice_call`:
+    :data:`ONEDNN_CHUNK_TOKENS` where the slice runs on oneDNN, else ``expert_chunk_tokens``).
+    0 when nothing was routed."""
+    most = 0
+    for count in tokens_per_expert:
+        kept = count if capacity is None else min(count, capacity)
+        if kept > 0:
+            chunk = slice_call(x, backend, kept, expert_chunk_tokens, packed)[1]
+            most = max(most, -(-kept // chunk))
+    return most
 
 
 def device_expert_chunks(slots: int, expert_chunk_tokens: int) -> int:
@@ -634,14 +663,17 @@ def dispatch_experts(
     # Small batches (decode): every expert writes its rows into one [S, D] buffer and
     # a single index_add_ combines them; eight small index_add_ calls cost more than
     # the buffer. Large batches add each chunk at once, so no [S, D] buffer exists.
-    expert_chunk_tokens = onednn_chunk(x, backend, expert_chunk_tokens)
     slots = bounds[-1]
     gathered = x.new_empty(slots, x.shape[1]) if slots <= SMALL_BATCH_SLOTS else None
+    packed = isinstance(w13, PackedExperts)
     for e in range(num_experts):
-        for c0 in range(bounds[e], bounds[e + 1], expert_chunk_tokens):
-            c1 = min(c0 + expert_chunk_tokens, bounds[e + 1])
+        if kept[e] == 0:
+            continue
+        kernel, chunk = slice_call(x, backend, kept[e], expert_chunk_tokens, packed)
+        for c0 in range(bounds[e], bounds[e + 1], chunk):
+            c1 = min(c0 + chunk, bounds[e + 1])
             tok = slot_token[c0:c1]  # [n], ascending
-            y = swiglu_expert(x.index_select(0, tok), w13[e], w2[e], backend)  # [n, D]
+            y = swiglu_expert(x.index_select(0, tok), w13[e], w2[e], kernel)  # [n, D]
             if gathered is not None:
                 torch.mul(y, slot_weight[c0:c1, None].to(y.dtype), out=gathered[c0:c1])
             else:
@@ -719,7 +751,7 @@ class MOEFeedForward(GateUpViews, nn.Module):
             self.matmul_backend)
         t2 = mark(x.device)
         return out, routing_stats(counts, overflow, (t0, t1, t2), host_expert_chunks(
-            x, counts, self.expert_chunk_tokens, capacity, self.matmul_backend))
+            x, counts, self.expert_chunk_tokens, capacity, self.matmul_backend, isinstance(self.w13, PackedExperts)))
 
 
 def read_back(records: list[RoutingStats | PendingRouting],

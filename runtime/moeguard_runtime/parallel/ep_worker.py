@@ -254,11 +254,14 @@ def build_follower_model(settings: Settings, args: ModelArgs, block: tuple[int, 
                        matmul_backend="onednn", dispatch="host")
 
 
-def follower_kernel(settings: Settings, experts: tuple[ExpertWeights, ExpertWeights]) -> MatmulChoice:
+def follower_kernel(settings: Settings, experts: tuple[ExpertWeights, ExpertWeights],
+                    routing: tuple[int, int] | None = None) -> MatmulChoice:
     """The expert-matmul kernel of a follower, chosen as the leader chooses its own
     (``MOEGUARD_MATMUL_BACKEND``; ``auto``: measured on the expert shapes, or the cached choice for this CPU,
     :mod:`moeguard_runtime.model.kernel_select`), so that equal hardware runs equal kernels on every rank.
-    ``experts``: the dense weights of the first layer (a plan may want them packed: :func:`pack_follower`)."""
+    ``experts``: the dense weights of the first layer (a plan may want them packed: :func:`pack_follower`);
+    ``routing``: ``(top_k, num_experts)`` of the whole model, whose full prefill budget's rows per expert
+    (:func:`kernel_select.prefill_rows`) are timed as the leader times them."""
     from moeguard_runtime.model import kernel_select
 
     if settings.matmul_backend != "auto":
@@ -268,7 +271,10 @@ def follower_kernel(settings: Settings, experts: tuple[ExpertWeights, ExpertWeig
     w13, w2 = experts
     assert isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)
     return kernel_select.select(w13, w2, threads=settings.torch_threads, cpu=kernel_select.cpu_model(),
-                                headroom_bytes=start_headroom(read_memory(), settings.hard_limit_bytes)).plan
+                                headroom_bytes=start_headroom(read_memory(), settings.hard_limit_bytes),
+                                prefill_rows=None if routing is None else kernel_select.prefill_rows(
+                                    settings.budgets.max_prefill_tokens, *routing),
+                                expert_chunk_tokens=settings.expert_chunk_tokens).plan
 
 
 def pack_follower(model: nn.Module, weights: list[tuple[ExpertWeights, ExpertWeights]],
@@ -368,7 +374,7 @@ def _follow(settings: Settings, ep: EpSettings, args: ModelArgs, labels: dict[st
     state.metrics.set_up(True)
     log_group(log, ep, num_experts, "follower", own_experts=f"{lo}-{hi}")
     report_ucx(state.registry, labels, log)
-    backend = follower_kernel(settings, weights[0])
+    backend = follower_kernel(settings, weights[0], (args.top_k, num_experts))
     if uses_packed(backend):
         weights = pack_follower(model, weights)
     try:

@@ -128,7 +128,29 @@ def test_cpu_model_and_isa_flags_from_cpuinfo() -> None:
     text = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile\n"
     assert kernel_select.cpu_model(text) == "AMD EPYC"
     assert kernel_select.isa_flags(text) == ("avx2", "avx512f", "avx512_bf16", "amx_tile")
-    assert kernel_select.candidates(torch.float16) == ("torch",)
+    assert kernel_select.candidates(torch.float16) == ("torch", "torch_t")  # no oneDNN: the two F.linear forms
+    assert kernel_select.candidates(torch.float32, "meta") == ("torch",)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_transposed_kernel_gives_f_linears_outputs(dtype: torch.dtype) -> None:
+    """Issue 31: ``torch_t`` computes ``(w @ x.T).T``; the expert, the linear and a dispatch whose plan mixes it
+    with the other kernels agree with ``F.linear`` to round-off."""
+    g = torch.Generator().manual_seed(0)
+    w13, w2 = (torch.randn(4, 96, 32, generator=g) / 6).to(dtype), (torch.randn(4, 32, 48, generator=g) / 7).to(dtype)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    for n in (1, 4, 17, 300):
+        x = torch.randn(n, 32, generator=g).to(dtype)
+        out = moe.swiglu_expert(x, w13[0], w2[0], "torch_t")
+        assert out.shape == (n, 32) and out.dtype == dtype
+        torch.testing.assert_close(out, moe.swiglu_expert(x, w13[0], w2[0], "torch"), **tol)
+        torch.testing.assert_close(moe.expert_linear(x, w13[1], "torch_t"), torch.nn.functional.linear(x, w13[1]),
+                                   **tol)
+    x = torch.randn(40, 32, generator=g).to(dtype)
+    rw, ex = moe.route(x @ torch.randn(4, 32, generator=g).to(dtype).T, 2)
+    mixed = KernelPlan((4, 16, 256), ("torch_t", "torch", "torch_t"))
+    torch.testing.assert_close(moe.dispatch_experts(x, rw, ex, w13, w2, backend=mixed)[0],
+                               moe.dispatch_experts(x, rw, ex, w13, w2, backend="torch")[0], **tol)
 
 
 def test_the_real_timer_times_the_models_expert() -> None:
@@ -150,11 +172,68 @@ def test_a_plan_travels_to_every_moe_layer_and_leaves_onednn_on_failure() -> Non
         {KernelPlan((4, 256), ("torch", "torch"))}
 
 
-def test_the_plan_decides_the_chunking() -> None:
+def test_the_plan_decides_each_slices_kernel_and_chunking() -> None:
     x = torch.randn(3, 8)
-    assert moe.onednn_chunk(x, KernelPlan((4, 256), ("torch", "onednn")), 2048) == \
-        (moe.ONEDNN_CHUNK_TOKENS if moe._ONEDNN_LINEAR else 2048)
-    assert moe.onednn_chunk(x, KernelPlan((4, 256), ("onednn", "torch")), 2048) == 2048
+    onednn_chunk = moe.ONEDNN_CHUNK_TOKENS if moe._ONEDNN_LINEAR else 2048
+    plan = KernelPlan((4, 256), ("torch", "onednn"))
+    assert moe.slice_call(x, plan, 3, 2048) == ("torch", 2048)
+    assert moe.slice_call(x, plan, 1000, 2048) == ("onednn", onednn_chunk)  # every chunk on oneDNN
+    prefill_on_linear = KernelPlan((16, 256, 1024), ("onednn", "onednn", "torch"))
+    assert moe.slice_call(x, prefill_on_linear, 200, 2048) == ("onednn", onednn_chunk)
+    assert moe.slice_call(x, prefill_on_linear, 900, 2048) == ("torch", 2048)  # one F.linear call
+    assert moe.slice_call(x, prefill_on_linear, 5000, 2048) == ("torch", 2048)
+    assert moe.slice_call(x, prefill_on_linear, 900, 2048, packed=True) == ("onednn_packed", onednn_chunk)
+    # the busiest expert's chunks follow its own slice's kernel
+    assert moe.host_expert_chunks(x, [900, 200, 0], 2048, backend=prefill_on_linear) == \
+        1  # 900 rows: one F.linear call; 200 rows: one oneDNN chunk
+    assert moe.host_expert_chunks(x, [900, 300, 0], 2048, backend=KernelPlan((256,), ("onednn",))) == \
+        (4 if moe._ONEDNN_LINEAR else 1)
+
+
+def test_buckets_cover_a_full_prefill_budget_and_phases_weigh_half_each() -> None:
+    assert kernel_select.prefill_rows(4096, 2, 8) == 1024 and kernel_select.prefill_rows(100, 2, 8) == 25
+    assert kernel_select.row_buckets(None) == kernel_select.ROW_BUCKETS == (1, 4, 16, 64, 256)
+    assert kernel_select.row_buckets(128) == (1, 4, 16, 64, 256)  # inside the fixed buckets
+    assert kernel_select.row_buckets(1000) == (1, 4, 16, 64, 256, 1024)  # padded to its bucket
+    assert kernel_select.row_buckets(6000, expert_chunk_tokens=2048) == (1, 4, 16, 64, 256, 2048)  # no call is larger
+    w = kernel_select.phase_weights((1, 4, 16, 64, 256, 1024))
+    assert w == pytest.approx({1: 1 / 6, 4: 1 / 6, 16: 1 / 6, 64: 1 / 6, 256: 1 / 6, 1024: 1 / 6})
+    w = kernel_select.phase_weights((1, 4, 16, 1024))
+    assert w == pytest.approx({1: 1 / 6, 4: 1 / 6, 16: 1 / 6, 1024: 1 / 2})
+    assert kernel_select.phase_weights((64, 256)) == pytest.approx({64: 0.5, 256: 0.5})
+
+
+def test_packed_loses_when_it_saves_decode_but_costs_prefill_more() -> None:
+    buckets = (1, 4, 16, 1024)
+    dense = KernelPlan(buckets, ("onednn", "onednn", "onednn", "torch"))
+    # decode 10 % faster packed, the 1024-row prefill slice 30 % slower: half the weight each
+    seconds = {r: {"onednn": 1.0, "torch": 1.0, "onednn_packed": 0.9 if r <= 16 else 1.3} for r in buckets}
+    assert kernel_select.packed_ratio(seconds, dense) == pytest.approx((0.9 * 1.3) ** 0.5)
+    assert not kernel_select.packed_wins(seconds, dense)
+    seconds[1024]["onednn_packed"] = 1.0
+    assert kernel_select.packed_wins(seconds, dense)  # decode faster, prefill even
+    seconds[1]["onednn_packed"] = 1.6
+    assert kernel_select.packed_ratio(seconds, dense) == float("inf")  # one bucket 60 % slower
+
+
+def test_the_timer_runs_a_bucket_as_the_dispatch_runs_a_slice(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, str]] = []
+    real = kernel_select.swiglu_expert
+
+    def spy(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, backend: moe.MatmulChoice = "onednn"
+            ) -> torch.Tensor:
+        calls.append((x.shape[0], str(backend)))
+        return real(x, w13, w2, backend)
+
+    monkeypatch.setattr(kernel_select, "swiglu_expert", spy)
+    w13, w2 = torch.randn(2, 96, 32), torch.randn(2, 32, 48)
+    timer = kernel_select.expert_timer(w13, w2)
+    timer("torch", 600)
+    assert calls == [(600, "torch")]
+    calls.clear()
+    timer("onednn", 600)
+    assert calls == ([(256, "onednn"), (256, "onednn"), (88, "onednn")] if moe._ONEDNN_LINEAR
+                     else [(600, "onednn")])
 
 
 def test_fused_weights_give_the_unfused_outputs() -> None:
@@ -257,10 +336,12 @@ def test_the_worker_measures_applies_logs_and_exports_the_choice(tmp_path: Path,
     log = RecordingLog()
     events = log.events
     monkeypatch.setenv(kernel_select.ENV_KERNEL_CACHE_DIR, str(tmp_path))
-    table = {(k, r): (1.0 if (k == "torch") == (r <= 4) else 2.0) + (1.0 if k == "onednn_packed" else 0.0)
-             for k in moe.MATMUL_BACKENDS for r in kernel_select.ROW_BUCKETS}
-    monkeypatch.setattr(kernel_select, "expert_timer", lambda w13, w2: fake_timer(table))
     model = build_model(presets.get_preset("tiny"), seed=0)
+    buckets = kernel_select.row_buckets(kernel_select.model_prefill_rows(model, load_settings({}).budgets.max_prefill_tokens))
+    assert buckets[-1] > kernel_select.ROW_BUCKETS[-1]  # the default prefill budget's rows per expert are timed
+    table = {(k, r): (1.0 if (k == "torch") == (r <= 4) else 2.0) + (1.0 if k == "onednn_packed" else 0.0)
+             for k in moe.MATMUL_BACKENDS for r in buckets}
+    monkeypatch.setattr(kernel_select, "expert_timer", lambda w13, w2, **_: fake_timer(table))
     telemetry = Telemetry({"moeis": "m", "namespace": "n", "pod": "p"}, 8)
     kernel = entry.choose_matmul_kernel(load_settings({}), model, telemetry, log)
     if kernel_select.candidates(torch.float32) == ("torch",):
@@ -268,7 +349,7 @@ def test_the_worker_measures_applies_logs_and_exports_the_choice(tmp_path: Path,
         return
     assert kernel == "torch<=4,onednn"
     assert {m.matmul_backend for m in model.modules() if hasattr(m, "matmul_backend")} == \
-        {KernelPlan(kernel_select.ROW_BUCKETS, ("torch", "torch", "onednn", "onednn", "onednn"))}
+        {KernelPlan(buckets, ("torch", "torch") + ("onednn",) * (len(buckets) - 2))}
     name, kw = events[-1]
     assert name == "matmul_kernel_selected" and kw["kernel"] == kernel and kw["cached"] is False
     value = telemetry.registry.get_sample_value(

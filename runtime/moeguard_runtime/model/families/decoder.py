@@ -29,6 +29,7 @@ from moeguard_runtime.model.moe import (
     GateUpViews,
     MatmulChoice,
     MoeDispatch,
+    PackedExperts,
     RoutingStats,
     device_expert_chunks,
     dispatch_experts,
@@ -176,7 +177,8 @@ class SparseMoE(GateUpViews, nn.Module):
                                                      self.expert_chunk_tokens, capacity,
                                                      self.matmul_backend)
             routing = routing_stats(counts, overflow, (t0, t1, mark(x.device)), host_expert_chunks(
-                x, counts, self.expert_chunk_tokens, capacity, self.matmul_backend))
+                x, counts, self.expert_chunk_tokens, capacity, self.matmul_backend,
+                isinstance(self.w13, PackedExperts)))
         if self.shared is not None:
             shared = self.shared(x)  # [T, D]
             if self.shared_gate is not None:
