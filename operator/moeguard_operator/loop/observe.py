@@ -226,11 +226,14 @@ def transport_problem(exc: BaseException) -> str:
     return UNREACHABLE
 
 
-async def _fetch(client: httpx.AsyncClient, url: str, query: str, deadline_seconds: float) -> Answer:
+async def _fetch(client: httpx.AsyncClient, url: str, query: str, deadline_seconds: float,
+                 at: datetime | None = None) -> Answer:
+    form = {"query": query} if at is None else {"query": query, "time": f"{at.timestamp():.3f}"}
+
     async def ask() -> Answer:
         # POST, form-encoded (Prometheus HTTP API: for queries that may breach URL length limits): a grouped
         # query names every service, and at ~200 services the diagnosis query passed httpx's 64 KiB URL bound.
-        async with client.stream("POST", url, data={"query": query}) as response:
+        async with client.stream("POST", url, data=form) as response:
             body = bytearray()
             async for chunk in response.aiter_raw():
                 body += chunk
@@ -246,20 +249,25 @@ async def _fetch(client: httpx.AsyncClient, url: str, query: str, deadline_secon
 
 
 async def _fetch_all(base_url: str, queries: Mapping[str, str], deadline_seconds: float,
-                     verify: ssl.SSLContext) -> dict[str, Answer]:
+                     verify: ssl.SSLContext, at: datetime | None = None) -> dict[str, Answer]:
     url = base_url.rstrip("/") + "/api/v1/query"
     # httpx's own timeouts are per operation (a trickling server resets the read timeout with every
     # byte): the deadline that counts is asyncio.timeout around each whole request.
     async with httpx.AsyncClient(verify=verify, timeout=httpx.Timeout(deadline_seconds), follow_redirects=False,
                                  trust_env=False, headers={"Accept-Encoding": "identity"}) as client:
-        answers = await asyncio.gather(*(_fetch(client, url, q, deadline_seconds) for q in queries.values()))
+        answers = await asyncio.gather(*(_fetch(client, url, q, deadline_seconds, at) for q in queries.values()))
     return dict(zip(queries, answers, strict=True))
 
 
 def fetch_all(base_url: str, queries: Mapping[str, str], *, deadline_seconds: float = QUERY_DEADLINE_SECONDS,
-              ca_file: str | None = None) -> dict[str, Answer]:
+              ca_file: str | None = None, at: datetime | None = None) -> dict[str, Answer]:
     """Run ``queries`` (name → PromQL) as instant queries against the Prometheus at ``base_url``, concurrently,
     each under a hard total deadline of ``deadline_seconds`` (seconds); returns name → :class:`Answer`.
+
+    ``at``: the evaluation time of every query (the API's ``time`` parameter), so that the answers are one
+    snapshot; None: each query at its own arrival (Prometheus's default). Without it, concurrent queries that
+    a loaded Prometheus answers seconds apart can disagree: a CI run saw a look whose history query found a full
+    leak window while its slope query, evaluated earlier, found too few samples for ``deriv``.
 
     Never raises for what Prometheus (or the network) does: every failure is an :class:`Answer` with a
     fixed ``problem``. TLS is verified against the system trust store, or ``ca_file`` (PEM) when set; a CA
@@ -274,7 +282,7 @@ def fetch_all(base_url: str, queries: Mapping[str, str], *, deadline_seconds: fl
     # (getaddrinfo cannot be cancelled) would hold the look past its deadline. close() does not wait.
     loop = asyncio.new_event_loop()
     try:
-        return loop.run_until_complete(_fetch_all(base_url, queries, deadline_seconds, verify))
+        return loop.run_until_complete(_fetch_all(base_url, queries, deadline_seconds, verify, at))
     except (httpx.InvalidURL, httpx.UnsupportedProtocol, ValueError):
         return {name: failed(UNREACHABLE) for name in queries}
     finally:
@@ -804,10 +812,11 @@ def observe_looks(url: str, looks: Sequence[Look], now: datetime, *, ca_file: st
                   deadline_seconds: float = QUERY_DEADLINE_SECONDS) -> dict[tuple[str, str], Observation]:
     """One look at the Prometheus at ``url`` for every one of ``looks``: one query per signal and per distinct
     ``(windowSeconds, leakWindowSeconds)``, all concurrent, each under ``deadline_seconds``; returns
-    ``(namespace, name)`` → :class:`Observation`. Blocking (call it from a thread)."""
+    ``(namespace, name)`` → :class:`Observation`. Every query is evaluated at ``now`` (:func:`fetch_all`'s
+    ``at``): one consistent snapshot. Blocking (call it from a thread)."""
     groups = _groups(looks)
     plan = query_plan(looks)
-    answers = fetch_all(url, plan, deadline_seconds=deadline_seconds, ca_file=ca_file) if plan else {}
+    answers = fetch_all(url, plan, deadline_seconds=deadline_seconds, ca_file=ca_file, at=now) if plan else {}
     out: dict[tuple[str, str], Observation] = {}
     for (w, lw), members in groups.items():
         mine = {field: answers[_query_key(field, w, lw, len(groups))] for field in Queries.__dataclass_fields__}

@@ -34,7 +34,7 @@ from tests.integration.conftest import Cluster
 
 from moeguard_operator.loop.conditions import leak_unknown
 from moeguard_operator.loop.observation import Observation
-from moeguard_operator.loop.observe import Look, Queries, observe_looks
+from moeguard_operator.loop.observe import Look, Queries, fetch_all, observe_looks
 from moeguard_operator.loop.policy import PolicyState, ceilings, decide, initial_budgets, judge_leak
 from moeguard_operator.spec.models import MoEInferenceServiceSpec
 from moeguard_runtime.telemetry.telemetry import Telemetry
@@ -146,6 +146,17 @@ def query_requests() -> float:
     text = httpx.get(f"{stack.PROMETHEUS_URL}/metrics", timeout=5).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("prometheus_http_requests_total{") and 'handler="/api/v1/query"' in line)
+
+
+def test_every_query_of_a_look_is_evaluated_at_the_looks_time() -> None:
+    """A look is one snapshot: each query carries the look's time (the API's ``time``), so answers evaluated
+    seconds apart on a loaded Prometheus cannot disagree (CI: a full leak history beside a missing slope).
+    PromQL's ``time()`` is the evaluation time."""
+    at = datetime.now(UTC) - timedelta(seconds=30)
+    got = fetch_all(stack.PROMETHEUS_URL, {"a": "vector(time())", "b": "vector(time())"}, at=at)
+    assert [a.series[0][1] for a in (got["a"], got["b"])] == [pytest.approx(at.timestamp(), abs=1e-3)] * 2, got
+    now = fetch_all(stack.PROMETHEUS_URL, {"a": "vector(time())"})["a"].series[0][1]
+    assert now is not None and abs(now - time.time()) < 10  # without ``at``: Prometheus's own now
 
 
 def test_one_grouped_look_serves_every_service_with_the_same_queries(pods: Pods) -> None:

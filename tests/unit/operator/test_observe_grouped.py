@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from moeguard_core.family_shape import from_model_args
 from moeguard_core.memory_model_info import ModelMemory, info_labels
 from moeguard_core.presets import get_preset
+from moeguard_operator.loop import observe as observe_mod
 from moeguard_operator.loop.conditions import leak_unknown
 from moeguard_operator.loop.observe import (
     DIAG_FIELDS,
@@ -231,6 +232,18 @@ def test_the_plan_is_one_set_of_queries_per_window_pair() -> None:
     assert 'moeis="fast"' in plan["memory[10s/60s]"] and "[10s]" in plan["memory[10s/60s]"]
     assert 'moeis=~"svc0|svc1|svc10|' in plan["memory[30s/600s]"]
     assert query_plan([]) == {}
+
+
+def test_a_look_pins_every_query_to_its_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[object] = []
+
+    def fake_fetch_all(url: str, queries: dict[str, str], **kw: object) -> dict[str, object]:
+        seen.append(kw.get("at"))
+        return {name: read_answer(503, b"down") for name in queries}
+
+    monkeypatch.setattr(observe_mod, "fetch_all", fake_fetch_all)
+    observe_looks("http://127.0.0.1:1", [Look("ns", "a", GIB, 30, 600, ("a-0",), None)], NOW)
+    assert seen == [NOW]
 
 
 def test_every_look_of_an_unreachable_prometheus_is_blind() -> None:
