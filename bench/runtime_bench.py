@@ -79,6 +79,13 @@ RESULTS = Path(__file__).resolve().parent / "results"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 IMPLS = ("moeguard_auto", "moeguard_onednn", "moeguard_onednn_packed", "moeguard_torch", "moeguard_torch_t",
          "moeguard_grouped_mm", "hf")
+PREFILL_BUDGET_S = 60.0
+"""Seconds of interleaved prefill repetitions per dtype at most: ``reps`` is cut to what fits (at least one), so
+the benchmark ends in under 5 minutes also on a CPU where a prefill takes seconds (issue 31: on the 2-core AMD
+EPYC an fp32 prefill of 4,096 tokens took 2.2 s, a bf16 one, emulated without native bf16, 17 s)."""
+JUDGED = ("moeguard_auto", "hf")
+"""The implementations the targets judge: the only ones timed at prefill, and measured for peak memory more than
+once, where the dtype is emulated (bf16 on a CPU without oneDNN's bf16)."""
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
 """Largest ``max|ours - hf| / max|hf|`` accepted at prefill, per dtype, against HF's loop in the same
 dtype (whose router then picks the same experts: against the float32 loop, a bfloat16 router flips
@@ -133,10 +140,13 @@ def timed(fn: Callable[[], Any], device: str) -> float:
     return time.perf_counter() - t0
 
 
-def side_by_side(fns: dict[str, Callable[[], Any]], reps: int, device: str) -> dict[str, list[float]]:
-    """Interleaved repetitions after one warm-up each; seconds per call."""
-    for fn in fns.values():
-        fn()
+def side_by_side(fns: dict[str, Callable[[], Any]], reps: int, device: str, warm: bool = True
+                 ) -> dict[str, list[float]]:
+    """Interleaved repetitions after one warm-up each (``warm=False``: the caller has run each once); seconds
+    per call."""
+    if warm:
+        for fn in fns.values():
+            fn()
     out: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
@@ -294,20 +304,27 @@ def moe_benchmarks(device: str, dtype_name: str, reps: int, peak_reps: int, band
     choice = kernel_choice(w)
     plan: MatmulChoice = choice.pop("_plan")
     ceiling = matmul_ceiling(device, dtype)
-    fns = {name: impl(name, plan) for name in IMPLS if name != "moeguard_onednn_packed" or "p13" in w}
+    emulated = device == "cpu" and dtype == torch.bfloat16 and not moe._ONEDNN_BF16
+    decode_reps = reps * 6
+    fns = {name: impl(name, plan) for name in IMPLS if (name != "moeguard_onednn_packed" or "p13" in w)
+           and (not emulated or name in JUDGED)}
     gen = torch.Generator().manual_seed(1)
     x_pre32 = torch.randn(PREFILL_TOKENS, D, generator=gen)
     x_dec = torch.randn(DECODE_TOKENS, D, generator=gen).to(device, dtype)
     x_pre = x_pre32.to(device, dtype)
     with torch.inference_mode():
-        ref = hf_expert_loop(x_pre32, *(weights("cpu", torch.float32)[k] for k in ("gate", "w1", "w2", "w3")), K)
-        scale = float(ref.abs().max())
-        rel32 = {name: float((fn(x_pre, w).float().cpu() - ref).abs().max()) / scale for name, fn in fns.items()}
-        ref = fns["hf"](x_pre, w).float().cpu()
-        scale = float(ref.abs().max())
-        rel = {name: float((fn(x_pre, w).float().cpu() - ref).abs().max()) / scale for name, fn in fns.items()}
-        del ref
-        pre = side_by_side({n: (lambda f=f: f(x_pre, w)) for n, f in fns.items()}, reps, device)
+        ref32 = hf_expert_loop(x_pre32, *(weights("cpu", torch.float32)[k] for k in ("gate", "w1", "w2", "w3")), K)
+        outs, first_s = {}, {}
+        for name, fn in fns.items():  # each once: the agreement, the warm-up and the time of one call
+            t0 = time.perf_counter()
+            outs[name] = fn(x_pre, w).float().cpu()
+            first_s[name] = time.perf_counter() - t0
+        ref = outs["hf"]
+        rel32 = {n: float((o - ref32).abs().max()) / float(ref32.abs().max()) for n, o in outs.items()}
+        rel = {n: float((o - ref).abs().max()) / float(ref.abs().max()) for n, o in outs.items()}
+        del ref, ref32, outs
+        reps = max(1, min(reps, int(PREFILL_BUDGET_S // sum(first_s.values()))))
+        pre = side_by_side({n: (lambda f=f: f(x_pre, w)) for n, f in fns.items()}, reps, device, warm=False)
         overhead = dispatch_overhead(x_pre, w, plan, reps, device)
         touched_ids = route(x_dec @ w["gate"].T, K)[1].unique().tolist()
 
@@ -319,7 +336,7 @@ def moe_benchmarks(device: str, dtype_name: str, reps: int, peak_reps: int, band
                 w["w2"][e].view(torch.float32).sum()
 
         dec = side_by_side({**{n: (lambda f=f: f(x_dec, w)) for n, f in fns.items()},
-                            "read_touched": read_touched}, reps * 6, device)
+                            "read_touched": read_touched}, decode_reps, device)
     touched_bytes = len(touched_ids) * (w["w13"][0].nbytes + w["w2"][0].nbytes)
     bound_s = touched_bytes / bandwidth
     med = {k: statistics.median(v) for k, v in pre.items()}
@@ -338,8 +355,9 @@ def moe_benchmarks(device: str, dtype_name: str, reps: int, peak_reps: int, band
         "decode_ratio_to_read": {k: v / read_s for k, v in dmed.items()},
         "decode_ratio_to_bound": {k: v / bound_s for k, v in dmed.items()},
     }
+    out["prefill_reps"], out["emulated_dtype"] = reps, emulated
     if peak_reps > 0:
-        peaks = {name: peak_memory(name, plan, device, dtype_name, peak_reps) for name in fns}
+        peaks = {name: peak_memory(name, plan, device, dtype_name, peak_reps if name in JUDGED else 1) for name in fns}
         pmed = {k: statistics.median(v) for k, v in peaks.items()}
         out |= {"prefill_peak_bytes": peaks, "prefill_peak_median_bytes": pmed,
                 "prefill_peak_ratio": {k: v / pmed["hf"] for k, v in pmed.items()}}
@@ -508,6 +526,11 @@ def render_moe(dtype_name: str, m: dict[str, Any]) -> list[str]:
               + (f"Decode: at 4 rows per expert the fastest kernel streamed the weights at "
                  f"{max(c['gb_per_s'] for c in small.values()):.1f} GB/s (kernel choice table, one expert per "
                  "call) against the read rate below." if small else "")]
+    if "prefill_reps" in m:
+        lines += ["", f"Prefill: {m['prefill_reps']} interleaved repetition(s) after one call each (as many as fit "
+                  f"{PREFILL_BUDGET_S:.0f} s)"
+                  + (f"; {dtype_name} is emulated on this CPU (oneDNN has no native {dtype_name} here), so only "
+                     f"{' and '.join(_label(n) for n in JUDGED)} were run." if m.get("emulated_dtype") else ".")]
     ov = m.get("prefill_dispatch_overhead")
     if ov is not None:
         om = ov["median_s"]
