@@ -180,7 +180,7 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
                                         settings.torch_device,
                                         BuildOptions(settings.expert_chunk_tokens,
                                                      settings.capacity_factor,
-                                                     _initial_kernel(settings),
+                                                     initial_kernel(settings),
                                                      settings.moe_dispatch, expert_block=block))
             model, model_type = loaded.model, loaded.model_type
             shape: ModelArgs | dict[str, Any] = loaded.config
@@ -192,7 +192,7 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
                                 capacity_factor=settings.capacity_factor,
                                 checkpoint=settings.checkpoint,
                                 dtype=settings.torch_dtype, device=settings.torch_device,
-                                matmul_backend=_initial_kernel(settings),
+                                matmul_backend=initial_kernel(settings),
                                 dispatch=settings.moe_dispatch)
             model_type, parameters = "preset", presets.parameter_count(args)
             eos_ids = slot.tokenizer.eos_ids
@@ -256,10 +256,11 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
     _start_budget_watch(settings, worker, log, env)
 
 
-def _initial_kernel(settings: Settings) -> MatmulBackend:
+def initial_kernel(settings: Settings) -> MatmulBackend:
     """The kernel the model is built with: the setting, or ``onednn`` until ``auto`` has measured (or
     until :func:`choose_matmul_kernel` packs the weights for ``onednn_packed``)."""
-    return "torch" if settings.matmul_backend == "torch" else "onednn"
+    backend = settings.matmul_backend
+    return backend if backend in ("torch", "torch_t") else "onednn"
 
 
 def choose_matmul_kernel(settings: Settings, model: object, telemetry: Telemetry,

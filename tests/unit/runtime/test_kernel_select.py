@@ -132,6 +132,16 @@ def test_cpu_model_and_isa_flags_from_cpuinfo() -> None:
     assert kernel_select.candidates(torch.float32, "meta") == ("torch",)
 
 
+def test_a_forced_kernel_is_the_one_the_model_is_built_with() -> None:
+    from moeguard_runtime.__main__ import initial_kernel
+    from moeguard_runtime.config import load_settings
+
+    built = {k: initial_kernel(load_settings({"MOEGUARD_MATMUL_BACKEND": k})) for k in ("auto", "onednn", "torch",
+                                                                                           "torch_t", "onednn_packed")}
+    assert built == {"auto": "onednn", "onednn": "onednn", "torch": "torch", "torch_t": "torch_t",
+                     "onednn_packed": "onednn"}  # auto measures and packed packs after loading
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_transposed_kernel_gives_f_linears_outputs(dtype: torch.dtype) -> None:
     """Issue 31: ``torch_t`` computes ``(w @ x.T).T``; the expert, the linear and a dispatch whose plan mixes it
