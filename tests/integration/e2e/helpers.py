@@ -56,11 +56,20 @@ def wait(probe: Any, timeout: float, what: str) -> Any:
 
 
 def wait_cr(cluster: Cluster, ns: str, name: str, pred: Any, timeout: float, what: str) -> dict[str, Any]:
-    """Poll the CR until ``pred(obj)`` holds; returns the object."""
+    """Poll the CR until ``pred(obj)`` holds; returns the object. On timeout the error names the last object's
+    conditions (type, status, reason, message), so a failure says what the operator last wrote."""
+    last: list[dict[str, Any]] = []
+
     def probe() -> dict[str, Any] | None:
         obj = get(cluster, ns, name)
+        last[:] = [obj]
         return obj if pred(obj) else None
-    return dict(wait(probe, timeout, what))
+    try:
+        return dict(wait(probe, timeout, what))
+    except TimeoutError as exc:
+        conditions = [(c.get("type"), c.get("status"), c.get("reason"), c.get("message"))
+                      for c in (last[0].get("status") or {}).get("conditions") or []] if last else None
+        raise TimeoutError(f"{exc}; last conditions: {conditions}") from None
 
 
 Event = tuple[str, str, str]

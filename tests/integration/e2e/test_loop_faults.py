@@ -301,8 +301,10 @@ def test_an_api_server_outage_is_blind_time_and_control_resumes_at_its_own_pace(
         at = relaxed_at(climbed, back - 120)
         assert at is not None and at >= down + WINDOW - 1, (
             f"climbed {at - down:.1f} s after the API server's last refusal ({at - back:.1f} s after it was seen back)")
-        # Fault 7: readiness follows the pods after the outage (not a Deployment status that may lag behind).
-        obj = wait_cr(cluster, ns, name, lambda o: (stack.condition(o, "Ready") or {}).get("status") == "True", 30,
+        # Fault 7: readiness follows the pods after the outage (not a Deployment status that may lag behind). 90 s:
+        # the pods' watchers (kwok, the pod-worker harness, the controller-manager) re-list after the restart, and
+        # a clean-clone run on the slower 2-core AMD EPYC missed a 30-s bound (stop 38).
+        obj = wait_cr(cluster, ns, name, lambda o: (stack.condition(o, "Ready") or {}).get("status") == "True", 90,
                       "Ready after the outage")
         assert obj["status"]["readyReplicas"] == 1
     finally:
