@@ -148,7 +148,7 @@ def query_requests() -> float:
                if line.startswith("prometheus_http_requests_total{") and 'handler="/api/v1/query"' in line)
 
 
-def test_every_query_of_a_look_is_evaluated_at_the_looks_time() -> None:
+def test_every_query_of_a_look_is_evaluated_at_the_looks_time(cluster: Cluster) -> None:
     """A look is one snapshot: each query carries the look's time (the API's ``time``), so answers evaluated
     seconds apart on a loaded Prometheus cannot disagree (CI: a full leak history beside a missing slope).
     PromQL's ``time()`` is the evaluation time."""
