@@ -167,13 +167,13 @@ def _read(path: str) -> str:
 
 def candidates(dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[MatmulBackend, ...]:
     """The kernels that run on ``device`` in ``dtype``: ``onednn``, ``torch``, ``torch_t`` and ``onednn_packed``
-    on the CPU in float32 (and bfloat16 where oneDNN has it; packed where oneDNN's reorder exists), ``torch`` and
-    ``torch_t`` on the CPU in a dtype oneDNN lacks there, else ``torch`` alone."""
+    on the CPU in float32 (and bfloat16 where oneDNN has it; packed where oneDNN's reorder exists), else ``torch``
+    alone. Not ``torch_t`` where oneDNN lacks the dtype: on the AMD EPYC (no native bf16) its emulated bfloat16
+    ran 1.4-9x slower than ``F.linear`` at every row count, and timing it added 42 s to the worker's start-up
+    (``bench/results/runtime.md``)."""
     probe = torch.empty(0, dtype=dtype, device=device)
-    if probe.device.type != "cpu":
-        return ("torch",)
     if not onednn_supports(probe):
-        return ("torch", "torch_t")
+        return ("torch",)
     return MATMUL_BACKENDS if can_pack(probe) else DENSE_BACKENDS
 
 
