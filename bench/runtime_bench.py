@@ -75,6 +75,8 @@ from moeguard_runtime.model.moe_device import device_dispatch
 
 D, I, E, K = 1024, 2816, 8, 2  # noqa: E741 - the field's names for the MoE sizes
 PREFILL_TOKENS, DECODE_TOKENS = 4096, 16
+PREFILL_FLOP = 2 * PREFILL_TOKENS * K * D * 3 * I
+"""The prefill's expert matmul work, fixed (dropless): ``2·T·k·D·3I``."""
 RESULTS = Path(__file__).resolve().parent / "results"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 IMPLS = ("moeguard_auto", "moeguard_onednn", "moeguard_onednn_packed", "moeguard_torch", "moeguard_torch_t",
@@ -509,7 +511,7 @@ def render_moe(dtype_name: str, m: dict[str, Any]) -> list[str]:
         pr = f"{pratio[name]:.2f}x" if pratio else ""
         lines.append(f"| {_label(name)} | {pm[name]:.3f} | {sp[name]:.2f}x | {pk} | {pr} | "
                      f"{dm[name] * 1e3:.2f} | {rr[name]:.2f}x | {rb[name]:.2f}x | {rel[name]:.1e} | {rel32[name]:.1e} |")
-    flop = 2 * PREFILL_TOKENS * K * D * 3 * I
+    flop = PREFILL_FLOP
     ceil = m["matmul_1024_rows_gflop_per_s"]
     top = max(ceil, key=ceil.get)
     hf_rate = flop / pm["hf"] / 1e9
@@ -605,8 +607,7 @@ DECODE_READ_BOUND = 1.3
 def prefill_ceiling_fraction(m: dict[str, Any], name: str = "moeguard_auto") -> float:
     """``name``'s prefill rate (the fixed expert FLOPs / its median seconds) over the fastest kernel's
     median rate of the 1,024-row matmul (:func:`matmul_ceiling`), in the same run and dtype."""
-    flop = 2 * PREFILL_TOKENS * K * D * 3 * I
-    return flop / m["prefill_median_s"][name] / 1e9 / max(m["matmul_1024_rows_gflop_per_s"].values())
+    return PREFILL_FLOP / m["prefill_median_s"][name] / 1e9 / max(m["matmul_1024_rows_gflop_per_s"].values())
 
 
 def _targets(r: dict[str, Any]) -> list[str]:
