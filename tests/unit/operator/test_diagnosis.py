@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
 from moeguard_operator.diagnosis.diagnosis import (
+    BURST_MIN_QUEUE,
     LEAK_MIN_WINDOW_GROWTH_BYTES,
     DiagnosisLook,
     DiagnosisMemory,
@@ -330,16 +331,21 @@ def test_a_leaking_worker_with_overlapping_prefills_and_a_short_queue_is_a_leak_
     pod = replace(leak, memory_bytes=0.9 * HARD, prefill_batches=2, queue_requests=2, limit_state=1)
     status, _ = run([look(pod, 0), look(pod, 30)])
     assert kinds(status) == {"PythonHeapLeak"}
-    # the same pod without the steady growth (a burst's jump leaves flat sub-windows) is a burst
-    status, _ = run([look(replace(pod, steady_growth_bytes_per_second=1024.0), 0)])
+    # the same pod without the steady growth (a burst's jump leaves flat sub-windows) and with a burst's queue is a
+    # burst; with the short queue alone it is neither (CI of stop 38: a leak read as BurstOverlap before its window
+    # of steady growth filled)
+    flat = replace(pod, steady_growth_bytes_per_second=1024.0)
+    status, _ = run([look(replace(flat, queue_requests=BURST_MIN_QUEUE), 0)])
     assert kinds(status) == {"BurstOverlap"}
+    status, _ = run([look(replace(flat, queue_requests=BURST_MIN_QUEUE - 1), 0)])
+    assert kinds(status) == set()
 
 
 def test_skewed_routing_with_a_memory_symptom_and_a_short_queue_is_skew_not_a_burst() -> None:
     """Rehearsal of issue 29: the RoutingSkew drill (memory 26% of hardLimit over a 25% soft fraction, prefills
     overlapping on a loaded machine) also read as BurstOverlap."""
     skewed, skew = DRILLS["RoutingSkew"]
-    pod = replace(skewed, memory_bytes=0.9 * HARD, limit_state=1)
+    pod = replace(skewed, memory_bytes=0.9 * HARD, limit_state=1, queue_requests=BURST_MIN_QUEUE)
     status, _ = run([look(pod, 0, skew=skew), look(pod, 10, skew=skew)])
     assert kinds(status) == {"RoutingSkew"}
     status, _ = run([look(pod, 0, skew=2.0)])  # the same pod without the skew: a burst
