@@ -57,7 +57,8 @@ def wait(probe: Any, timeout: float, what: str) -> Any:
 
 def wait_cr(cluster: Cluster, ns: str, name: str, pred: Any, timeout: float, what: str) -> dict[str, Any]:
     """Poll the CR until ``pred(obj)`` holds; returns the object. On timeout the error names the last object's
-    conditions (type, status, reason, message), so a failure says what the operator last wrote."""
+    conditions (type, status, reason, message) and its ``status.autoscaling.reason`` where it has one, so a
+    failure says what the operator last wrote."""
     last: list[dict[str, Any]] = []
 
     def probe() -> dict[str, Any] | None:
@@ -69,7 +70,9 @@ def wait_cr(cluster: Cluster, ns: str, name: str, pred: Any, timeout: float, wha
     except TimeoutError as exc:
         conditions = [(c.get("type"), c.get("status"), c.get("reason"), c.get("message"))
                       for c in (last[0].get("status") or {}).get("conditions") or []] if last else None
-        raise TimeoutError(f"{exc}; last conditions: {conditions}") from None
+        scaling = ((last[0].get("status") or {}).get("autoscaling") or {}).get("reason") if last else None
+        because = f"; last status.autoscaling.reason: {scaling}" if scaling else ""
+        raise TimeoutError(f"{exc}; last conditions: {conditions}{because}") from None
 
 
 Event = tuple[str, str, str]
