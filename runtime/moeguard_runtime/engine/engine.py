@@ -6,11 +6,14 @@ step's prefill budget) and decode tokens (one per running sequence), like
 vLLM's mixed steps. The scheduler decides what goes into a step; the engine
 only executes it and samples.
 
-Sampling: ``temperature == 0`` is greedy (argmax); otherwise softmax of
+Sampling (:mod:`sampling`): ``temperature == 0`` is greedy (argmax of the
+penalized logits); otherwise softmax of the penalized, filtered
 ``logits / temperature`` sampled with the request's own ``torch.Generator``
 (seeded from the request's ``seed``, so a seeded request is reproducible
 whatever else shares its batch). The generator lives on the engine's device, so
 a seed reproduces on the same device type; CPU and CUDA draw different streams.
+A request that asks for log probabilities gets the model's (raw logits), read
+back in one more host transfer in the steps where such a request samples.
 
 Device: the KV caches, the token and position tensors and the generators are
 created on the weights' device (``MOEGUARD_DEVICE``); only the sampled token ids
@@ -29,6 +32,13 @@ from dataclasses import dataclass, field
 import torch
 
 from moeguard_runtime.api.tokenizer import EOS
+from moeguard_runtime.engine.sampling import (
+    GREEDY,
+    SamplingParams,
+    sample_on_device,
+    token_logprobs,
+    unpack_logprobs,
+)
 from moeguard_runtime.model.model import KVCache, Segment
 from moeguard_runtime.model.moe import RoutingStats, read_back
 from moeguard_runtime.model.serving import ServingModel
@@ -51,6 +61,7 @@ class SequenceState:
     num_computed: int = 0
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    params: SamplingParams = GREEDY
 
     @property
     def prefilled(self) -> bool:
@@ -68,6 +79,9 @@ class StepOutput:
             of sequences that finished this step.
         routing: per-layer routing statistics of the whole step.
         prefill_tokens: prompt tokens processed; decode_tokens: decode tokens.
+        logprobs: for each sequence in ``new_tokens`` that asked for them
+            (``SamplingParams.logprobs``): the new token's log probability and the
+            most likely tokens' ``(id, logprob)``, most likely first.
     """
 
     new_tokens: dict[str, int]
@@ -75,6 +89,7 @@ class StepOutput:
     routing: list[RoutingStats]
     prefill_tokens: int
     decode_tokens: int
+    logprobs: dict[str, tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=dict)
 
 
 class Engine:
@@ -93,8 +108,10 @@ class Engine:
         self.sequences: dict[str, SequenceState] = {}
 
     def add(self, seq_id: str, prompt: list[int], max_new_tokens: int,
-            temperature: float = 0.0, seed: int | None = None) -> SequenceState:
-        """Register a sequence; allocates its KV cache (prompt + max_new_tokens).
+            temperature: float = 0.0, seed: int | None = None,
+            params: SamplingParams = GREEDY) -> SequenceState:
+        """Register a sequence; allocates its KV cache (prompt + max_new_tokens). ``params``:
+        its penalties, filters and log probabilities (:mod:`sampling`).
 
         Raises:
             ValueError: empty prompt, or prompt + max_new_tokens over max_seq_len.
@@ -109,7 +126,7 @@ class Engine:
         else:
             gen.manual_seed(seed)
         cache = self.model.new_cache(len(prompt) + max_new_tokens, self.dtype, self.device)
-        seq = SequenceState(seq_id, list(prompt), max_new_tokens, temperature, gen, cache)
+        seq = SequenceState(seq_id, list(prompt), max_new_tokens, temperature, gen, cache, params=params)
         self.sequences[seq_id] = seq
         return seq
 
@@ -154,13 +171,26 @@ class Engine:
             logits, routing = self.model(torch.tensor(tokens, device=self.device),
                                          torch.tensor(positions, device=self.device), segments)
         sampling: list[tuple[SequenceState, torch.Tensor]] = []
+        wanted: list[tuple[SequenceState, torch.Tensor]] = []  # the packed log probabilities asked for
         for i, (seq, segment) in enumerate(zip(order, segments, strict=True)):
             seq.num_computed += segment.length
             if seq.prefilled:  # else a middle prefill chunk: nothing to sample yet
-                sampling.append((seq, sample_on_device(logits[i], seq.temperature, seq.generator)))
+                token = sample_on_device(logits[i], seq.temperature, seq.generator, seq.params, seq.prompt,
+                                         seq.generated)
+                sampling.append((seq, token))
+                if seq.params.logprobs is not None:
+                    wanted.append((seq, token_logprobs(logits[i], token, seq.params.logprobs)))
         # The step's one host transfer: every sampled token id, with the routing counts
         # that are still on the device (the device dispatch's).
         stats, ids = read_back(list(routing), torch.stack([t for _, t in sampling]) if sampling else None)
+        logprobs: dict[str, tuple[float, tuple[tuple[int, float], ...]]] = {}
+        if wanted:  # one more transfer, only in a step where a request asked for log probabilities
+            host = torch.cat([p for _, p in wanted]).tolist()
+            at = 0
+            for seq, packed in wanted:
+                k = seq.params.logprobs or 0
+                logprobs[seq.seq_id] = unpack_logprobs(host[at:at + packed.numel()], k)
+                at += packed.numel()
         new_tokens: dict[str, int] = {}
         finished: dict[str, str] = {}
         for (seq, _), tok in zip(sampling, ids, strict=True):
@@ -173,29 +203,4 @@ class Engine:
             if seq.finish_reason is not None:
                 finished[seq.seq_id] = seq.finish_reason
         n_prefill = sum(n for _, n in prefill)
-        return StepOutput(new_tokens, finished, stats, n_prefill, len(decode))
-
-
-MIN_TEMPERATURE = 1e-5
-"""Below this, sampling is greedy: ``logits / 1e-234`` overflows to inf and softmax to NaN."""
-
-
-def sample_on_device(logits: torch.Tensor, temperature: float,
-                     generator: torch.Generator) -> torch.Tensor:
-    """One token id from ``[V]`` logits, as a 0-d int64 tensor on the logits' device
-    (no host synchronisation): argmax if ``temperature < MIN_TEMPERATURE``, else
-    drawn from ``softmax(logits / temperature)`` (computed in float64) with
-    ``generator``; argmax again when those probabilities are not finite."""
-    greedy = torch.argmax(logits)
-    if temperature < MIN_TEMPERATURE:
-        return greedy
-    probs = torch.softmax(logits.double() / temperature, dim=-1)  # [V]
-    finite = torch.isfinite(probs).all()
-    safe = torch.where(finite, probs, torch.ones_like(probs))  # multinomial refuses NaN/inf
-    drawn = torch.multinomial(safe, 1, generator=generator)[0]
-    return torch.where(finite, drawn, greedy)
-
-
-def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
-    """:func:`sample_on_device`, read back as an int (one host transfer)."""
-    return int(sample_on_device(logits, temperature, generator))
+        return StepOutput(new_tokens, finished, stats, n_prefill, len(decode), logprobs)

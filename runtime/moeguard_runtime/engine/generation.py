@@ -6,11 +6,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from moeguard_runtime.engine.sampling import GREEDY, SamplingParams
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
     """One request: ``prompt`` token ids, at most ``max_new_tokens`` more; ``temperature``
-    0 is greedy; ``seed`` None draws a fresh one (see :meth:`engine.Engine.add`)."""
+    0 is greedy; ``seed`` None draws a fresh one (see :meth:`engine.Engine.add`);
+    ``sampling``: penalties, filters and log probabilities (:mod:`sampling`)."""
 
     req_id: str
     prompt: list[int]
@@ -18,6 +21,7 @@ class GenerationRequest:
     temperature: float = 0.0
     seed: int | None = None
     priority: str = "interactive"
+    sampling: SamplingParams = GREEDY
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,10 @@ class Event:
 
     kind: Literal["admitted", "token", "finish", "error"]
     token: int = -1
+    logprob: float | None = None
+    """A ``token`` event's log probability, where the request asked (``SamplingParams.logprobs``)."""
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    """With ``logprob``: the most likely tokens' ``(id, logprob)`` at that position, most likely first."""
     finish_reason: str = ""
     status: int = 200
     reason: str = ""

@@ -396,7 +396,7 @@ class StepLoop:
                 if active is not None and req_id not in self.engine.sequences:
                     r = active.request
                     tel.stage("queue", now - active.arrival)
-                    self.engine.add(req_id, r.prompt, r.max_new_tokens, r.temperature, r.seed)
+                    self.engine.add(req_id, r.prompt, r.max_new_tokens, r.temperature, r.seed, r.sampling)
                     new_kv_tokens += len(r.prompt) + r.max_new_tokens
             prefill = [(r, n) for r, _, n in plan.prefill if r in self.engine.sequences]
             decode = [r for r in plan.decode if r in self.engine.sequences]
@@ -430,7 +430,7 @@ class StepLoop:
                 active.sink(Event("admitted"))
         t1 = clock(self.engine.device)
         record_step(tel, self.log, plan, out, t1 - t0)
-        self.deliver(out.new_tokens, out.finished)
+        self.deliver(out.new_tokens, out.finished, out.logprobs)
         tel.stage("postprocess", clock(self.engine.device) - t1)
 
     def _predict_peak(self, plan: StepPlan, decode: list[str], new_kv_tokens: int, kv_held: int,
@@ -488,8 +488,10 @@ class StepLoop:
             self.log.event("matmul_backend_fallback", force=True, matmul_backend="torch", modules=modules,
                            reason=ONEDNN_CREATE_FAILURE)
 
-    def deliver(self, new_tokens: dict[str, int], finished_reasons: dict[str, str]) -> None:
-        """Send each request its new token, then ``finish`` to those finished."""
+    def deliver(self, new_tokens: dict[str, int], finished_reasons: dict[str, str],
+                logprobs: dict[str, tuple[float, tuple[tuple[int, float], ...]]] | None = None) -> None:
+        """Send each request its new token (with its ``logprobs`` entry, where it asked), then ``finish`` to those
+        finished."""
         now = self._clock()
         finished: list[tuple[str, _Active | None]] = []
         with self.cond:
@@ -510,7 +512,8 @@ class StepLoop:
                 self.telemetry.ttft.labels(**self.telemetry.l(priority=active.request.priority)).observe(
                     now - active.arrival)
             if req_id not in finished_reasons or finished_reasons[req_id] == "length":
-                active.sink(Event("token", token=token))
+                logprob, top = (logprobs or {}).get(req_id, (None, ()))
+                active.sink(Event("token", token=token, logprob=logprob, top_logprobs=top))
         for req_id, active in finished:
             if active is not None:
                 self.telemetry.e2e.labels(**self.telemetry.l(priority=active.request.priority)).observe(

@@ -12,7 +12,10 @@ folder, loaded by :func:`moeguard_runtime.model.hf_checkpoint.load_hf_checkpoint
   ``generate(do_sample=False)`` token for token;
 * the same with the MoE guardrails forced on: experts processed 2 token-slots at
   a time and a capacity limit set (``capacity_factor = E / k``: a limit of T
-  slots per expert, which no routing exceeds, so nothing may be dropped).
+  slots per expert, which no routing exceeds, so nothing may be dropped);
+* the log probabilities the worker returns with those greedy tokens (the sampled
+  token's and the 5 most likely) within 1e-4 of ``log_softmax`` of
+  ``generate(output_logits=True)``'s raw logits, the same 5 tokens in the same order.
 
 ``transformers`` is the reference, imported by this test only.
 """
@@ -30,6 +33,7 @@ import transformers
 
 from moeguard_runtime.config import load_settings
 from moeguard_runtime.engine.engine import Engine
+from moeguard_runtime.engine.sampling import GREEDY, SamplingParams
 from moeguard_runtime.engine.service import Event, GenerationRequest, Worker
 from moeguard_runtime.memory.memory import MemoryReading
 from moeguard_runtime.model.families.decoder import SparseMoE
@@ -50,6 +54,9 @@ VOCAB = 32_000
 NEW_TOKENS = 32
 PROMPT_LENGTHS = (5, 13, 21)
 MAX_REL_ERR = 1e-4
+MAX_LOGPROB_ERR = 1e-4
+"""The issue's parity bound for log probabilities (absolute, nats)."""
+TOP_LOGPROBS = 5
 COMMON: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3,
                               num_attention_heads=4, num_key_value_heads=2,
                               max_position_embeddings=256, tie_word_embeddings=False)
@@ -237,18 +244,30 @@ def test_logits_match_transformers(name: str, tmp_path_factory: pytest.TempPathF
     assert max(errors) <= MAX_REL_ERR
 
 
-def _serve(loaded: LoadedCheckpoint, prompts: list[list[int]]) -> tuple[dict[str, list[int]], Worker]:
-    """Greedy generation of every prompt at once, through the worker loop driven by hand."""
+def _hf_greedy_logprobs(hf: Any, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """``generate``'s greedy tokens and ``log_softmax`` of its raw logits at each of them (``[NEW_TOKENS, V]``)."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW_TOKENS,
+                          min_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0, output_logits=True,
+                          return_dict_in_generate=True)
+    logits = torch.stack([step[0] for step in out.logits]).double()
+    return out.sequences[0, len(prompt):].tolist(), torch.log_softmax(logits, dim=-1)
+
+
+def _serve(loaded: LoadedCheckpoint, prompts: list[list[int]], sampling: SamplingParams = GREEDY,
+           seen: dict[str, list[Event]] | None = None) -> tuple[dict[str, list[int]], Worker]:
+    """Greedy generation of every prompt at once, through the worker loop driven by hand; ``seen`` receives
+    each request's events."""
     settings = load_settings({"MOEGUARD_MAX_PREFILL_TOKENS": "8", "MOEGUARD_MAX_DECODE_TOKENS": "4"})
     worker = Worker(settings, Engine(loaded.model, eos_ids=frozenset(loaded.eos_token_ids)),
                     Telemetry({"moeis": "s", "namespace": "n", "pod": "p"},
                               loaded.model.args.num_experts),
                     RateLimitedLog(0.0, logger=_Quiet()), clock=lambda: 0.0,
                     memory_reader=lambda: MemoryReading(1, "rss"))
-    events: dict[str, list[Event]] = {}
+    events: dict[str, list[Event]] = {} if seen is None else seen
     for i, p in enumerate(prompts):
         events[str(i)] = []
-        worker.submit(GenerationRequest(str(i), p, NEW_TOKENS, 0.0), events[str(i)].append)
+        worker.submit(GenerationRequest(str(i), p, NEW_TOKENS, 0.0, sampling=sampling), events[str(i)].append)
     for _ in range(400):
         if all(e and e[-1].kind in ("finish", "error") for e in events.values()):
             break
@@ -290,3 +309,26 @@ def test_greedy_tokens_match_transformers(name: str, guardrails: bool,
     tokens = sum(map(len, reference.prompts)) + (NEW_TOKENS - 1) * len(reference.prompts)
     assert routed == tokens * reference.hf.config.num_experts_per_tok * moe_layers
     assert overflow == 0
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_logprobs_match_transformers(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    reference = _reference(name, tmp_path_factory)
+    loaded = load_hf_checkpoint(reference.folder)
+    seen: dict[str, list[Event]] = {}
+    ours, _ = _serve(loaded, reference.prompts, SamplingParams(logprobs=TOP_LOGPROBS), seen)
+    worst = 0.0
+    for i, prompt in enumerate(reference.prompts):
+        tokens, ref = _hf_greedy_logprobs(reference.hf, prompt)
+        assert ours[str(i)] == tokens
+        events = [e for e in seen[str(i)] if e.kind == "token"]
+        assert len(events) == NEW_TOKENS
+        for step, (event, token) in enumerate(zip(events, tokens, strict=True)):
+            assert event.logprob is not None and len(event.top_logprobs) == TOP_LOGPROBS
+            expected = torch.topk(ref[step], TOP_LOGPROBS)
+            assert [t for t, _ in event.top_logprobs] == expected.indices.tolist()
+            errors = [abs(event.logprob - float(ref[step, token]))] + [
+                abs(v - float(ref[step, t])) for t, v in event.top_logprobs]
+            worst = max(worst, *errors)
+    print(f"\n{name}: worst log probability error {worst:.2e} over {NEW_TOKENS * len(reference.prompts)} tokens")
+    assert worst <= MAX_LOGPROB_ERR
