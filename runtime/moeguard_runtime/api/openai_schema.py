@@ -4,8 +4,12 @@ Types are strict, as JSON Schema states them: ``"5"`` and ``true`` are not
 integers, while ``5.0`` is (JSON Schema's integers include numbers with a zero
 fraction); ``"1"`` is not a number. Fields of OpenAI's API that the worker does
 not implement are refused by name, never silently ignored: unknown ones by
-``extra="forbid"``, and ``n``/``best_of`` above 1, ``logprobs``, ``top_logprobs``
-by :func:`refused_fields`.
+``extra="forbid"``, ``n``/``best_of`` above 1 by their bounds, and the
+combinations it does not serve by :func:`refused_fields`.
+
+The sampling fields are vLLM's, with its ranges (:mod:`moeguard_runtime.engine.sampling`):
+``top_p`` in (0, 1], ``top_k`` (0 or -1: off), ``min_p`` in [0, 1], ``presence_penalty``
+and ``frequency_penalty`` in [-2, 2], ``repetition_penalty`` > 0.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from moeguard_runtime.engine.sampling import MAX_LOGPROBS, SamplingParams
 from moeguard_runtime.engine.scheduler import (
     MAX_PRIORITY,
     PRIORITY_HELP,
@@ -45,6 +50,15 @@ class StreamOptions(BaseModel):
     include_usage: bool = Field(default=False, strict=True)
 
 
+class ResponseFormat(BaseModel):
+    """OpenAI ``response_format``: ``{"type": "text"}`` (the default, plain text) is served; ``json_object`` and
+    ``json_schema`` (structured outputs) are refused by :func:`refused_fields` until constrained decoding lands."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str = Field(strict=True, json_schema_extra={"enum": ["text", "json_object", "json_schema"]})
+
+
 class _Sampling(BaseModel):
     """Fields both endpoints share."""
 
@@ -62,11 +76,22 @@ class _Sampling(BaseModel):
         default=None, description=f"Up to {MAX_STOP_STRINGS} strings; generation ends before "
                                   "the first one, which is not returned (finish_reason stop).")
     n: int = Field(default=1, ge=1, le=1, description="Only 1 is supported.")
-    top_p: float = Field(default=1.0, ge=1.0, le=1.0,
-                         description="Only 1 (no nucleus sampling); clients send it as a default.")
-    frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0, description="Only 0 (no penalty).")
-    presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0, description="Only 0 (no penalty).")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0,
+                         description="Nucleus sampling: the smallest set of most likely tokens whose probability "
+                                     "adds up to top_p; 1 keeps every token.")
+    top_k: int = Field(default=0, ge=-1, description="The most likely tokens kept (vLLM's); 0 or -1 keeps every token.")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0,
+                         description="Tokens below min_p x the most likely token's probability are removed (vLLM's).")
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0,
+                                     description="Subtracted from a token's logit once per time it was generated.")
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0,
+                                    description="Subtracted from a token's logit if it was generated at all.")
+    repetition_penalty: float = Field(default=1.0, gt=0.0, description=(
+        "vLLM's (CTRL's): logits of tokens in the prompt or the output are divided by it (positive) or "
+        "multiplied (negative); 1 is none."))
     user: str | None = Field(default=None, max_length=256, strict=True)
+    response_format: ResponseFormat | None = Field(
+        default=None, description='Only {"type": "text"} (plain text, the default) is served.')
     priority: str | int | None = Field(
         default=None, description=f"The request's class, {PRIORITY_HELP}; default interactive "
                                   "(or the X-Priority header). Interactive requests go first in every mode.",
@@ -89,8 +114,8 @@ class _Sampling(BaseModel):
             return priority_class(value)
         raise ValueError(f"must be {PRIORITY_HELP}")
 
-    @field_validator("temperature", "seed", "n", "top_p", "frequency_penalty", "presence_penalty",
-                     mode="before", check_fields=False)
+    @field_validator("temperature", "seed", "n", "top_p", "top_k", "min_p", "frequency_penalty",
+                     "presence_penalty", "repetition_penalty", mode="before", check_fields=False)
     @classmethod
     def _numbers_only(cls, value: Any) -> Any:
         if isinstance(value, (str, bool)):
@@ -114,6 +139,12 @@ class _Sampling(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def sampling(self, logprobs: int | None) -> SamplingParams:
+        """The request's :class:`SamplingParams`, with ``logprobs`` alternatives (None: no log probabilities)."""
+        return SamplingParams(top_p=self.top_p, top_k=max(0, self.top_k), min_p=self.min_p,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty, logprobs=logprobs)
+
 
 Prompt = str | list[str] | list[int] | list[list[int]]
 
@@ -132,9 +163,11 @@ class CompletionRequest(_Sampling):
                                         "the model's context (GET /v1/models max_model_len).")
     echo: bool = Field(default=False, strict=True, description="Return the prompt before the completion.")
     best_of: int | None = Field(default=None, ge=1, le=1, description="Only 1 is supported.")
-    logprobs: int | None = Field(default=None, description="Not supported: must be null.")
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description=(
+        "Return the log probability of each generated token and of the this-many most likely tokens at its "
+        "position (choices[].logprobs); null returns none. Not with echo."))
 
-    @field_validator("max_tokens", "best_of", mode="before")
+    @field_validator("max_tokens", "best_of", "logprobs", mode="before")
     @classmethod
     def _ints_only(cls, value: Any) -> Any:
         if isinstance(value, (str, bool)):
@@ -176,10 +209,12 @@ class ChatCompletionRequest(_Sampling):
     messages: list[Any] = Field(description="The conversation: objects with role and content.")
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
-    logprobs: bool | None = Field(default=None, strict=True, description="Not supported: false or null.")
-    top_logprobs: int | None = Field(default=None, description="Not supported: must be null.")
+    logprobs: bool | None = Field(default=None, strict=True, description=(
+        "Return the log probability of each generated token (choices[].logprobs.content)."))
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description=(
+        "With logprobs: also the this-many most likely tokens at each position."))
 
-    @field_validator("max_tokens", "max_completion_tokens", mode="before")
+    @field_validator("max_tokens", "max_completion_tokens", "top_logprobs", mode="before")
     @classmethod
     def _ints_only(cls, value: Any) -> Any:
         if isinstance(value, (str, bool)):
@@ -191,17 +226,23 @@ def refused_fields(body: CompletionRequest | ChatCompletionRequest) -> None:
     """Refuse fields OpenAI has and the worker does not implement.
 
     Raises:
-        InvalidRequest: naming the field (``logprobs``, ``top_logprobs``,
-            ``stream_options`` without ``stream``, both max token fields).
+        InvalidRequest: naming the field (``logprobs`` with ``echo``: the prompt's log
+            probabilities are not computed; ``top_logprobs`` without ``logprobs: true``;
+            ``stream_options`` without ``stream``; both max token fields).
     """
-    if body.logprobs not in (None, False):
-        raise InvalidRequest(f"invalid field 'logprobs': log probabilities are not supported; "
-                             f"given: {body.logprobs!r}", "logprobs", "unsupported_field")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise InvalidRequest(f"invalid field 'response_format': type {body.response_format.type!r} is not served "
+                             "(structured outputs need constrained decoding, not implemented yet); "
+                             "only {\"type\": \"text\"}", "response_format", "unsupported_field")
+    if isinstance(body, CompletionRequest) and body.logprobs is not None and body.echo:
+        raise InvalidRequest("invalid field 'logprobs': with echo it would need the prompt's log "
+                             "probabilities, which this worker does not compute; use one of them",
+                             "logprobs", "unsupported_field")
     if isinstance(body, ChatCompletionRequest):
-        if body.top_logprobs is not None:
-            raise InvalidRequest("invalid field 'top_logprobs': log probabilities are not "
-                                 f"supported; given: {body.top_logprobs!r}", "top_logprobs",
-                                 "unsupported_field")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise InvalidRequest("invalid field 'top_logprobs': only with 'logprobs': true (OpenAI's "
+                                 f"rule); given: top_logprobs {body.top_logprobs}, logprobs "
+                                 f"{json_value(body.logprobs)}", "top_logprobs", "top_logprobs_without_logprobs")
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise InvalidRequest("give 'max_completion_tokens' or its older name 'max_tokens', "
                                  "not both", "max_completion_tokens", "conflicting_fields")
@@ -209,6 +250,11 @@ def refused_fields(body: CompletionRequest | ChatCompletionRequest) -> None:
         raise InvalidRequest("invalid field 'stream_options': only allowed when 'stream' is "
                              "true; given: stream false", "stream_options",
                              "stream_options_without_stream")
+
+
+def json_value(value: Any) -> str:
+    """``value`` as JSON writes it (``None`` as null, ``False`` as false), for error messages."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
 
 
 def prompt_ids(prompt: Prompt, vocab_size: int) -> list[int] | str:

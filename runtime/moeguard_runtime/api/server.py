@@ -7,7 +7,8 @@ Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``:
   not an object, an unknown field, a wrong type or a value out of range (the
   message names the field, the limit and the given value), an empty prompt,
   a prompt form not served (several prompts), a field of OpenAI's that the worker
-  does not implement (``n`` or ``best_of`` above 1, ``logprobs``), a bad chat
+  does not implement (``n`` or ``best_of`` above 1, ``logprobs`` with ``echo``,
+  a ``response_format`` other than text), a bad chat
   message (unknown role, content of the wrong type, images), a chat template
   that raises on the conversation, or a prompt too long for the context, whose
   message follows TGI ("inputs tokens + max_new_tokens must be <= N. Given: X
@@ -80,6 +81,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moeguard_runtime.api.chat_template import ChatTemplate, ChatTemplateError
 from moeguard_runtime.api.detokenize import StopMatcher
+from moeguard_runtime.api.logprobs import LogprobsBuilder
 from moeguard_runtime.api.openai_schema import (
     MAX_STOP_STRINGS,
     MESSAGES_SCHEMA,
@@ -92,6 +94,7 @@ from moeguard_runtime.api.openai_schema import (
     refused_fields,
 )
 from moeguard_runtime.api.tokenizer import ByteTokenizer, Tokenizer
+from moeguard_runtime.engine.sampling import GREEDY, SamplingParams
 from moeguard_runtime.engine.scheduler import Rejected, priority_class
 from moeguard_runtime.engine.service import Event, GenerationRequest, Worker
 from moeguard_runtime.telemetry.telemetry import Telemetry
@@ -133,6 +136,7 @@ class _Job:
     stops: list[str]
     model: str
     echo: str = ""
+    sampling: SamplingParams = GREEDY
 
 
 def _finite_float(text: str) -> float:
@@ -430,8 +434,8 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
             return priority
         echo = (given if isinstance(given, str) else tok.decode(given)) if body.echo else ""
         return await run(_Job(False, prompt, body.max_tokens, body.temperature, body.seed, priority,
-                              body.stream, body.include_usage, body.stops, slot.model_name, echo),
-                         request)
+                              body.stream, body.include_usage, body.stops, slot.model_name, echo,
+                              body.sampling(body.logprobs)), request)
 
     @app.post("/v1/chat/completions", openapi_extra=_openapi(ChatCompletionRequest, slot))
     async def chat_completions(request: Request) -> Response:
@@ -465,9 +469,10 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
         priority = priority_of(body, request)
         if isinstance(priority, JSONResponse):
             return priority
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
         return await run(_Job(True, prompt, max_tokens, body.temperature, body.seed, priority,
-                              body.stream, body.include_usage, body.stops, slot.model_name),
-                         request)
+                              body.stream, body.include_usage, body.stops, slot.model_name,
+                              sampling=body.sampling(logprobs)), request)
 
     return app
 
@@ -496,16 +501,22 @@ class _Output:
     """Generated ids to output text: incremental detokenization, end of sequence
     and stop strings. :meth:`token` returns ``(text, finish_reason or None)``."""
 
-    def __init__(self, tok: Tokenizer, prompt: Sequence[int], stops: Sequence[str]) -> None:
+    def __init__(self, tok: Tokenizer, prompt: Sequence[int], stops: Sequence[str],
+                 logprobs: LogprobsBuilder | None = None) -> None:
         self._detok = tok.stream_decoder(prompt)
         self._stop = StopMatcher(stops)
         self._eos = tok.eos_ids
         self.tokens = 0
+        self.logprobs = logprobs
+        """Where the request asked for log probabilities: its tokens' (:meth:`token` adds them)."""
 
-    def token(self, token: int) -> tuple[str, str | None]:
+    def token(self, token: int, event: Event | None = None) -> tuple[str, str | None]:
+        """``event``: the token's event, whose log probabilities are kept where the request asked."""
         if token in self._eos:  # the engine stops on the same ids (Engine.eos_ids) and drops the token
             return self.end(), "stop"
         self.tokens += 1
+        if self.logprobs is not None and event is not None and event.logprob is not None:
+            self.logprobs.add(token, event.logprob, event.top_logprobs)
         text, stopped = self._stop.push(self._detok.push(token))
         return text, "stop" if stopped else None
 
@@ -531,7 +542,7 @@ async def _serve(worker: Worker, job: _Job, tok: Tokenizer, request: Request,
         loop.call_soon_threadsafe(queue.put_nowait, event)
 
     gen = GenerationRequest(req_id, job.prompt, job.max_tokens, job.temperature, job.seed,
-                            job.priority)
+                            job.priority, job.sampling)
     try:
         worker.submit(gen, sink)
     except Rejected as rej:
@@ -555,7 +566,8 @@ async def _serve(worker: Worker, job: _Job, tok: Tokenizer, request: Request,
             if event is not None:
                 return event
 
-    output = _Output(tok, job.prompt, job.stops)
+    output = _Output(tok, job.prompt, job.stops,
+                     None if job.sampling.logprobs is None else LogprobsBuilder(tok.decode, job.chat))
     if job.stream:
         # No 200 before admission: a request refused or timed out in the queue gets the
         # same HTTP error (503/429, Retry-After, reason) as without streaming.
@@ -577,7 +589,7 @@ async def _serve(worker: Worker, job: _Job, tok: Tokenizer, request: Request,
         if event.kind == "admitted":
             continue
         if event.kind == "token":
-            text, finish = output.token(event.token)
+            text, finish = output.token(event.token, event)
             texts.append(text)
             if finish is None:
                 continue
@@ -591,18 +603,32 @@ async def _serve(worker: Worker, job: _Job, tok: Tokenizer, request: Request,
         break
     count("ok", 200)
     text = "".join(texts)
+    logprobs = _logprobs_of(output)
     choice: dict[str, Any] = (
-        {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
          "finish_reason": finish} if job.chat else
-        {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+        {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
     return JSONResponse({
         "id": req_id, "object": "chat.completion" if job.chat else "text_completion",
         "created": created, "model": job.model, "choices": [choice],
         "usage": _usage(len(job.prompt), output.tokens)})
 
 
+def _logprobs_of(output: _Output) -> dict[str, Any] | None:
+    """The log probabilities of the tokens ``output`` has not sent yet, in the response's shape; where the request
+    asked for them and no token came, the empty shape (OpenAI's ``content: []``), else None."""
+    if output.logprobs is None:
+        return None
+    taken = output.logprobs.take()
+    if taken is not None:
+        return taken
+    return ({"content": [], "refusal": None} if output.logprobs.chat else
+            {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []})
+
+
 def stream_chunk(job: _Job, req_id: str, created: int, text: str | None, finish: str | None,
-                 usage: dict[str, int] | None = None, role: bool = False) -> dict[str, Any]:
+                 usage: dict[str, int] | None = None, role: bool = False,
+                 logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One SSE chunk's JSON body, as OpenAI streams completions (``object`` ``text_completion``) and chat
     completions (``chat.completion.chunk``; ``delta``, the first ``{"role": "assistant", "content": ""}``).
     ``text`` None: a chunk with ``"choices": []`` (the usage chunk). The ``usage`` key is there only when
@@ -613,9 +639,9 @@ def stream_chunk(job: _Job, req_id: str, created: int, text: str | None, finish:
     if text is not None and job.chat:
         delta: dict[str, str] = {"role": "assistant", "content": text} if role else (
             {"content": text} if text or finish is None else {})
-        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        choices = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
     elif text is not None:
-        choices = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+        choices = [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]
     body: dict[str, Any] = {"id": req_id, "created": created, "model": job.model,
                             "object": "chat.completion.chunk" if job.chat else "text_completion",
                             "choices": choices}
@@ -625,12 +651,12 @@ def stream_chunk(job: _Job, req_id: str, created: int, text: str | None, finish:
 
 
 def finish_chunks(job: _Job, req_id: str, created: int, text: str, reason: str,
-                  usage: dict[str, int]) -> list[dict[str, Any]]:
+                  usage: dict[str, int], logprobs: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The chunks that end a stream before ``[DONE]``: the one with ``finish_reason`` (and the last
     text), then, only when the request asked (``stream_options.include_usage``), OpenAI's extra chunk
     with ``"choices": []`` and ``usage`` (pure). Without it no chunk carries usage, as OpenAI streams
     (a client that reads usage from the finishing chunk must ask with ``include_usage: true``)."""
-    last = stream_chunk(job, req_id, created, text, reason)
+    last = stream_chunk(job, req_id, created, text, reason, logprobs=logprobs)
     return [last, stream_chunk(job, req_id, created, None, None, usage)] if job.include_usage else [last]
 
 
@@ -647,12 +673,15 @@ async def _stream(worker: Worker, job: _Job, req_id: str, queue: asyncio.Queue[E
     done = False
 
     def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
-        return f"data: {json.dumps(stream_chunk(job, req_id, created, text, finish, role=role))}\n\n"
+        logprobs = None if role or output.logprobs is None else output.logprobs.take()
+        return f"data: {json.dumps(stream_chunk(job, req_id, created, text, finish, role=role, logprobs=logprobs))}\n\n"
 
     def finish(text: str, reason: str) -> list[str]:
         count("ok", 200)
         usage = _usage(len(job.prompt), output.tokens)
-        return [f"data: {json.dumps(c)}\n\n" for c in finish_chunks(job, req_id, created, text, reason, usage)]
+        logprobs = None if output.logprobs is None else output.logprobs.take()
+        return [f"data: {json.dumps(c)}\n\n"
+                for c in finish_chunks(job, req_id, created, text, reason, usage, logprobs)]
 
     try:
         if job.chat:
@@ -665,7 +694,7 @@ async def _stream(worker: Worker, job: _Job, req_id: str, queue: asyncio.Queue[E
             if event.kind == "admitted":
                 continue
             if event.kind == "token":
-                text, reason = output.token(event.token)
+                text, reason = output.token(event.token, event)
                 if reason is not None:
                     done = True
                     worker.cancel(req_id)  # ended here (EOS of the tokenizer, a stop string)

@@ -1,0 +1,142 @@
+"""Log probabilities, penalties and the top-k / top-p / min-p filters over real HTTP, driven by the official
+``openai`` Python SDK with its defaults (a test dependency), streaming and not: the values the worker returns, and
+the sampler really applying what was asked (a filter that keeps only the most likely token samples what greedy
+decoding does; a penalized greedy token is the argmax of the penalized log probabilities)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+from tests.integration.worker.conftest import WorkerProcess, start_worker_process
+
+pytestmark = pytest.mark.integration
+HELLO = [{"role": "user", "content": "Hello, who are you?"}]
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+    """The tiny preset with seed 0: its greedy chat answer is 24 tokens (a loop), not an end of sequence at once
+    (seed 3's, the shared fixture's)."""
+    w = start_worker_process(tmp_path_factory.mktemp("worker"), {"MOEGUARD_SEED": "0"})
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="module")
+def client(worker: WorkerProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{worker.base_url}/v1", api_key="not-checked") as c:
+        yield c
+
+
+def test_chat_logprobs_streamed_and_not_are_the_same_greedy_values(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(model="tiny", messages=HELLO, max_completion_tokens=10, temperature=0, logprobs=True,
+                              top_logprobs=3)
+    r = client.chat.completions.create(**kw)
+    choice = r.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    content = choice.logprobs.content
+    assert r.usage is not None and len(content) == r.usage.completion_tokens > 0
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        values = [t.logprob for t in entry.top_logprobs]
+        assert values == sorted(values, reverse=True) and values[0] <= 0.0
+        # greedy: the sampled token is the most likely one, with the same value
+        assert (entry.token, entry.logprob) == (entry.top_logprobs[0].token, entry.top_logprobs[0].logprob)
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+    streamed = []
+    text = []
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.content or []
+        if chunk.choices and chunk.choices[0].delta.content:
+            text.append(chunk.choices[0].delta.content)
+    assert "".join(text) == choice.message.content
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert all(abs(a.logprob - b.logprob) < 1e-5 for a, b in zip(streamed, content, strict=True))
+
+
+def test_chat_without_logprobs_has_none(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="tiny", messages=HELLO, max_completion_tokens=3, temperature=0)
+    assert r.choices[0].logprobs is None
+
+
+def test_completion_logprobs_in_the_legacy_shape(client: openai.OpenAI) -> None:
+    r = client.completions.create(model="tiny", prompt="Hello", max_tokens=8, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert lp.top_logprobs is not None and lp.text_offset is not None
+    assert r.usage is not None and len(lp.tokens) == len(lp.token_logprobs) == r.usage.completion_tokens > 0
+    offset = 0
+    for token, value, top, at in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset, strict=True):
+        assert at == offset
+        offset += len(token)
+        assert top[token] == value and len(top) <= 3  # the 2 most likely and the sampled token
+        assert value == max(top.values())  # greedy
+    streamed: list[str] = []
+    for chunk in client.completions.create(model="tiny", prompt="Hello", max_tokens=8, temperature=0, logprobs=2,
+                                           stream=True):
+        if chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.tokens or []
+    assert streamed == lp.tokens
+
+
+@pytest.mark.parametrize("extra", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}], ids=["top_k", "top_p", "min_p"])
+def test_a_filter_that_keeps_only_the_most_likely_token_samples_greedily(client: openai.OpenAI,
+                                                                         extra: dict[str, Any]) -> None:
+    greedy = client.completions.create(model="tiny", prompt="The weather today", max_tokens=16, temperature=0)
+    sampled = [client.completions.create(model="tiny", prompt="The weather today", max_tokens=16, temperature=1.5,
+                                         seed=seed, extra_body=extra) for seed in (1, 2)]
+    unfiltered = client.completions.create(model="tiny", prompt="The weather today", max_tokens=16, temperature=1.5,
+                                           seed=1)
+    assert [s.choices[0].text for s in sampled] == [greedy.choices[0].text] * 2
+    assert unfiltered.choices[0].text != greedy.choices[0].text  # temperature 1.5 alone samples something else
+
+
+@pytest.mark.parametrize("extra", [{"frequency_penalty": 1.5}, {"presence_penalty": 1.5},
+                                   {"extra_body": {"repetition_penalty": 1.8}}],
+                         ids=["frequency", "presence", "repetition"])
+def test_penalties_reach_the_sampler(client: openai.OpenAI, extra: dict[str, Any]) -> None:
+    """Greedy decoding of this model loops (a 7-token cycle); a penalty breaks the loop. That each penalized token
+    is the argmax of the penalized logits is checked on token ids in tests/unit/runtime/test_sampling.py."""
+    kw: dict[str, Any] = dict(model="tiny", messages=HELLO, max_completion_tokens=24, temperature=0)
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    penalized = client.chat.completions.create(**kw, **extra).choices[0].message.content
+    assert plain and penalized and penalized != plain
+    assert client.chat.completions.create(**kw, **extra).choices[0].message.content == penalized  # deterministic
+
+
+@pytest.mark.parametrize(("kw", "param", "needle"), [
+    ({"top_p": 0}, "top_p", "limit: gt 0.0"),
+    ({"extra_body": {"top_k": -2}}, "top_k", "limit: ge -1"),
+    ({"extra_body": {"min_p": 1.5}}, "min_p", "limit: le 1.0"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "limit: le 2.0"),
+    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty", "limit: gt 0.0"),
+    ({"top_logprobs": 3}, "top_logprobs", "only with 'logprobs': true"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "limit: le 20"),
+])
+def test_bad_sampling_fields_are_a_400_naming_the_field(client: openai.OpenAI, kw: dict[str, Any], param: str,
+                                                        needle: str) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny", messages=HELLO, max_completion_tokens=2, **kw)
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == param and needle in error["message"], error
+
+
+def test_completion_logprobs_with_echo_is_refused(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="echo") as caught:
+        client.completions.create(model="tiny", prompt="Hi", max_tokens=2, logprobs=1, echo=True)
+    assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "logprobs"
+
+
+def test_response_format_text_is_served_and_structured_outputs_are_refused_by_name(client: openai.OpenAI) -> None:
+    plain = client.chat.completions.create(model="tiny", messages=HELLO, max_completion_tokens=4, temperature=0)
+    text = client.chat.completions.create(model="tiny", messages=HELLO, max_completion_tokens=4, temperature=0,
+                                          response_format={"type": "text"})
+    assert text.choices[0].message.content == plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="json_object") as caught:
+        client.chat.completions.create(model="tiny", messages=HELLO, max_completion_tokens=4,
+                                       response_format={"type": "json_object"})
+    assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "response_format"
