@@ -112,6 +112,10 @@ test-delivery: deps ## Chart, GitOps, image, CLI and docs tests (unit, then agai
 bench-runtime: ## Runtime benchmarks (MoE layer vs HF loop, decode vs bandwidth, loop overhead) -> bench/results/runtime.md.
 	$(PY) -m bench.runtime_bench
 
+.PHONY: bench-structured
+bench-structured: ## Structured outputs: TPOT at batch 8 with and without a JSON schema, 20-field schema compile time -> bench/results/structured_output.md (~2 min).
+	$(PY) -m bench.structured_output_bench
+
 .PHONY: bench-ep
 bench-ep: ## Expert parallelism: per-step compute vs collectives and bytes for 1, 2, 4 local ranks, DeepEP on paper -> bench/results/expert_parallel.md.
 	$(PY) -m bench.expert_parallel_bench

@@ -17,7 +17,7 @@ RUN python -m venv /opt/venv
 COPY requirements.txt ./
 # The worker's dependencies at the pins of requirements.txt; test and bench tools are left out.
 RUN set -eu; \
-    grep -vE '^(pytest|pytest-asyncio|pytest-timeout|hypothesis|schemathesis|ruff|mypy|matplotlib|kopf)==' \
+    grep -vE '^(pytest|pytest-asyncio|pytest-timeout|hypothesis|schemathesis|ruff|mypy|matplotlib|kopf|openai)==' \
       requirements.txt > worker-requirements.txt; \
     if [ "$VARIANT" = "cpu" ]; then \
       torch_pin=$(grep -E '^torch==' worker-requirements.txt); \

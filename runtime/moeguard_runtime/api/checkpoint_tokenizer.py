@@ -155,6 +155,11 @@ class CheckpointTokenizer:
     def stream_decoder(self, prompt: Sequence[int] = ()) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.decode, prompt)
 
+    def to_json(self) -> str:
+        """The ``tokenizers`` serialization of the vocabulary (``tokenizer.json``'s content, added tokens
+        included), for the grammar library (:mod:`moeguard_runtime.api.structured_output`)."""
+        return str(self._tok.to_str())
+
 
 def load_tokenizer(checkpoint: str | None, embedding_rows: int) -> tuple[Tokenizer, ChatTemplate | None]:
     """The tokenizer to serve and its compiled chat template, checked at start-up.

@@ -50,13 +50,34 @@ class StreamOptions(BaseModel):
     include_usage: bool = Field(default=False, strict=True)
 
 
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI ``response_format.json_schema``: ``schema`` constrains the output (``strict`` is accepted either way:
+    the grammar always enforces the schema, as vLLM does)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(max_length=64, strict=True)
+    description: str | None = Field(default=None, strict=True)
+    schema_: dict[str, Any] = Field(alias="schema", description="A JSON Schema object.")
+    strict: bool | None = Field(default=None, strict=True)
+
+
 class ResponseFormat(BaseModel):
-    """OpenAI ``response_format``: ``{"type": "text"}`` (the default, plain text) is served; ``json_object`` and
-    ``json_schema`` (structured outputs) are refused by :func:`refused_fields` until constrained decoding lands."""
+    """OpenAI ``response_format``: ``text`` (the default), ``json_object`` (any JSON object) or ``json_schema``
+    (structured outputs: the output follows ``json_schema.schema``), by constrained decoding
+    (:mod:`moeguard_runtime.engine.grammar`)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
-    type: str = Field(strict=True, json_schema_extra={"enum": ["text", "json_object", "json_schema"]})
+    type: str = Field(strict=True, json_schema_extra={"enum": list(RESPONSE_FORMATS)})
+    json_schema: JsonSchemaFormat | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """OpenAI's own shape (``json_schema.schema`` under that name)."""
+        return self.model_dump(by_alias=True, exclude_none=True)
 
 
 class _Sampling(BaseModel):
@@ -91,7 +112,7 @@ class _Sampling(BaseModel):
         "multiplied (negative); 1 is none."))
     user: str | None = Field(default=None, max_length=256, strict=True)
     response_format: ResponseFormat | None = Field(
-        default=None, description='Only {"type": "text"} (plain text, the default) is served.')
+        default=None, description="text (the default), json_object or json_schema (structured outputs).")
     priority: str | int | None = Field(
         default=None, description=f"The request's class, {PRIORITY_HELP}; default interactive "
                                   "(or the X-Priority header). Interactive requests go first in every mode.",
@@ -230,10 +251,13 @@ def refused_fields(body: CompletionRequest | ChatCompletionRequest) -> None:
             probabilities are not computed; ``top_logprobs`` without ``logprobs: true``;
             ``stream_options`` without ``stream``; both max token fields).
     """
-    if body.response_format is not None and body.response_format.type != "text":
-        raise InvalidRequest(f"invalid field 'response_format': type {body.response_format.type!r} is not served "
-                             "(structured outputs need constrained decoding, not implemented yet); "
-                             "only {\"type\": \"text\"}", "response_format", "unsupported_field")
+    if (rf := body.response_format) is not None:
+        if rf.type not in RESPONSE_FORMATS:
+            raise InvalidRequest(f"invalid field 'response_format.type': must be one of "
+                                 f"{', '.join(RESPONSE_FORMATS)}; given: {rf.type!r}", "response_format.type")
+        if (rf.type == "json_schema") != (rf.json_schema is not None):
+            raise InvalidRequest("invalid field 'response_format.json_schema': required with type json_schema "
+                                 f"and only with it; given: type {rf.type!r}", "response_format.json_schema")
     if isinstance(body, CompletionRequest) and body.logprobs is not None and body.echo:
         raise InvalidRequest("invalid field 'logprobs': with echo it would need the prompt's log "
                              "probabilities, which this worker does not compute; use one of them",

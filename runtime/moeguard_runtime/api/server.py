@@ -7,8 +7,8 @@ Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``:
   not an object, an unknown field, a wrong type or a value out of range (the
   message names the field, the limit and the given value), an empty prompt,
   a prompt form not served (several prompts), a field of OpenAI's that the worker
-  does not implement (``n`` or ``best_of`` above 1, ``logprobs`` with ``echo``,
-  a ``response_format`` other than text), a bad chat
+  does not implement (``n`` or ``best_of`` above 1, ``logprobs`` with ``echo``),
+  a ``response_format`` whose schema llguidance cannot compile, a bad chat
   message (unknown role, content of the wrong type, images), a chat template
   that raises on the conversation, or a prompt too long for the context, whose
   message follows TGI ("inputs tokens + max_new_tokens must be <= N. Given: X
@@ -93,7 +93,9 @@ from moeguard_runtime.api.openai_schema import (
     prompt_schema,
     refused_fields,
 )
+from moeguard_runtime.api.structured_output import compiler_for
 from moeguard_runtime.api.tokenizer import ByteTokenizer, Tokenizer
+from moeguard_runtime.engine.grammar import Constraint, GrammarCompiler, GrammarError, grammar_of
 from moeguard_runtime.engine.sampling import GREEDY, SamplingParams
 from moeguard_runtime.engine.scheduler import Rejected, priority_class
 from moeguard_runtime.engine.service import Event, GenerationRequest, Worker
@@ -137,6 +139,8 @@ class _Job:
     model: str
     echo: str = ""
     sampling: SamplingParams = GREEDY
+    response_format: dict[str, Any] | None = None
+    """``response_format`` when it constrains the output (json_object, json_schema), OpenAI's shape."""
 
 
 def _finite_float(text: str) -> float:
@@ -276,6 +280,8 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
     tel = slot.telemetry
     max_len = slot.max_len
     tok = slot.tokenizer
+    compilers: dict[str, GrammarCompiler] = {}
+    """The serving tokenizer's grammar compiler, built at the first structured-output request."""
     template = slot.chat_template
     if template is None and tok.chat_template is not None:
         template = ChatTemplate(tok.chat_template, tok.special_tokens)
@@ -401,7 +407,17 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
             count("rejected", 503)
             return error_response(503, "the model is loading", "service_unavailable_error",
                                   "loading", headers={"Retry-After": "5"})
-        return await _serve(worker, job, tok, request, count)
+        constraint = None
+        if job.response_format is not None:
+            try:
+                if compilers.get("tok") is None:  # built once: about a second for a 150k-token vocabulary
+                    compilers["tok"] = await asyncio.to_thread(compiler_for, tok, worker.engine.args.vocab_size)
+                grammar = grammar_of(job.response_format)
+                constraint = await asyncio.to_thread(compilers["tok"].compile, grammar)
+            except GrammarError as exc:
+                return invalid(f"invalid field 'response_format': the JSON schema cannot be compiled into a "
+                               f"grammar: {exc}", "response_format", "invalid_response_format")
+        return await _serve(worker, job, tok, request, count, constraint)
 
     def model_not_found(name: str | None) -> JSONResponse | None:
         if name is None or name in model_names:
@@ -435,7 +451,7 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
         echo = (given if isinstance(given, str) else tok.decode(given)) if body.echo else ""
         return await run(_Job(False, prompt, body.max_tokens, body.temperature, body.seed, priority,
                               body.stream, body.include_usage, body.stops, slot.model_name, echo,
-                              body.sampling(body.logprobs)), request)
+                              body.sampling(body.logprobs), constrained(body)), request)
 
     @app.post("/v1/chat/completions", openapi_extra=_openapi(ChatCompletionRequest, slot))
     async def chat_completions(request: Request) -> Response:
@@ -472,9 +488,15 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         return await run(_Job(True, prompt, max_tokens, body.temperature, body.seed, priority,
                               body.stream, body.include_usage, body.stops, slot.model_name,
-                              sampling=body.sampling(logprobs)), request)
+                              sampling=body.sampling(logprobs), response_format=constrained(body)), request)
 
     return app
+
+
+def constrained(body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any] | None:
+    """The body's ``response_format`` where it constrains the output (not ``text``), OpenAI's shape; else None."""
+    rf = body.response_format
+    return None if rf is None or rf.type == "text" else rf.as_dict()
 
 
 def _refused(tel: Telemetry, rej: Rejected, count: Callable[[str, int], None]) -> JSONResponse:
@@ -532,7 +554,7 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 async def _serve(worker: Worker, job: _Job, tok: Tokenizer, request: Request,
-                 count: Callable[[str, int], None]) -> Response:
+                 count: Callable[[str, int], None], constraint: Constraint | None = None) -> Response:
     tel = worker.telemetry
     req_id = f"{'chatcmpl' if job.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     loop = asyncio.get_running_loop()
@@ -542,7 +564,7 @@ async def _serve(worker: Worker, job: _Job, tok: Tokenizer, request: Request,
         loop.call_soon_threadsafe(queue.put_nowait, event)
 
     gen = GenerationRequest(req_id, job.prompt, job.max_tokens, job.temperature, job.seed,
-                            job.priority, job.sampling)
+                            job.priority, job.sampling, constraint)
     try:
         worker.submit(gen, sink)
     except Rejected as rej:

@@ -13,7 +13,10 @@ penalized logits); otherwise softmax of the penalized, filtered
 whatever else shares its batch). The generator lives on the engine's device, so
 a seed reproduces on the same device type; CPU and CUDA draw different streams.
 A request that asks for log probabilities gets the model's (raw logits), read
-back in one more host transfer in the steps where such a request samples.
+back in one more host transfer in the steps where such a request samples. A
+request with a grammar (:mod:`grammar`, structured outputs) samples only the
+tokens its grammar allows (the others' logits set to ``-inf`` first); the
+sampled token advances the grammar once read back.
 
 Device: the KV caches, the token and position tensors and the generators are
 created on the weights' device (``MOEGUARD_DEVICE``); only the sampled token ids
@@ -32,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moeguard_runtime.api.tokenizer import EOS
+from moeguard_runtime.engine.grammar import Constraint
 from moeguard_runtime.engine.sampling import (
     GREEDY,
     SamplingParams,
@@ -62,6 +66,7 @@ class SequenceState:
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     params: SamplingParams = GREEDY
+    constraint: Constraint | None = None
 
     @property
     def prefilled(self) -> bool:
@@ -109,9 +114,10 @@ class Engine:
 
     def add(self, seq_id: str, prompt: list[int], max_new_tokens: int,
             temperature: float = 0.0, seed: int | None = None,
-            params: SamplingParams = GREEDY) -> SequenceState:
+            params: SamplingParams = GREEDY, constraint: Constraint | None = None) -> SequenceState:
         """Register a sequence; allocates its KV cache (prompt + max_new_tokens). ``params``:
-        its penalties, filters and log probabilities (:mod:`sampling`).
+        its penalties, filters and log probabilities (:mod:`sampling`); ``constraint``: its
+        grammar (:mod:`grammar`), None for free text.
 
         Raises:
             ValueError: empty prompt, or prompt + max_new_tokens over max_seq_len.
@@ -126,7 +132,8 @@ class Engine:
         else:
             gen.manual_seed(seed)
         cache = self.model.new_cache(len(prompt) + max_new_tokens, self.dtype, self.device)
-        seq = SequenceState(seq_id, list(prompt), max_new_tokens, temperature, gen, cache, params=params)
+        seq = SequenceState(seq_id, list(prompt), max_new_tokens, temperature, gen, cache, params=params,
+                            constraint=constraint)
         self.sequences[seq_id] = seq
         return seq
 
@@ -175,7 +182,9 @@ class Engine:
         for i, (seq, segment) in enumerate(zip(order, segments, strict=True)):
             seq.num_computed += segment.length
             if seq.prefilled:  # else a middle prefill chunk: nothing to sample yet
-                token = sample_on_device(logits[i], seq.temperature, seq.generator, seq.params, seq.prompt,
+                row = logits[i] if seq.constraint is None else logits[i].masked_fill(
+                    ~seq.constraint.allowed(logits.device), float("-inf"))
+                token = sample_on_device(row, seq.temperature, seq.generator, seq.params, seq.prompt,
                                          seq.generated)
                 sampling.append((seq, token))
                 if seq.params.logprobs is not None:
@@ -196,7 +205,9 @@ class Engine:
         for (seq, _), tok in zip(sampling, ids, strict=True):
             seq.generated.append(tok)
             new_tokens[seq.seq_id] = tok
-            if tok in self.eos_ids:
+            # a grammar that refused the token (the mask allowed it, so only a matcher error) ends the text: "stop"
+            refused = seq.constraint is not None and tok not in self.eos_ids and not seq.constraint.advance(tok)
+            if tok in self.eos_ids or refused:
                 seq.finish_reason = "stop"
             elif len(seq.generated) >= seq.max_new_tokens:
                 seq.finish_reason = "length"

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from moeguard_runtime.engine.grammar import Constraint
 from moeguard_runtime.engine.sampling import GREEDY, SamplingParams
 
 
@@ -13,7 +14,8 @@ from moeguard_runtime.engine.sampling import GREEDY, SamplingParams
 class GenerationRequest:
     """One request: ``prompt`` token ids, at most ``max_new_tokens`` more; ``temperature``
     0 is greedy; ``seed`` None draws a fresh one (see :meth:`engine.Engine.add`);
-    ``sampling``: penalties, filters and log probabilities (:mod:`sampling`)."""
+    ``sampling``: penalties, filters and log probabilities (:mod:`sampling`); ``constraint``:
+    the request's grammar (:mod:`grammar`, structured outputs), None for free text."""
 
     req_id: str
     prompt: list[int]
@@ -22,6 +24,7 @@ class GenerationRequest:
     seed: int | None = None
     priority: str = "interactive"
     sampling: SamplingParams = GREEDY
+    constraint: Constraint | None = None
 
 
 @dataclass(frozen=True)

@@ -396,7 +396,8 @@ class StepLoop:
                 if active is not None and req_id not in self.engine.sequences:
                     r = active.request
                     tel.stage("queue", now - active.arrival)
-                    self.engine.add(req_id, r.prompt, r.max_new_tokens, r.temperature, r.seed, r.sampling)
+                    self.engine.add(req_id, r.prompt, r.max_new_tokens, r.temperature, r.seed, r.sampling,
+                                    r.constraint)
                     new_kv_tokens += len(r.prompt) + r.max_new_tokens
             prefill = [(r, n) for r, _, n in plan.prefill if r in self.engine.sequences]
             decode = [r for r in plan.decode if r in self.engine.sequences]

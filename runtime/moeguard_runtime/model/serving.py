@@ -26,6 +26,11 @@ class ServingArgs(Protocol):
     @property
     def num_experts(self) -> int: ...
 
+    @property
+    def vocab_size(self) -> int:
+        """The logits' width (the embedding rows; a checkpoint's may exceed its tokenizer's ids)."""
+        ...
+
 
 class ServingModel(Protocol):
     """A decoder the engine can drive.

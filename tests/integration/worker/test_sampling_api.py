@@ -1,14 +1,17 @@
-"""Log probabilities, penalties and the top-k / top-p / min-p filters over real HTTP, driven by the official
-``openai`` Python SDK with its defaults (a test dependency), streaming and not: the values the worker returns, and
-the sampler really applying what was asked (a filter that keeps only the most likely token samples what greedy
-decoding does; a penalized greedy token is the argmax of the penalized log probabilities)."""
+"""Log probabilities, penalties, the top-k / top-p / min-p filters and structured outputs over real HTTP, driven by
+the official ``openai`` Python SDK with its defaults (a test dependency), streaming and not: the values the worker
+returns, and the sampler really applying what was asked (a filter that keeps only the most likely token samples
+what greedy decoding does; a penalty breaks the model's greedy loop; a random model's answer parses into the
+pydantic model the SDK's ``parse`` was given)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import openai
+import pydantic
 import pytest
 from tests.integration.worker.conftest import WorkerProcess, start_worker_process
 
@@ -131,12 +134,56 @@ def test_completion_logprobs_with_echo_is_refused(client: openai.OpenAI) -> None
     assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "logprobs"
 
 
-def test_response_format_text_is_served_and_structured_outputs_are_refused_by_name(client: openai.OpenAI) -> None:
+class Answer(pydantic.BaseModel):
+    """What the SDK's ``parse`` turns into a strict JSON schema (``additionalProperties`` false, all required)."""
+
+    ok: bool
+    digit: int = pydantic.Field(ge=0, le=9)
+    color: Literal["red", "green", "blue"]
+
+
+def test_structured_outputs_through_the_sdks_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
+    """``response_format`` json_schema, as ``client.chat.completions.parse(response_format=Model)`` sends it: the
+    random tiny model's answer parses into the model, greedy and sampled, streamed and not."""
+    for temperature, seed in ((0.0, None), (1.0, 1), (1.5, 2)):
+        r = client.chat.completions.parse(model="tiny", messages=HELLO, max_completion_tokens=64,
+                                          temperature=temperature, seed=seed, response_format=Answer)
+        choice = r.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        assert isinstance(choice.message.parsed, Answer), choice.message.content
+    # pydantic's own schema allows other properties (JSON Schema's default): the SDK's parse adds
+    # additionalProperties false, as this does
+    strict = {**Answer.model_json_schema(), "additionalProperties": False}
+    schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": strict, "strict": True}}
+    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="tiny", messages=HELLO, max_completion_tokens=64, temperature=0, stream=True,
+        response_format=schema) if c.choices)  # type: ignore[arg-type]
+    assert Answer.model_validate_json(text)
+
+
+def test_json_object_and_text_formats(client: openai.OpenAI) -> None:
+    r = client.completions.create(model="tiny", prompt="{", max_tokens=48, temperature=1.0, seed=3,
+                                  extra_body={"response_format": {"type": "json_object"}})
+    text = r.choices[0].text
+    assert text.startswith("{")
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
     plain = client.chat.completions.create(model="tiny", messages=HELLO, max_completion_tokens=4, temperature=0)
-    text = client.chat.completions.create(model="tiny", messages=HELLO, max_completion_tokens=4, temperature=0,
-                                          response_format={"type": "text"})
-    assert text.choices[0].message.content == plain.choices[0].message.content
-    with pytest.raises(openai.BadRequestError, match="json_object") as caught:
+    as_text = client.chat.completions.create(model="tiny", messages=HELLO, max_completion_tokens=4, temperature=0,
+                                             response_format={"type": "text"})
+    assert as_text.choices[0].message.content == plain.choices[0].message.content
+
+
+@pytest.mark.parametrize(("response_format", "param", "needle"), [
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wizard"}}}, "response_format",
+     "cannot be compiled into a grammar"),
+    ({"type": "json_schema"}, "response_format.json_schema", "required with type json_schema"),
+    ({"type": "regex"}, "response_format.type", "must be one of text, json_object, json_schema"),
+])
+def test_a_bad_response_format_is_a_400_naming_it(client: openai.OpenAI, response_format: dict[str, Any],
+                                                  param: str, needle: str) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="tiny", messages=HELLO, max_completion_tokens=4,
-                                       response_format={"type": "json_object"})
-    assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "response_format"
+                                       response_format=response_format)  # type: ignore[arg-type]
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == param and needle in error["message"], error
