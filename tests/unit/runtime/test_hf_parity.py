@@ -158,10 +158,17 @@ class Reference:
     folder: Path
     hf: Any
     prompts: list[list[int]]
-    _greedy: dict[str, list[int]] | None = None
+    _greedy: dict[str, tuple[list[int], torch.Tensor]] | None = None
 
     def greedy(self) -> dict[str, list[int]]:
         """``generate``'s greedy tokens of each prompt (computed once per family)."""
+        return {r: tokens for r, (tokens, _) in self._generated().items()}
+
+    def logprobs(self) -> dict[str, torch.Tensor]:
+        """``log_softmax`` of ``generate``'s raw logits at each greedy token, ``[NEW_TOKENS, V]`` per prompt."""
+        return {r: lp for r, (_, lp) in self._generated().items()}
+
+    def _generated(self) -> dict[str, tuple[list[int], torch.Tensor]]:
         if self._greedy is None:
             self._greedy = {str(i): _hf_greedy(self.hf, p) for i, p in enumerate(self.prompts)}
         return self._greedy
@@ -193,11 +200,14 @@ def _hf_last_logits(hf: Any, prompt: list[int]) -> torch.Tensor:
     return out.logits[0, -1].float()  # type: ignore[no-any-return]
 
 
-def _hf_greedy(hf: Any, prompt: list[int]) -> list[int]:
+def _hf_greedy(hf: Any, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """``generate``'s greedy tokens and ``log_softmax`` of its raw logits at each of them (``[NEW_TOKENS, V]``)."""
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW_TOKENS,
-                          min_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()  # type: ignore[no-any-return]
+                          min_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0, output_logits=True,
+                          return_dict_in_generate=True)
+    logits = torch.stack([step[0] for step in out.logits]).double()
+    return out.sequences[0, len(prompt):].tolist(), torch.log_softmax(logits, dim=-1)
 
 
 def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -244,16 +254,6 @@ def test_logits_match_transformers(name: str, tmp_path_factory: pytest.TempPathF
     assert max(errors) <= MAX_REL_ERR
 
 
-def _hf_greedy_logprobs(hf: Any, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    """``generate``'s greedy tokens and ``log_softmax`` of its raw logits at each of them (``[NEW_TOKENS, V]``)."""
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW_TOKENS,
-                          min_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0, output_logits=True,
-                          return_dict_in_generate=True)
-    logits = torch.stack([step[0] for step in out.logits]).double()
-    return out.sequences[0, len(prompt):].tolist(), torch.log_softmax(logits, dim=-1)
-
-
 def _serve(loaded: LoadedCheckpoint, prompts: list[list[int]], sampling: SamplingParams = GREEDY,
            seen: dict[str, list[Event]] | None = None) -> tuple[dict[str, list[int]], Worker]:
     """Greedy generation of every prompt at once, through the worker loop driven by hand; ``seen`` receives
@@ -295,11 +295,17 @@ def test_greedy_tokens_match_transformers(name: str, guardrails: bool,
                                capacity_factor=info.num_experts / reference.hf.config.num_experts_per_tok)
     loaded = load_hf_checkpoint(reference.folder, options=options)
     ref = reference.greedy()
-    ours, worker = _serve(loaded, reference.prompts)
+    seen: dict[str, list[Event]] = {}
+    sampling = GREEDY if guardrails else SamplingParams(logprobs=TOP_LOGPROBS)  # log probabilities once a family
+    ours, worker = _serve(loaded, reference.prompts, sampling, seen)
     compared = sum(len(t) for t in ours.values())
     print(f"\n{reference.folder.name} guardrails={guardrails}: {compared} tokens compared")
     assert ours == ref
     assert compared == NEW_TOKENS * len(reference.prompts)
+    if not guardrails:
+        worst = worst_logprob_error(seen, reference.logprobs())
+        print(f"{reference.folder.name}: worst log probability error {worst:.2e}")
+        assert worst <= MAX_LOGPROB_ERR
     # the routing statistics count every token-slot of every MoE layer; nothing dropped
     samples = [s for m in worker.telemetry.registry.collect() for s in m.samples]
     routed = sum(s.value for s in samples if s.name == "moeguard_expert_tokens_total")
@@ -311,24 +317,18 @@ def test_greedy_tokens_match_transformers(name: str, guardrails: bool,
     assert overflow == 0
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_logprobs_match_transformers(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
-    reference = _reference(name, tmp_path_factory)
-    loaded = load_hf_checkpoint(reference.folder)
-    seen: dict[str, list[Event]] = {}
-    ours, _ = _serve(loaded, reference.prompts, SamplingParams(logprobs=TOP_LOGPROBS), seen)
+def worst_logprob_error(seen: dict[str, list[Event]], ref: dict[str, torch.Tensor]) -> float:
+    """The largest ``|ours - transformers'|`` over every token event's log probability and its top
+    :data:`TOP_LOGPROBS`, whose ids must be transformers' top ones in the same order."""
     worst = 0.0
-    for i, prompt in enumerate(reference.prompts):
-        tokens, ref = _hf_greedy_logprobs(reference.hf, prompt)
-        assert ours[str(i)] == tokens
-        events = [e for e in seen[str(i)] if e.kind == "token"]
-        assert len(events) == NEW_TOKENS
-        for step, (event, token) in enumerate(zip(events, tokens, strict=True)):
+    for r, events in seen.items():
+        tokens = [e for e in events if e.kind == "token"]
+        assert len(tokens) == NEW_TOKENS
+        for step, event in enumerate(tokens):
             assert event.logprob is not None and len(event.top_logprobs) == TOP_LOGPROBS
-            expected = torch.topk(ref[step], TOP_LOGPROBS)
+            expected = torch.topk(ref[r][step], TOP_LOGPROBS)
             assert [t for t, _ in event.top_logprobs] == expected.indices.tolist()
-            errors = [abs(event.logprob - float(ref[step, token]))] + [
-                abs(v - float(ref[step, t])) for t, v in event.top_logprobs]
+            errors = [abs(event.logprob - float(ref[r][step, event.token]))] + [
+                abs(v - float(ref[r][step, t])) for t, v in event.top_logprobs]
             worst = max(worst, *errors)
-    print(f"\n{name}: worst log probability error {worst:.2e} over {NEW_TOKENS * len(reference.prompts)} tokens")
-    assert worst <= MAX_LOGPROB_ERR
+    return worst
