@@ -83,6 +83,8 @@ class PodContainer:
     _log_offset: int = 0
     _wake: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+    _written: tuple[dict[str, Any], bool, datetime | None] | None = None
+    """The last status written (state, ready, started): :meth:`resync` writes it again."""
 
     @property
     def namespace(self) -> str:
@@ -256,10 +258,22 @@ class PodContainer:
         self._finished = True
         self.on_change(self)
 
+    def resync(self, pod_ready: bool) -> None:
+        """Write the last status again when the API's ``Ready`` (``pod_ready``) is not what this harness wrote, as
+        the kubelet's status manager reconciles a pod status changed by someone else: after an API server outage
+        the node controller marks the pods of a node whose lease expired NotReady, and nothing else would
+        set them Ready again while their containers' readiness does not change (stop 39's clean-clone run)."""
+        written = self._written
+        if written is None or written[1] == pod_ready or self._grace_s is not None or self._finished:
+            return
+        self.log(f"{self.key}: the API's Ready is {pod_ready}, the container's is {written[1]}: status written again")
+        self._write_status(*written)
+
     def _write_status(self, state: dict[str, Any], ready: bool, started: datetime | None = None) -> None:
         """Patch the pod's status (the status subresource) with this container's state and readiness."""
         if self._grace_s is not None:
             return
+        self._written = (state, ready, started)
         ctr = self.container
         statuses = [ks.container_status(ctr["name"], ctr.get("image", ""), self.restarts, state,
                                         self.last_state, ready)]

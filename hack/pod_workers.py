@@ -333,7 +333,10 @@ class Harness:
                     self.waiting.discard(key)
             current.terminate(float(grace), delete_pod=same)
             return
-        if gone or current is not None:
+        if current is not None and not gone:
+            current.resync(any(c.type == "Ready" and c.status == "True" for c in (pod.status.conditions or [])))
+            return
+        if gone:
             return
         if owner is None:  # take it: from now on kwok leaves its containers and readiness to us
             ready = any(c.type == "Ready" and c.status == "True" for c in (pod.status.conditions or []))

@@ -134,3 +134,25 @@ def test_unknown_preset_is_reported_and_others_still_served(cluster: Cluster, op
     fine = wait_cr(cluster, namespace, "fine", lambda o: ready_status(o) == "True", 60, "fine Ready")
     assert fine["status"]["budgets"]["maxPrefillTokens"] == 4096
     assert cluster.kubectl("-n", namespace, "get", "deployment", "nope-worker", check=False).returncode != 0
+
+
+def test_a_pod_marked_not_ready_by_the_node_controller_is_made_ready_again_by_its_harness(
+        cluster: Cluster, operator: None, pod_workers: PodWorkers, namespace: str) -> None:
+    """As a kubelet's status manager does, the pod harness writes its container's readiness again when someone else
+    changed it: after an API server outage the node controller marks the pods of a node whose lease expired
+    NotReady (``NodeNotReady``), and the worker, still ready, would otherwise stay NotReady (stop 39's clean-clone
+    run: "0/1 worker pods ready" for 90 s after the outage)."""
+    ns, name = namespace, "resync"
+    cluster.kubectl("-n", ns, "apply", "-f", "-", input=moeis(name, **SPEC))
+    wait_cr(cluster, ns, name, lambda o: ready_status(o) == "True", 180, "Ready=True")
+    (pod,) = cluster.kubectl_json("-n", ns, "get", "pods", "-l", f"app.kubernetes.io/instance={name}")["items"]
+    conditions = [c | {"status": "False", "reason": "NodeNotReady"} if c["type"] == "Ready" else c
+                  for c in pod["status"]["conditions"]]
+    cluster.kubectl("-n", ns, "patch", "pod", pod["metadata"]["name"], "--subresource=status", "--type=merge",
+                    "-p", json.dumps({"status": {"conditions": conditions}}))
+
+    def pod_ready() -> bool:
+        got = cluster.kubectl_json("-n", ns, "get", "pod", pod["metadata"]["name"])
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in got["status"]["conditions"])
+    wait(pod_ready, 30, "the harness writing Ready=True again")
+    wait_cr(cluster, ns, name, lambda o: ready_status(o) == "True", 60, "the service Ready again")
