@@ -257,7 +257,8 @@ def refused_fields(body: CompletionRequest | ChatCompletionRequest) -> None:
                                  f"{', '.join(RESPONSE_FORMATS)}; given: {rf.type!r}", "response_format.type")
         if (rf.type == "json_schema") != (rf.json_schema is not None):
             raise InvalidRequest("invalid field 'response_format.json_schema': required with type json_schema "
-                                 f"and only with it; given: type {rf.type!r}", "response_format.json_schema")
+                                 f"and only with it; given: type {rf.type!r}", "response_format.json_schema",
+                                 "response_format_mismatch")
     if isinstance(body, CompletionRequest) and body.logprobs is not None and body.echo:
         raise InvalidRequest("invalid field 'logprobs': with echo it would need the prompt's log "
                              "probabilities, which this worker does not compute; use one of them",
