@@ -114,6 +114,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def pod_ready(pod: Any) -> bool:
+    """Whether the API's pod (a kubernetes client ``V1Pod``) has its ``Ready`` condition True."""
+    return any(c.type == "Ready" and c.status == "True" for c in (pod.status.conditions or []))
+
+
 def lws_group(namespace: str, labels: dict[str, str] | None) -> str | None:
     """``namespace/<group>`` of a LeaderWorkerSet pod (LWS's group-key label, set on the leader by its
     pod webhook and copied to the workers; else set name and group index), or None for any other pod."""
@@ -334,13 +339,12 @@ class Harness:
             current.terminate(float(grace), delete_pod=same)
             return
         if current is not None and not gone:
-            current.resync(any(c.type == "Ready" and c.status == "True" for c in (pod.status.conditions or [])))
+            current.resync(pod_ready(pod))
             return
         if gone:
             return
         if owner is None:  # take it: from now on kwok leaves its containers and readiness to us
-            ready = any(c.type == "Ready" and c.status == "True" for c in (pod.status.conditions or []))
-            if ready:
+            if pod_ready(pod):
                 log(f"{key}: kwok made the pod Ready before the harness took it; the harness takes over")
             try:
                 self.api.patch_namespaced_pod(pod.metadata.name, pod.metadata.namespace,

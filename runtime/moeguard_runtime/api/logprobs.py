@@ -35,10 +35,10 @@ class LogprobsBuilder:
         """One generated token: its id, log probability and the most likely ``(id, logprob)`` at its position."""
         self._pending.append((token, logprob, top))
 
-    def take(self) -> dict[str, Any] | None:
-        """The pending tokens' log probabilities in the response's shape (None when there are none), and forget
-        them."""
-        if not self._pending:
+    def take(self, final: bool = False) -> dict[str, Any] | None:
+        """The pending tokens' log probabilities in the response's shape, and forget them. None when there are
+        none, unless ``final`` (a whole response's: the empty shape, OpenAI's ``content: []``)."""
+        if not self._pending and not final:
             return None
         pending, self._pending = self._pending, []
         if self.chat:

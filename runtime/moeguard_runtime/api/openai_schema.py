@@ -14,6 +14,7 @@ and ``frequency_penalty`` in [-2, 2], ``repetition_penalty`` > 0.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -267,7 +268,7 @@ def refused_fields(body: CompletionRequest | ChatCompletionRequest) -> None:
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidRequest("invalid field 'top_logprobs': only with 'logprobs': true (OpenAI's "
                                  f"rule); given: top_logprobs {body.top_logprobs}, logprobs "
-                                 f"{json_value(body.logprobs)}", "top_logprobs", "top_logprobs_without_logprobs")
+                                 f"{json.dumps(body.logprobs)}", "top_logprobs", "top_logprobs_without_logprobs")
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise InvalidRequest("give 'max_completion_tokens' or its older name 'max_tokens', "
                                  "not both", "max_completion_tokens", "conflicting_fields")
@@ -275,11 +276,6 @@ def refused_fields(body: CompletionRequest | ChatCompletionRequest) -> None:
         raise InvalidRequest("invalid field 'stream_options': only allowed when 'stream' is "
                              "true; given: stream false", "stream_options",
                              "stream_options_without_stream")
-
-
-def json_value(value: Any) -> str:
-    """``value`` as JSON writes it (``None`` as null, ``False`` as false), for error messages."""
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
 
 
 def prompt_ids(prompt: Prompt, vocab_size: int) -> list[int] | str:

@@ -625,7 +625,7 @@ async def _serve(worker: Worker, job: _Job, tok: Tokenizer, request: Request,
         break
     count("ok", 200)
     text = "".join(texts)
-    logprobs = _logprobs_of(output)
+    logprobs = None if output.logprobs is None else output.logprobs.take(final=True)
     choice: dict[str, Any] = (
         {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
          "finish_reason": finish} if job.chat else
@@ -634,18 +634,6 @@ async def _serve(worker: Worker, job: _Job, tok: Tokenizer, request: Request,
         "id": req_id, "object": "chat.completion" if job.chat else "text_completion",
         "created": created, "model": job.model, "choices": [choice],
         "usage": _usage(len(job.prompt), output.tokens)})
-
-
-def _logprobs_of(output: _Output) -> dict[str, Any] | None:
-    """The log probabilities of the tokens ``output`` has not sent yet, in the response's shape; where the request
-    asked for them and no token came, the empty shape (OpenAI's ``content: []``), else None."""
-    if output.logprobs is None:
-        return None
-    taken = output.logprobs.take()
-    if taken is not None:
-        return taken
-    return ({"content": [], "refusal": None} if output.logprobs.chat else
-            {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []})
 
 
 def stream_chunk(job: _Job, req_id: str, created: int, text: str | None, finish: str | None,

@@ -18,7 +18,7 @@ def compiler_for(tok: Tokenizer, vocab: int) -> GrammarCompiler:
     if isinstance(tok, ByteTokenizer):
         specials = {BOS: b"<|bos|>", EOS: b"<|eos|>", PAD: b"<|pad|>"}
         tokens = [specials.get(i, bytes([i]) if i < 256 else b"") for i in range(vocab)]
-        return GrammarCompiler.for_bytes(tokens, sorted(specials), BOS, EOS, lambda text: list(text))
+        return GrammarCompiler.for_bytes(tokens, sorted(specials), BOS, EOS, list)
     if isinstance(tok, CheckpointTokenizer):
         return GrammarCompiler.for_tokenizer_json(tok.to_json(), vocab, tok.eos_ids)
     raise GrammarError(f"structured outputs need the byte tokenizer or a tokenizer.json, not a {type(tok).__name__}")

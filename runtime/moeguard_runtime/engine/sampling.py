@@ -100,7 +100,7 @@ def penalize(logits: torch.Tensor, prompt: Sequence[int], output: Sequence[int],
         scaled = torch.where(out > 0, out / params.repetition_penalty, out * params.repetition_penalty)
         out = torch.where(seen, scaled, out)
     if (params.frequency_penalty != 0.0 or params.presence_penalty != 0.0) and output:
-        counts = torch.bincount(torch.tensor(list(output), dtype=torch.long, device=logits.device),
+        counts = torch.bincount(torch.tensor(output, dtype=torch.long, device=logits.device),
                                 minlength=vocab)[:vocab].to(out.dtype)
         out = out - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(out.dtype)
     return out
