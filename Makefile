@@ -36,8 +36,16 @@ test: all-deps ## All tests: test-cluster, then test-node (root; hack/test-all.s
 
 .PHONY: test-cluster run-test-cluster
 test-cluster: deps run-test-cluster ## Unit, then integration against the real local control plane and Prometheus (no real node: no root needed).
+# Then the tests marked `alone` (the six diagnosis drills at once), in one process with nothing beside them:
+# beside two other xdist workers' clusters their findings came late or wrong (CI of stops 38 and 39: the load
+# average past 11), alone they pass (bench/diagnosis.md: 18/18). Both parts run; pytest's 5 (none selected,
+# e.g. under a PYTEST_ARGS -k) is not a failure.
 run-test-cluster:
-	$(PY) -m pytest tests -m "unit or integration" $(XDIST) $(DURATIONS) $(PYTEST_ARGS)
+	@rc=0; \
+	$(PY) -m pytest tests -m "(unit or integration) and not alone" $(XDIST) $(DURATIONS) $(PYTEST_ARGS) || \
+	  { r=$$?; [ $$r -eq 5 ] || rc=$$r; }; \
+	$(PY) -m pytest tests -m "integration and alone" $(DURATIONS) $(PYTEST_ARGS) || { r=$$?; [ $$r -eq 5 ] || rc=$$r; }; \
+	exit $$rc
 
 .PHONY: test-unit
 test-unit: deps ## Unit tests only (no processes, no network).

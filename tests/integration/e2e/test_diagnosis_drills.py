@@ -4,6 +4,10 @@ finding must appear in ``status.diagnosis`` within 2 minutes of the onset and no
 The shortened version of ``bench/diagnosis.py`` (``make bench-diagnosis``, three drills per kind and a calm
 trace run): one drill per kind, all six at once, each in its own namespace (:func:`bench.diagnosis_drills.run_round`).
 Running them together loads the machine more than one at a time would, so the times here are upper bounds.
+Marked ``alone``: ``make test`` runs it after the xdist part, with no other cluster beside it. Beside two other
+xdist workers' e2e tests (the load average past 11) the memory-gated findings came late or not at all and a
+leak read as BurstOverlap (CI of stops 38 and 39), which says the machine was three times oversubscribed, not
+that a rule was wrong; alone, as ``make bench-diagnosis`` runs them, 18 of 18 drills passed.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ def operator_log_of(cluster: Cluster, namespace: str, lines: int = 40) -> str:
     return "\n".join(f"    {line}" for line in mine[-lines:]) or "    (no line names it)"
 
 
+@pytest.mark.alone
 @pytest.mark.skipif(drills.ucx_library() is None, reason="libucx0 is not installed (hack/install-deps.sh installs it)")
 def test_each_drill_gets_its_finding_within_two_minutes_and_no_other(
         cluster: Cluster, operator: None, pod_workers: PodWorkers, tmp_path: Path) -> None:
