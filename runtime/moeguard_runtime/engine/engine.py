@@ -120,10 +120,12 @@ class Engine:
         grammar (:mod:`grammar`), None for free text.
 
         Raises:
-            ValueError: empty prompt, or prompt + max_new_tokens over max_seq_len.
+            ValueError: empty prompt, max_new_tokens below 1, or prompt + max_new_tokens over max_seq_len.
         """
         if not prompt:
             raise ValueError("prompt must hold at least one token")
+        if max_new_tokens < 1:  # else a prompt longer than the context passed the sum's check below
+            raise ValueError(f"max_new_tokens must be >= 1, given {max_new_tokens}")
         if len(prompt) + max_new_tokens > self.args.max_seq_len:
             raise ValueError(f"prompt + max_new_tokens must be <= {self.args.max_seq_len}")
         gen = torch.Generator(device=self.device)

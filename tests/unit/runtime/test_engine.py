@@ -77,6 +77,8 @@ def test_finish_reasons_and_bounds(model: torch.nn.Module) -> None:
         eng.add("big", [1] * 1000, 100)
     with pytest.raises(ValueError):
         eng.add("empty", [], 1)
+    with pytest.raises(ValueError, match=">= 1, given -76"):  # a prompt over the context, a sum that fits
+        eng.add("over", [1] * 1100, -76)
     eng.release("a")
     assert "a" not in eng.sequences and eng.kv_cache_bytes() == 0
 
