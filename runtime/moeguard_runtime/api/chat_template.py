@@ -6,7 +6,8 @@ The environment is ``transformers.utils.chat_template_utils``'s
 ``{% generation %}`` block that renders its body, ``raise_exception``,
 ``strftime_now`` and a ``tojson`` filter that does not escape HTML. The
 variables are ``messages``, ``add_generation_prompt`` (True: the model answers
-next) and the tokenizer's special tokens (``bos_token``, ``eos_token``, ...).
+next), ``tools`` (None without) and the tokenizer's special tokens (``bos_token``,
+``eos_token``, ...).
 """
 
 from __future__ import annotations
@@ -82,8 +83,10 @@ class ChatTemplate:
             raise ChatTemplateError(f"syntax error at line {exc.lineno}: {exc.message}") from None
         self._special = dict(special_tokens or {})
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text of ``messages``.
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The prompt text of ``messages``; ``tools``: OpenAI's ``tools`` (``{"type": "function", "function":
+        {...}}``), None without (as transformers passes them: ``tools`` is always defined).
 
         Raises:
             ChatTemplateError: the template raised (``raise_exception`` or any
@@ -92,6 +95,7 @@ class ChatTemplate:
         try:
             return str(self._template.render(messages=[dict(m) for m in messages],
                                              add_generation_prompt=add_generation_prompt,
+                                             tools=[dict(t) for t in tools] if tools else None,
                                              **self._special))
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(str(exc.message or exc)) from None

@@ -152,6 +152,13 @@ class CheckpointTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
 
+    def decode_with_special(self, ids: Sequence[int]) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=False))
+
+    def added_token_ids(self, texts: Sequence[str]) -> dict[str, int]:
+        added = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items()}
+        return {text: added[text] for text in texts if text in added}
+
     def stream_decoder(self, prompt: Sequence[int] = ()) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.decode, prompt)
 

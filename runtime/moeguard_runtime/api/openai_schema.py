@@ -30,8 +30,13 @@ from moeguard_runtime.engine.scheduler import (
 MAX_TOKENS_LIMIT = 1_048_576
 MAX_STOP_STRINGS = 4
 """OpenAI's limit on ``stop``."""
-CHAT_ROLES = ("system", "user", "assistant")
-"""Roles a chat message may have (tool calls are not supported)."""
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+"""Roles a chat message may have (``tool``: a tool's result, answering an assistant's ``tool_calls``)."""
+TOOL_CHOICES = ("none", "auto", "required")
+MAX_TOOLS = 128
+"""OpenAI's limit on ``tools``."""
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+"""OpenAI's rule for a function's name."""
 
 
 class InvalidRequest(ValueError):
@@ -79,6 +84,46 @@ class ResponseFormat(BaseModel):
     def as_dict(self) -> dict[str, Any]:
         """OpenAI's own shape (``json_schema.schema`` under that name)."""
         return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class FunctionDefinition(BaseModel):
+    """OpenAI ``tools[].function``: ``parameters`` is a JSON Schema object (absent: no parameters); ``strict`` is
+    accepted either way (a forced call always follows the schema, as vLLM's)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=FUNCTION_NAME, strict=True)
+    description: str | None = Field(default=None, strict=True)
+    parameters: dict[str, Any] | None = Field(default=None, description="A JSON Schema object.")
+    strict: bool | None = Field(default=None, strict=True)
+
+
+class ToolDefinition(BaseModel):
+    """OpenAI ``tools[]``: a function the model may call."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: str = Field(strict=True, pattern="^function$", json_schema_extra={"enum": ["function"]})
+    function: FunctionDefinition
+
+    def as_template(self) -> dict[str, Any]:
+        """The tool as chat templates read it (transformers' ``tools``): OpenAI's own shape."""
+        return self.model_dump(exclude_none=True)
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(strict=True)
+
+
+class NamedToolChoice(BaseModel):
+    """OpenAI ``tool_choice`` naming one function: the model must call it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: str = Field(strict=True, pattern="^function$", json_schema_extra={"enum": ["function"]})
+    function: NamedFunction
 
 
 class _Sampling(BaseModel):
@@ -233,6 +278,22 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool | None = Field(default=None, strict=True, description=(
         "Return the log probability of each generated token (choices[].logprobs.content)."))
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS, description=(
+        "Functions the model may call, rendered through the model's chat template; calls come back in "
+        "message.tool_calls (finish_reason tool_calls)."))
+    tool_choice: str | NamedToolChoice | None = Field(default=None, description=(
+        "none: no call; auto (the default with tools): the model chooses; required: at least one call; "
+        "{\"type\": \"function\", \"function\": {\"name\": ...}}: that function. required and a named function "
+        "are enforced by constrained decoding."), json_schema_extra={"anyOf": [
+            {"enum": list(TOOL_CHOICES)}, {"type": "object", "additionalProperties": False,
+                                           "required": ["type", "function"],
+                                           "properties": {"type": {"const": "function"},
+                                                          "function": {"type": "object", "additionalProperties": False,
+                                                                       "required": ["name"],
+                                                                       "properties": {"name": {"type": "string"}}}}},
+            {"type": "null"}]})
+    parallel_tool_calls: bool | None = Field(default=None, strict=True, description=(
+        "Whether a forced answer may hold several calls (default true)."))
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description=(
         "With logprobs: also the this-many most likely tokens at each position."))
 
@@ -242,6 +303,28 @@ class ChatCompletionRequest(_Sampling):
         if isinstance(value, (str, bool)):
             raise ValueError(f"Input should be a JSON number, not {type(value).__name__}")
         return value
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, value: Any) -> Any:
+        if isinstance(value, str) and value not in TOOL_CHOICES:
+            raise ValueError(f"must be one of {', '.join(TOOL_CHOICES)} or a named function; given: {value!r}")
+        return value
+
+    @property
+    def tool_mode(self) -> str:
+        """``none``, ``auto``, ``required`` or ``named`` (OpenAI's default: ``auto`` with tools, else ``none``)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    def forced_tools(self) -> list[dict[str, Any]]:
+        """The tools a forced call may name (``{"name", "parameters"}``): all for ``required``, the named one for a
+        named choice, none otherwise."""
+        tools = [t.function.model_dump(exclude_none=True) for t in self.tools or []]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [t for t in tools if t["name"] == self.tool_choice.function.name]
+        return tools if self.tool_choice == "required" else []
 
 
 def refused_fields(body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -269,6 +352,7 @@ def refused_fields(body: CompletionRequest | ChatCompletionRequest) -> None:
             raise InvalidRequest("invalid field 'top_logprobs': only with 'logprobs': true (OpenAI's "
                                  f"rule); given: top_logprobs {body.top_logprobs}, logprobs "
                                  f"{json.dumps(body.logprobs)}", "top_logprobs", "top_logprobs_without_logprobs")
+        _refused_tools(body)
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise InvalidRequest("give 'max_completion_tokens' or its older name 'max_tokens', "
                                  "not both", "max_completion_tokens", "conflicting_fields")
@@ -276,6 +360,34 @@ def refused_fields(body: CompletionRequest | ChatCompletionRequest) -> None:
         raise InvalidRequest("invalid field 'stream_options': only allowed when 'stream' is "
                              "true; given: stream false", "stream_options",
                              "stream_options_without_stream")
+
+
+def _refused_tools(body: ChatCompletionRequest) -> None:
+    """OpenAI's rules on ``tools`` and ``tool_choice``.
+
+    Raises:
+        InvalidRequest: ``tool_choice`` or ``parallel_tool_calls`` without tools, two tools of one name, a named
+            choice that is not among the tools, a forced call with a constraining ``response_format``.
+    """
+    if not body.tools:
+        for name, value in (("tool_choice", body.tool_choice), ("parallel_tool_calls", body.parallel_tool_calls)):
+            if value is not None:
+                raise InvalidRequest(f"invalid field '{name}': only allowed when 'tools' are given (OpenAI's "
+                                     "rule)", name, "tools_missing")
+        return
+    names = [t.function.name for t in body.tools]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise InvalidRequest(f"invalid field 'tools': function names must be unique; given twice: {twice[0]!r}",
+                             "tools", "duplicate_tool_name")
+    if isinstance(body.tool_choice, NamedToolChoice) and body.tool_choice.function.name not in names:
+        raise InvalidRequest(f"invalid field 'tool_choice': the function {body.tool_choice.function.name!r} is "
+                             f"not among the tools ({', '.join(names)})", "tool_choice", "unknown_tool")
+    rf = body.response_format
+    if body.tool_mode in ("required", "named") and rf is not None and rf.type != "text":
+        raise InvalidRequest(f"invalid field 'response_format': a forced tool call (tool_choice "
+                             f"{body.tool_mode}) sets the output's grammar; {rf.type} would set another",
+                             "response_format", "conflicting_fields")
 
 
 def prompt_ids(prompt: Prompt, vocab_size: int) -> list[int] | str:
@@ -311,33 +423,48 @@ _REFUSED_PARTS = {"image_url": "images", "image": "images", "input_image": "imag
                   "input_audio": "audio", "audio": "audio", "file": "files", "video": "video"}
 
 
-def chat_messages(messages: list[Any]) -> list[dict[str, str]]:
-    """``messages`` as the chat template reads them: ``{"role", "content"[, "name"]}``
-    with ``content`` a string (text parts joined by newlines, as vLLM does).
+def chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
+    """``messages`` as the chat template reads them: ``{"role", "content"[, "name"]}`` with ``content`` a string
+    (text parts joined by newlines, as vLLM does); an assistant's ``tool_calls`` with each ``function.arguments``
+    parsed into an object (templates render it with ``tojson``, as transformers documents; vLLM parses it too),
+    a ``tool`` message's ``tool_call_id``.
 
     Raises:
         InvalidRequest: no message, a message that is not an object, an unknown
-            role, an unknown key, or content of the wrong type (images, audio and
-            files are refused by name); ``param`` is the field, e.g. ``messages.1.role``.
+            role, an unknown key, content of the wrong type (images, audio and
+            files are refused by name), a malformed tool call or a tool message
+            without ``tool_call_id``; ``param`` is the field, e.g. ``messages.1.role``.
     """
     if not messages:
         raise InvalidRequest("invalid field 'messages': at least one message is required "
                              "(limit: min_length 1); given: []", "messages")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         where = f"messages.{i}"
         if not isinstance(message, dict):
             raise InvalidRequest(f"invalid field '{where}': a message must be an object with role "
                                  f"and content; given a {type(message).__name__}", where)
-        extra = sorted(set(message) - {"role", "content", "name"})
-        if extra:
-            raise InvalidRequest(f"unknown field '{where}.{extra[0]}': messages hold role, content "
-                                 f"and name (tool calls are not supported)", f"{where}.{extra[0]}")
         role = message.get("role")
         if role not in CHAT_ROLES:
             raise InvalidRequest(f"invalid field '{where}.role': must be one of "
                                  f"{', '.join(CHAT_ROLES)}; given: {role!r}", f"{where}.role")
-        entry = {"role": role, "content": _content(message.get("content"), f"{where}.content")}
+        allowed = {"role", "content", "name"} | _ROLE_KEYS.get(role, set())
+        extra = sorted(set(message) - allowed)
+        if extra:
+            raise InvalidRequest(f"unknown field '{where}.{extra[0]}': {role} messages hold "
+                                 f"{', '.join(sorted(allowed))}", f"{where}.{extra[0]}")
+        calls = _tool_calls(message.get("tool_calls"), f"{where}.tool_calls") if role == "assistant" else []
+        content = message.get("content")
+        entry: dict[str, Any] = {"role": role, "content": "" if content is None and calls else
+                                 _content(content, f"{where}.content")}
+        if calls:
+            entry["tool_calls"] = calls
+        if role == "tool":
+            tool_call_id = message.get("tool_call_id")
+            if not isinstance(tool_call_id, str):
+                raise InvalidRequest(f"invalid field '{where}.tool_call_id': a tool message answers one call "
+                                     "and names its id (a string)", f"{where}.tool_call_id")
+            entry["tool_call_id"] = tool_call_id
         name = message.get("name")
         if name is not None:
             if not isinstance(name, str):
@@ -345,6 +472,44 @@ def chat_messages(messages: list[Any]) -> list[dict[str, str]]:
                                      f"{type(name).__name__}", f"{where}.name")
             entry["name"] = name
         out.append(entry)
+    return out
+
+
+_ROLE_KEYS = {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls``, each ``{"id", "type": "function", "function": {"name", "arguments"}}``
+    with ``arguments`` parsed from its JSON text.
+
+    Raises:
+        InvalidRequest: naming the call's field.
+    """
+    if calls is None:
+        return []
+    if not isinstance(calls, list):
+        raise InvalidRequest(f"invalid field '{where}': must be a list of tool calls", where)
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}.{j}"
+        function = call.get("function") if isinstance(call, dict) else None
+        if (not isinstance(call, dict) or call.get("type", "function") != "function"
+                or not isinstance(call.get("id"), str) or not isinstance(function, dict)
+                or not isinstance(function.get("name"), str) or not isinstance(function.get("arguments"), str)
+                or set(call) - {"id", "type", "function"} or set(function) - {"name", "arguments"}):
+            raise InvalidRequest(f"invalid field '{at}': a tool call is {{\"id\": <string>, \"type\": \"function\", "
+                                 f"\"function\": {{\"name\": <string>, \"arguments\": <JSON text>}}}}; given: "
+                                 f"{str(call)[:100]}", at)
+        try:
+            arguments = json.loads(function["arguments"])
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise InvalidRequest(f"invalid field '{at}.function.arguments': must be the JSON text of an object; "
+                                 f"given: {function['arguments'][:100]!r}", f"{at}.function.arguments",
+                                 "invalid_tool_arguments")
+        out.append({"id": call["id"], "type": "function",
+                    "function": {"name": function["name"], "arguments": arguments}})
     return out
 
 
@@ -373,13 +538,30 @@ def _content(content: Any, where: str) -> str:
 
 _TEXT_PART = {"type": "object", "additionalProperties": False, "required": ["type", "text"],
               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_TOOL_CALL = {"type": "object", "additionalProperties": False, "required": ["id", "function"],
+              "properties": {"id": {"type": "string"}, "type": {"const": "function"},
+                             "function": {"type": "object", "additionalProperties": False,
+                                          "required": ["name", "arguments"],
+                                          "properties": {"name": {"type": "string"},
+                                                         "arguments": {"type": "string"}}}}}
+_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}
+
+
+def _message(role: str, required: list[str], **props: Any) -> dict[str, Any]:
+    return {"type": "object", "additionalProperties": False, "required": ["role", *required],
+            "properties": {"role": {"const": role}, "name": {"type": "string"}, **props}}
+
+
 MESSAGES_SCHEMA: dict[str, Any] = {
-    "type": "array", "minItems": 1, "items": {
-        "type": "object", "additionalProperties": False, "required": ["role", "content"],
-        "properties": {
-            "role": {"enum": list(CHAT_ROLES)},
-            "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]},
-            "name": {"type": "string"}}}}
+    "type": "array", "minItems": 1, "items": {"anyOf": [
+        _message("system", ["content"], content=_CONTENT),
+        _message("user", ["content"], content=_CONTENT),
+        _message("assistant", ["content"], content=_CONTENT,
+                 tool_calls={"type": "array", "items": _TOOL_CALL}),
+        _message("assistant", ["tool_calls"], content={"anyOf": [*_CONTENT["anyOf"], {"type": "null"}]},
+                 tool_calls={"type": "array", "minItems": 1, "items": _TOOL_CALL}),
+        _message("tool", ["content", "tool_call_id"], content=_CONTENT, tool_call_id={"type": "string"}),
+    ]}}
 """What :func:`chat_messages` accepts, for the OpenAPI document."""
 
 

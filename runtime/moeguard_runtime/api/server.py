@@ -95,7 +95,14 @@ from moeguard_runtime.api.openai_schema import (
 )
 from moeguard_runtime.api.structured_output import compiler_for
 from moeguard_runtime.api.tokenizer import ByteTokenizer, Tokenizer
-from moeguard_runtime.engine.grammar import Constraint, GrammarCompiler, GrammarError, grammar_of
+from moeguard_runtime.api.tool_calls import ContentHold, ToolPlan, call_id, format_for
+from moeguard_runtime.engine.grammar import (
+    Constraint,
+    GrammarCompiler,
+    GrammarError,
+    grammar_of,
+    grammar_of_lark,
+)
 from moeguard_runtime.engine.sampling import GREEDY, SamplingParams
 from moeguard_runtime.engine.scheduler import Rejected, priority_class
 from moeguard_runtime.engine.service import Event, GenerationRequest, Worker
@@ -141,6 +148,8 @@ class _Job:
     sampling: SamplingParams = GREEDY
     response_format: dict[str, Any] | None = None
     """``response_format`` when it constrains the output (json_object, json_schema), OpenAI's shape."""
+    tools: ToolPlan | None = None
+    """Where the answer may hold tool calls (``tool_choice`` not ``none``): parsed back at the end."""
 
 
 def _finite_float(text: str) -> float:
@@ -408,13 +417,23 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
             return error_response(503, "the model is loading", "service_unavailable_error",
                                   "loading", headers={"Retry-After": "5"})
         constraint = None
-        if job.response_format is not None:
+        plan = job.tools
+        forced = plan is not None and bool(plan.forced)
+        if job.response_format is not None or forced:
             try:
                 if compilers.get("tok") is None:  # built once: about a second for a 150k-token vocabulary
                     compilers["tok"] = await asyncio.to_thread(compiler_for, tok, worker.engine.args.vocab_size)
-                grammar = grammar_of(job.response_format)
+                if plan is not None and forced:
+                    grammar = grammar_of_lark(plan.format.grammar(
+                        plan.forced, plan.parallel, tok.added_token_ids(plan.format.markers)))
+                else:
+                    assert job.response_format is not None
+                    grammar = grammar_of(job.response_format)
                 constraint = await asyncio.to_thread(compilers["tok"].compile, grammar)
             except GrammarError as exc:
+                if forced:
+                    return invalid(f"invalid field 'tools': a tool's parameters cannot be compiled into a "
+                                   f"grammar for the forced call: {exc}", "tools", "invalid_tool_parameters")
                 return invalid(f"invalid field 'response_format': the JSON schema cannot be compiled into a "
                                f"grammar: {exc}", "response_format", "invalid_response_format")
         return await _serve(worker, job, tok, request, count, constraint)
@@ -466,7 +485,8 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
                            "(tokenizer_config.json chat_template); use /v1/completions",
                            "messages", "no_chat_template")
         try:
-            rendered = template.render(chat_messages(body.messages))
+            rendered = template.render(chat_messages(body.messages),
+                                       tools=[t.as_template() for t in body.tools] if body.tools else None)
         except InvalidRequest as exc:
             return invalid(exc.message, exc.param, exc.code)
         except ChatTemplateError as exc:
@@ -486,9 +506,14 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
         if isinstance(priority, JSONResponse):
             return priority
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        # the byte tokenizer's template (the presets, whose model_type reads mixtral) is ours, in the hermes format
+        family = "preset" if isinstance(tok, ByteTokenizer) else slot.model_type
+        plan = (None if body.tool_mode == "none" else
+                ToolPlan(format_for(family), tuple(body.forced_tools()), body.parallel_tool_calls is not False))
         return await run(_Job(True, prompt, max_tokens, body.temperature, body.seed, priority,
                               body.stream, body.include_usage, body.stops, slot.model_name,
-                              sampling=body.sampling(logprobs), response_format=constrained(body)), request)
+                              sampling=body.sampling(logprobs), response_format=constrained(body), tools=plan),
+                         request)
 
     return app
 
@@ -524,28 +549,58 @@ class _Output:
     and stop strings. :meth:`token` returns ``(text, finish_reason or None)``."""
 
     def __init__(self, tok: Tokenizer, prompt: Sequence[int], stops: Sequence[str],
-                 logprobs: LogprobsBuilder | None = None) -> None:
+                 logprobs: LogprobsBuilder | None = None, tools: ToolPlan | None = None) -> None:
+        self._tok = tok
         self._detok = tok.stream_decoder(prompt)
         self._stop = StopMatcher(stops)
         self._eos = tok.eos_ids
         self.tokens = 0
+        self.ids: list[int] = []
         self.logprobs = logprobs
         """Where the request asked for log probabilities: its tokens' (:meth:`token` adds them)."""
+        self.tools = tools
+        self._hold = None if tools is None else ContentHold(
+            tools.format, frozenset(tok.added_token_ids([tools.format.start]).values()))
 
     def token(self, token: int, event: Event | None = None) -> tuple[str, str | None]:
         """``event``: the token's event, whose log probabilities are kept where the request asked."""
         if token in self._eos:  # the engine stops on the same ids (Engine.eos_ids) and drops the token
             return self.end(), "stop"
         self.tokens += 1
+        self.ids.append(token)
         if self.logprobs is not None and event is not None and event.logprob is not None:
             self.logprobs.add(token, event.logprob, event.top_logprobs)
         text, stopped = self._stop.push(self._detok.push(token))
+        if self._hold is not None:
+            text = self._hold.push(token, text)
         return text, "stop" if stopped else None
 
     def end(self) -> str:
         """The held-back text once generation ended."""
         text, stopped = self._stop.push(self._detok.flush())
-        return text if stopped else text + self._stop.flush()
+        text = text if stopped else text + self._stop.flush()
+        if self._hold is not None:
+            text = self._hold.push(None, text) + self._hold.end()
+        return text
+
+    @property
+    def calling(self) -> bool:
+        """Whether a tool call began (the content after it is held back)."""
+        return self._hold is not None and self._hold.calling
+
+    def tool_calls(self) -> list[dict[str, Any]] | None:
+        """Once generation ended, OpenAI's ``tool_calls`` of the output, or None where none parses (then the whole
+        output is content, :meth:`unparsed`, as vLLM answers)."""
+        if self.tools is None or not self.calling:
+            return None
+        parsed = self.tools.format.parse(self._tok.decode_with_special(self.ids))
+        if parsed is None:
+            return None
+        return [call.as_openai(call_id(self.tools.format.name)) for call in parsed[1]]
+
+    def unparsed(self) -> str:
+        """The whole output as content (special tokens skipped), where a call began and did not parse."""
+        return self._tok.decode(self.ids)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -589,7 +644,7 @@ async def _serve(worker: Worker, job: _Job, tok: Tokenizer, request: Request,
                 return event
 
     output = _Output(tok, job.prompt, job.stops,
-                     None if job.sampling.logprobs is None else LogprobsBuilder(tok.decode, job.chat))
+                     None if job.sampling.logprobs is None else LogprobsBuilder(tok.decode, job.chat), job.tools)
     if job.stream:
         # No 200 before admission: a request refused or timed out in the queue gets the
         # same HTTP error (503/429, Retry-After, reason) as without streaming.
@@ -626,8 +681,16 @@ async def _serve(worker: Worker, job: _Job, tok: Tokenizer, request: Request,
     count("ok", 200)
     text = "".join(texts)
     logprobs = None if output.logprobs is None else output.logprobs.take(final=True)
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if output.calling:
+        calls = output.tool_calls()
+        if calls:
+            message, finish = {"role": "assistant", "content": text if text.strip() else None,
+                               "tool_calls": calls}, "tool_calls"
+        else:
+            message["content"] = output.unparsed()
     choice: dict[str, Any] = (
-        {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+        {"index": 0, "message": message, "logprobs": logprobs,
          "finish_reason": finish} if job.chat else
         {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
     return JSONResponse({
@@ -638,15 +701,20 @@ async def _serve(worker: Worker, job: _Job, tok: Tokenizer, request: Request,
 
 def stream_chunk(job: _Job, req_id: str, created: int, text: str | None, finish: str | None,
                  usage: dict[str, int] | None = None, role: bool = False,
-                 logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+                 logprobs: dict[str, Any] | None = None,
+                 tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """One SSE chunk's JSON body, as OpenAI streams completions (``object`` ``text_completion``) and chat
     completions (``chat.completion.chunk``; ``delta``, the first ``{"role": "assistant", "content": ""}``).
     ``text`` None: a chunk with ``"choices": []`` (the usage chunk). The ``usage`` key is there only when
     the request asked for it (``stream_options.include_usage``), null but on the usage chunk: OpenAI's
     ``ChatCompletionStreamOptions`` ("All other chunks will also include a usage field, but with a null
-    value"); without it no chunk has the key (pure)."""
+    value"); without it no chunk has the key (pure). ``tool_calls``: a chat chunk whose delta holds them (OpenAI's
+    ``delta.tool_calls``, each with its ``index``), all at once: a call is parsed once generation ended."""
     choices: list[dict[str, Any]] = []
-    if text is not None and job.chat:
+    if tool_calls is not None and job.chat:
+        items = [{"index": i, **call} for i, call in enumerate(tool_calls)]
+        choices = [{"index": 0, "delta": {"tool_calls": items}, "logprobs": logprobs, "finish_reason": finish}]
+    elif text is not None and job.chat:
         delta: dict[str, str] = {"role": "assistant", "content": text} if role else (
             {"content": text} if text or finish is None else {})
         choices = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
@@ -661,13 +729,20 @@ def stream_chunk(job: _Job, req_id: str, created: int, text: str | None, finish:
 
 
 def finish_chunks(job: _Job, req_id: str, created: int, text: str, reason: str,
-                  usage: dict[str, int], logprobs: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+                  usage: dict[str, int], logprobs: dict[str, Any] | None = None,
+                  tool_calls: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """The chunks that end a stream before ``[DONE]``: the one with ``finish_reason`` (and the last
-    text), then, only when the request asked (``stream_options.include_usage``), OpenAI's extra chunk
-    with ``"choices": []`` and ``usage`` (pure). Without it no chunk carries usage, as OpenAI streams
-    (a client that reads usage from the finishing chunk must ask with ``include_usage: true``)."""
-    last = stream_chunk(job, req_id, created, text, reason, logprobs=logprobs)
-    return [last, stream_chunk(job, req_id, created, None, None, usage)] if job.include_usage else [last]
+    text, or the tool calls with ``finish_reason`` ``tool_calls``), then, only when the request asked
+    (``stream_options.include_usage``), OpenAI's extra chunk with ``"choices": []`` and ``usage`` (pure).
+    Without it no chunk carries usage, as OpenAI streams (a client that reads usage from the finishing
+    chunk must ask with ``include_usage: true``)."""
+    if tool_calls:  # as OpenAI streams them: the calls' delta, then an empty delta with the finish reason
+        last = [*([stream_chunk(job, req_id, created, text, None)] if text else []),
+                stream_chunk(job, req_id, created, None, None, logprobs=logprobs, tool_calls=tool_calls),
+                stream_chunk(job, req_id, created, "", "tool_calls")]
+    else:
+        last = [stream_chunk(job, req_id, created, text, reason, logprobs=logprobs)]
+    return [*last, stream_chunk(job, req_id, created, None, None, usage)] if job.include_usage else last
 
 
 async def _stream(worker: Worker, job: _Job, req_id: str, queue: asyncio.Queue[Event],
@@ -681,8 +756,12 @@ async def _stream(worker: Worker, job: _Job, req_id: str, queue: asyncio.Queue[E
     can only be an ``error`` event in the stream.
     """
     done = False
+    sent = ""
+    """The content streamed so far."""
 
     def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
+        nonlocal sent
+        sent += text or ""
         logprobs = None if role or output.logprobs is None else output.logprobs.take()
         return f"data: {json.dumps(stream_chunk(job, req_id, created, text, finish, role=role, logprobs=logprobs))}\n\n"
 
@@ -690,8 +769,12 @@ async def _stream(worker: Worker, job: _Job, req_id: str, queue: asyncio.Queue[E
         count("ok", 200)
         usage = _usage(len(job.prompt), output.tokens)
         logprobs = None if output.logprobs is None else output.logprobs.take()
+        calls = output.tool_calls() if output.calling else None
+        if output.calling and not calls:  # no call parses: the rest of the output is content after all
+            whole = output.unparsed()
+            text = whole[len(sent):] if whole.startswith(sent) else text
         return [f"data: {json.dumps(c)}\n\n"
-                for c in finish_chunks(job, req_id, created, text, reason, usage, logprobs)]
+                for c in finish_chunks(job, req_id, created, text, reason, usage, logprobs, calls)]
 
     try:
         if job.chat:

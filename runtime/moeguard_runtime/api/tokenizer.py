@@ -61,9 +61,14 @@ class StreamDecoder:
 
 
 BYTE_CHAT_TEMPLATE = (
+    "{% if tools %}<|tools|>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}{% endif %}"
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-"""The byte tokenizer's chat template (it has no special tokens to mark turns)."""
+    "{% for call in message.tool_calls or [] %}<tool_call>\n"
+    "{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}\n</tool_call>\n"
+    "{% endfor %}{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+"""The byte tokenizer's chat template (it has no special tokens to mark turns): tools listed first, an
+assistant's calls in the ``hermes`` format (:mod:`moeguard_runtime.api.tool_calls`), tool results as ``tool``
+turns. Without tools it renders as before tools existed."""
 
 
 class Tokenizer(Protocol):
@@ -94,6 +99,12 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``, special tokens skipped, invalid UTF-8 as U+FFFD."""
 
+    def decode_with_special(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` with special tokens kept (a tool call's markers may be special tokens)."""
+
+    def added_token_ids(self, texts: Sequence[str]) -> dict[str, int]:
+        """The id of each of ``texts`` that is one added token of the vocabulary (special or not)."""
+
     def stream_decoder(self, prompt: Sequence[int] = ()) -> IncrementalDetokenizer:
         """An incremental decoder for the ids generated after ``prompt``."""
 
@@ -117,6 +128,12 @@ class ByteTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return decode(ids)
+
+    def decode_with_special(self, ids: Sequence[int]) -> str:
+        return decode(ids)  # its special ids (BOS, EOS, PAD) have no text
+
+    def added_token_ids(self, texts: Sequence[str]) -> dict[str, int]:
+        return {}
 
     def stream_decoder(self, prompt: Sequence[int] = ()) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(decode, prompt)

@@ -61,6 +61,24 @@ def grammar_of(response_format: dict[str, Any]) -> str:
         raise GrammarError(str(exc)) from None
 
 
+def grammar_of_lark(source: str) -> str:
+    """The llguidance grammar of a Lark grammar in llguidance's dialect (``%json {...}`` inlines a JSON Schema,
+    ``<[id]>`` matches a special token): the forced tool calls of :mod:`moeguard_runtime.api.tool_calls`.
+
+    Raises:
+        GrammarError: llguidance's message for a grammar it cannot read (a tool's ``parameters`` it cannot
+            compile).
+    """
+    try:
+        grammar = str(llguidance.LLMatcher.grammar_from_lark(source))
+    except ValueError as exc:
+        raise GrammarError(str(exc)) from None
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise GrammarError(str(error))
+    return grammar
+
+
 class _ByteVocabulary:
     """What llguidance's ``TokenizerWrapper`` reads of a tokenizer, for a byte-level one: each id's bytes."""
 

@@ -21,7 +21,9 @@ from moeguard_runtime.api.openai_schema import ChatCompletionRequest, Completion
 
 pytestmark = pytest.mark.integration
 CROSS_FIELD_CODES = (b"context_length_exceeded", b"stream_options_without_stream", b"top_logprobs_without_logprobs",
-                     b'"code":"unsupported_field"', b"response_format_mismatch", b"invalid_response_format")
+                     b'"code":"unsupported_field"', b"response_format_mismatch", b"invalid_response_format",
+                     b"tools_missing", b"duplicate_tool_name", b"unknown_tool", b"invalid_tool_parameters",
+                     b"invalid_tool_arguments", b"conflicting_fields")
 
 
 def _valid_body(path: str, body: Any) -> bool:
@@ -64,8 +66,10 @@ def test_api_conforms_to_its_openapi_document(served: WorkerProcess, mode: Gener
             excluded = []
             if response.status_code == 400 and any(code in response.content for code in CROSS_FIELD_CODES):
                 # prompt tokens + max_tokens <= context, stream_options only with stream: true, top_logprobs only
-                # with logprobs: true, logprobs not with echo, json_schema only with its type, and a schema the
-                # grammar library compiles are rules across fields (or on a schema's content) that the document
+                # with logprobs: true, logprobs not with echo, json_schema only with its type, a schema the
+                # grammar library compiles, tool_choice only with tools and naming one of them, unique tool
+                # names, a forced call's tools compiling, a call's arguments being an object's JSON text, one of
+                # two fields are rules across fields (or on a schema's or a string's content) that the document
                 # states in words only; each field alone is within its documented bound
                 excluded.append(positive_data_acceptance)
             if mode == GenerationMode.NEGATIVE and response.status_code < 400 and _valid_body(case.operation.path, case.body):

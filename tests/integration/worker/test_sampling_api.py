@@ -187,3 +187,94 @@ def test_a_bad_response_format_is_a_400_naming_it(client: openai.OpenAI, respons
                                        response_format=response_format)  # type: ignore[arg-type]
     error = caught.value.body
     assert isinstance(error, dict) and error["param"] == param and needle in error["message"], error
+
+
+class Weather(pydantic.BaseModel):
+    """The weather in a city."""
+
+    city: str = pydantic.Field(max_length=12)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+CLOCK_TOOL: dict[str, Any] = {"type": "function", "function": {
+    "name": "now", "description": "The time.", "strict": True,
+    "parameters": {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
+                   "additionalProperties": False}}}
+
+
+def test_a_forced_tool_call_comes_back_parsed_by_the_sdk_streamed_and_not(client: openai.OpenAI) -> None:
+    """``tool_choice`` required, as ``client.chat.completions.parse(tools=[pydantic_function_tool(...)])`` sends it
+    (strict): the random model's answer is forced into the preset's (hermes) tool-call format, comes back in
+    ``message.tool_calls`` with ``finish_reason`` tool_calls, and the SDK parses its arguments into the model; the
+    stream's ``delta.tool_calls`` carry the same calls."""
+    tools = [openai.pydantic_function_tool(Weather), CLOCK_TOOL]
+    for seed in (1, 2, 3):
+        r = client.chat.completions.parse(model="tiny", messages=HELLO, max_completion_tokens=300, temperature=1.0,
+                                          seed=seed, tools=tools, tool_choice="required")  # type: ignore[arg-type]
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", choice.message
+        calls = choice.message.tool_calls or []
+        assert calls and choice.message.content is None
+        for call in calls:
+            assert call.type == "function" and call.id.startswith("call_")
+            if call.function.name == "Weather":
+                assert isinstance(call.function.parsed_arguments, Weather)
+            else:
+                assert call.function.name == "now" and json.loads(call.function.arguments)["tz"] in ("UTC", "CET")
+        streamed: dict[int, Any] = {}
+        finish = None
+        for chunk in client.chat.completions.create(model="tiny", messages=HELLO, max_completion_tokens=300,
+                                                    temperature=1.0, seed=seed, tools=tools,  # type: ignore[arg-type]
+                                                    tool_choice="required", stream=True):
+            delta = chunk.choices[0].delta if chunk.choices else None
+            for item in (delta.tool_calls or []) if delta else []:
+                assert item.function is not None
+                streamed[item.index] = (item.function.name, json.loads(item.function.arguments or "null"))
+            finish = chunk.choices[0].finish_reason if chunk.choices else finish
+        assert finish == "tool_calls"
+        assert [streamed[i] for i in sorted(streamed)] == [
+            (c.function.name, json.loads(c.function.arguments)) for c in calls]  # the same seed, the same calls
+
+
+def test_a_named_tool_choice_calls_that_function_once(client: openai.OpenAI) -> None:
+    tools = [openai.pydantic_function_tool(Weather), CLOCK_TOOL]
+    r = client.chat.completions.create(model="tiny", messages=HELLO, max_completion_tokens=200, temperature=1.0,
+                                       seed=4, tools=tools, parallel_tool_calls=False,  # type: ignore[arg-type]
+                                       tool_choice={"type": "function", "function": {"name": "now"}})
+    calls = r.choices[0].message.tool_calls or []
+    assert r.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    assert calls[0].function.name == "now" and json.loads(calls[0].function.arguments)["tz"] in ("UTC", "CET")
+
+
+def test_a_conversation_with_a_call_and_its_result_renders_and_auto_or_none_answer_in_text(
+        client: openai.OpenAI) -> None:
+    """The assistant's call and the tool's result go through the chat template (the prompt grows by them); with
+    ``tool_choice`` none or auto the random model answers in text, which stays content."""
+    history: list[Any] = [*HELLO, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "now", "arguments": '{"tz": "UTC"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    bare = client.chat.completions.create(model="tiny", messages=HELLO, max_completion_tokens=8, temperature=0)
+    for choice_mode in ("none", "auto"):
+        r = client.chat.completions.create(model="tiny", messages=history, max_completion_tokens=8, temperature=0,
+                                           tools=[CLOCK_TOOL], tool_choice=choice_mode)  # type: ignore[arg-type]
+        assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
+        assert isinstance(r.choices[0].message.content, str)
+        assert r.usage is not None and bare.usage is not None
+        rendered = '{"type": "function", "function": ' + json.dumps(CLOCK_TOOL["function"]) + "}"
+        assert r.usage.prompt_tokens >= bare.usage.prompt_tokens + len(rendered)  # byte tokens: tools and turns
+
+
+@pytest.mark.parametrize(("kw", "param", "code"), [
+    ({"tool_choice": "required"}, "tool_choice", "tools_missing"),
+    ({"tools": [CLOCK_TOOL], "tool_choice": {"type": "function", "function": {"name": "fly"}}}, "tool_choice",
+     "unknown_tool"),
+    ({"tools": [{"type": "function", "function": {"name": "x", "parameters": {"type": "wizard"}}}],
+      "tool_choice": "required"}, "tools", "invalid_tool_parameters"),
+    ({"tools": [CLOCK_TOOL], "tool_choice": "always"}, "tool_choice", None),
+])
+def test_bad_tool_fields_are_a_400_naming_the_field(client: openai.OpenAI, kw: dict[str, Any], param: str,
+                                                    code: str | None) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny", messages=HELLO, max_completion_tokens=4, **kw)
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == param and (code is None or error["code"] == code), error

@@ -19,7 +19,7 @@ from moeguard_runtime.api.checkpoint_tokenizer import CheckpointTokenizer
 from moeguard_runtime.api.structured_output import compiler_for
 from moeguard_runtime.api.tokenizer import EOS, ByteTokenizer
 from moeguard_runtime.engine.engine import Engine
-from moeguard_runtime.engine.grammar import GrammarCompiler, GrammarError, grammar_of
+from moeguard_runtime.engine.grammar import Constraint, GrammarCompiler, GrammarError, grammar_of
 from moeguard_runtime.engine.sampling import SamplingParams
 from moeguard_runtime.model.model import build_model
 
@@ -36,7 +36,13 @@ def generate(engine: Engine, compiler: GrammarCompiler, prompt: list[int], tempe
              max_new_tokens: int = 64, response_format: dict[str, Any] = JSON_SCHEMA,
              params: SamplingParams | None = None) -> tuple[list[int], str]:
     """The sequence's tokens (end of sequence dropped) and its finish reason."""
-    constraint = compiler.compile(grammar_of(response_format))
+    return generate_constrained(engine, compiler.compile(grammar_of(response_format)), prompt, temperature, seed,
+                                max_new_tokens, params)
+
+
+def generate_constrained(engine: Engine, constraint: Constraint, prompt: list[int], temperature: float, seed: int,
+                         max_new_tokens: int = 64, params: SamplingParams | None = None) -> tuple[list[int], str]:
+    """One sequence under ``constraint``, to its end: its tokens (end of sequence dropped) and its finish reason."""
     engine.add("a", prompt, max_new_tokens, temperature, seed, params or SamplingParams(), constraint)
     out = engine.step([("a", len(prompt))], [])
     while "a" not in out.finished:

@@ -177,7 +177,7 @@ class Reference:
 _REFERENCES: dict[str, Reference] = {}
 
 
-def _reference(name: str, tmp_path_factory: pytest.TempPathFactory) -> Reference:
+def hf_reference(name: str, tmp_path_factory: pytest.TempPathFactory) -> Reference:
     """transformers' model ``name`` with redrawn weights, saved once per test session."""
     if name not in _REFERENCES:
         family = {**FAMILIES, **LOGITS_ONLY}[name]
@@ -236,7 +236,7 @@ def _packed_logits(loaded: LoadedCheckpoint, caches: list[KVCache], prompts: lis
 def test_logits_match_transformers(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Last-token logits of every prompt, packed in one prefill step, and again as one
     decode step after prefilling all but the last token (MLA's other attention path)."""
-    reference = _reference(name, tmp_path_factory)
+    reference = hf_reference(name, tmp_path_factory)
     loaded = load_hf_checkpoint(reference.folder)
     assert loaded.model_type == reference.hf.config.model_type
     assert loaded.max_seq_len == 256
@@ -287,7 +287,7 @@ class _Quiet:
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_greedy_tokens_match_transformers(name: str, guardrails: bool,
                                           tmp_path_factory: pytest.TempPathFactory) -> None:
-    reference = _reference(name, tmp_path_factory)
+    reference = hf_reference(name, tmp_path_factory)
     options = BuildOptions()
     if guardrails:
         info = read_checkpoint_info(reference.folder)
