@@ -95,7 +95,7 @@ from moeguard_runtime.api.openai_schema import (
 )
 from moeguard_runtime.api.structured_output import compiler_for
 from moeguard_runtime.api.tokenizer import ByteTokenizer, Tokenizer
-from moeguard_runtime.api.tool_calls import ContentHold, ToolPlan, call_id, format_for
+from moeguard_runtime.api.tool_calls import ToolPlan, call_id, format_for
 from moeguard_runtime.engine.grammar import (
     Constraint,
     GrammarCompiler,
@@ -295,6 +295,9 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
     if template is None and tok.chat_template is not None:
         template = ChatTemplate(tok.chat_template, tok.special_tokens)
     model_names = {slot.model_name, *slot.model_aliases}
+    # the byte tokenizer's template (the presets, whose model_type reads mixtral) is ours, in the hermes format
+    tool_format = format_for("preset" if isinstance(tok, ByteTokenizer) else slot.model_type)
+    tool_marker_ids = tok.added_token_ids(tool_format.markers)
 
     def count(status: str, code: int) -> None:
         tel.requests.labels(**tel.l(status=status, code=str(code))).inc()
@@ -424,8 +427,7 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
                 if compilers.get("tok") is None:  # built once: about a second for a 150k-token vocabulary
                     compilers["tok"] = await asyncio.to_thread(compiler_for, tok, worker.engine.args.vocab_size)
                 if plan is not None and forced:
-                    grammar = grammar_of_lark(plan.format.grammar(
-                        plan.forced, plan.parallel, tok.added_token_ids(plan.format.markers)))
+                    grammar = grammar_of_lark(plan.grammar())
                 else:
                     assert job.response_format is not None
                     grammar = grammar_of(job.response_format)
@@ -506,10 +508,8 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
         if isinstance(priority, JSONResponse):
             return priority
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        # the byte tokenizer's template (the presets, whose model_type reads mixtral) is ours, in the hermes format
-        family = "preset" if isinstance(tok, ByteTokenizer) else slot.model_type
         plan = (None if body.tool_mode == "none" else
-                ToolPlan(format_for(family), tuple(body.forced_tools()), body.parallel_tool_calls is not False))
+                ToolPlan(tool_format, tool_marker_ids, tuple(body.forced_tools()), body.parallel_tool_calls is not False))
         return await run(_Job(True, prompt, max_tokens, body.temperature, body.seed, priority,
                               body.stream, body.include_usage, body.stops, slot.model_name,
                               sampling=body.sampling(logprobs), response_format=constrained(body), tools=plan),
@@ -559,8 +559,7 @@ class _Output:
         self.logprobs = logprobs
         """Where the request asked for log probabilities: its tokens' (:meth:`token` adds them)."""
         self.tools = tools
-        self._hold = None if tools is None else ContentHold(
-            tools.format, frozenset(tok.added_token_ids([tools.format.start]).values()))
+        self._hold = None if tools is None else tools.content_hold()
 
     def token(self, token: int, event: Event | None = None) -> tuple[str, str | None]:
         """``event``: the token's event, whose log probabilities are kept where the request asked."""
@@ -769,7 +768,7 @@ async def _stream(worker: Worker, job: _Job, req_id: str, queue: asyncio.Queue[E
         count("ok", 200)
         usage = _usage(len(job.prompt), output.tokens)
         logprobs = None if output.logprobs is None else output.logprobs.take()
-        calls = output.tool_calls() if output.calling else None
+        calls = output.tool_calls()
         if output.calling and not calls:  # no call parses: the rest of the output is content after all
             whole = output.unparsed()
             text = whole[len(sent):] if whole.startswith(sent) else text

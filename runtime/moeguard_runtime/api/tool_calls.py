@@ -59,7 +59,7 @@ def call_id(fmt: str) -> str:
 
 
 def _arguments(value: Any) -> str | None:
-    """``arguments`` as compact JSON text, or None when it is not an object (a string holding one is taken)."""
+    """``arguments`` as JSON text, or None when it is not an object (a string holding one is taken)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -97,12 +97,14 @@ def _json_rule(schema: Mapping[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class ToolCallFormat:
-    """One family's tool-call syntax. ``start``: the text that opens the calls. Its :attr:`markers` may be single
-    added tokens of a checkpoint's vocabulary: a grammar names those by id (``<[id]>``: llguidance matches special
-    tokens only that way, and the model was trained to write the one token, not its spelling)."""
+    """One family's tool-call syntax. ``start``: the text that opens the calls. ``markers``: its marker strings,
+    which may be single added tokens of a checkpoint's vocabulary: a grammar names those by id (``<[id]>``:
+    llguidance matches special tokens only that way, and the model was trained to write the one token, not its
+    spelling)."""
 
     name: str
     start: str
+    markers: tuple[str, ...]
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]] | None:
         """``(content before the calls, calls)`` of a model's output (special tokens kept), or None when it holds
@@ -175,20 +177,12 @@ class ToolCallFormat:
         return (f"start: {mark('<｜tool▁calls▁begin｜>')} call{more} {mark('<｜tool▁calls▁end｜>')}\n{call}\n"
                 + "\n".join(rules) + "\n")
 
-    @property
-    def markers(self) -> tuple[str, ...]:
-        """The marker strings a checkpoint may hold as added tokens."""
-        if self.name == "mistral":
-            return ("[TOOL_CALLS]",)
-        if self.name == "deepseek_v3":
-            return ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
-                    "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")
-        return ("<tool_call>", "</tool_call>")
 
-
-FORMATS = {"hermes": ToolCallFormat("hermes", "<tool_call>"),
-           "mistral": ToolCallFormat("mistral", "[TOOL_CALLS]"),
-           "deepseek_v3": ToolCallFormat("deepseek_v3", "<｜tool▁calls▁begin｜>")}
+FORMATS = {"hermes": ToolCallFormat("hermes", "<tool_call>", ("<tool_call>", "</tool_call>")),
+           "mistral": ToolCallFormat("mistral", "[TOOL_CALLS]", ("[TOOL_CALLS]",)),
+           "deepseek_v3": ToolCallFormat("deepseek_v3", "<｜tool▁calls▁begin｜>", (
+               "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+               "<｜tool▁sep｜>"))}
 
 
 def format_for(model_type: str) -> ToolCallFormat:
@@ -198,12 +192,23 @@ def format_for(model_type: str) -> ToolCallFormat:
 
 @dataclass(frozen=True)
 class ToolPlan:
-    """A chat request's tool calling: its family's ``format``, the tools a forced call may name (empty: ``auto``,
-    the model chooses) and whether a forced answer may hold several calls."""
+    """A chat request's tool calling: its family's ``format``, the id of each of its markers that is one added
+    token of the serving tokenizer (found once per worker), the tools a forced call may name (empty: ``auto``, the
+    model chooses) and whether a forced answer may hold several calls."""
 
     format: ToolCallFormat
+    marker_ids: Mapping[str, int]
     forced: tuple[dict[str, Any], ...] = ()
     parallel: bool = True
+
+    def grammar(self) -> str:
+        """The Lark grammar of the forced call (:meth:`ToolCallFormat.grammar`)."""
+        return self.format.grammar(self.forced, self.parallel, self.marker_ids)
+
+    def content_hold(self) -> ContentHold:
+        """A request's :class:`ContentHold`, watching for the start marker's text and, where it is one token, id."""
+        start = self.marker_ids.get(self.format.start)
+        return ContentHold(self.format, frozenset() if start is None else frozenset({start}))
 
 
 class ContentHold:

@@ -63,20 +63,17 @@ def grammar_of(response_format: dict[str, Any]) -> str:
 
 def grammar_of_lark(source: str) -> str:
     """The llguidance grammar of a Lark grammar in llguidance's dialect (``%json {...}`` inlines a JSON Schema,
-    ``<[id]>`` matches a special token): the forced tool calls of :mod:`moeguard_runtime.api.tool_calls`.
+    ``<[id]>`` matches a special token): the forced tool calls of :mod:`moeguard_runtime.api.tool_calls`. Its
+    inlined schemas are compiled by :meth:`GrammarCompiler.compile` (once, off the event loop), which raises
+    :class:`GrammarError` for a tool's ``parameters`` llguidance cannot compile.
 
     Raises:
-        GrammarError: llguidance's message for a grammar it cannot read (a tool's ``parameters`` it cannot
-            compile).
+        GrammarError: llguidance's message for Lark text it cannot read.
     """
     try:
-        grammar = str(llguidance.LLMatcher.grammar_from_lark(source))
+        return str(llguidance.LLMatcher.grammar_from_lark(source))
     except ValueError as exc:
         raise GrammarError(str(exc)) from None
-    error = llguidance.LLMatcher.validate_grammar(grammar)
-    if error:
-        raise GrammarError(str(error))
-    return grammar
 
 
 class _ByteVocabulary:

@@ -211,7 +211,7 @@ def test_the_parallel_grammar_takes_several_calls_and_the_single_one_only_one(fm
 def test_parameters_llguidance_cannot_compile_are_a_grammar_error() -> None:
     bad = {"name": "x", "parameters": {"type": "wizard"}}
     with pytest.raises(GrammarError, match="wizard"):
-        grammar_of_lark(FORMATS["hermes"].grammar([bad], True))
+        compiler_for(ByteTokenizer(), presets.VOCAB_SIZE).compile(grammar_of_lark(FORMATS["hermes"].grammar([bad], True)))
     with pytest.raises(ValueError, match="at least one tool"):
         FORMATS["hermes"].grammar([], True)
 
