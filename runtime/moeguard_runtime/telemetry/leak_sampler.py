@@ -31,23 +31,23 @@ class LeakSampler:
         self.kind = "none"
         self._telemetry, self._log, self._read_process = telemetry, log, read_process
         self._next_sample = 0.0
-        self._warm_until: float | None = None
-        """When the warm-up ends (monotonic s; None before the first sample); 0 once it has."""
+        self._first_sample: float | None = None
+        self._judging = False
+        """Whether the warm-up is over (the window then holds only samples taken after it)."""
 
     def sample(self, now: float, force: bool = False) -> None:
         """Take a sample if one is due at ``now`` (monotonic s) or ``force``."""
         if not force and now < self._next_sample:
             return
         self._next_sample = now + GROWTH_SAMPLE_INTERVAL_S
-        if self._warm_until is None:
-            self._warm_until = now + GROWTH_WARMUP_S
-        warming = now < self._warm_until
-        if not warming and self._warm_until:
+        if self._first_sample is None:
+            self._first_sample = now
+        if not self._judging and now >= self._first_sample + GROWTH_WARMUP_S:
+            self._judging = True
             self.growth = GrowthTracker(GROWTH_WINDOW_S)  # the window starts afresh with the first grown-up sample
-            self._warm_until = 0.0
         self.growth.add(now, self._read_process())
         growth = self.growth.growth()
-        kind = "none" if warming else classify(growth)
+        kind = classify(growth) if self._judging else "none"
         self._telemetry.set_growth(growth, kind)
         if kind != self.kind:
             self._log.event("memory_growth", force=True, kind=kind,
