@@ -264,17 +264,19 @@ def test_a_conversation_with_a_call_and_its_result_renders_and_auto_or_none_answ
         assert r.usage.prompt_tokens >= bare.usage.prompt_tokens + len(rendered)  # byte tokens: tools and turns
 
 
-@pytest.mark.parametrize(("kw", "param", "code"), [
-    ({"tool_choice": "required"}, "tool_choice", "tools_missing"),
+@pytest.mark.parametrize(("kw", "param", "code", "needle"), [
+    ({"tool_choice": "required"}, "tool_choice", "tools_missing", "only allowed when 'tools' are given"),
     ({"tools": [CLOCK_TOOL], "tool_choice": {"type": "function", "function": {"name": "fly"}}}, "tool_choice",
-     "unknown_tool"),
+     "unknown_tool", "the function 'fly' is not among the tools (now)"),
     ({"tools": [{"type": "function", "function": {"name": "x", "parameters": {"type": "wizard"}}}],
-      "tool_choice": "required"}, "tools", "invalid_tool_parameters"),
-    ({"tools": [CLOCK_TOOL], "tool_choice": "always"}, "tool_choice", None),
+      "tool_choice": "required"}, "tools", "invalid_tool_parameters", "Invalid type: wizard"),
+    ({"tools": [CLOCK_TOOL], "tool_choice": "always"}, "tool_choice", None,
+     "must be one of none, auto, required or a named function"),
 ])
 def test_bad_tool_fields_are_a_400_naming_the_field(client: openai.OpenAI, kw: dict[str, Any], param: str,
-                                                    code: str | None) -> None:
+                                                    code: str | None, needle: str) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="tiny", messages=HELLO, max_completion_tokens=4, **kw)
     error = caught.value.body
     assert isinstance(error, dict) and error["param"] == param and (code is None or error["code"] == code), error
+    assert needle in error["message"], error

@@ -231,19 +231,20 @@ def test_tool_choice_modes_and_the_tools_a_forced_call_may_name() -> None:
     assert body(tools=TOOL_DEFS, tool_choice="auto").forced_tools() == []
 
 
-@pytest.mark.parametrize(("fields", "param", "code"), [
-    ({"tool_choice": "required"}, "tool_choice", "tools_missing"),
-    ({"parallel_tool_calls": False}, "parallel_tool_calls", "tools_missing"),
-    ({"tools": [*TOOL_DEFS, TOOL_DEFS[1]]}, "tools", "duplicate_tool_name"),
+@pytest.mark.parametrize(("fields", "param", "code", "needle"), [
+    ({"tool_choice": "required"}, "tool_choice", "tools_missing", "only allowed when 'tools' are given"),
+    ({"parallel_tool_calls": False}, "parallel_tool_calls", "tools_missing", "only allowed when 'tools' are given"),
+    ({"tools": [*TOOL_DEFS, TOOL_DEFS[1]]}, "tools", "duplicate_tool_name", "given twice: 'now'"),
     ({"tools": TOOL_DEFS, "tool_choice": {"type": "function", "function": {"name": "fly"}}}, "tool_choice",
-     "unknown_tool"),
+     "unknown_tool", "'fly' is not among the tools (get_weather, now)"),
     ({"tools": TOOL_DEFS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
-     "conflicting_fields"),
+     "conflicting_fields", "(tool_choice required) sets the output's grammar; json_object would set another"),
 ])
-def test_tool_rules_across_fields_are_400s_naming_the_field(fields: dict[str, Any], param: str, code: str) -> None:
+def test_tool_rules_across_fields_are_400s_naming_the_field(fields: dict[str, Any], param: str, code: str,
+                                                            needle: str) -> None:
     with pytest.raises(InvalidRequest) as exc:
         refused_fields(body(**fields))
-    assert (exc.value.param, exc.value.code) == (param, code)
+    assert (exc.value.param, exc.value.code) == (param, code) and needle in exc.value.message, exc.value.message
 
 
 def test_a_tool_choice_outside_the_modes_is_refused_by_validation() -> None:
@@ -273,7 +274,7 @@ def test_messages_carry_calls_with_parsed_arguments_and_tool_results() -> None:
 def test_malformed_tool_messages_name_the_field(message: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidRequest) as exc:
         chat_messages([*CONVERSATION, message])
-    assert exc.value.param == param
+    assert exc.value.param == param and f"'{param}'" in exc.value.message, exc.value.message
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
