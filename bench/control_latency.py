@@ -755,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
     cp.cluster_up()
     cp.set_scrape_interval(SCRAPE_S)
     operator = cp.start_operator(stack.RUN_DIR / "logs" / "bench-operator.log",
-                                 ("--policy", "predictive") if predictive else ())
+                                 ("--policy", args.policy))
     stack.pod_workers("start")
     cp.delete_namespace(NAMESPACE)  # a previous run's leftovers (the operator removes its finalizers)
     cp.create_namespace(NAMESPACE)

@@ -8,7 +8,9 @@
 5. replay the first requests of the Azure LLM conversation trace, time-compressed,
    with prompts of real text (the Python docs) at the trace's lengths, scaled to the model;
 6. send a burst of repetitive prompts, which route most tokens to a few experts;
-7. print the timeline: skew rising, the operator tightening the budget, the workers applying it;
+7. print the timeline: the operator's predictive policy cutting the budgets that its memory prediction says will not
+   fit the soft limit (the example's request-count ceilings, then the burst's longer prompts), skew rising without
+   a cut where the prediction has room, the workers applying each budget document;
 8. print a summary and tear everything down (unless ``--keep``).
 """
 
@@ -16,11 +18,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import math
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -31,12 +36,15 @@ from harness.loadgen.stats import summarize
 from harness.loadgen.text import repetitive_prompt
 from harness.loadgen.trace import load_schedule
 
-from moeguard_core.contract import METRIC_PROCESS_RSS_BYTES
+from moeguard_core.contract import METRIC_BUDGET_GENERATION, METRIC_PROCESS_RSS_BYTES
 from moeguard_operator.loop.observe import skew_query
 
 NAMESPACE = "moeguard-demo"
 NAME = "mixtral-tiny"
 EXAMPLE = stack.ROOT / "examples" / "moeinferenceservice.yaml"
+SHOWN = {"maxBatchRequests": "max_batch_requests", "maxPrefillTokens": "max_prefill_tokens"}
+"""The budgets the timeline shows per worker: the example's prediction binds on maxBatchRequests (the KV of
+maxConcurrentBatches x maxBatchRequests sequences) first."""
 
 
 @dataclass
@@ -46,6 +54,7 @@ class Timeline:
     t0: float = field(default_factory=time.monotonic)
     lines: list[str] = field(default_factory=list)
     peak_rss: float = 0.0
+    peak_skew: float = 0.0
     budget_changes: list[str] = field(default_factory=list)
     _last: dict[str, object] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -63,22 +72,24 @@ class Timeline:
 
     def sample(self, urls: list[str]) -> None:
         skew = stack.prom_query(skew_query(NAMESPACE, NAME, 15))
-        if skew is not None and self._changed("skew", round(skew, 1)):
+        if skew is not None and not math.isnan(skew) and self._changed("skew", round(skew, 1)):  # NaN: no batches
             self.note(f"Prometheus: max expert skew ratio over 15 s = {skew:.1f}")
+            self.peak_skew = max(self.peak_skew, skew)
         obj = stack.get_moeis(NAMESPACE, NAME)
         status = obj.get("status", {})
-        prefill = status.get("budgets", {}).get("maxPrefillTokens")
-        if self._changed("cr-prefill", prefill):
+        budgets = status.get("budgets", {})
+        if budgets and self._changed("cr-budgets", budgets):
             adj = status.get("lastAdjustment")
-            why = f" ({adj['reason']})" if adj else ""
-            self.note(f"operator: status.budgets.maxPrefillTokens = {prefill}{why}")
-            if adj:
-                self.budget_changes.append(f"{adj['from']['maxPrefillTokens']} -> {adj['to']['maxPrefillTokens']} at {adj['time']}")
+            if adj and self._changed("cr-adjustment", adj.get("time")):
+                moved = changed_budgets(adj["from"], adj["to"])
+                self.note(f"operator: status.budgets {moved} ({adj['reason']})")
+                self.budget_changes.append(f"{moved} at {adj['time']}")
         for url in urls:
-            value = stack.scrape_one(url, "moeguard_budget_max_prefill_tokens")
-            if value is not None and self._changed(f"worker-prefill-{url}", value):
-                gen = stack.scrape_one(url, "moeguard_budget_generation")
-                self.note(f"worker {url}: applies maxPrefillTokens = {value:.0f} (budget generation {gen:.0f})")
+            gen = stack.scrape_one(url, METRIC_BUDGET_GENERATION)
+            if gen is not None and self._changed(f"worker-generation-{url}", gen):
+                shown = {alias: stack.scrape_one(url, f"moeguard_budget_{field}") for alias, field in SHOWN.items()}
+                self.note(f"worker {url}: applies budget generation {gen:.0f} ("
+                          + ", ".join(f"{k} = {v:.0f}" for k, v in shown.items() if v is not None) + ")")
             rss = stack.scrape_one(url, METRIC_PROCESS_RSS_BYTES)
             if rss:
                 self.peak_rss = max(self.peak_rss, rss)
@@ -95,12 +106,19 @@ class Timeline:
         self._stop.set()
 
 
+def changed_budgets(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """The budgets that differ, as ``name a -> b`` joined by commas."""
+    return ", ".join(f"{k} {before.get(k)} -> {v}" for k, v in after.items() if before.get(k) != v) or "unchanged"
+
+
 def print_summary(title: str, run: RunResult) -> None:
     s = summarize(run)
     lat = s.latency_s
     print(f"  {title}: {s.n_ok}/{s.n_requests} served, by status {s.by_status}; "
           f"latency p50/p95/p99 = {_ms(lat.get('p50'))}/{_ms(lat.get('p95'))}/{_ms(lat.get('p99'))}; "
           f"goodput {s.goodput_tok_s:.0f} tokens/s")
+    for error in sorted({r.error for r in run.results if r.status is None and r.error})[:3]:
+        print(f"    not answered: {error}")
 
 
 def _ms(v: float | None) -> str:
@@ -144,26 +162,30 @@ def main() -> int:
         print(f"[5/8] replaying {len(schedule.requests)} trace requests over {schedule.meta.duration_s:.0f} s "
               f"(time x1/{args.time_compression:g}, lengths x{args.length_scale:g}) on {len(urls)} workers", flush=True)
         trace_run = asyncio.run(replay(urls, schedule, progress=False, max_in_flight=64, request_timeout_s=120))
-        before = stack.get_moeis(NAMESPACE, NAME)["status"]["budgets"]["maxPrefillTokens"]
-        floor = stack.get_moeis(NAMESPACE, NAME)["spec"]["batching"]["floors"]["maxPrefillTokens"]
-        print(f"[6/8] burst of {args.burst} repetitive prompts (maxPrefillTokens now {before})", flush=True)
+        before = stack.get_moeis(NAMESPACE, NAME)["status"]["budgets"]
+        print(f"[6/8] burst of {args.burst} repetitive prompts (budgets now {json.dumps(before)})", flush=True)
         # One repeated pattern for every prompt: a batch of them routes nearly all tokens to top-k experts.
         prompts = [repetitive_prompt(512, seed=0)] * args.burst
         burst_run = asyncio.run(burst(urls, prompts, max_tokens=8, progress=False, request_timeout_s=120))
-        print("[7/8] waiting for the operator to tighten the budget and the workers to apply it", flush=True)
+        control = stack.get_moeis(NAMESPACE, NAME)["spec"]["control"]
+        settle = control["windowSeconds"] + 2 * control["queryIntervalSeconds"]
+        print(f"[7/8] the operator's looks at the burst's window ({settle} s): the skew is high, the prompts longer; "
+              "it cuts only what its prediction says will not fit", flush=True)
+        time.sleep(settle)
 
-        def applied() -> bool:
-            target = stack.get_moeis(NAMESPACE, NAME)["status"]["budgets"]["maxPrefillTokens"]
-            values = [stack.scrape_one(u, "moeguard_budget_max_prefill_tokens") for u in urls]
-            return target < before and all(v == target for v in values)
+        def applied() -> bool:  # the generation: a worker's budget gauges also carry its own soft-limit shrink
+            target = stack.get_moeis(NAMESPACE, NAME)["status"].get("budgetGeneration")
+            return all(stack.scrape_one(u, METRIC_BUDGET_GENERATION) == target for u in urls)
 
-        if before <= floor:
-            print(f"  maxPrefillTokens is already at its floor {floor}: nothing left to tighten", flush=True)
-        else:
-            try:
-                stack.wait_for(applied, 90, "the workers to apply a tightened budget", interval=1)
-            except TimeoutError as exc:
-                print(f"  !! {exc}", flush=True)
+        try:
+            stack.wait_for(applied, 60, "every worker to apply the budget document in status", interval=1)
+        except TimeoutError as exc:
+            print(f"  !! {exc}", flush=True)
+        after = stack.get_moeis(NAMESPACE, NAME)["status"]["budgets"]
+        skewed = f"at a peak expert skew ratio of {timeline.peak_skew:.0f} (skewThreshold {control['skewThreshold']})"
+        print(f"  after the burst: {changed_budgets(before, after)}; maxPrefillTokens " + (
+            f"cut {skewed}: the predicted step did not fit" if after["maxPrefillTokens"] < before["maxPrefillTokens"]
+            else f"unchanged {skewed}: the predicted step fits, and skew alone cuts nothing"), flush=True)
         time.sleep(2)
         timeline.stop()
         sampler.join(5)
@@ -174,7 +196,7 @@ def main() -> int:
         print(f"  peak worker RSS: {timeline.peak_rss / 2**20:.0f} MiB")
         print(f"  budget changes: {len(timeline.budget_changes)} ({'; '.join(timeline.budget_changes) or 'none'})")
         for ev in stack.events(NAMESPACE, NAME):
-            if ev.get("reason") in ("BudgetTightened", "MetricsUnavailable", "UnknownModelPreset"):
+            if ev.get("reason") in ("BudgetTightened", "BudgetRelaxed", "MetricsUnavailable", "UnknownModelPreset"):
                 print(f"  event {ev['type']} {ev['reason']}: {ev['message']}")
         print(f"  demo took {time.monotonic() - t_start:.0f} s")
         return 0 if timeline.budget_changes else 1

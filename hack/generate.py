@@ -305,11 +305,12 @@ ADVICE: dict[str, str] = {
         "model does not know (no prediction, no predictive tightening for it); two values for one pod: a bug."),
     "moeguard_expert_skew_ratio": (
         "Rising: the router sends most tokens to few experts (repetitive or single-topic traffic). The "
-        "per-expert gather buffers grow with the top expert's count, so prefill peaks grow. Above "
-        "`spec.control.skewThreshold` the operator halves `maxPrefillTokens` (it reads "
-        "`moeguard_step_expert_skew_ratio`, which knows when the batches were: this gauge keeps the last "
-        "batch's value for ever, however long ago it ran). Sustained high skew with the budget at its floor: "
-        "lower the floor's batch size further or add replicas."),
+        "per-expert gather buffers grow with the top expert's count, so prefill peaks grow. The operator's "
+        "default policy predicts each pod's peak under the observed skew and cuts `maxPrefillTokens` only where "
+        "it would not fit; with `--policy threshold` it halves `maxPrefillTokens` above "
+        "`spec.control.skewThreshold` (both read `moeguard_step_expert_skew_ratio`, which knows when the batches "
+        "were: this gauge keeps the last batch's value for ever, however long ago it ran). Sustained high skew "
+        "with the budget at its floor: lower the floor's batch size further or add replicas."),
     "moeguard_step_expert_skew_ratio": (
         "What the operator reads for skew (see *How the operator reads the workers* below): one observation "
         "per engine step that routed enough token-slots, the highest skew among its layers. `_count` not "

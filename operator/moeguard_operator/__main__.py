@@ -79,9 +79,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Opera
                         help="a worker's warm-up before its RSS slope may count as a leak, seconds "
                              "(default: %(default)s; shorter only in tests)")
     parser.add_argument("--policy", choices=POLICIES, default=OperatorConfig.policy,
-                        help="the outer loop's policy: threshold (AIMD on skew, memory and refusal thresholds) or "
-                             "predictive (budgets from each pod's predicted memory, overload mode from SLO "
-                             "attainment); default: %(default)s")
+                        help="the outer loop's policy: predictive (budgets from each pod's predicted memory, overload "
+                             "mode from SLO attainment) or threshold (AIMD on skew, memory and refusal thresholds, "
+                             "the policy before issue 30); default: %(default)s")
     parser.add_argument("--allow-secrets", action="store_true",
                         help="serve specs that mount Secrets or read them into env (template.volumes[].secret, "
                              "template.extraEnv[].valueFrom.secretKeyRef); default: refuse them")

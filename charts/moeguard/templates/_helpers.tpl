@@ -111,6 +111,7 @@ The operator's command-line arguments (python -m moeguard_operator ...).
 - --standalone
 {{- end }}
 - --log-level={{ .Values.operator.logLevel }}
+- --policy={{ .Values.operator.policy }}
 - --liveness=http://0.0.0.0:{{ .Values.operator.livenessPort }}/healthz
 {{- if .Values.metrics.enabled }}
 - --metrics-port={{ .Values.metrics.port }}

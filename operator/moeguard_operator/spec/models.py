@@ -402,13 +402,18 @@ class ControlSpec(_Model):
     window_seconds: int = Field(default=30, ge=5, le=3600)
     """Range of the PromQL windows (``max_over_time``, ``rate``), seconds."""
     skew_threshold: float = Field(default=4.0, gt=1.0, le=1_000_000.0)
-    """Expert skew ratio (top expert tokens / median expert tokens) above which the prefill budgets drop."""
+    """Expert skew ratio (top expert tokens / median expert tokens) above which routing skew is reported (the
+    RoutingSkew Event). The default ``predictive`` policy cuts no budget for skew alone: it predicts each pod's
+    peak under the observed skew and cuts only where that does not fit. With the operator's ``--policy
+    threshold`` the prefill budgets drop above it."""
     rss_soft_fraction: float = Field(default=0.8, gt=0.0, le=1.0)
-    """Memory in use / hardLimit above which every budget drops (pressure)."""
+    """Memory in use / hardLimit above which the budgets do not loosen (``predictive``, the default policy: more
+    than its prediction accounts for) or every budget drops (``--policy threshold``: pressure)."""
     rss_hard_fraction: float = Field(default=0.95, gt=0.0, le=1.0)
     """Memory in use / hardLimit above which overload mode turns on (mode Auto)."""
     decrease_factor: float = Field(default=0.5, gt=0.0, lt=1.0)
-    """Multiplicative decrease under pressure: budget × factor, never below its floor."""
+    """Multiplicative decrease, never below the floors: on an OOM kill (both policies), and under any pressure
+    with ``--policy threshold`` (the default ``predictive`` policy cuts to the largest value that fits instead)."""
     increase_step: float = Field(default=0.1, gt=0.0, le=1.0)
     """Additive increase after a calm stabilization window: + step × ceiling, never above the ceiling."""
     stabilization_window_seconds: int = Field(default=120, ge=0, le=86_400)
@@ -417,7 +422,7 @@ class ControlSpec(_Model):
     """Minimum seconds between two budget changes (an OOM kill does not wait)."""
     leak_action: Literal["Warn", "Restart"] = "Warn"
     """On a suspected native leak: ``Warn`` (condition and Event) or ``Restart`` (roll the workers too; with the
-    operator's ``--policy predictive`` on Deployment workers, each leaking pod is replaced before it reaches
+    operator's default ``--policy predictive`` on Deployment workers, each leaking pod is replaced before it reaches
     hardLimit instead, surge first: ``status.leakReplacement``, docs/runbook.md)."""
     leak_horizon_seconds: int = Field(default=43_200, ge=60, le=604_800)
     """A leak is suspected when the RSS slope (over ``leakWindowSeconds``) would take memory from its current

@@ -64,6 +64,18 @@ def test_values_are_validated_by_the_schema(helm_bin: Any) -> None:
     assert res.returncode != 0 and "logLevel" in res.stderr
     res = helm_bin("template", "x", str(CHART), "--kube-version", "1.34.4", "--set", "replicaCount=2", check=False)
     assert res.returncode != 0 and "peering" in res.stderr
+    res = helm_bin("template", "x", str(CHART), "--kube-version", "1.34.4", "--set", "operator.policy=aimd",
+                   check=False)
+    assert res.returncode != 0 and "policy" in res.stderr
+
+
+def test_the_policy_value_reaches_the_operator(template: Any) -> None:
+    from moeguard_operator.__main__ import parse_args
+
+    for sets, policy in (((), "predictive"), (("operator.policy=threshold",), "threshold")):
+        args = _by_kind(_docs(template(*sets)), "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert f"--policy={policy}" in args
+        assert parse_args(args)[1].policy == policy
 
 
 def test_template_dry_run_server(cluster: Any, template: Any, namespace: str) -> None:

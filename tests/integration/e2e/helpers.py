@@ -18,6 +18,13 @@ TEST_LEAK_WARMUP_SECONDS = 20
 """The worker warm-up (operator flag ``--leak-warmup-seconds``) of the e2e modules that wait for a leak judgement
 (a module's ``OPERATOR_EXTRA_ARGS``) while their workers are idle, so the 90 s of
 ``observation.LEAK_WARMUP_SECONDS`` (the rule itself is unit-tested) would only make them wait."""
+THRESHOLD_POLICY = ("--policy", "threshold")
+"""The operator flags of the modules whose story is the ``threshold`` policy's (issue 11: a skew burst past
+``skewThreshold`` halves the budgets, refusals turn overload mode on), which the default ``predictive`` policy
+(issue 30) rightly leaves alone when the step has room: they keep testing that policy and the safety rules it
+shares with ``predictive`` (blind time, stale series, short history, OOM kills, durable decisions). The default
+policy's own e2e tests: test_predictive_e2e, test_leak_replacement_e2e, test_autoscale_e2e, and every module
+without this flag."""
 
 
 def operator_looks(namespace: str, name: str, result: str | None = None, port: int = OPERATOR_METRICS_PORT) -> float:

@@ -23,7 +23,18 @@ import pytest
 from harness import stack
 from harness.loadgen.text import prompt_of_length, repetitive_prompt
 from tests.integration.conftest import Cluster, PodWorkers
-from tests.integration.e2e.helpers import get, moeis, operator_looks, wait, wait_cr, wait_event
+from tests.integration.e2e.helpers import (
+    THRESHOLD_POLICY,
+    get,
+    moeis,
+    operator_looks,
+    wait,
+    wait_cr,
+    wait_event,
+)
+
+OPERATOR_EXTRA_ARGS = THRESHOLD_POLICY
+"""This module's story is the threshold policy's: a skew burst past skewThreshold tightens (helpers.THRESHOLD_POLICY)."""
 
 DEADLINE = 120
 """Seconds any one wait may take on a loaded machine; each ends as soon as the state is there (timing

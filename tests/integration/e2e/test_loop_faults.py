@@ -31,7 +31,7 @@ import pytest
 from harness import stack
 from harness.loadgen.text import prompt_of_length
 from tests.integration.conftest import Cluster, PodWorkers
-from tests.integration.e2e.helpers import PORT_OFFSET, get, moeis, wait, wait_cr
+from tests.integration.e2e.helpers import PORT_OFFSET, THRESHOLD_POLICY, get, moeis, wait, wait_cr
 
 from moeguard_core.contract import METRIC_BUDGET_GENERATION, parse_budget_configmap_data
 
@@ -67,7 +67,8 @@ class Operator:
         self.log.unlink(missing_ok=True)
         env = {"MOEGUARD_TEST_PAUSE_AT": pause_at} if pause_at else {}
         proc = self.proc = stack.start_operator(self.log, run_dir=self.cluster.run_dir, extra_env=env, args=(
-            "-n", self.namespace, "--standalone", "--liveness", f"http://127.0.0.1:{LIVENESS_PORT}/healthz"))
+            "-n", self.namespace, "--standalone", "--liveness", f"http://127.0.0.1:{LIVENESS_PORT}/healthz",
+            *THRESHOLD_POLICY))
 
         def up() -> bool:
             assert proc.poll() is None, f"operator exited: see {self.log}"

@@ -15,6 +15,7 @@ from harness.loadgen.text import prompt_of_length, repetitive_prompt
 from tests.integration.conftest import Cluster, PodWorkers
 from tests.integration.e2e.helpers import (
     OPERATOR_METRICS_PORT,
+    THRESHOLD_POLICY,
     moeis,
     ready_status,
     wait,
@@ -22,6 +23,8 @@ from tests.integration.e2e.helpers import (
     wait_event,
 )
 
+OPERATOR_EXTRA_ARGS = THRESHOLD_POLICY
+"""This module's story is the threshold policy's: a skew burst past skewThreshold tightens (helpers.THRESHOLD_POLICY)."""
 SPEC = {
     "model": {"preset": "tiny"},
     "replicas": 1,

@@ -16,10 +16,12 @@ from typing import Any
 import httpx
 from harness.loadgen.text import repetitive_prompt
 from tests.integration.conftest import Cluster, PodWorkers
-from tests.integration.e2e.helpers import moeis, ready_status, wait, wait_cr
+from tests.integration.e2e.helpers import THRESHOLD_POLICY, moeis, ready_status, wait, wait_cr
 
 from moeguard_core import contract
 
+OPERATOR_EXTRA_ARGS = THRESHOLD_POLICY
+"""This module's story is the threshold policy's: a skew burst past skewThreshold tightens (helpers.THRESHOLD_POLICY)."""
 SPEC: dict[str, Any] = {
     "model": {"preset": "tiny"},
     "replicas": 1,

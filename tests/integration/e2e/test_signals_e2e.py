@@ -18,7 +18,13 @@ from typing import Any
 from harness import stack
 from harness.loadgen.text import repetitive_prompt
 from tests.integration.conftest import Cluster, PodWorkers
-from tests.integration.e2e.helpers import TEST_LEAK_WARMUP_SECONDS, get, wait, wait_cr
+from tests.integration.e2e.helpers import (
+    TEST_LEAK_WARMUP_SECONDS,
+    THRESHOLD_POLICY,
+    get,
+    wait,
+    wait_cr,
+)
 from tests.integration.e2e.test_control_loop import (  # noqa: F401 - restore_prometheus is a fixture
     SPEC,
     complete,
@@ -28,7 +34,7 @@ from tests.integration.e2e.test_control_loop import (  # noqa: F401 - restore_pr
 )
 
 DEADLINE = 120
-OPERATOR_EXTRA_ARGS = ("--leak-warmup-seconds", str(TEST_LEAK_WARMUP_SECONDS))
+OPERATOR_EXTRA_ARGS = (*THRESHOLD_POLICY, "--leak-warmup-seconds", str(TEST_LEAK_WARMUP_SECONDS))
 
 
 def prefill(obj: dict[str, Any]) -> int:

@@ -97,9 +97,9 @@ def test_a_broken_prometheus_ca_file_stops_the_operator_at_start_naming_it(tmp_p
         main(["-A", "--standalone", "--prometheus-ca-file", str(garbage)])
 
 
-def test_the_policy_is_a_flag_threshold_by_default(capsys: pytest.CaptureFixture[str]) -> None:
-    assert parse_args([])[1].policy == "threshold"
-    assert parse_args(["--policy", "predictive"])[1].policy == "predictive"
+def test_the_policy_is_a_flag_predictive_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_args([])[1].policy == "predictive"
+    assert parse_args(["--policy", "threshold"])[1].policy == "threshold"
     with pytest.raises(SystemExit):
         parse_args(["--policy", "aimd"])
     assert "invalid choice: 'aimd'" in capsys.readouterr().err
