@@ -5,6 +5,15 @@ from __future__ import annotations
 
 import os
 
+# One OpenMP thread per test process, waiting passively: set before anything imports torch (libgomp reads them when
+# it loads). torch's default, a team of one thread per core that spins between parallel regions, meets two other
+# xdist workers and the clusters' worker processes on the two cores of the development machine: there the unit
+# part took 240-361 s under `-n 2` (one tool-call test 80 s instead of 6 s alone) and 74 s with these two
+# (2026-12-06, AMD EPYC). The workers the tests start set their own threads (MOEGUARD_TORCH_THREADS, default 1)
+# and wait policy. setdefault: a caller's own values win.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 from tests.suite_setup import SUITE_MARKERS, run_rank, time_per_part, unmarked, worker_cluster_env
 
