@@ -37,6 +37,7 @@ from harness.loadgen.text import repetitive_prompt
 from harness.loadgen.trace import load_schedule
 
 from moeguard_core.contract import METRIC_BUDGET_GENERATION, METRIC_PROCESS_RSS_BYTES
+from moeguard_operator.config import POLICIES, OperatorConfig
 from moeguard_operator.loop.observe import skew_query
 
 NAMESPACE = "moeguard-demo"
@@ -132,6 +133,9 @@ def main() -> int:
     p.add_argument("--time-compression", type=float, default=4.0, help="trace arrival times are divided by this")
     p.add_argument("--length-scale", type=float, default=0.25, help="trace token lengths are multiplied by this")
     p.add_argument("--burst", type=int, default=48, help="repetitive prompts in the skew burst")
+    p.add_argument("--policy", choices=POLICIES, default=OperatorConfig.policy,
+                   help="the operator's --policy (default: %(default)s; threshold: the policy before issue 30, which "
+                        "halves maxPrefillTokens on the burst's skew)")
     args = p.parse_args()
     run_dir = stack.RUN_DIR
     operator = None
@@ -142,7 +146,8 @@ def main() -> int:
         print("[2/8] CRD", flush=True)
         stack.apply_crds()
         print("[3/8] operator", flush=True)
-        operator = stack.start_operator(run_dir / "logs" / "operator.log")
+        operator = stack.start_operator(run_dir / "logs" / "operator.log",
+                                        args=("-A", "--standalone", "--policy", args.policy))
         stack.pod_workers("start")
         print(f"[4/8] {EXAMPLE.relative_to(stack.ROOT)} in namespace {NAMESPACE}", flush=True)
         stack.kubectl("create", "namespace", NAMESPACE, check=False)
@@ -169,8 +174,8 @@ def main() -> int:
         burst_run = asyncio.run(burst(urls, prompts, max_tokens=8, progress=False, request_timeout_s=120))
         control = stack.get_moeis(NAMESPACE, NAME)["spec"]["control"]
         settle = control["windowSeconds"] + 2 * control["queryIntervalSeconds"]
-        print(f"[7/8] the operator's looks at the burst's window ({settle} s): the skew is high, the prompts longer; "
-              "it cuts only what its prediction says will not fit", flush=True)
+        print(f"[7/8] the operator's looks at the burst's window ({settle} s, --policy {args.policy}): the skew is "
+              "high, the prompts longer", flush=True)
         time.sleep(settle)
 
         def applied() -> bool:  # the generation: a worker's budget gauges also carry its own soft-limit shrink
@@ -183,9 +188,12 @@ def main() -> int:
             print(f"  !! {exc}", flush=True)
         after = stack.get_moeis(NAMESPACE, NAME)["status"]["budgets"]
         skewed = f"at a peak expert skew ratio of {timeline.peak_skew:.0f} (skewThreshold {control['skewThreshold']})"
-        print(f"  after the burst: {changed_budgets(before, after)}; maxPrefillTokens " + (
-            f"cut {skewed}: the predicted step did not fit" if after["maxPrefillTokens"] < before["maxPrefillTokens"]
-            else f"unchanged {skewed}: the predicted step fits, and skew alone cuts nothing"), flush=True)
+        cut = after["maxPrefillTokens"] < before["maxPrefillTokens"]
+        why = (("the skew passed skewThreshold" if cut else "the skew stayed under skewThreshold")
+               if args.policy == "threshold" else
+               ("the predicted step did not fit" if cut else "the predicted step fits, and skew alone cuts nothing"))
+        print(f"  after the burst ({args.policy} policy): {changed_budgets(before, after)}; maxPrefillTokens "
+              f"{'cut' if cut else 'unchanged'} {skewed}: {why}", flush=True)
         time.sleep(2)
         timeline.stop()
         sampler.join(5)
