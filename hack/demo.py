@@ -76,15 +76,11 @@ class Timeline:
         if skew is not None and not math.isnan(skew) and self._changed("skew", round(skew, 1)):  # NaN: no batches
             self.note(f"Prometheus: max expert skew ratio over 15 s = {skew:.1f}")
             self.peak_skew = max(self.peak_skew, skew)
-        obj = stack.get_moeis(NAMESPACE, NAME)
-        status = obj.get("status", {})
-        budgets = status.get("budgets", {})
-        if budgets and self._changed("cr-budgets", budgets):
-            adj = status.get("lastAdjustment")
-            if adj and self._changed("cr-adjustment", adj.get("time")):
-                moved = changed_budgets(adj["from"], adj["to"])
-                self.note(f"operator: status.budgets {moved} ({adj['reason']})")
-                self.budget_changes.append(f"{moved} at {adj['time']}")
+        adj = stack.get_moeis(NAMESPACE, NAME).get("status", {}).get("lastAdjustment")
+        if adj and self._changed("cr-adjustment", adj.get("time")):  # the operator rewrites it with every change
+            moved = changed_budgets(adj["from"], adj["to"])
+            self.note(f"operator: status.budgets {moved} ({adj['reason']})")
+            self.budget_changes.append(f"{moved} at {adj['time']}")
         for url in urls:
             gen = stack.scrape_one(url, METRIC_BUDGET_GENERATION)
             if gen is not None and self._changed(f"worker-generation-{url}", gen):
