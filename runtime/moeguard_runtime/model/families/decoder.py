@@ -23,7 +23,7 @@ from moeguard_core.family_shape import qwen_sparse_layers
 from moeguard_runtime.model.families.rope import RopeScaling, rope_scaling
 from moeguard_runtime.model.families.routers import Router, SoftmaxTopK
 from moeguard_runtime.model.hf_config import BuildOptions, HFConfig
-from moeguard_runtime.model.model import KVCache, RMSNorm, Segment
+from moeguard_runtime.model.model import KVCache, RMSNorm, Segment, embedding
 from moeguard_runtime.model.moe import (
     ExpertDispatch,
     GateUpViews,
@@ -219,7 +219,7 @@ class HFDecoder(nn.Module):
                  cache_factory: Callable[[int, torch.dtype, torch.device | str], KVCache]) -> None:
         super().__init__()
         self._args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.embed_tokens = embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
