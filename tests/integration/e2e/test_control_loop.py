@@ -65,6 +65,11 @@ def start(cluster: Cluster, ns: str, name: str, pod_workers: PodWorkers, **overr
     urls = [pod_workers.wait_for(f"{ns}/{p['metadata']['name']}", 60)["url"] for p in pods]
     for url in urls:
         wait(lambda u=url: stack.healthy(u), 120, "worker /healthz")
+        # Scraped once before the test's traffic: a counter's first sample must precede the requests it counts, or
+        # increase() over the window reads 0 (a fast worker served a whole burst before Prometheus found it: the
+        # SLO attainment of test_predictive_e2e never appeared, rehearsal Q, 2026-12-06).
+        target = url.removeprefix("http://")
+        wait(lambda t=target: stack.prom_query(f'up{{instance="{t}"}}') == 1.0, 60, f"Prometheus scraping {target}")
     assert len(urls) == obj["spec"]["replicas"]
     return urls
 
