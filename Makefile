@@ -8,8 +8,8 @@ export MOEGUARD_RUN_DIR ?= /tmp/moeguard-run
 # first: tests/suite_setup.py), not xdist's default of the files with the most tests first, which left the
 # one-test 4.5-min diagnosis drill for the end. Four workers on 2 cores: once a worker started in 3.2 s of CPU
 # instead of 5.8 and the tests' kubectl reads went through one API client, the e2e phase left the CPUs half idle;
-# a fourth worker took the xdist part from 22 min 34 s (-n 3) to 20 min 02 s, all passed (clean-clone rehearsals Q
-# and R, 2026-12-06, AMD EPYC; docs/testing.md). Before those two fixes -n 4 was slower (rehearsal P, stopped).
+# a fourth worker took the xdist part from 22 min 34 s (-n 3) to 20 min 02 s and 22 min 55 s, all passed (clean-clone
+# rehearsals Q, R and S, 2026-12-06, AMD EPYC; docs/testing.md). Before those two fixes -n 4 was slower (rehearsal P, stopped).
 # XDIST="-n 0": one process.
 XDIST ?= -n 4 --dist loadfile --no-loadscope-reorder
 # the 25 slowest tests, then the time per part (tests/conftest.py)
