@@ -279,15 +279,19 @@ def _unfused_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def embedding(vocab_size: int, dim: int) -> nn.Embedding:
-    """An ``nn.Embedding`` ``[vocab_size, dim]`` whose weight is left uninitialised (:func:`init_weights` or a
-    checkpoint fills it), on the current default device.
+    """An ``nn.Embedding`` ``[vocab_size, dim]`` on the current default device: on the meta device its weight is
+    left undrawn (:func:`init_weights` or a checkpoint fills it after materialising); elsewhere it is drawn from
+    N(0, 1) as ``nn.Embedding`` draws it.
 
     ``nn.Embedding`` draws its weight with ``normal_`` unless given one. On the meta device, where
     :func:`build_model` and the families build, ``normal_`` runs its Python reference (``torch._refs``), whose
     first call imports ``torch._dynamo`` and ``torch._inductor``: 2-3 s of CPU in every worker start (on the
     AMD EPYC of the tests: 2.6 s of a 5.8-s start of the ``tiny`` preset, measured with cProfile, 2026-12-06).
     """
-    return nn.Embedding(vocab_size, dim, _weight=torch.empty(vocab_size, dim))
+    weight = torch.empty(vocab_size, dim)
+    if not weight.is_meta:
+        nn.init.normal_(weight)  # nn.Embedding's own initialisation
+    return nn.Embedding(vocab_size, dim, _weight=weight)
 
 
 def materialise(model: nn.Module) -> None:

@@ -49,6 +49,13 @@ def test_the_embedding_is_built_without_drawing_its_weight() -> None:
     assert emb.weight.is_meta and tuple(emb.weight.shape) == (10, 4)
 
 
+def test_off_the_meta_device_the_embedding_is_drawn_as_nn_embedding_draws_it() -> None:
+    torch.manual_seed(3)
+    ours = embedding(1000, 8).weight
+    torch.manual_seed(3)
+    assert torch.equal(ours, nn.Embedding(1000, 8).weight)
+
+
 def test_seeded_weights_equal_those_of_torchs_own_to_empty() -> None:
     """The reference: the same meta model (with nn.Embedding's own init) through ``to_empty`` and init_weights."""
     with torch.device("meta"):
