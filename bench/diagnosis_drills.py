@@ -110,12 +110,13 @@ def ucx_library() -> Path | None:
     return None
 
 
-def warmup_seconds(spec: dict[str, Any]) -> float:
+def warmup_seconds(spec: dict[str, Any], leak_warmup_s: float = LEAK_WARMUP_SECONDS) -> float:
     """Seconds of traffic before the onset: every pod's series must span the look window, and its leak window
-    must start after the worker's warm-up (:data:`moeguard_operator.diagnosis.diagnosis.LEAK_WARMUP_SECONDS`: a younger
-    worker's growth is never a leak), plus two looks."""
+    must start after the worker's warm-up (``leak_warmup_s``, the operator's ``--leak-warmup-seconds``, by
+    default :data:`moeguard_operator.loop.observation.LEAK_WARMUP_SECONDS`: a younger worker's growth is never
+    a leak), plus two looks."""
     c = spec["control"]
-    return float(max(LEAK_WARMUP_SECONDS + c["leakWindowSeconds"], c["windowSeconds"]) + 2 * c["queryIntervalSeconds"])
+    return float(max(leak_warmup_s + c["leakWindowSeconds"], c["windowSeconds"]) + 2 * c["queryIntervalSeconds"])
 
 
 def active_kinds(obj: dict[str, Any]) -> list[str]:
@@ -266,8 +267,10 @@ def finding_events(namespace: str, name: str) -> list[tuple[str, str]]:
 
 
 def run_drill(kind: str, namespace: str, *, name: str = "drill", deadline_s: float = DEADLINE_S,
-              grace_s: float = GRACE_S, log: Callable[[str], None] = print, scratch: Path = Path("/tmp")) -> DrillResult:
+              grace_s: float = GRACE_S, log: Callable[[str], None] = print, scratch: Path = Path("/tmp"),
+              leak_warmup_s: float = LEAK_WARMUP_SECONDS) -> DrillResult:
     """One drill of ``kind`` in a fresh ``namespace`` (created and deleted here); see the module docstring.
+    ``leak_warmup_s`` must be the operator's ``--leak-warmup-seconds`` (:func:`warmup_seconds`).
 
     Raises:
         ValueError: an unknown kind.
@@ -289,7 +292,7 @@ def run_drill(kind: str, namespace: str, *, name: str = "drill", deadline_s: flo
         traffic = SteadyTraffic(lambda: list(cp.workers(namespace, name).values()), BACKGROUND_RPS,
                                 prompt_tokens=BACKGROUND_PROMPT_TOKENS, skew_seed=SKEW_SEED)
         traffic.start()
-        time.sleep(warmup_seconds(BASE_SPEC))
+        time.sleep(warmup_seconds(BASE_SPEC, leak_warmup_s))
         result.rss_soft_fraction = size_tightly(namespace, name, url)
         time.sleep(2 * BASE_SPEC["control"]["queryIntervalSeconds"])
         answers = inject(kind, namespace, name, url, traffic, lock_file)

@@ -15,7 +15,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
-from tests.suite_setup import SUITE_MARKERS, run_rank, time_per_part, unmarked, worker_cluster_env
+from tests.suite_setup import (
+    SUITE_MARKERS,
+    file_spans,
+    run_rank,
+    time_per_part,
+    unmarked,
+    worker_cluster_env,
+)
 
 os.environ.update(worker_cluster_env(os.environ))
 
@@ -42,3 +49,18 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.write_sep("=", "time per part (test seconds, summed)")
     for part, count, seconds in rows:
         terminalreporter.write_line(f"{part:<24} {count:>5} tests {seconds:>8.1f} s")
+    spans = [f for f in file_spans((r.nodeid, _worker(r), r.start, r.stop) for r in reports) if f.seconds >= FILE_MIN_SECONDS]
+    if spans:
+        terminalreporter.write_sep("=", f"files of {FILE_MIN_SECONDS:g} s or more, as they started (s since the first test)")
+        for f in spans:
+            terminalreporter.write_line(f"{f.worker:<4} {f.start:>7.0f} {f.stop:>7.0f} {f.seconds:>7.1f} s  {f.path}")
+
+
+FILE_MIN_SECONDS = 10.0
+"""The files listed by start time at the end of a run: those whose tests took this long or longer, summed."""
+
+
+def _worker(report: pytest.TestReport) -> str:
+    """The pytest-xdist worker (``gw0``, ...) that ran a test, ``-`` in a run without xdist."""
+    node = getattr(report, "node", None)
+    return str(getattr(getattr(node, "gateway", None), "id", "-"))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 SUITE_MARKERS = ("unit", "integration", "node")
 XDIST_PORT_STRIDE = 100
@@ -85,3 +85,31 @@ def time_per_part(durations: Iterable[tuple[str, float]]) -> list[tuple[str, int
         seen.setdefault(part, set()).add(nodeid)
         seconds[part] = seconds.get(part, 0.0) + s
     return sorted(((p, len(seen[p]), seconds[p]) for p in seen), key=lambda r: -r[2])
+
+
+class FileSpan(NamedTuple):
+    """One test file's run in a session: the xdist worker that ran it (``-`` without xdist), when its first
+    test's setup started and its last teardown ended (seconds since the session's first test started), and
+    its test seconds (setup + call + teardown, summed)."""
+    path: str
+    worker: str
+    start: float
+    stop: float
+    seconds: float
+
+
+def file_spans(phases: Iterable[tuple[str, str, float, float]]) -> list[FileSpan]:
+    """The :class:`FileSpan` of each file, in the order the files started, from one ``(nodeid, worker, start,
+    stop)`` per test phase (epoch seconds): where the wall time of an xdist session went (docs/testing.md)."""
+    rows = list(phases)
+    if not rows:
+        return []
+    origin = min(start for _, _, start, _ in rows)
+    spans: dict[str, FileSpan] = {}
+    for nodeid, worker, start, stop in rows:
+        path = nodeid.split("::", 1)[0]
+        old = spans.get(path)
+        spans[path] = FileSpan(path, worker, start - origin, stop - origin, stop - start) if old is None else \
+            FileSpan(path, old.worker, min(old.start, start - origin), max(old.stop, stop - origin),
+                     old.seconds + stop - start)
+    return sorted(spans.values(), key=lambda f: (f.start, f.path))

@@ -10,6 +10,8 @@ from tests.suite_setup import (
     APPLIED_ENV,
     LONGEST_FIRST,
     SUITE_MARKERS,
+    FileSpan,
+    file_spans,
     part_of,
     run_rank,
     time_per_part,
@@ -67,3 +69,10 @@ def test_the_longest_parts_run_first_and_every_part_has_a_place() -> None:
                                          "tests/integration/cluster/b.py::t", "tests/integration/newpart/e.py::t",
                                          "tests/unit/a.py::t", "x.py::t"]
     assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)
+
+
+def test_file_spans_merge_each_files_phases_and_order_the_files_by_start() -> None:
+    spans = file_spans([("tests/a.py::t", "gw0", 100.0, 101.0), ("tests/b.py::u", "gw1", 100.5, 110.5),
+                        ("tests/a.py::t", "gw0", 101.0, 104.0), ("tests/a.py::v", "gw0", 120.0, 121.0)])
+    assert spans == [FileSpan("tests/a.py", "gw0", 0.0, 21.0, 5.0), FileSpan("tests/b.py", "gw1", 0.5, 10.5, 10.0)]
+    assert file_spans([]) == []
