@@ -251,7 +251,10 @@ def test_a_crash_loop_backs_off_as_the_kubelet_does(cluster: Cluster, namespace:
     for gap, expected in zip(gaps, [0, 1, 2, 4, 4], strict=True):
         assert expected <= gap + 0.05 and gap < expected + 1.5, (gaps, times)
     assert {"CrashLoopBackOff: back-off 1s", "CrashLoopBackOff: back-off 4s"} <= seen, seen
-    cs = container(cluster, namespace, "crash")
+    # between two starts (a 4-s back-off now): a running start is Ready for its 0.3 s, as with a kubelet
+    # (rehearsal T read one, restartCount 5 and ready, under load)
+    cs = wait("a back-off after the sixth start", lambda: (
+        c if (c := container(cluster, namespace, "crash")).get("state", {}).get("waiting") else None), timeout=20)
     term = cs["lastState"]["terminated"]
     assert (term["reason"], term["exitCode"]) == ("Error", 3)
     assert "standin: exiting 3 on purpose" in term["message"]  # FallbackToLogsOnError: the log's tail
