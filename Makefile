@@ -4,9 +4,10 @@ PY := .venv/bin/python
 export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/runtime:$(CURDIR)/core:$(CURDIR)
 export MOEGUARD_RUN_DIR ?= /tmp/moeguard-run
 # make test-cluster: pytest-xdist workers, each with its own local cluster (tests/suite_setup.py); whole
-# files per worker (module-scoped operators and workers stay together), in the suite's order (longest parts
-# first: tests/suite_setup.py), not xdist's default of the files with the most tests first, which left the
-# one-test 4.5-min diagnosis drill for the end. Four workers on 2 cores: once a worker started in 3.2 s of CPU
+# files per worker (module-scoped operators and workers stay together), in the suite's order (the integration files
+# longest first by tests/file_seconds.json, the LPT schedule: tests/suite_setup.py), not xdist's default of the files
+# with the most tests first, which left the one-test 4.5-min diagnosis drill for the end. Refresh the times with
+# MOEGUARD_PYTEST_ARGS=--store-file-seconds=$$PWD/tests/file_seconds.json .ci/run (merged into the file). Four workers on 2 cores: once a worker started in 3.2 s of CPU
 # instead of 5.8 and the tests' kubectl reads went through one API client, the e2e phase left the CPUs half idle;
 # a fourth worker took the xdist part from 22 min 34 s (-n 3) to 20 min 02 s and 22 min 55 s, all passed (clean-clone
 # rehearsals Q, R and S, 2026-12-06, AMD EPYC; docs/testing.md). Before those two fixes -n 4 was slower (rehearsal P, stopped).

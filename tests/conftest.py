@@ -3,7 +3,9 @@ cluster, set here at import, before any test module reads ``harness.stack``; eve
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 # One OpenMP thread per test process, waiting passively: set before anything imports torch (libgomp reads them when
 # it loads). torch's default, a team of one thread per core that spins between parallel regions, meets two other
@@ -17,7 +19,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest
 from tests.suite_setup import (
     SUITE_MARKERS,
+    file_seconds,
     file_spans,
+    load_file_seconds,
     run_rank,
     time_per_part,
     unmarked,
@@ -27,9 +31,16 @@ from tests.suite_setup import (
 os.environ.update(worker_cluster_env(os.environ))
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--store-file-seconds", metavar="PATH", default=None,
+                     help="merge each integration file's test seconds into the JSON at PATH at the end "
+                          "(tests/file_seconds.json orders the suite: tests/suite_setup.py run_rank)")
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: run_rank(item.nodeid))  # stable: each file's own order is kept
+    known = load_file_seconds()
+    items.sort(key=lambda item: run_rank(item.nodeid, known))  # stable: each file's own order is kept
     missing = unmarked(items)
     if missing:
         raise pytest.UsageError(
@@ -41,11 +52,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """Time per part of the suite (setup + call + teardown, summed over tests: under xdist the parts overlap,
     so their sum exceeds the wall time), after pytest's own ``--durations`` list."""
-    reports = [r for key in ("passed", "failed", "error", "skipped") for r in terminalreporter.stats.get(key, [])
+    reports = [r for key in ("passed", "failed", "error", "skipped", "") for r in terminalreporter.stats.get(key, [])
                if isinstance(r, pytest.TestReport)]
     rows = time_per_part((r.nodeid, r.duration) for r in reports)
     if not rows:
         return
+    store = terminalreporter.config.getoption("--store-file-seconds")
+    if store:
+        path = Path(store)  # merged: a run of some files (-k, -m alone) updates those and keeps the others
+        merged = load_file_seconds(path) | file_seconds((r.nodeid, r.duration) for r in reports)
+        path.write_text(json.dumps(dict(sorted(merged.items(), key=lambda kv: (-kv[1], kv[0]))), indent=1) + "\n")
     terminalreporter.write_sep("=", "time per part (test seconds, summed)")
     for part, count, seconds in rows:
         terminalreporter.write_line(f"{part:<24} {count:>5} tests {seconds:>8.1f} s")

@@ -13,8 +13,10 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import NamedTuple, Protocol
 
 SUITE_MARKERS = ("unit", "integration", "node")
@@ -61,18 +63,60 @@ def part_of(nodeid: str) -> str:
 
 LONGEST_FIRST = ("integration/e2e", "integration/operator", "integration/worker", "integration/delivery",
                  "integration/cluster", "integration/bench", "integration", "node", "unit", "other")
-"""The parts in the order the suite runs them: longest tests first (docs/testing.md), so that under
-pytest-xdist no worker is left with one long file at the end while the others idle; the unit tests
-(under a second each) fill the gaps last."""
+"""The parts in the order the suite runs them when no file's time is known: longest tests first
+(docs/testing.md), so that under pytest-xdist no worker is left with one long file at the end while the
+others idle; the unit tests (under a second each) fill the gaps last."""
+
+FILE_SECONDS_PATH = Path(__file__).with_name("file_seconds.json")
+"""Each integration file's test seconds in a whole ``make test`` run (``pytest --store-file-seconds``):
+the suite runs those files longest first (:func:`run_rank`)."""
 
 
-def run_rank(nodeid: str) -> int:
-    """The sort key of a test: its part's place in :data:`LONGEST_FIRST` (the order within a part is kept); an
-    integration folder not listed there runs with ``integration``, before the unit tests."""
+def load_file_seconds(path: Path = FILE_SECONDS_PATH) -> dict[str, float]:
+    """The ``{file: seconds}`` of :data:`FILE_SECONDS_PATH`, empty when the file is missing.
+
+    Raises:
+        ValueError: the file is not a JSON object of numbers.
+    """
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    if not isinstance(data, dict) or not all(isinstance(v, (int, float)) for v in data.values()):
+        raise ValueError(f"{path}: expected a JSON object of file -> seconds")
+    return {str(k): float(v) for k, v in data.items()}
+
+
+def run_rank(nodeid: str, file_seconds: Mapping[str, float] | None = None) -> tuple[int, float]:
+    """The sort key of a test (a stable sort keeps each file's own order).
+
+    Integration files run first, longest first by ``file_seconds`` (a file not in it counts as the mean of
+    its part's known files): under pytest-xdist's ``--dist loadfile`` each worker takes the next file when it
+    is free, so longest-first is the LPT schedule (Graham 1969), which leaves no worker with a long file at
+    the end. With no times known, the parts run in the order of :data:`LONGEST_FIRST`; an integration folder
+    not listed there runs with ``integration``, before the unit tests, and node and unit tests always last."""
     part = part_of(nodeid)
     if part not in LONGEST_FIRST:
         part = "integration" if part.startswith("integration/") else "other"
-    return LONGEST_FIRST.index(part)
+    rank = LONGEST_FIRST.index(part)
+    if not file_seconds or not part.startswith("integration"):
+        return rank + len(LONGEST_FIRST) * bool(file_seconds), 0.0
+    path = nodeid.split("::", 1)[0]
+    if path in file_seconds:
+        return 0, -file_seconds[path]
+    known = [s for f, s in file_seconds.items() if part_of(f) == part]
+    return 0, -(sum(known) / len(known) if known else 0.0)
+
+
+def file_seconds(durations: Iterable[tuple[str, float]]) -> dict[str, float]:
+    """``{file: seconds}`` of the integration files, from ``(nodeid, seconds)`` pairs (one per test phase),
+    rounded to 0.1 s and sorted longest first: what ``--store-file-seconds`` writes."""
+    total: dict[str, float] = {}
+    for nodeid, s in durations:
+        if part_of(nodeid).startswith("integration"):
+            path = nodeid.split("::", 1)[0]
+            total[path] = total.get(path, 0.0) + s
+    return {f: round(s, 1) for f, s in sorted(total.items(), key=lambda kv: (-kv[1], kv[0]))}
 
 
 def time_per_part(durations: Iterable[tuple[str, float]]) -> list[tuple[str, int, float]]:

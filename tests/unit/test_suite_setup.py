@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -11,7 +12,9 @@ from tests.suite_setup import (
     LONGEST_FIRST,
     SUITE_MARKERS,
     FileSpan,
+    file_seconds,
     file_spans,
+    load_file_seconds,
     part_of,
     run_rank,
     time_per_part,
@@ -76,3 +79,32 @@ def test_file_spans_merge_each_files_phases_and_order_the_files_by_start() -> No
                         ("tests/a.py::t", "gw0", 101.0, 104.0), ("tests/a.py::v", "gw0", 120.0, 121.0)])
     assert spans == [FileSpan("tests/a.py", "gw0", 0.0, 21.0, 5.0), FileSpan("tests/b.py", "gw1", 0.5, 10.5, 10.0)]
     assert file_spans([]) == []
+
+
+def test_known_file_times_run_the_integration_files_longest_first_and_the_unit_tests_last() -> None:
+    known = {"tests/integration/worker/d.py": 300.0, "tests/integration/e2e/c.py": 100.0,
+             "tests/integration/e2e/f.py": 200.0, "tests/integration/cluster/b.py": 5.0}
+    ids = ["tests/unit/a.py::t", "tests/integration/cluster/b.py::t", "tests/integration/e2e/c.py::t",
+           "tests/integration/e2e/c.py::u", "tests/integration/worker/d.py::t", "tests/integration/e2e/new.py::t",
+           "tests/node/n.py::t", "tests/integration/e2e/f.py::t"]
+    # the new e2e file counts as the mean of the known e2e files (150 s)
+    assert sorted(ids, key=lambda i: run_rank(i, known)) == [
+        "tests/integration/worker/d.py::t", "tests/integration/e2e/f.py::t", "tests/integration/e2e/new.py::t",
+        "tests/integration/e2e/c.py::t", "tests/integration/e2e/c.py::u", "tests/integration/cluster/b.py::t",
+        "tests/node/n.py::t", "tests/unit/a.py::t"]
+
+
+def test_file_seconds_sums_each_integration_files_phases_longest_first() -> None:
+    assert file_seconds([("tests/integration/e2e/a.py::t", 1.25), ("tests/integration/e2e/a.py::t", 2.0),
+                         ("tests/integration/worker/b.py::u", 9.0), ("tests/unit/c.py::v", 50.0)]) == {
+        "tests/integration/worker/b.py": 9.0, "tests/integration/e2e/a.py": 3.2}
+
+
+def test_file_times_load_from_json_and_a_missing_file_is_no_times(tmp_path: Path) -> None:
+    path = tmp_path / "file_seconds.json"
+    assert load_file_seconds(path) == {}
+    path.write_text('{"tests/integration/e2e/a.py": 12.5}')
+    assert load_file_seconds(path) == {"tests/integration/e2e/a.py": 12.5}
+    path.write_text('{"tests/integration/e2e/a.py": "slow"}')
+    with pytest.raises(ValueError, match="file -> seconds"):
+        load_file_seconds(path)
