@@ -21,6 +21,7 @@ from tests.suite_setup import (
     SUITE_MARKERS,
     file_seconds,
     file_spans,
+    integration_order,
     load_file_seconds,
     run_rank,
     time_per_part,
@@ -39,8 +40,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    known = load_file_seconds()
-    items.sort(key=lambda item: run_rank(item.nodeid, known))  # stable: each file's own order is kept
+    order = integration_order((item.nodeid.split("::", 1)[0] for item in items), load_file_seconds())
+    items.sort(key=lambda item: run_rank(item.nodeid, order))  # stable: each file's own order is kept
     missing = unmarked(items)
     if missing:
         raise pytest.UsageError(

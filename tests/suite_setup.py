@@ -87,25 +87,56 @@ def load_file_seconds(path: Path = FILE_SECONDS_PATH) -> dict[str, float]:
     return {str(k): float(v) for k, v in data.items()}
 
 
-def run_rank(nodeid: str, file_seconds: Mapping[str, float] | None = None) -> tuple[int, float]:
-    """The sort key of a test (a stable sort keeps each file's own order).
+CPU_BOUND_PARTS = ("integration/worker",)
+"""The parts whose files load the CPUs (worker processes under traffic, expert-parallel groups of 2 and 4 ranks);
+the others mostly wait on clocks (query intervals, scrapes, windows, readiness)."""
 
-    Integration files run first, longest first by ``file_seconds`` (a file not in it counts as the mean of
-    its part's known files): under pytest-xdist's ``--dist loadfile`` each worker takes the next file when it
-    is free, so longest-first is the LPT schedule (Graham 1969), which leaves no worker with a long file at
-    the end. With no times known, the parts run in the order of :data:`LONGEST_FIRST`; an integration folder
-    not listed there runs with ``integration``, before the unit tests, and node and unit tests always last."""
+
+def estimated_seconds(path: str, file_seconds: Mapping[str, float]) -> float:
+    """A file's seconds in ``file_seconds``; a file not in it counts as the mean of its part's known files (0
+    when none is known)."""
+    if path in file_seconds:
+        return file_seconds[path]
+    known = [s for f, s in file_seconds.items() if part_of(f) == part_of(path)]
+    return sum(known) / len(known) if known else 0.0
+
+
+def integration_order(paths: Iterable[str], file_seconds: Mapping[str, float]) -> dict[str, int]:
+    """The place of each integration file among ``paths`` in the suite's run (0 first).
+
+    Longest first within each of two kinds, the files of :data:`CPU_BOUND_PARTS` and the clock-bound rest,
+    merged so that both kinds advance through their total seconds at the same pace: the next file is of the
+    kind with the smaller done fraction. Longest first is the LPT schedule (Graham 1969) on xdist's ``loadfile``
+    queue (each worker takes the next file when it is free), so no worker ends on a long file; the merge keeps
+    about as many CPU-bound files running as the machine has cores. Longest first alone ran three CPU-bound files
+    at once in rehearsals V and W (the expert-parallel files at twice their time in U: docs/testing.md)."""
+    files = sorted({p for p in paths if part_of(p).startswith("integration")})
+    est = {p: estimated_seconds(p, file_seconds) for p in files}
+    kinds = [sorted((p for p in files if (part_of(p) in CPU_BOUND_PARTS) == cpu), key=lambda p: (-est[p], p))
+             for cpu in (True, False)]
+    totals = [sum(est[p] for p in kind) or 1.0 for kind in kinds]
+    done = [0.0, 0.0]
+    order: list[str] = []
+    while kinds[0] or kinds[1]:
+        k = 0 if kinds[0] and (not kinds[1] or done[0] / totals[0] <= done[1] / totals[1]) else 1
+        path = kinds[k].pop(0)
+        done[k] += est[path]
+        order.append(path)
+    return {p: i for i, p in enumerate(order)}
+
+
+def run_rank(nodeid: str, order: Mapping[str, int] | None = None) -> tuple[int, int]:
+    """The sort key of a test (a stable sort keeps each file's own order): the integration files in ``order``
+    (:func:`integration_order`) first, then the node and unit tests. With no order, the parts run in the
+    order of :data:`LONGEST_FIRST`; an integration folder not listed there runs with ``integration``, before
+    the unit tests."""
     part = part_of(nodeid)
     if part not in LONGEST_FIRST:
         part = "integration" if part.startswith("integration/") else "other"
     rank = LONGEST_FIRST.index(part)
-    if not file_seconds or not part.startswith("integration"):
-        return rank + len(LONGEST_FIRST) * bool(file_seconds), 0.0
-    path = nodeid.split("::", 1)[0]
-    if path in file_seconds:
-        return 0, -file_seconds[path]
-    known = [s for f, s in file_seconds.items() if part_of(f) == part]
-    return 0, -(sum(known) / len(known) if known else 0.0)
+    if not order or not part.startswith("integration"):
+        return rank + len(LONGEST_FIRST) * bool(order), 0
+    return 0, order.get(nodeid.split("::", 1)[0], len(order))
 
 
 def file_seconds(durations: Iterable[tuple[str, float]]) -> dict[str, float]:

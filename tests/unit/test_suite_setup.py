@@ -12,8 +12,10 @@ from tests.suite_setup import (
     LONGEST_FIRST,
     SUITE_MARKERS,
     FileSpan,
+    estimated_seconds,
     file_seconds,
     file_spans,
+    integration_order,
     load_file_seconds,
     part_of,
     run_rank,
@@ -81,17 +83,24 @@ def test_file_spans_merge_each_files_phases_and_order_the_files_by_start() -> No
     assert file_spans([]) == []
 
 
-def test_known_file_times_run_the_integration_files_longest_first_and_the_unit_tests_last() -> None:
-    known = {"tests/integration/worker/d.py": 300.0, "tests/integration/e2e/c.py": 100.0,
-             "tests/integration/e2e/f.py": 200.0, "tests/integration/cluster/b.py": 5.0}
+def test_known_file_times_run_each_kind_longest_first_merged_at_one_pace_and_the_unit_tests_last() -> None:
+    known = {"tests/integration/worker/d.py": 300.0, "tests/integration/worker/g.py": 100.0,
+             "tests/integration/e2e/c.py": 100.0, "tests/integration/e2e/f.py": 200.0,
+             "tests/integration/cluster/b.py": 100.0}
     ids = ["tests/unit/a.py::t", "tests/integration/cluster/b.py::t", "tests/integration/e2e/c.py::t",
            "tests/integration/e2e/c.py::u", "tests/integration/worker/d.py::t", "tests/integration/e2e/new.py::t",
-           "tests/node/n.py::t", "tests/integration/e2e/f.py::t"]
-    # the new e2e file counts as the mean of the known e2e files (150 s)
-    assert sorted(ids, key=lambda i: run_rank(i, known)) == [
+           "tests/node/n.py::t", "tests/integration/e2e/f.py::t", "tests/integration/worker/g.py::t"]
+    order = integration_order((i.split("::")[0] for i in ids), known)
+    # CPU-bound (worker) d 300, g 100: 400 s; clock-bound f 200, new 150 (the mean of the known e2e files),
+    # b 100, c 100: 550 s. Each pick goes to the kind with the smaller done fraction (ties: CPU-bound).
+    assert sorted(order, key=order.__getitem__) == [
+        "tests/integration/worker/d.py", "tests/integration/e2e/f.py", "tests/integration/e2e/new.py",
+        "tests/integration/cluster/b.py", "tests/integration/worker/g.py", "tests/integration/e2e/c.py"]
+    assert sorted(ids, key=lambda i: run_rank(i, order)) == [
         "tests/integration/worker/d.py::t", "tests/integration/e2e/f.py::t", "tests/integration/e2e/new.py::t",
-        "tests/integration/e2e/c.py::t", "tests/integration/e2e/c.py::u", "tests/integration/cluster/b.py::t",
-        "tests/node/n.py::t", "tests/unit/a.py::t"]
+        "tests/integration/cluster/b.py::t", "tests/integration/worker/g.py::t", "tests/integration/e2e/c.py::t",
+        "tests/integration/e2e/c.py::u", "tests/node/n.py::t", "tests/unit/a.py::t"]
+    assert estimated_seconds("tests/integration/delivery/x.py", known) == 0.0  # no file of its part known
 
 
 def test_file_seconds_sums_each_integration_files_phases_longest_first() -> None:
