@@ -5,7 +5,8 @@ export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/runtime:$(CURDIR)/core:$(CURDI
 export MOEGUARD_RUN_DIR ?= /tmp/moeguard-run
 # make test-cluster: pytest-xdist workers, each with its own local cluster (tests/suite_setup.py); whole
 # files per worker (module-scoped operators and workers stay together), in the suite's order (the integration files
-# longest first by tests/file_seconds.json, the LPT schedule: tests/suite_setup.py), not xdist's default of the files
+# by their times in tests/file_seconds.json, longest first within the CPU-bound and the clock-bound kind, merged:
+# tests/suite_setup.py integration_order), not xdist's default of the files
 # with the most tests first, which left the one-test 4.5-min diagnosis drill for the end. Refresh the times with
 # MOEGUARD_PYTEST_ARGS=--store-file-seconds=$$PWD/tests/file_seconds.json .ci/run (merged into the file). Four workers on 2 cores: once a worker started in 3.2 s of CPU
 # instead of 5.8 and the tests' kubectl reads went through one API client, the e2e phase left the CPUs half idle;

@@ -19,6 +19,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest
 from tests.suite_setup import (
     SUITE_MARKERS,
+    file_of,
     file_seconds,
     file_spans,
     integration_order,
@@ -35,12 +36,12 @@ os.environ.update(worker_cluster_env(os.environ))
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--store-file-seconds", metavar="PATH", default=None,
                      help="merge each integration file's test seconds into the JSON at PATH at the end "
-                          "(tests/file_seconds.json orders the suite: tests/suite_setup.py run_rank)")
+                          "(tests/file_seconds.json orders the suite: tests/suite_setup.py integration_order)")
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    order = integration_order((item.nodeid.split("::", 1)[0] for item in items), load_file_seconds())
+    order = integration_order((file_of(item.nodeid) for item in items), load_file_seconds())
     items.sort(key=lambda item: run_rank(item.nodeid, order))  # stable: each file's own order is kept
     missing = unmarked(items)
     if missing:

@@ -50,10 +50,15 @@ def unmarked(items: Iterable[_Marked]) -> list[str]:
     return [item.nodeid for item in items if not any(item.get_closest_marker(m) for m in SUITE_MARKERS)]
 
 
+def file_of(nodeid: str) -> str:
+    """The file of a test's node id (``tests/x/y.py::test_z`` -> ``tests/x/y.py``)."""
+    return nodeid.split("::", 1)[0]
+
+
 def part_of(nodeid: str) -> str:
     """The part of the suite a test belongs to, for the time-per-part table: ``unit``, ``node``, or
     ``integration/<folder>`` (``worker``, ``cluster``, ``e2e``, ...)."""
-    parts = nodeid.split("::", 1)[0].split("/")
+    parts = file_of(nodeid).split("/")
     if len(parts) < 3 or parts[0] != "tests":
         return "other"
     if parts[1] == "integration" and len(parts) > 3:
@@ -69,7 +74,7 @@ others idle; the unit tests (under a second each) fill the gaps last."""
 
 FILE_SECONDS_PATH = Path(__file__).with_name("file_seconds.json")
 """Each integration file's test seconds in a whole ``make test`` run (``pytest --store-file-seconds``):
-the suite runs those files longest first (:func:`run_rank`)."""
+the suite's order of its integration files (:func:`integration_order`)."""
 
 
 def load_file_seconds(path: Path = FILE_SECONDS_PATH) -> dict[str, float]:
@@ -136,7 +141,7 @@ def run_rank(nodeid: str, order: Mapping[str, int] | None = None) -> tuple[int, 
     rank = LONGEST_FIRST.index(part)
     if not order or not part.startswith("integration"):
         return rank + len(LONGEST_FIRST) * bool(order), 0
-    return 0, order.get(nodeid.split("::", 1)[0], len(order))
+    return 0, order.get(file_of(nodeid), len(order))
 
 
 def file_seconds(durations: Iterable[tuple[str, float]]) -> dict[str, float]:
@@ -145,8 +150,7 @@ def file_seconds(durations: Iterable[tuple[str, float]]) -> dict[str, float]:
     total: dict[str, float] = {}
     for nodeid, s in durations:
         if part_of(nodeid).startswith("integration"):
-            path = nodeid.split("::", 1)[0]
-            total[path] = total.get(path, 0.0) + s
+            total[file_of(nodeid)] = total.get(file_of(nodeid), 0.0) + s
     return {f: round(s, 1) for f, s in sorted(total.items(), key=lambda kv: (-kv[1], kv[0]))}
 
 
@@ -182,7 +186,7 @@ def file_spans(phases: Iterable[tuple[str, str, float, float]]) -> list[FileSpan
     origin = min(start for _, _, start, _ in rows)
     spans: dict[str, FileSpan] = {}
     for nodeid, worker, start, stop in rows:
-        path = nodeid.split("::", 1)[0]
+        path = file_of(nodeid)
         old = spans.get(path)
         spans[path] = FileSpan(path, worker, start - origin, stop - origin, stop - start) if old is None else \
             FileSpan(path, old.worker, min(old.start, start - origin), max(old.stop, stop - origin),
