@@ -452,9 +452,11 @@ ADVICE: dict[str, str] = {
         "`MOEGUARD_MATMUL_BACKEND=auto` (default) it was measured at start-up on the model's own shapes "
         "(or read from the cache under `MOEGUARD_KERNEL_CACHE_DIR`; see `event=matmul_kernel_selected`). "
         "Pods of one MoEInferenceService on different CPU models may choose differently; a change after a "
-        "node upgrade explains a change in step time. `MOEGUARD_MATMUL_BACKEND=onednn`, `torch`, `torch_t` or "
-        "`onednn_packed` fixes the kernel without measuring (`onednn_packed` needs the CPU, float32 or "
-        "bfloat16 where oneDNN has it, and host dispatch; otherwise the worker does not start and says why)."),
+        "node upgrade explains a change in step time. `MOEGUARD_MATMUL_BACKEND=onednn`, `torch`, `torch_t`, "
+        "`stream` or `onednn_packed` fixes the kernel without measuring (`onednn_packed` needs the CPU, float32 or "
+        "bfloat16 where oneDNN has it, and host dispatch; `stream` an AVX2 CPU and a C++ compiler, which the "
+        "worker image does not carry; otherwise the worker does not start and says why). Where `stream` cannot "
+        "be built, `auto` leaves it out and logs `event=kernel_candidate_skipped kernel=stream` with the reason."),
     "moeguard_oom_errors": (
         "Batches that failed to allocate memory and that the worker survived (label `kind`: `cuda` for the "
         "device's allocator, `host` for the CPU's allocator, oneDNN or `MemoryError`); their requests got 503 "

@@ -4,6 +4,7 @@
 #     loads its real libucs through MOEGUARD_FAULT_LOAD_LIBRARY)
 #   - the Python virtualenv (requirements.txt, cached by hash, linked as .venv)
 #   - the Go-built control plane binaries (cached by version under ~/.cache/moeguard)
+#   - g++ and the worker's stream kernel built with it (moeguard_runtime.model.stream_kernel)
 # With --node, also what hack/install-node-deps.sh installs (the real node and the image builds), in the
 # same apt-get call and the same wait: `make test` needs both.
 # The venv (downloads: torch's CUDA build is several GB) is installed in the background while the Go
@@ -18,6 +19,7 @@ command -v prometheus >/dev/null || missing+=(prometheus)
 command -v openssl >/dev/null || missing+=(openssl)
 command -v curl >/dev/null || missing+=(curl)
 dpkg -s libucx0 >/dev/null 2>&1 || missing+=(libucx0)
+command -v g++ >/dev/null || missing+=(g++)
 if [ "$node" = 1 ]; then
   for p in containerd runc containernetworking-plugins buildah mmdebstrap iptables; do
     dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
@@ -43,4 +45,8 @@ wait "$venv_pid" || venv_rc=$?
 cat "$venv_log" >&2
 rm -f "$venv_log"
 [ "$venv_rc" -eq 0 ] || { echo "[deps] the Python venv failed (exit $venv_rc)" >&2; exit "$venv_rc"; }
+# The worker's own few-row expert kernel (a C++ library, cached by source and compiler under
+# ~/.cache/moeguard/native): built now, so no worker or unit test builds it; where it cannot run (no AVX2)
+# this says why and the workers leave it out of their kernel choice.
+PYTHONPATH="$ROOT/runtime:$ROOT/core" "$ROOT/.venv/bin/python" -m moeguard_runtime.model.stream_kernel >&2
 exit "$built"

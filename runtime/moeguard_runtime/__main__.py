@@ -31,6 +31,7 @@ from moeguard_runtime.config import (
 from moeguard_runtime.model.checkpoint import CheckpointError
 from moeguard_runtime.model.hf_checkpoint import read_checkpoint_info
 from moeguard_runtime.model.hf_config import HFConfig, is_hf_folder
+from moeguard_runtime.model.moe import DENSE_BACKENDS
 from moeguard_runtime.telemetry.telemetry import (
     RateLimitedLog,
     Telemetry,
@@ -260,7 +261,7 @@ def initial_kernel(settings: Settings) -> MatmulBackend:
     """The kernel the model is built with: the setting, or ``onednn`` until ``auto`` has measured (or
     until :func:`choose_matmul_kernel` packs the weights for ``onednn_packed``)."""
     backend = settings.matmul_backend
-    return backend if backend in ("torch", "torch_t") else "onednn"
+    return next((k for k in DENSE_BACKENDS if k == backend), "onednn")
 
 
 def choose_matmul_kernel(settings: Settings, model: object, telemetry: Telemetry,
@@ -271,11 +272,12 @@ def choose_matmul_kernel(settings: Settings, model: object, telemetry: Telemetry
     called after loading and sharding, before the weight bytes are counted); with ``onednn_packed``,
     pack without measuring (``config`` has checked that the weights can be packed); log
     ``event=matmul_kernel_selected`` (and
-    ``event=kernel_cache_off`` when the cache cannot be written), set
+    ``event=kernel_cache_off`` when the cache cannot be written, ``event=kernel_candidate_skipped`` for a
+    candidate left out: packing without room, the ``stream`` kernel where it cannot be built), set
     ``moeguard_matmul_kernel_info``. Returns the kernel's label."""
     from torch import nn
 
-    from moeguard_runtime.model import kernel_select
+    from moeguard_runtime.model import kernel_select, stream_kernel
 
     cpu = kernel_select.cpu_model()
     kernel: str = settings.matmul_backend
@@ -294,6 +296,8 @@ def choose_matmul_kernel(settings: Settings, model: object, telemetry: Telemetry
         if selection.packed_skipped is not None:
             log.event("kernel_candidate_skipped", force=True, kernel="onednn_packed",
                       reason=selection.packed_skipped)
+        if settings.device == "cpu" and (no_stream := stream_kernel.unavailable()) is not None:
+            log.event("kernel_candidate_skipped", force=True, kernel="stream", reason=no_stream)
         if selection.cache_error is not None:
             log.event("kernel_cache_off", force=True, directory=kernel_select.cache_dir(),
                       reason=selection.cache_error[:300])

@@ -44,6 +44,7 @@ from moeguard_runtime.env_values import env_float as _float
 from moeguard_runtime.env_values import env_int as _int
 from moeguard_runtime.faults import Faults, load_faults
 from moeguard_runtime.memory.allocation import DEFAULT_UNRECOVERED_S
+from moeguard_runtime.model import stream_kernel
 from moeguard_runtime.model.moe import (
     DEFAULT_EXPERT_CHUNK_TOKENS,
     MATMUL_BACKENDS,
@@ -64,9 +65,11 @@ ENV_MATMUL_BACKEND = "MOEGUARD_MATMUL_BACKEND"
 bucket, or ``onednn_packed`` in every bucket, the experts' weights then packed once into oneDNN's layout in
 place of the dense ones: :mod:`moeguard_runtime.model.kernel_select`), ``onednn`` (oneDNN for CPU
 float32/bfloat16), ``torch`` (``F.linear``), ``torch_t`` (the same product transposed, ``(w @ x.T).T``: the
-BLAS's tall-skinny path at few rows; CPU) or ``onednn_packed`` (packed weights without measuring; CPU
+BLAS's tall-skinny path at few rows; CPU), ``stream`` (moeguard's own few-row kernel, a C++ library built with
+the machine's compiler: :mod:`moeguard_runtime.model.stream_kernel`; CPU float32/bfloat16 with AVX2, else a
+ConfigError saying why not) or ``onednn_packed`` (packed weights without measuring; CPU
 float32, or bfloat16 where oneDNN has it, and not ``MOEGUARD_MOE_DISPATCH=device``: else a ConfigError)."""
-MatmulSetting = Literal["auto", "onednn", "torch", "torch_t", "onednn_packed"]
+MatmulSetting = Literal["auto", "onednn", "torch", "torch_t", "stream", "onednn_packed"]
 MATMUL_SETTINGS: tuple[MatmulSetting, ...] = ("auto", *MATMUL_BACKENDS)
 ENV_MOE_DISPATCH = "MOEGUARD_MOE_DISPATCH"
 """How the MoE layers group their slots: ``auto`` (default), ``host`` or ``device`` (``moe.MoeDispatch``)."""
@@ -328,6 +331,10 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError(f"{ENV_MATMUL_BACKEND}={PACKED_BACKEND} packs the experts for oneDNN on the CPU "
                           f"(float32, or bfloat16 where this torch's oneDNN has it) with host dispatch; "
                           f"this worker has device {device}, dtype {dtype}, {ENV_MOE_DISPATCH}={dispatch}")
+    if backend == "stream" and not (device == "cpu" and stream_kernel.runs(DTYPES[dtype])):
+        raise ConfigError(f"{ENV_MATMUL_BACKEND}=stream runs on the CPU in float32 or bfloat16 with the stream "
+                          f"kernel built; this worker has device {device}, dtype {dtype}: "
+                          f"{stream_kernel.unavailable() or 'not its device or dtype'}")
     preset = env.get(contract.ENV_MODEL_PRESET, "tiny") or "tiny"
     return Settings(
         host=env.get(ENV_HOST, "0.0.0.0"),

@@ -62,7 +62,7 @@ import torch
 from torch import nn
 
 from moeguard_core import contract
-from moeguard_runtime.model import moe
+from moeguard_runtime.model import moe, stream_kernel
 from moeguard_runtime.model.moe import (
     DENSE_BACKENDS,
     MATMUL_BACKENDS,
@@ -77,6 +77,7 @@ from moeguard_runtime.model.moe import (
     swiglu_expert,
     uses_packed,
 )
+from moeguard_runtime.model.stream_kernel import cache_dir as cache_dir
 
 ROW_BUCKETS = (1, 4, 16, 64, 256)
 """Row counts always timed (each already a :func:`moe.padded_rows` bucket): 1-16 cover decode steps
@@ -105,7 +106,6 @@ SELECTION_RULE = 3
 """In the cache key: choices cached under an earlier rule (1: dense kernels only; 2: one call per bucket,
 decode buckets three fifths of the packed rule) are measured again."""
 ENV_KERNEL_CACHE_DIR = contract.ENV_KERNEL_CACHE_DIR
-DEFAULT_CACHE_DIR = "~/.cache/moeguard/kernels"
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
              "amx_tile", "amx_bf16", "amx_int8")
 """The ``/proc/cpuinfo`` flags that decide which matmul kernels are fast (reported, not used)."""
@@ -168,13 +168,16 @@ def _read(path: str) -> str:
 def candidates(dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[MatmulBackend, ...]:
     """The kernels that run on ``device`` in ``dtype``: ``onednn``, ``torch``, ``torch_t`` and ``onednn_packed``
     on the CPU in float32 (and bfloat16 where oneDNN has it; packed where oneDNN's reorder exists), else ``torch``
-    alone. Not ``torch_t`` where oneDNN lacks the dtype: on the AMD EPYC (no native bf16) its emulated bfloat16
+    alone; ``stream`` besides, in float32 and bfloat16, where :func:`stream_kernel.runs` (an AVX2 CPU, the library
+    built). Not ``torch_t`` where oneDNN lacks the dtype: on the AMD EPYC (no native bf16) its emulated bfloat16
     ran 1.4-9x slower than ``F.linear`` at every row count, and timing it added 42 s to the worker's start-up
     (``bench/results/runtime.md``)."""
     probe = torch.empty(0, dtype=dtype, device=device)
+    stream = stream_kernel.runs(dtype, device)
     if not onednn_supports(probe):
-        return ("torch",)
-    return MATMUL_BACKENDS if can_pack(probe) else DENSE_BACKENDS
+        return ("torch", "stream") if stream else ("torch",)
+    dense = tuple(k for k in DENSE_BACKENDS if k != "stream" or stream)
+    return (*dense, PACKED_BACKEND) if can_pack(probe) else dense
 
 
 def packed_wins(seconds: Mapping[int, Mapping[str, float]], dense: KernelPlan) -> bool:
@@ -347,12 +350,6 @@ def cache_path(directory: str, key: Mapping[str, Any]) -> Path:
     """``directory``/``<sha1 of the key, 16 hex>.json``."""
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return Path(directory).expanduser() / f"{digest}.json"
-
-
-def cache_dir(env: Mapping[str, str] | None = None) -> str:
-    """``MOEGUARD_KERNEL_CACHE_DIR``, else :data:`DEFAULT_CACHE_DIR`."""
-    env = os.environ if env is None else env
-    return env.get(ENV_KERNEL_CACHE_DIR) or DEFAULT_CACHE_DIR
 
 
 def _read_cache(path: Path, key: Mapping[str, Any]) -> tuple[KernelPlan, dict[int, dict[str, float]]] | None:

@@ -217,7 +217,8 @@ class Telemetry:
         self.matmul_kernel = gauge(
             "moeguard_matmul_kernel_info",
             "1 for the expert-matmul kernel in use (set once the model is loaded): kernel is onednn, torch "
-            "(F.linear), torch_t (F.linear's product transposed, the weight as the GEMM's left operand), onednn_packed (oneDNN on expert weights packed once into its blocked layout, which "
+            "(F.linear), torch_t (F.linear's product transposed, the weight as the GEMM's left operand), stream (moeguard's "
+            "own few-row kernel, a C++ library built with the machine's compiler), onednn_packed (oneDNN on expert weights packed once into its blocked layout, which "
             "replace the dense ones), or a per-row-bucket plan measured at start-up such as torch<=4,onednn; "
             "cpu is the CPU model from /proc/cpuinfo.", ["kernel", "cpu"])
         self.memory_model = gauge(

@@ -109,7 +109,7 @@ def test_the_rule_picks_packed_from_timings() -> None:
                                          mixed)
 
     def timer(kernel: MatmulBackend, rows: int) -> float:
-        return {"onednn": 2.0, "torch": 3.0, "torch_t": 3.0, PACKED: 1.0}[kernel]
+        return {"onednn": 2.0, "torch": 3.0, "torch_t": 3.0, "stream": 3.0, PACKED: 1.0}[kernel]
 
     plan, _ = kernel_select.choose(moe.MATMUL_BACKENDS, timer, reps=1)
     assert plan == ALL_PACKED and plan.label == "onednn_packed" and plan.packed
@@ -179,7 +179,7 @@ def test_the_worker_packs_frees_the_dense_weights_and_exports_the_choice(tmp_pat
 
     monkeypatch.setenv(kernel_select.ENV_KERNEL_CACHE_DIR, str(tmp_path))
     monkeypatch.setattr(kernel_select, "expert_timer",
-                        lambda w13, w2, **_: lambda k, r: {"onednn": 2.0, "torch": 3.0, "torch_t": 3.0, PACKED: 1.0}[k])
+                        lambda w13, w2, **_: lambda k, r: {"onednn": 2.0, "torch": 3.0, "torch_t": 3.0, "stream": 3.0, PACKED: 1.0}[k])
     model = build_model(presets.get_preset("tiny"), seed=0)
     dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     gone = [weakref.ref(m.w13) for m in model.modules() if isinstance(getattr(m, "w13", None), torch.Tensor)]
@@ -214,7 +214,7 @@ def test_the_worker_does_not_pack_without_room_for_packing(tmp_path: Path, monke
 
     monkeypatch.setenv(kernel_select.ENV_KERNEL_CACHE_DIR, str(tmp_path))
     monkeypatch.setattr(kernel_select, "expert_timer",
-                        lambda w13, w2, **_: lambda k, r: {"onednn": 2.0, "torch": 3.0, "torch_t": 3.0, PACKED: 1.0}[k])
+                        lambda w13, w2, **_: lambda k, r: {"onednn": 2.0, "torch": 3.0, "torch_t": 3.0, "stream": 3.0, PACKED: 1.0}[k])
     model = build_model(presets.get_preset("tiny"), seed=0)
     need = kernel_select.packing_transient_bytes(*(kernel_select.first_experts(model) or ()))
     monkeypatch.setattr(memory, "read_memory", lambda: memory.MemoryReading(10 << 30, "cgroup_v2", (10 << 30) + need - 1))

@@ -1,0 +1,202 @@
+"""moeguard's own expert-matmul kernel for a few rows (decode): a C++ library built with the machine's compiler.
+
+At a few rows an expert call is a pass over its weights, and the library kernels stream them well below the read
+rate (issue 31: a decode step took 1.87x the time to read the touched experts' weights in float32 and 5.96x in
+bfloat16 on the AMD EPYC of the benchmarks, where oneDNN has no native bfloat16). ``native/stream_linear.cpp``
+computes ``x @ w.T`` in one pass over ``w`` (float32 or bfloat16 weights, widened in registers; float32
+arithmetic) with AVX2 and FMA, its output rows split over torch's threads. It is the ``stream`` kernel of
+:data:`moe.MatmulBackend`, one more candidate that :mod:`moeguard_runtime.model.kernel_select` measures; the plan
+takes it only in the buckets where it is faster.
+
+Build: ``g++ -O3 -mavx2 -mfma -fopenmp -shared -fPIC`` (``$CXX`` if set) into
+``<MOEGUARD_NATIVE_DIR or ~/.cache/moeguard/native>/stream_linear-<hash>.so``, the hash over the source, the flags
+and the compiler's file, so a new compiler or source builds anew; ``make deps`` builds it at install time
+(``python -m moeguard_runtime.model.stream_kernel``), and a worker that finds none builds it at its first use
+(about 2 s) where a compiler exists. The library needs ``libgomp.so.1``, which torch has loaded: one OpenMP runtime
+in the process. It is loaded with :mod:`ctypes`, which releases the GIL during the call.
+
+Unavailable (and never a candidate, :func:`unavailable` says why): a CPU without AVX2 (torch's CPU capability),
+no compiler (the worker image has none), a build that fails, a cache directory that cannot be written.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from moeguard_core import contract
+
+SOURCE = Path(__file__).with_name("native") / "stream_linear.cpp"
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror",
+         "-Wno-psabi")
+"""Compiler flags: AVX2 and FMA (checked at run time through torch's CPU capability), OpenMP, a shared object."""
+INTERFACE_VERSION = 1
+"""``moeguard_stream_version()`` of the library this module calls; another version is not loaded."""
+DTYPES = (torch.float32, torch.bfloat16)
+"""Weight dtypes the kernel reads (x and the arithmetic are float32)."""
+CPU_CAPABILITIES = ("AVX2", "AVX512")
+"""``torch.backends.cpu.get_cpu_capability()`` values under which the kernel runs (torch's AVX2 level needs
+FMA too)."""
+DEFAULT_CACHE_DIR = "~/.cache/moeguard/kernels"
+ENV_NATIVE_DIR = "MOEGUARD_NATIVE_DIR"
+DEFAULT_NATIVE_DIR = "~/.cache/moeguard/native"
+BUILD_TIMEOUT_S = 120.0
+
+
+class BuildError(RuntimeError):
+    """The library could not be built (the compiler's message in the text)."""
+
+
+def cache_dir(env: Mapping[str, str] | None = None) -> str:
+    """``MOEGUARD_KERNEL_CACHE_DIR``, else :data:`DEFAULT_CACHE_DIR`: where :mod:`kernel_select` caches its
+    choices."""
+    env = os.environ if env is None else env
+    return env.get(contract.ENV_KERNEL_CACHE_DIR) or DEFAULT_CACHE_DIR
+
+
+def compiler(env: Mapping[str, str] | None = None) -> str | None:
+    """The C++ compiler: ``$CXX``, else ``g++`` or ``c++`` on the PATH; None without one."""
+    env = os.environ if env is None else env
+    for name in (env.get("CXX"), "g++", "c++"):
+        if name and (found := shutil.which(name)):
+            return found
+    return None
+
+
+def native_dir(env: Mapping[str, str] | None = None) -> Path:
+    """Where built libraries live: ``MOEGUARD_NATIVE_DIR``, else :data:`DEFAULT_NATIVE_DIR`."""
+    env = os.environ if env is None else env
+    return Path(env.get(ENV_NATIVE_DIR) or DEFAULT_NATIVE_DIR).expanduser()
+
+
+def library_path(cxx: str, env: Mapping[str, str] | None = None) -> Path:
+    """Where the library built by ``cxx`` lives: ``stream_linear-<hash>.so`` under :func:`native_dir`, the hash
+    (12 hex digits of SHA-256) over the source, :data:`FLAGS` and the compiler's resolved path, size and
+    modification time (a new compiler builds anew; no process is started to ask it its version)."""
+    real = Path(cxx).resolve()
+    st = real.stat()
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(" ".join((*FLAGS, str(real), str(st.st_size), str(st.st_mtime_ns))).encode())
+    return native_dir(env) / f"stream_linear-{digest.hexdigest()[:12]}.so"
+
+
+def build(cxx: str, out: Path) -> Path:
+    """Compile :data:`SOURCE` with ``cxx`` into ``out`` (through a temporary file in its folder, renamed when
+    complete: workers that build at once never load a half-written file).
+
+    Raises:
+        BuildError: the compiler failed (its message), timed out, or ``out``'s folder cannot be written.
+    """
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=out.name + ".", dir=out.parent)
+        os.close(fd)
+    except OSError as exc:
+        raise BuildError(f"cannot write {out.parent}: {exc}") from exc
+    try:
+        done = subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+                              timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            raise BuildError(f"{cxx} exited {done.returncode}: {(done.stderr or done.stdout).strip()[:2000]}")
+        os.replace(tmp, out)
+    except subprocess.TimeoutExpired as exc:
+        raise BuildError(f"{cxx} took more than {BUILD_TIMEOUT_S:g}s") from exc
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return out
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.moeguard_stream_version.restype = ctypes.c_int
+    args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    for name in ("moeguard_stream_linear_f32", "moeguard_stream_linear_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
+    return lib
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in CPU_CAPABILITIES:
+        return None, f"the CPU's capability is {capability}, not AVX2"
+    cxx = compiler()
+    if cxx is None:
+        return None, "no C++ compiler (g++ or $CXX) to build it"
+    try:
+        path = library_path(cxx)
+        if not path.exists():
+            build(cxx, path)
+        lib = _bind(ctypes.CDLL(str(path)))
+    except (BuildError, OSError, subprocess.SubprocessError) as exc:
+        return None, str(exc)
+    if (version := lib.moeguard_stream_version()) != INTERFACE_VERSION:
+        return None, f"{path} has interface {version}, not {INTERFACE_VERSION}"
+    return lib, None
+
+
+def unavailable() -> str | None:
+    """Why the kernel cannot run in this process (building it first where needed), or None when it can."""
+    return _load()[1]
+
+
+def runs(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
+    """Whether the kernel runs weights of ``dtype`` on ``device`` (CPU, :data:`DTYPES`, the library loaded)."""
+    return torch.device(device).type == "cpu" and dtype in DTYPES and _load()[0] is not None
+
+
+def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether :func:`linear` takes ``x`` [n, in] and ``w`` [out, in]: both on the CPU in one of :data:`DTYPES`,
+    ``w`` contiguous (a dense weight, not a packed one), ``x``'s rows each contiguous."""
+    return (x.dim() == 2 and w.dim() == 2 and not w.is_mkldnn and x.dtype == w.dtype and x.device.type == "cpu"
+            and w.device.type == "cpu" and w.is_contiguous() and x.shape[1] == w.shape[1]
+            and (x.shape[0] <= 1 or x.stride(1) == 1) and runs(w.dtype))
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` (``x`` [n, in], ``w`` [out, in], as :func:`supports` requires) → [n, out] in ``x``'s dtype, in
+    one pass over ``w`` on torch's threads (``torch.get_num_threads()``); float32 arithmetic, so a bfloat16 result
+    is rounded once.
+
+    Raises:
+        ValueError: the library is not available or the tensors are not supported (:func:`supports`).
+    """
+    lib = _load()[0]
+    if lib is None or not supports(x, w):
+        raise ValueError(f"stream kernel: {unavailable() or 'unsupported tensors'} (x {tuple(x.shape)} "
+                         f"{x.dtype}, w {tuple(w.shape)} {w.dtype})")
+    n, inner = x.shape
+    out = w.shape[0]
+    xf = x if x.dtype == torch.float32 and (n <= 1 or x.stride(1) == 1) else x.float().contiguous()
+    y = torch.empty(n, out, dtype=torch.float32)
+    if n:
+        fn = lib.moeguard_stream_linear_f32 if w.dtype == torch.float32 else lib.moeguard_stream_linear_bf16
+        fn(xf.data_ptr(), xf.stride(0) if n > 1 else inner, n, inner, w.data_ptr(), out, y.data_ptr(), out,
+           torch.get_num_threads())
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def main() -> int:
+    """``python -m moeguard_runtime.model.stream_kernel``: build the library now (``make deps``); exit 0 when it
+    loads, or 0 with the reason on stderr where it cannot run here (the worker then leaves it out)."""
+    why = unavailable()
+    if why is None:
+        print(f"stream kernel: {library_path(compiler() or 'g++')}")
+    else:
+        print(f"stream kernel not available: {why}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
