@@ -467,7 +467,7 @@ def expert_linear(x: torch.Tensor, w: torch.Tensor,
     """``x @ w.T`` (``x`` [n, in], ``w`` [out, in]) → [n, out]: with the ``onednn`` or ``onednn_packed``
     kernel (``backend``'s choice for ``n`` rows), oneDNN for CPU float32/bfloat16 (rows padded to
     :func:`padded_rows`, the padding sliced off), ``torch_t`` (``(w @ x.T).T``), ``stream``
-    (:func:`stream_kernel.linear`, where :func:`stream_kernel.supports` the tensors), else ``F.linear``. A packed
+    (:func:`stream_kernel.try_linear`, where it takes the tensors), else ``F.linear``. A packed
     ``w`` (an ``mkldnn`` tensor, :class:`PackedExperts`) always takes oneDNN, whatever ``backend`` says."""
     n = x.shape[0]
     if w.is_mkldnn:
@@ -479,8 +479,8 @@ def expert_linear(x: torch.Tensor, w: torch.Tensor,
     kernel = kernel_for(backend, n) if n > 0 else None
     if kernel == "torch_t" and x.dim() == 2:
         return torch.mm(w, x.T).T  # [n, out], a transposed view
-    if kernel == "stream" and stream_kernel.supports(x, w):
-        return stream_kernel.linear(x, w)
+    if kernel == "stream" and (y := stream_kernel.try_linear(x, w)) is not None:
+        return y
     return F.linear(x, w)
 
 

@@ -153,15 +153,34 @@ def unavailable() -> str | None:
 
 def runs(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     """Whether the kernel runs weights of ``dtype`` on ``device`` (CPU, :data:`DTYPES`, the library loaded)."""
-    return torch.device(device).type == "cpu" and dtype in DTYPES and _load()[0] is not None
+    on_cpu = device == "cpu" or torch.device(device).type == "cpu"
+    return on_cpu and dtype in DTYPES and _load()[0] is not None
 
 
 def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether :func:`linear` takes ``x`` [n, in] and ``w`` [out, in]: both on the CPU in one of :data:`DTYPES`,
-    ``w`` contiguous (a dense weight, not a packed one), ``x``'s rows each contiguous."""
-    return (x.dim() == 2 and w.dim() == 2 and not w.is_mkldnn and x.dtype == w.dtype and x.device.type == "cpu"
-            and w.device.type == "cpu" and w.is_contiguous() and x.shape[1] == w.shape[1]
-            and (x.shape[0] <= 1 or x.stride(1) == 1) and runs(w.dtype))
+    ``w`` contiguous (a dense weight, not a packed one), ``x``'s rows each contiguous. Cheap (a decode step asks
+    it twice per expert): attributes only."""
+    return (x.dim() == 2 and w.dim() == 2 and x.is_cpu and w.is_cpu and not w.is_mkldnn and x.dtype == w.dtype
+            and w.dtype in DTYPES and w.is_contiguous() and x.shape[1] == w.shape[1]
+            and (x.shape[0] <= 1 or x.stride(1) == 1) and _load()[0] is not None)
+
+
+def try_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """:func:`linear`, or None where it does not take the tensors (:func:`supports`): the dispatch's call, one
+    check per call."""
+    lib = _load()[0]
+    if lib is None or not supports(x, w):
+        return None
+    n, inner = x.shape
+    out = w.shape[0]
+    xf = x if x.dtype == torch.float32 and (n <= 1 or x.stride(1) == 1) else x.float().contiguous()
+    y = torch.empty(n, out, dtype=torch.float32)
+    if n:
+        fn = lib.moeguard_stream_linear_f32 if w.dtype == torch.float32 else lib.moeguard_stream_linear_bf16
+        fn(xf.data_ptr(), xf.stride(0) if n > 1 else inner, n, inner, w.data_ptr(), out, y.data_ptr(), out,
+           torch.get_num_threads())
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -172,19 +191,11 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: the library is not available or the tensors are not supported (:func:`supports`).
     """
-    lib = _load()[0]
-    if lib is None or not supports(x, w):
+    y = try_linear(x, w)
+    if y is None:
         raise ValueError(f"stream kernel: {unavailable() or 'unsupported tensors'} (x {tuple(x.shape)} "
                          f"{x.dtype}, w {tuple(w.shape)} {w.dtype})")
-    n, inner = x.shape
-    out = w.shape[0]
-    xf = x if x.dtype == torch.float32 and (n <= 1 or x.stride(1) == 1) else x.float().contiguous()
-    y = torch.empty(n, out, dtype=torch.float32)
-    if n:
-        fn = lib.moeguard_stream_linear_f32 if w.dtype == torch.float32 else lib.moeguard_stream_linear_bf16
-        fn(xf.data_ptr(), xf.stride(0) if n > 1 else inner, n, inner, w.data_ptr(), out, y.data_ptr(), out,
-           torch.get_num_threads())
-    return y if x.dtype == torch.float32 else y.to(x.dtype)
+    return y
 
 
 def main() -> int:
