@@ -29,9 +29,15 @@ RUN set -eu; \
     else \
       echo "VARIANT must be cpu or cuda, not $VARIANT" >&2; exit 1; \
     fi
+# g++ for the worker's own few-row expert kernel (moeguard_runtime.model.stream_kernel), built below into the
+# package: the final stage has no compiler. -mavx2: the worker loads it only on a CPU with AVX2.
+RUN apt-get update -qq \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "g++=4:12.2.0-3" >/dev/null \
+    && rm -rf /var/lib/apt/lists/*
 COPY core/moeguard_core/ /opt/app/moeguard_core/
 COPY runtime/moeguard_runtime/ /opt/app/moeguard_runtime/
-RUN /opt/venv/bin/python -m compileall -q /opt/app
+RUN PYTHONPATH=/opt/app /opt/venv/bin/python -m moeguard_runtime.model.stream_kernel --prebuild \
+    && /opt/venv/bin/python -m compileall -q /opt/app
 
 # --- final: no compilers, no pip cache, non-root -------------------------------------------------
 FROM ${PYTHON_IMAGE}

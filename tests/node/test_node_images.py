@@ -94,6 +94,21 @@ def test_imports_as_the_image_user(image: tuple[str, str, Path]) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
 
 
+def test_the_worker_image_carries_its_stream_kernel_built_from_its_source() -> None:
+    """Built in the build stage (``--prebuild``): the final image has no compiler, yet on this AVX2 node the
+    worker's few-row kernel loads from the package, as the image user, with no network."""
+    ctr = buildah("from", "--pull=false", images()["worker"])
+    try:
+        code = ("import shutil; from moeguard_runtime.model import stream_kernel as s; "
+                "print(s.unavailable(), s.PREBUILT.exists(), shutil.which('g++'), s.compiler())")
+        out = subprocess.run(["buildah", "run", "--network", "none", ctr, "--", "python", "-c", code],
+                             capture_output=True, text=True, timeout=300)
+    finally:
+        subprocess.run(["buildah", "rm", ctr], capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["None", "True", "None", "None"], out.stdout
+
+
 # --- loading into the node's containerd -----------------------------------------------------------
 def containerd_address() -> str:
     if not NODE_ENV.exists():

@@ -12,11 +12,13 @@ Build: ``g++ -O3 -mavx2 -mfma -fopenmp -shared -fPIC`` (``$CXX`` if set) into
 ``<MOEGUARD_NATIVE_DIR or ~/.cache/moeguard/native>/stream_linear-<hash>.so``, the hash over the source, the flags
 and the compiler's file, so a new compiler or source builds anew; ``make deps`` builds it at install time
 (``python -m moeguard_runtime.model.stream_kernel``), and a worker that finds none builds it at its first use
-(about 2 s) where a compiler exists. The library needs ``libgomp.so.1``, which torch has loaded: one OpenMP runtime
+(about 2 s) where a compiler exists. The worker image's build stage builds it into the package
+(:data:`PREBUILT`, ``--prebuild``), since the final image has no compiler; it is loaded first, when it was built
+from this very source. The library needs ``libgomp.so.1``, which torch has loaded: one OpenMP runtime
 in the process. It is loaded with :mod:`ctypes`, which releases the GIL during the call.
 
 Unavailable (and never a candidate, :func:`unavailable` says why): a CPU without AVX2 (torch's CPU capability),
-no compiler (the worker image has none), a build that fails, a cache directory that cannot be written.
+neither a prebuilt library of this source nor a compiler, a build that fails, a folder that cannot be written.
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ import torch
 from moeguard_core import contract
 
 SOURCE = Path(__file__).with_name("native") / "stream_linear.cpp"
+PREBUILT = SOURCE.with_suffix(".so")
+"""The library built into the package (``python -m moeguard_runtime.model.stream_kernel --prebuild``: the worker
+image's build stage, which has a compiler; the final image has none). Loaded only when its
+``moeguard_stream_source()`` is :func:`source_digest` and its interface :data:`INTERFACE_VERSION`."""
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror",
          "-Wno-psabi")
 """Compiler flags: AVX2 and FMA (checked at run time through torch's CPU capability), OpenMP, a shared object."""
@@ -104,10 +110,11 @@ def build(cxx: str, out: Path) -> Path:
     except OSError as exc:
         raise BuildError(f"cannot write {out.parent}: {exc}") from exc
     try:
-        done = subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
-                              timeout=BUILD_TIMEOUT_S)
+        done = subprocess.run([cxx, *FLAGS, f"-DMOEGUARD_STREAM_SOURCE=\"{source_digest()}\"", "-o", tmp,
+                               str(SOURCE)], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise BuildError(f"{cxx} exited {done.returncode}: {(done.stderr or done.stdout).strip()[:2000]}")
+        os.chmod(tmp, 0o755)  # mkstemp's 0600 would hide it from an image's non-root user
         os.replace(tmp, out)
     except subprocess.TimeoutExpired as exc:
         raise BuildError(f"{cxx} took more than {BUILD_TIMEOUT_S:g}s") from exc
@@ -118,6 +125,7 @@ def build(cxx: str, out: Path) -> Path:
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.moeguard_stream_version.restype = ctypes.c_int
+    lib.moeguard_stream_source.restype = ctypes.c_char_p
     args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     for name in ("moeguard_stream_linear_f32", "moeguard_stream_linear_bf16"):
@@ -126,14 +134,36 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def source_digest() -> str:
+    """12 hex digits of SHA-256 over :data:`SOURCE`: what a prebuilt library must carry
+    (``moeguard_stream_source()``) to be loaded."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+
+
+def _prebuilt() -> ctypes.CDLL | None:
+    """The library built into the package (:data:`PREBUILT`, the worker image's), where it exists and was built
+    from this source at this interface."""
+    if not PREBUILT.exists():
+        return None
+    try:
+        lib = _bind(ctypes.CDLL(str(PREBUILT)))
+    except (OSError, AttributeError):
+        return None
+    if lib.moeguard_stream_version() != INTERFACE_VERSION or lib.moeguard_stream_source() != source_digest().encode():
+        return None
+    return lib
+
+
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in CPU_CAPABILITIES:
         return None, f"the CPU's capability is {capability}, not AVX2"
+    if (prebuilt := _prebuilt()) is not None:
+        return prebuilt, None
     cxx = compiler()
     if cxx is None:
-        return None, "no C++ compiler (g++ or $CXX) to build it"
+        return None, f"no prebuilt {PREBUILT.name} of this source and no C++ compiler (g++ or $CXX) to build it"
     try:
         path = library_path(cxx)
         if not path.exists():
@@ -198,9 +228,23 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     """``python -m moeguard_runtime.model.stream_kernel``: build the library now (``make deps``); exit 0 when it
-    loads, or 0 with the reason on stderr where it cannot run here (the worker then leaves it out)."""
+    loads, or 0 with the reason on stderr where it cannot run here (the worker then leaves it out).
+
+    ``--prebuild``: build it into the package (:data:`PREBUILT`) with ``$CXX`` or g++, whatever this CPU is
+    (an image is built for the nodes, not for its builder); exit 1 with the compiler's message where that fails."""
+    args = sys.argv[1:] if argv is None else argv
+    if args == ["--prebuild"]:
+        cxx = compiler()
+        try:
+            if cxx is None:
+                raise BuildError("no C++ compiler (g++ or $CXX)")
+            print(f"stream kernel: {build(cxx, PREBUILT)}")
+        except BuildError as exc:
+            print(f"stream kernel: {exc}", file=sys.stderr)
+            return 1
+        return 0
     why = unavailable()
     if why is None:
         print(f"stream kernel: {library_path(compiler() or 'g++')}")

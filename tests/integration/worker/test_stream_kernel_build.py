@@ -20,7 +20,9 @@ pytestmark = pytest.mark.skipif(stream_kernel.compiler() is None, reason="no C++
 PROBE = """
 import json, torch
 import torch.nn.functional as F
+from pathlib import Path
 from moeguard_runtime.model import kernel_select, stream_kernel
+stream_kernel.PREBUILT = Path("/nonexistent/stream_linear.so")  # the build, not a library prebuilt in the tree
 why = stream_kernel.unavailable()
 out = {"why": why, "files": sorted(p.name for p in stream_kernel.native_dir().iterdir())
        if stream_kernel.native_dir().exists() else [], "candidates": list(kernel_select.candidates(torch.float32))}
@@ -62,3 +64,31 @@ def test_a_failing_compiler_is_reported_and_the_kernel_left_out(tmp_path: Path) 
     got = _probe({stream_kernel.ENV_NATIVE_DIR: str(tmp_path / "native"), "CXX": str(cxx)})
     assert "exited 4: cc1plus: fatal error" in str(got["why"])
     assert "stream" not in got["candidates"]  # type: ignore[operator]
+
+
+def test_a_prebuilt_library_loads_only_when_built_from_this_source(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker image's library (``--prebuild`` in its build stage): world-readable for the image user, and
+    ignored where the source has changed since (its embedded digest differs)."""
+    cxx = stream_kernel.compiler()
+    assert cxx is not None
+    good = stream_kernel.build(cxx, tmp_path / "good.so")
+    assert good.stat().st_mode & 0o444 == 0o444
+    monkeypatch.setattr(stream_kernel, "PREBUILT", good)
+    lib = stream_kernel._prebuilt()
+    assert lib is not None and lib.moeguard_stream_source() == stream_kernel.source_digest().encode()
+    stale = tmp_path / "stale.so"
+    done = subprocess.run([cxx, *stream_kernel.FLAGS, '-DMOEGUARD_STREAM_SOURCE="0123456789ab"', "-o", str(stale),
+                           str(stream_kernel.SOURCE)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    monkeypatch.setattr(stream_kernel, "PREBUILT", stale)
+    assert stream_kernel._prebuilt() is None
+    monkeypatch.setattr(stream_kernel, "PREBUILT", tmp_path / "missing.so")
+    assert stream_kernel._prebuilt() is None
+
+
+def test_prebuild_writes_into_the_package_and_fails_loudly_without_a_compiler(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'runtime'}:{ROOT / 'core'}", "PATH": str(tmp_path), "CXX": ""}
+    done = subprocess.run([sys.executable, "-m", "moeguard_runtime.model.stream_kernel", "--prebuild"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert done.returncode == 1 and "stream kernel: no C++ compiler (g++ or $CXX)" in done.stderr, done.stderr

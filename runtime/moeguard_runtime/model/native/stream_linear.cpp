@@ -176,6 +176,13 @@ extern "C" {
 // The library's interface version: stream_kernel.py refuses a library of another version.
 int moeguard_stream_version() { return 1; }
 
+// The digest of the source it was built from (stream_kernel.source_digest): a prebuilt library of another
+// source is not loaded.
+#ifndef MOEGUARD_STREAM_SOURCE
+#define MOEGUARD_STREAM_SOURCE "unknown"
+#endif
+const char *moeguard_stream_source() { return MOEGUARD_STREAM_SOURCE; }
+
 void moeguard_stream_linear_f32(const float *x, int64_t ldx, int n, int in, const float *w, int out, float *y,
                                 int64_t ldy, int threads) {
     linear(x, ldx, n, in, w, out, y, ldy, threads);
