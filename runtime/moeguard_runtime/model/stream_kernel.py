@@ -54,6 +54,10 @@ CPU_CAPABILITIES = ("AVX2", "AVX512")
 """``torch.backends.cpu.get_cpu_capability()`` values under which the kernel runs (torch's AVX2 level needs
 FMA too)."""
 DEFAULT_CACHE_DIR = "~/.cache/moeguard/kernels"
+WIDE_ROWS = 256
+"""Bfloat16 rows widened to float32 at once (``x``'s rows, the kernel's own deinterleaved copy of them and the
+float32 result): their transient stays under 8 MB at D=1024, I=2816 whatever the call's rows (a prefill chunk
+may hold 2,048), so the bfloat16 path needs no term of its own in the memory model."""
 ENV_NATIVE_DIR = "MOEGUARD_NATIVE_DIR"
 DEFAULT_NATIVE_DIR = "~/.cache/moeguard/native"
 BUILD_TIMEOUT_S = 120.0
@@ -193,7 +197,7 @@ def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
     it twice per expert): attributes only."""
     return (x.dim() == 2 and w.dim() == 2 and x.is_cpu and w.is_cpu and not w.is_mkldnn and x.dtype == w.dtype
             and w.dtype in DTYPES and w.is_contiguous() and x.shape[1] == w.shape[1]
-            and (x.shape[0] <= 1 or x.stride(1) == 1) and _load()[0] is not None)
+            and (x.shape[1] <= 1 or x.stride(1) == 1) and _load()[0] is not None)
 
 
 def try_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
@@ -204,13 +208,21 @@ def try_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
         return None
     n, inner = x.shape
     out = w.shape[0]
-    xf = x if x.dtype == torch.float32 and (n <= 1 or x.stride(1) == 1) else x.float().contiguous()
-    y = torch.empty(n, out, dtype=torch.float32)
-    if n:
-        fn = lib.moeguard_stream_linear_f32 if w.dtype == torch.float32 else lib.moeguard_stream_linear_bf16
-        fn(xf.data_ptr(), xf.stride(0) if n > 1 else inner, n, inner, w.data_ptr(), out, y.data_ptr(), out,
-           torch.get_num_threads())
-    return y if x.dtype == torch.float32 else y.to(x.dtype)
+    threads = torch.get_num_threads()
+    if w.dtype == torch.float32:
+        y = torch.empty(n, out, dtype=torch.float32)
+        if n:
+            lib.moeguard_stream_linear_f32(x.data_ptr(), x.stride(0) if n > 1 else inner, n, inner, w.data_ptr(),
+                                           out, y.data_ptr(), out, threads)
+        return y
+    y = torch.empty(n, out, dtype=x.dtype)
+    for r0 in range(0, n, WIDE_ROWS):  # the float32 copies exist for WIDE_ROWS rows at a time
+        xf = x[r0:r0 + WIDE_ROWS].float()
+        yf = torch.empty(xf.shape[0], out, dtype=torch.float32)
+        lib.moeguard_stream_linear_bf16(xf.data_ptr(), inner, xf.shape[0], inner, w.data_ptr(), out, yf.data_ptr(),
+                                        out, threads)
+        y[r0:r0 + WIDE_ROWS].copy_(yf)
+    return y
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

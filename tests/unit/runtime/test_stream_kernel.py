@@ -123,3 +123,21 @@ def test_where_it_cannot_be_built_it_is_no_candidate_and_the_worker_says_why(
     with pytest.raises(ConfigError, match=r"MOEGUARD_MATMUL_BACKEND=stream runs on the CPU in float32 or bfloat16 "
                                           r"with the stream kernel built; .*no C\+\+ compiler"):
         load_settings({"MOEGUARD_MATMUL_BACKEND": "stream"})
+
+
+@needs_kernel
+def test_a_long_bfloat16_call_is_widened_a_slice_at_a_time_with_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    x, w = _pair(11, 48, 24, torch.bfloat16)
+    whole = stream_kernel.linear(x, w)
+    monkeypatch.setattr(stream_kernel, "WIDE_ROWS", 4)  # 4 + 4 + 3 rows
+    torch.testing.assert_close(stream_kernel.linear(x, w), whole, rtol=0, atol=0)
+    torch.testing.assert_close(stream_kernel.linear(x[:, :], w), F.linear(x.float(), w.float()).to(torch.bfloat16),
+                               rtol=1.6e-2, atol=1e-2)
+
+
+@needs_kernel
+def test_a_row_whose_values_are_not_adjacent_is_not_taken() -> None:
+    w = torch.randn(8, 16)
+    column = torch.randn(16, 3)[:, :1].T  # [1, 16], its values 3 floats apart
+    assert column.stride(1) != 1 and not stream_kernel.supports(column, w)
+    torch.testing.assert_close(moe.expert_linear(column, w, "stream"), F.linear(column, w))  # F.linear takes it
