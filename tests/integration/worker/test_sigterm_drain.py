@@ -18,6 +18,11 @@ from tests.integration.worker.conftest import WorkerProcess
 
 pytestmark = pytest.mark.integration
 SLOW = {"MOEGUARD_TEST_FAULTS": "1", "MOEGUARD_FAULT_STEP_DELAY_SECONDS": "0.2"}
+EXIT_S = 30
+"""How long the tests wait for the exit status once the drain is over: uvicorn's graceful shutdown (at most 2 s)
+and the interpreter's teardown of torch, ~1-2 s alone. 10 s was once too short in a clean-clone run (rehearsal Z,
+2026-12-06: the test ran at the end of the xdist part, beside three workers' unit tests); what is tested is the
+clean exit (status 0), not its speed, which the drain and shutdown-delay tests bound."""
 
 
 def complete(url: str, max_tokens: int, out: list[Any], stream: bool = False) -> None:
@@ -77,7 +82,7 @@ def test_sigterm_finishes_what_was_accepted_and_refuses_the_rest(start_worker: C
             assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
         else:
             assert json.loads(text)["usage"]["completion_tokens"] == 10
-    assert worker.proc.wait(10) == 0
+    assert worker.proc.wait(EXIT_S) == 0
     assert "event=drain_done" in worker.logs()
 
 
@@ -100,7 +105,7 @@ def test_what_outlives_the_drain_period_ends_with_an_error_not_silence(
     status, _, text = by_kind["stream"]
     events = sse_events(text)
     assert status == 200 and events[-2]["error"]["code"] == "shutting_down" and events[-1] == "[DONE]", events[-3:]
-    assert worker.proc.wait(10) == 0
+    assert worker.proc.wait(EXIT_S) == 0
     assert "event=drain_cut requests=2" in worker.logs()
 
 
@@ -119,5 +124,5 @@ def test_an_idle_worker_keeps_refusing_with_retry_after_for_the_shutdown_delay(
         answers.append((r.status_code, r.headers.get("Retry-After"), r.json()["error"]["code"]))
         time.sleep(0.1)
     assert answers and set(answers) == {(503, "1", "shutting_down")}, answers
-    assert worker.proc.wait(10) == 0
+    assert worker.proc.wait(EXIT_S) == 0
     assert time.monotonic() - t0 >= 2.0
