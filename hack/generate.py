@@ -454,8 +454,9 @@ ADVICE: dict[str, str] = {
         "Pods of one MoEInferenceService on different CPU models may choose differently; a change after a "
         "node upgrade explains a change in step time. `MOEGUARD_MATMUL_BACKEND=onednn`, `torch`, `torch_t`, "
         "`stream` or `onednn_packed` fixes the kernel without measuring (`onednn_packed` needs the CPU, float32 or "
-        "bfloat16 where oneDNN has it, and host dispatch; `stream` an AVX2 CPU and a C++ compiler, which the "
-        "worker image does not carry; otherwise the worker does not start and says why). Where `stream` cannot "
+        "bfloat16 where oneDNN has it, and host dispatch; `stream` an AVX2 CPU and its library, prebuilt in the "
+        "worker image or built with the machine's C++ compiler; otherwise the worker does not start and says "
+        "why). Where `stream` cannot "
         "be built, `auto` leaves it out and logs `event=kernel_candidate_skipped kernel=stream` with the reason."),
     "moeguard_oom_errors": (
         "Batches that failed to allocate memory and that the worker survived (label `kind`: `cuda` for the "

@@ -150,7 +150,8 @@ def file_seconds(durations: Iterable[tuple[str, float]]) -> dict[str, float]:
     total: dict[str, float] = {}
     for nodeid, s in durations:
         if part_of(nodeid).startswith("integration"):
-            total[file_of(nodeid)] = total.get(file_of(nodeid), 0.0) + s
+            path = file_of(nodeid)
+            total[path] = total.get(path, 0.0) + s
     return {f: round(s, 1) for f, s in sorted(total.items(), key=lambda kv: (-kv[1], kv[0]))}
 
 

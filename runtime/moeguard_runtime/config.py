@@ -331,7 +331,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError(f"{ENV_MATMUL_BACKEND}={PACKED_BACKEND} packs the experts for oneDNN on the CPU "
                           f"(float32, or bfloat16 where this torch's oneDNN has it) with host dispatch; "
                           f"this worker has device {device}, dtype {dtype}, {ENV_MOE_DISPATCH}={dispatch}")
-    if backend == "stream" and not (device == "cpu" and stream_kernel.runs(DTYPES[dtype])):
+    if backend == "stream" and not stream_kernel.runs(DTYPES[dtype], device):
         raise ConfigError(f"{ENV_MATMUL_BACKEND}=stream runs on the CPU in float32 or bfloat16 with the stream "
                           f"kernel built; this worker has device {device}, dtype {dtype}: "
                           f"{stream_kernel.unavailable() or 'not its device or dtype'}")

@@ -13,6 +13,7 @@ from tests.suite_setup import (
     SUITE_MARKERS,
     FileSpan,
     estimated_seconds,
+    file_of,
     file_seconds,
     file_spans,
     integration_order,
@@ -90,7 +91,7 @@ def test_known_file_times_run_each_kind_longest_first_merged_at_one_pace_and_the
     ids = ["tests/unit/a.py::t", "tests/integration/cluster/b.py::t", "tests/integration/e2e/c.py::t",
            "tests/integration/e2e/c.py::u", "tests/integration/worker/d.py::t", "tests/integration/e2e/new.py::t",
            "tests/node/n.py::t", "tests/integration/e2e/f.py::t", "tests/integration/worker/g.py::t"]
-    order = integration_order((i.split("::")[0] for i in ids), known)
+    order = integration_order((file_of(i) for i in ids), known)
     # CPU-bound (worker) d 300, g 100: 400 s; clock-bound f 200, new 150 (the mean of the known e2e files),
     # b 100, c 100: 550 s. Each pick goes to the kind with the smaller done fraction (ties: CPU-bound).
     assert sorted(order, key=order.__getitem__) == [

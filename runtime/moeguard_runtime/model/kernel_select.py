@@ -77,7 +77,6 @@ from moeguard_runtime.model.moe import (
     swiglu_expert,
     uses_packed,
 )
-from moeguard_runtime.model.stream_kernel import cache_dir as cache_dir
 
 ROW_BUCKETS = (1, 4, 16, 64, 256)
 """Row counts always timed (each already a :func:`moe.padded_rows` bucket): 1-16 cover decode steps
@@ -106,6 +105,7 @@ SELECTION_RULE = 3
 """In the cache key: choices cached under an earlier rule (1: dense kernels only; 2: one call per bucket,
 decode buckets three fifths of the packed rule) are measured again."""
 ENV_KERNEL_CACHE_DIR = contract.ENV_KERNEL_CACHE_DIR
+DEFAULT_CACHE_DIR = "~/.cache/moeguard/kernels"
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
              "amx_tile", "amx_bf16", "amx_int8")
 """The ``/proc/cpuinfo`` flags that decide which matmul kernels are fast (reported, not used)."""
@@ -350,6 +350,12 @@ def cache_path(directory: str, key: Mapping[str, Any]) -> Path:
     """``directory``/``<sha1 of the key, 16 hex>.json``."""
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return Path(directory).expanduser() / f"{digest}.json"
+
+
+def cache_dir(env: Mapping[str, str] | None = None) -> str:
+    """``MOEGUARD_KERNEL_CACHE_DIR``, else :data:`DEFAULT_CACHE_DIR`."""
+    env = os.environ if env is None else env
+    return env.get(ENV_KERNEL_CACHE_DIR) or DEFAULT_CACHE_DIR
 
 
 def _read_cache(path: Path, key: Mapping[str, Any]) -> tuple[KernelPlan, dict[int, dict[str, float]]] | None:

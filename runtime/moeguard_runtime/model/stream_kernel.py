@@ -36,8 +36,6 @@ from pathlib import Path
 
 import torch
 
-from moeguard_core import contract
-
 SOURCE = Path(__file__).with_name("native") / "stream_linear.cpp"
 PREBUILT = SOURCE.with_suffix(".so")
 """The library built into the package (``python -m moeguard_runtime.model.stream_kernel --prebuild``: the worker
@@ -53,7 +51,6 @@ DTYPES = (torch.float32, torch.bfloat16)
 CPU_CAPABILITIES = ("AVX2", "AVX512")
 """``torch.backends.cpu.get_cpu_capability()`` values under which the kernel runs (torch's AVX2 level needs
 FMA too)."""
-DEFAULT_CACHE_DIR = "~/.cache/moeguard/kernels"
 WIDE_ROWS = 256
 """Bfloat16 rows widened to float32 at once (``x``'s rows, the kernel's own deinterleaved copy of them and the
 float32 result): their transient stays under 8 MB at D=1024, I=2816 whatever the call's rows (a prefill chunk
@@ -65,13 +62,6 @@ BUILD_TIMEOUT_S = 120.0
 
 class BuildError(RuntimeError):
     """The library could not be built (the compiler's message in the text)."""
-
-
-def cache_dir(env: Mapping[str, str] | None = None) -> str:
-    """``MOEGUARD_KERNEL_CACHE_DIR``, else :data:`DEFAULT_CACHE_DIR`: where :mod:`kernel_select` caches its
-    choices."""
-    env = os.environ if env is None else env
-    return env.get(contract.ENV_KERNEL_CACHE_DIR) or DEFAULT_CACHE_DIR
 
 
 def compiler(env: Mapping[str, str] | None = None) -> str | None:
@@ -257,9 +247,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stream kernel: {exc}", file=sys.stderr)
             return 1
         return 0
-    why = unavailable()
-    if why is None:
-        print(f"stream kernel: {library_path(compiler() or 'g++')}")
+    lib, why = _load()
+    if lib is not None:
+        print(f"stream kernel: {lib._name}")  # the prebuilt one or the one built here
     else:
         print(f"stream kernel not available: {why}", file=sys.stderr)
     return 0
