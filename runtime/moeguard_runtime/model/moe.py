@@ -603,6 +603,41 @@ def host_expert_chunks(x: torch.Tensor, tokens_per_expert: Sequence[int], expert
     return most
 
 
+def fused_stream(x: torch.Tensor, kept: Sequence[int], backend: MatmulChoice, expert_chunk_tokens: int,
+                 packed: bool = False) -> bool:
+    """Whether :func:`dispatch_experts` runs a small batch's experts in one library call
+    (:func:`stream_kernel.try_experts`): every expert with slots runs ``stream`` (:func:`slice_call`, the plan's
+    choice for its row count) in one chunk (``kept[e] <= expert_chunk_tokens``), on dense weights, and some
+    expert has slots. Pure logic: whether the library takes the tensors is :func:`stream_kernel.try_experts`'
+    own check."""
+    busy = [n for n in kept if n > 0]
+    if packed or not busy:
+        return False
+    for n in busy:
+        kernel, chunk = slice_call(x, backend, n, expert_chunk_tokens, packed)
+        if kernel != "stream" or n > chunk:
+            return False
+    return True
+
+
+def _stream_experts(x: torch.Tensor, bounds: Sequence[int], slot_token: torch.Tensor, slot_weight: torch.Tensor,
+                    w13: ExpertWeights, w2: ExpertWeights, out: torch.Tensor) -> bool:
+    """:func:`stream_kernel.try_experts` into ``out`` (``[T, D]`` zeros in ``x.dtype``), for ``x`` in the weights'
+    dtype as :func:`expert_linear`'s ``stream`` takes it; bfloat16 through a float32 copy of ``x`` and a float32
+    sum rounded once into ``out`` (the loop rounds ``h``, the activation and each expert's output to bfloat16).
+    False, ``out`` untouched, where the library does not take the tensors."""
+    if (not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor) or x.dtype != w13.dtype
+            or x.dtype not in stream_kernel.DTYPES):
+        return False
+    if x.dtype == torch.float32:
+        return stream_kernel.try_experts(x, bounds, slot_token, slot_weight, w13, w2, out)
+    acc = torch.zeros(x.shape, dtype=torch.float32)
+    if not stream_kernel.try_experts(x.float(), bounds, slot_token, slot_weight, w13, w2, acc):
+        return False
+    out.copy_(acc)
+    return True
+
+
 def device_expert_chunks(slots: int, expert_chunk_tokens: int) -> int:
     """The grouped matmuls :func:`moe_device.device_dispatch` runs over ``slots`` token-slots:
     ``ceil(slots / expert_chunk_tokens)`` (no host read: ``slots`` is ``T * k``)."""
@@ -629,7 +664,10 @@ def dispatch_experts(
             :class:`PackedExperts`).
         expert_chunk_tokens: most token-slots one expert processes at once.
         capacity: most token-slots per expert (None: dropless).
-        backend: kernel of the expert matmuls (:data:`MatmulChoice`).
+        backend: kernel of the expert matmuls (:data:`MatmulChoice`). A small batch (at most
+            :data:`SMALL_BATCH_SLOTS` kept slots) whose every expert ``backend`` runs on ``stream`` in one chunk
+            (:func:`fused_stream`) runs all its experts in one library call (:func:`stream_kernel.try_experts`,
+            dense weights the library takes), else expert by expert.
 
     Returns:
         ``(out, tokens_per_expert, overflow)``: ``[T, D]`` in ``x.dtype`` (the
@@ -673,8 +711,11 @@ def dispatch_experts(
     # a single index_add_ combines them; eight small index_add_ calls cost more than
     # the buffer. Large batches add each chunk at once, so no [S, D] buffer exists.
     slots = bounds[-1]
-    gathered = x.new_empty(slots, x.shape[1]) if slots <= SMALL_BATCH_SLOTS else None
     packed = isinstance(w13, PackedExperts)
+    if (slots <= SMALL_BATCH_SLOTS and fused_stream(x, kept, backend, expert_chunk_tokens, packed)
+            and _stream_experts(x, bounds, slot_token, slot_weight, w13, w2, out)):
+        return out, host_counts, overflow
+    gathered = x.new_empty(slots, x.shape[1]) if slots <= SMALL_BATCH_SLOTS else None
     for e in range(num_experts):
         if kept[e] == 0:
             continue
