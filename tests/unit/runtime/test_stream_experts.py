@@ -91,10 +91,13 @@ def test_float32_matches_the_loop(tokens: int, dim: int, inter: int, num_experts
 @needs_kernel
 @pytest.mark.parametrize(("tokens", "dim", "inter", "num_experts", "top_k"), SHAPES)
 def test_bfloat16_weights_match_the_float32_product_of_their_values(
-        tokens: int, dim: int, inter: int, num_experts: int, top_k: int, threads: int) -> None:
+        tokens: int, dim: int, inter: int, num_experts: int, top_k: int, threads: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     x, weights, experts, w13, w2 = _layer(tokens, dim, inter, num_experts, top_k, torch.bfloat16)
+    spy = Spy()
+    monkeypatch.setattr(stream_kernel, "try_experts", spy)
     out = dispatch_experts(x, weights, experts, w13, w2, backend="stream")[0]
-    assert out.dtype == torch.bfloat16
+    assert spy.calls == 1 and out.dtype == torch.bfloat16
     ref = _loop(x.float(), weights, experts, w13.float(), w2.float())
     torch.testing.assert_close(out, ref.to(torch.bfloat16), **BF16_TOL)
     torch.testing.assert_close(out, _loop(x, weights, experts, w13, w2), rtol=3e-2, atol=3e-2)
