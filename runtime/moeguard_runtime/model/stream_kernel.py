@@ -276,8 +276,8 @@ def try_experts(x: torch.Tensor, bounds: Sequence[int], slot_token: torch.Tensor
         bounds: ``E + 1`` ascending slot offsets, ``bounds[0] == 0``: expert ``e``'s slots are
             ``bounds[e]..bounds[e + 1] - 1`` (:func:`moe.dispatch_experts`' ``bounds``).
         slot_token: ``[S]`` int64 (contiguous, CPU), ``S = bounds[-1]``: each slot's token, in ``[0, T)``,
-            distinct within an expert (top-k routes a token to distinct experts; the threads add one expert's
-            rows without atomics), ascending within an expert for the closest numerics to ``index_add_``.
+            ascending within an expert (:func:`moe.dispatch_experts`' order) for the closest numerics to its
+            ``index_add_``; a token may repeat (each thread adds its own columns of every slot, in order).
         slot_weight: ``[S]`` float32 (contiguous, CPU): each slot's router weight.
         w13: ``[E, 2I, D]`` gate then up projections, float32 or bfloat16 (widened exactly; float32 arithmetic);
             ``w2``: ``[E, D, I]``, the same dtype.

@@ -128,6 +128,19 @@ def test_the_call_itself_adds_weighted_experts_into_out() -> None:
 
 
 @needs_kernel
+def test_a_token_repeated_within_an_expert_adds_each_slot(threads: int) -> None:
+    """Not what top-k routes (a token's experts are distinct), but the call's contract: each slot is added."""
+    x, _, _, w13, w2 = _layer(3, 24, 20, 2, 1, seed=7)
+    tok, wt = torch.tensor([1, 1, 2, 1, 0]), torch.tensor([0.5, 0.25, 1.0, 2.0, 1.0])
+    out = torch.zeros(3, 24)
+    assert stream_kernel.try_experts(x, [0, 3, 5], tok, wt, w13, w2, out)
+    ref = torch.zeros(3, 24)
+    for s, e in enumerate([0, 0, 0, 1, 1]):
+        ref[tok[s]] += wt[s] * moe.swiglu_expert(x[tok[s]][None], w13[e], w2[e], "torch")[0]
+    torch.testing.assert_close(out, ref, **FP32_TOL)
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_idle_experts_one_busy_expert_and_capacity_drops(dtype: torch.dtype, threads: int,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:

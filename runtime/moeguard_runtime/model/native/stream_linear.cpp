@@ -313,7 +313,7 @@ int experts_call(const float *x, int64_t ldx, int tokens, int dim, int inter, in
             activate<W>(h, n, inter, a, b);
 #pragma omp barrier
             span(h, ldh, n, inter, w2e, o0, o1, y, dim, block2);
-            for (int r = 0; r < n; r++) {  // out[token] += weight * y: this thread's columns, tokens distinct
+            for (int r = 0; r < n; r++) {  // out[token] += weight * y: this thread's columns, slot by slot
                 float *o = out + slot_token[s0 + r] * ldo;
                 const float wr = slot_weight[s0 + r];
                 const float *yr = y + static_cast<int64_t>(r) * dim;
@@ -355,8 +355,8 @@ void moeguard_stream_linear_bf16(const float *x, int64_t ldx, int n, int in, con
 // for every slot s in [bounds[e], bounds[e + 1]) of every expert e, x_s = x[slot_token[s], :], the experts in
 // ascending order (so each token's additions come in the order of an index_add_ over the sorted slots).
 // x [tokens, dim] float32 (rows ldx floats apart); bounds [experts + 1] int64, bounds[0] = 0, ascending;
-// slot_token [bounds[experts]] int64 in [0, tokens), distinct within an expert (top-k picks distinct experts:
-// the threads add their columns of one expert's rows without atomics); slot_weight float32, one per slot;
+// slot_token [bounds[experts]] int64 in [0, tokens) (a token may repeat: each thread adds its own columns of
+// every slot in order, so no two threads write one value and no atomics are needed); slot_weight float32;
 // w13 [experts, 2 inter, dim] (expert e at w13 + e * w13_stride elements, rows dense), w2 [experts, dim, inter]
 // likewise; out [tokens, dim] float32 (rows ldo floats apart), added into. Workspace allocated here:
 // 4 * (S * dim + n * (2 inter + dim)) bytes, S the slots and n the busiest expert's (S = 32, n = 8 at D=1024,
