@@ -11,7 +11,13 @@ that the budgets produce (:func:`row_buckets`: :data:`ROW_BUCKETS` for decode st
 and the rows per expert of a full prefill budget, ``maxPrefillTokens * k / E``, issue 31: a plan chosen on
 decode buckets alone was applied to 1,024-row prefill slices, where it lost), and keeps the fastest per bucket:
 a :class:`moe.KernelPlan`. A bucket is timed as the dispatch runs it (:func:`moe.slice_call`): a oneDNN
-kernel in chunks of :data:`moe.ONEDNN_CHUNK_TOKENS` rows, ``F.linear`` in one call.
+kernel in chunks of :data:`moe.ONEDNN_CHUNK_TOKENS` rows, ``F.linear`` in one call. A prefill bucket
+(more than :data:`DECODE_MAX_ROWS` rows) is timed at the row counts of :func:`spread_rows`, itself and two
+counts inside its range, each scaled to the bucket's rows, and its figure is their mean: a balanced prefill
+gives each expert a count near, not at, ``T * k / E``, and some GEMMs are fastest at exactly a power of two
+(MKL's transposed product, ``torch_t``, on the AMD EPYC of 2026-12-07: 0.97x ``F.linear``'s time at 1,024
+rows, 1.07-1.27x at 835, 897, 961 and 1,030; chosen on the power of two alone, it made the 4,096-token
+prefill 0.83x the HF loop instead of 0.98x).
 
 Packed weights (``onednn_packed``, :class:`moe.PackedExperts`): the same oneDNN primitive on
 weights reordered once into its blocked layout; they replace the dense ones, so no other kernel
@@ -101,9 +107,13 @@ PACKED_PROBE_BYTES = 128 << 20
 """Packed copies made to time ``onednn_packed``: the fewest experts whose weights reach this many bytes
 (at least two, at most all), so consecutive calls read their weights from memory as the dense
 kernels' calls over all the experts do, not from a cache that holds one or two small experts."""
-SELECTION_RULE = 3
+SELECTION_RULE = 4
 """In the cache key: choices cached under an earlier rule (1: dense kernels only; 2: one call per bucket,
-decode buckets three fifths of the packed rule) are measured again."""
+decode buckets three fifths of the packed rule; 3: a prefill bucket timed at its own row count only) are
+measured again."""
+SPREAD_FRACTIONS = (13 / 16, 15 / 16)
+"""Where :func:`spread_rows` times a prefill bucket besides its own row count: these fractions of it, plus
+a few rows (off the powers of two)."""
 ENV_KERNEL_CACHE_DIR = contract.ENV_KERNEL_CACHE_DIR
 DEFAULT_CACHE_DIR = "~/.cache/moeguard/kernels"
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
@@ -124,6 +134,16 @@ def row_buckets(prefill_rows: int | None = None,
         return ROW_BUCKETS
     rows = min(moe.padded_rows(max(1, prefill_rows)), max(1, expert_chunk_tokens))
     return ROW_BUCKETS if rows <= ROW_BUCKETS[-1] else (*ROW_BUCKETS, rows)
+
+
+def spread_rows(rows: int) -> tuple[int, ...]:
+    """The row counts that time a bucket of ``rows`` rows: ``rows`` alone for a decode bucket (at most
+    :data:`DECODE_MAX_ROWS`: a pass over the weights, whatever the count), else ``rows`` and
+    ``rows * f`` plus 3 rows for each of :data:`SPREAD_FRACTIONS` (1,024: 1,024, 835 and 963; 64: 64, 55
+    and 63): counts a slice of the bucket's range really has, not only its power of two."""
+    if rows <= DECODE_MAX_ROWS:
+        return (rows,)
+    return (rows, *sorted({min(rows - 1, int(rows * f) + 3) for f in SPREAD_FRACTIONS}))
 
 
 def prefill_rows(max_prefill_tokens: int, top_k: int, num_experts: int) -> int:
@@ -277,16 +297,17 @@ def expert_timer(w13: torch.Tensor, w2: torch.Tensor, seed: int = 0,
                  expert_chunk_tokens: int = moe.DEFAULT_EXPERT_CHUNK_TOKENS) -> Timer:
     """Times one expert's slice (:func:`slice_seconds`) on the experts ``w13`` ``[E, 2I, D]`` and ``w2``
     ``[E, D, I]`` (the model's own weights, no copy; one expert per call, the next one each
-    time) with ``rows`` random rows in their dtype and device. ``onednn_packed`` runs on packed
+    time) with ``rows`` random rows in their dtype and device: seconds of a bucket of ``rows`` rows, the mean
+    over :func:`spread_rows` of each count's call scaled by ``rows / count``. ``onednn_packed`` runs on packed
     copies of the first :func:`probe_experts` experts, made at its first call and freed with the timer."""
     gen = torch.Generator().manual_seed(seed)
     dim = w13.shape[-1]
-    inputs = {rows: torch.randn(rows, dim, generator=gen).to(w13.device, w13.dtype) for rows in ROW_BUCKETS}
+    inputs: dict[int, torch.Tensor] = {}
     calls = [0]
     packed: list[tuple[torch.Tensor, torch.Tensor]] = []
     packed_calls = [0]
 
-    def timer(kernel: MatmulBackend, rows: int) -> float:
+    def call(kernel: MatmulBackend, rows: int) -> float:
         x = inputs.get(rows)
         if x is None:
             x = inputs[rows] = torch.randn(rows, dim, generator=gen).to(w13.device, w13.dtype)
@@ -303,6 +324,10 @@ def expert_timer(w13: torch.Tensor, w2: torch.Tensor, seed: int = 0,
             calls[0] += 1
             a13, a2 = w13[e], w2[e]
         return slice_seconds(x, a13, a2, kernel, expert_chunk_tokens)
+
+    def timer(kernel: MatmulBackend, rows: int) -> float:
+        counts = spread_rows(rows)
+        return sum(call(kernel, n) * rows / n for n in counts) / len(counts)
 
     return timer
 

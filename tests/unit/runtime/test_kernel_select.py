@@ -238,12 +238,35 @@ def test_the_timer_runs_a_bucket_as_the_dispatch_runs_a_slice(monkeypatch: pytes
     monkeypatch.setattr(kernel_select, "swiglu_expert", spy)
     w13, w2 = torch.randn(2, 96, 32), torch.randn(2, 32, 48)
     timer = kernel_select.expert_timer(w13, w2)
+    assert kernel_select.spread_rows(600) == (600, 490, 565)
     timer("torch", 600)
-    assert calls == [(600, "torch")]
+    assert calls == [(600, "torch"), (490, "torch"), (565, "torch")]
     calls.clear()
     timer("onednn", 600)
-    assert calls == ([(256, "onednn"), (256, "onednn"), (88, "onednn")] if moe._ONEDNN_LINEAR
-                     else [(600, "onednn")])
+    assert calls[:3] == ([(256, "onednn"), (256, "onednn"), (88, "onednn")] if moe._ONEDNN_LINEAR
+                         else [(600, "onednn")])
+
+
+def test_a_prefill_bucket_is_timed_off_its_power_of_two_and_scaled_to_its_rows(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GEMM that is fast only at exactly 1,024 rows (as MKL's transposed product was: issue 31) does not win
+    the bucket: the bucket's figure is the mean over 1,024, 835 and 963 rows, each scaled to 1,024."""
+    assert kernel_select.spread_rows(16) == (16,) and kernel_select.spread_rows(1) == (1,)
+    assert kernel_select.spread_rows(1024) == (1024, 835, 963)
+    assert kernel_select.spread_rows(64) == (64, 55, 63)
+
+    def fake(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, kernel: str, chunk: int = 0) -> float:
+        n = x.shape[0]
+        per_row = 1.0 if kernel == "torch" else (0.9 if n == 1024 else 1.3)  # torch_t: fast at 2^10 only
+        return n * per_row
+
+    monkeypatch.setattr(kernel_select, "slice_seconds", fake)
+    timer = kernel_select.expert_timer(torch.randn(2, 8, 4), torch.randn(2, 4, 4))
+    assert timer("torch", 1024) == pytest.approx(1024.0)
+    assert timer("torch_t", 1024) == pytest.approx(1024 * (0.9 + 1.3 + 1.3) / 3)
+    assert timer("torch_t", 16) == pytest.approx(16 * 1.3)  # a decode bucket: its own count only
+    plan, _ = kernel_select.choose(["torch", "torch_t"], timer, buckets=[16, 1024], reps=1)
+    assert plan.kernel_for(1024) == "torch" and plan.kernel_for(16) == "torch"
 
 
 def test_fused_weights_give_the_unfused_outputs() -> None:
