@@ -482,7 +482,9 @@ def render_choice(dtype_name: str, c: dict[str, Any], bandwidth: float) -> list[
     lines = [f"### Kernel choice, {dtype_name} ({c['measure_s']:.2f} s of measurement, as at worker start-up): "
              f"**{c['label']}**", "",
              "One expert (`w13` [2I, D] and `w2` [D, I], one `swiglu_expert` call) per row bucket; fastest "
-             "of the rounds; GB/s = the expert's weight bytes / time, GFLOP/s = 2·rows·D·3I / time.", "",
+             "of the rounds; a bucket above 16 rows is the mean of its calls at `kernel_select.spread_rows` (its "
+             "own rows and two counts inside its range, each scaled to its rows); GB/s = the expert's weight "
+             "bytes / time, GFLOP/s = 2·rows·D·3I / time.", "",
              "| rows | " + " | ".join(f"{k}: µs (GB/s, GFLOP/s)" for k in kernels) + " | chosen | margin |",
              "|---" * (len(kernels) + 3) + "|"]
     plan = KernelPlan(tuple(c["plan"]["bounds"]), tuple(c["plan"]["kernels"]))
