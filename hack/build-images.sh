@@ -14,6 +14,11 @@
 #
 # <key> is a hash of every input (Dockerfile, requirements.txt, the copied sources, the base's image
 # id, the variant): an image whose key exists is not built again, so a second run takes seconds.
+# A changed key is built with buildah's layer cache (--layers): the steps before the first changed input
+# are reused, so a change to the worker's code rebuilds its small top layers, not the 6-GB virtualenv
+# (the worker Dockerfile's venv stage, which the final image is built FROM: one copy). The cached
+# intermediate images are dropped (buildah rmi --prune) when what the cache's lower layers come from
+# changes (Dockerfile, requirements.txt, base, variant), before that build.
 # Everything else in the Dockerfiles is what the published build runs; the build only mounts this
 # machine's CA bundle and a pip.conf naming it (RUN steps reach PyPI through a TLS-intercepting egress
 # proxy here); mounts are not part of the image.
@@ -153,7 +158,7 @@ build_pause() {
 # build_app NAME VARIANT SOURCES...: images/NAME.Dockerfile on the local base.
 build_app() {
   local name=$1 variant=$2; shift 2
-  local base base_id k ref args=()
+  local base base_id k ref lower stamp args=()
   base=$(build_base)
   base_id=$(buildah inspect --type image -f '{{.FromImageID}}' "$base")
   k=$(key "images/$name.Dockerfile" requirements.txt "$@" "$base_id" "variant=$variant")
@@ -161,11 +166,18 @@ build_app() {
   if ! in_buildah "$ref"; then
     [ -n "$variant" ] && args+=(--build-arg "VARIANT=$variant")
     printf '[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n' >"$WORK/pip.conf"
-    log "buildah: $ref (images/$name.Dockerfile${variant:+, VARIANT=$variant}; cold: minutes)"
-    buildah bud --pull=false --network host -f "$ROOT/images/$name.Dockerfile" -t "$ref" \
+    lower=$(key "images/$name.Dockerfile" requirements.txt "$base_id" "variant=$variant")
+    stamp=$IMG_CACHE/$name.layers
+    if [ "$(cat "$stamp" 2>/dev/null)" != "$lower" ]; then
+      log "dropping buildah's cached intermediate images (images/$name.Dockerfile, requirements.txt, base or variant changed)"
+      buildah rmi --prune >/dev/null 2>&1 || true
+    fi
+    log "buildah: $ref (images/$name.Dockerfile${variant:+, VARIANT=$variant}; layers cached; cold: minutes)"
+    buildah bud --layers --pull=false --network host -f "$ROOT/images/$name.Dockerfile" -t "$ref" \
       --build-arg "PYTHON_IMAGE=$base" "${args[@]}" \
       --volume /etc/ssl/certs/ca-certificates.crt:/etc/ssl/certs/ca-certificates.crt:ro \
       --volume "$WORK/pip.conf:/etc/pip.conf:ro" "$ROOT" >&2
+    echo "$lower" >"$stamp"
     prune_buildah "$ref"
   fi
   echo "$ref"

@@ -8,7 +8,12 @@
 # The base is pinned by exact tag; pin it by digest in your registry mirror for reproducible builds.
 ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm
 
-FROM ${PYTHON_IMAGE} AS build
+# --- venv: the worker's dependencies, the final image's lower layers ----------------------------------
+# Its own stage, and the final stage is built FROM it: the 6-GB virtualenv is one layer chain shared by the
+# build and final stages (no second copy), and a layer cache (docker's, or buildah's --layers as in
+# hack/build-images.sh) reuses it whenever requirements.txt and this stage are unchanged, so a change to the
+# worker's code rebuilds only the layers above it.
+FROM ${PYTHON_IMAGE} AS venv
 ARG VARIANT=cpu
 ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -28,7 +33,11 @@ RUN set -eu; \
       /opt/venv/bin/pip install --no-deps -r worker-requirements.txt; \
     else \
       echo "VARIANT must be cpu or cuda, not $VARIANT" >&2; exit 1; \
-    fi
+    fi; \
+    rm -f worker-requirements.txt cpu.txt
+
+# --- build: the worker's code, its native kernel built, its bytecode compiled ---------------------------
+FROM venv AS build
 # g++ for the worker's own few-row expert kernel (moeguard_runtime.model.stream_kernel), built below into the
 # package: the final stage has no compiler. -mavx2: the worker loads it only on a CPU with AVX2.
 RUN apt-get update -qq \
@@ -36,17 +45,17 @@ RUN apt-get update -qq \
     && rm -rf /var/lib/apt/lists/*
 COPY core/moeguard_core/ /opt/app/moeguard_core/
 COPY runtime/moeguard_runtime/ /opt/app/moeguard_runtime/
-RUN PYTHONPATH=/opt/app /opt/venv/bin/python -m moeguard_runtime.model.stream_kernel --prebuild \
+# PYTHONDONTWRITEBYTECODE: importing torch here writes nothing into /opt/venv, the final stage's lower layers.
+RUN PYTHONPATH=/opt/app PYTHONDONTWRITEBYTECODE=1 /opt/venv/bin/python -m moeguard_runtime.model.stream_kernel --prebuild \
     && /opt/venv/bin/python -m compileall -q /opt/app
 
-# --- final: no compilers, no pip cache, non-root -------------------------------------------------
-FROM ${PYTHON_IMAGE}
+# --- final: the venv stage and the built code; no compilers, no pip cache, non-root ------------------
+FROM venv
 ARG VARIANT=cpu
 LABEL org.opencontainers.image.title="moeguard-worker" \
       org.opencontainers.image.source="https://github.com/moeguard/moeguard" \
       org.opencontainers.image.licenses="Apache-2.0" \
       dev.moeguard.variant="${VARIANT}"
-COPY --from=build /opt/venv /opt/venv
 COPY --from=build /opt/app /opt/app
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONPATH=/opt/app \
