@@ -17,10 +17,12 @@ FROM ${PYTHON_IMAGE} AS venv
 ARG VARIANT=cpu
 ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-WORKDIR /src
 RUN python -m venv /opt/venv
-COPY requirements.txt ./
+# requirements.txt under /tmp and removed after the install: this stage is the final image's base, so it keeps
+# no work dir (tests/node/test_node_images.py checks the final image has none).
+COPY requirements.txt /tmp/requirements.txt
 # The worker's dependencies at the pins of requirements.txt; test and bench tools are left out.
+WORKDIR /tmp
 RUN set -eu; \
     grep -vE '^(pytest|pytest-asyncio|pytest-timeout|hypothesis|schemathesis|ruff|mypy|matplotlib|kopf|openai)==' \
       requirements.txt > worker-requirements.txt; \
@@ -34,7 +36,7 @@ RUN set -eu; \
     else \
       echo "VARIANT must be cpu or cuda, not $VARIANT" >&2; exit 1; \
     fi; \
-    rm -f worker-requirements.txt cpu.txt
+    rm -f requirements.txt worker-requirements.txt cpu.txt
 
 # --- build: the worker's code, its native kernel built, its bytecode compiled ---------------------------
 FROM venv AS build
