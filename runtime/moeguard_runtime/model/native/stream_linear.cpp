@@ -184,23 +184,6 @@ void linear(const float *x, int64_t ldx, int n, int in, const W *w, int out, flo
     }
 }
 
-// x's rows deinterleaved for block_bf16: per 16 values the 8 even ones then the 8 odd ones.
-std::vector<float> deinterleave(const float *x, int64_t ldx, int n, int in) {
-    std::vector<float> xd(static_cast<size_t>(n) * static_cast<size_t>(in));
-    const int full = in / 16 * 16;
-    for (int r = 0; r < n; r++) {
-        const float *src = x + r * ldx;
-        float *dst = xd.data() + static_cast<int64_t>(r) * in;
-        for (int c = 0; c < full; c += 16)
-            for (int j = 0; j < 8; j++) {
-                dst[c + j] = src[c + 2 * j];
-                dst[c + 8 + j] = src[c + 2 * j + 1];
-            }
-        for (int k = full; k < in; k++) dst[k] = src[k];
-    }
-    return xd;
-}
-
 // The 16 values at v in the order block_bf16 reads x: the 8 even ones, then the 8 odd ones.
 inline void deinterleave16(float *v) {
     float t[16];
@@ -217,6 +200,13 @@ inline void copy_row(const float *src, float *dst, int in) {
     for (int k = 0; k < in; k++) dst[k] = src[k];
     if constexpr (sizeof(W) == 2)
         for (int c = 0; c + 16 <= in; c += 16) deinterleave16(dst + c);
+}
+
+// x's rows deinterleaved for block_bf16 (copy_row's layout), rows `in` floats apart.
+std::vector<float> deinterleave(const float *x, int64_t ldx, int n, int in) {
+    std::vector<float> xd(static_cast<size_t>(n) * static_cast<size_t>(in));
+    for (int r = 0; r < n; r++) copy_row<uint16_t>(x + r * ldx, xd.data() + static_cast<int64_t>(r) * in, in);
+    return xd;
 }
 
 // exp(x) for 8 floats: Cephes' expf (S. Moshier), as in avx_mathfun: x = n ln2 + r (ln2 in two parts, |r| <=
