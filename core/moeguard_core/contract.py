@@ -217,6 +217,20 @@ DEFAULT_BUDGETS = Budgets.model_validate({f.name: f.default for f in BUDGET_FIEL
 DEFAULT_FLOORS = Budgets.model_validate({f.name: f.floor for f in BUDGET_FIELDS})
 """The default ``spec.batching.floors``."""
 
+
+def coherent(budgets: Budgets) -> Budgets:
+    """``budgets`` with ``maxLongRequestsPerBatch`` at most ``maxBatchRequests``.
+
+    The long-request cap is a cap inside the batch, so lowering it to the batch changes nothing a worker
+    does; a worker refuses a budget document whose cap is above its batch
+    (``moeguard_runtime.engine.budget_watch.check_consistency``) and keeps its old budgets. Every set of
+    budgets the operator writes passes through here: a cut of ``maxBatchRequests`` alone (the memory model's
+    largest fit) under a cap halved by an OOM kill made such a document, and the survivors of the kill kept
+    their old budgets (``bench/results/control_latency_predictive.md``, stop 45's run)."""
+    if budgets.max_long_requests_per_batch <= budgets.max_batch_requests:
+        return budgets
+    return budgets.model_copy(update={"max_long_requests_per_batch": budgets.max_batch_requests})
+
 # --- static knobs (set once per pod, not moved by the outer loop) --------------------------------
 DEFAULT_LONG_REQUEST_THRESHOLD_TOKENS = 2048
 """``ENV_LONG_REQUEST_THRESHOLD_TOKENS`` / ``spec.batching.longRequestThresholdTokens`` default, tokens."""

@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Literal
 
-from moeguard_core.contract import Budgets
+from moeguard_core.contract import Budgets, coherent
 from moeguard_operator.loop.observation import (
     LEAK_NOISE_BYTES_PER_SECOND,
     Observation,
@@ -176,21 +176,23 @@ def judge_leak(obs: Observation, spec: MoEInferenceServiceSpec) -> LeakVerdict |
 
 
 def initial_budgets(batching: BatchingSpec) -> Budgets:
-    """The budgets a spec starts with: its ``batching`` values."""
-    return Budgets.model_validate({name: getattr(batching, name) for name in BUDGET_FIELDS})
+    """The budgets a spec starts with: its ``batching`` values (:func:`~moeguard_core.contract.coherent`: a
+    ``maxLongRequestsPerBatch`` above ``maxBatchRequests``, e.g. the default 4 under ``maxBatchRequests: 2``, is
+    the batch)."""
+    return coherent(Budgets.model_validate({name: getattr(batching, name) for name in BUDGET_FIELDS}))
 
 
 def ceilings(batching: BatchingSpec) -> Budgets:
-    """Each budget's ceiling: ``batching.ceilings`` where set, else the initial value."""
-    return Budgets.model_validate({
+    """Each budget's ceiling: ``batching.ceilings`` where set, else the initial value (coherent)."""
+    return coherent(Budgets.model_validate({
         name: getattr(batching.ceilings, name) if getattr(batching.ceilings, name) is not None else getattr(batching, name)
         for name in BUDGET_FIELDS
-    })
+    }))
 
 
 def floors(batching: BatchingSpec) -> Budgets:
-    """Each budget's floor."""
-    return Budgets.model_validate({name: getattr(batching.floors, name) for name in BUDGET_FIELDS})
+    """Each budget's floor (coherent)."""
+    return coherent(Budgets.model_validate({name: getattr(batching.floors, name) for name in BUDGET_FIELDS}))
 
 
 def decrease(budgets: Budgets, factor: float, lower: Budgets, names: tuple[str, ...]) -> Budgets:
@@ -241,6 +243,7 @@ def tighten(state: PolicyState, target: Budgets, urgent: bool, rested: bool, now
     (``note`` appended to the moves)."""
     if not (urgent or rested):
         return state.budgets, "hold", state.last_change, "in cooldown"
+    target = coherent(target)
     if target == state.budgets:
         return state.budgets, "hold", state.last_change, "budgets already at their floors"
     return target, "down", now, _describe(state.budgets, target) + note
@@ -409,7 +412,7 @@ def conclude(obs: Observation, state: PolicyState, spec: MoEInferenceServiceSpec
     reasons += leak_reasons
     next_state = replace(
         state,
-        budgets=move.budgets,
+        budgets=coherent(move.budgets),
         overload=over.mode,
         last_change=move.last_change,
         last_pressure=move.last_pressure,

@@ -40,7 +40,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Literal
 
-from moeguard_core.contract import Budgets
+from moeguard_core.contract import Budgets, coherent
 from moeguard_core.memory_model_info import ModelMemory
 from moeguard_operator.loop import leak_replacement, memory_fit, slo
 from moeguard_operator.loop.observation import LEAK_NOISE_BYTES_PER_SECOND, Observation
@@ -139,6 +139,7 @@ def decide(observation: Observation, state: PolicyState, spec: MoEInferenceServi
         if blocked is None and model is not None:
             for load in loads:
                 candidate = memory_fit.solve(model, candidate, lowest(state.budgets, candidate), load, limit)
+            candidate = coherent(candidate)
         if candidate == state.budgets:
             if blocked is None and increase(state.budgets, control.increase_step, upper) != state.budgets:
                 reasons.append("the predicted peak leaves no room to loosen")

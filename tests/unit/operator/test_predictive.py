@@ -229,3 +229,38 @@ def test_status_shows_the_prediction_at_a_mib_grain_so_page_noise_writes_nothing
                                                                         SPEC, NOW).memory
     (first, _) = decide(obs(), PolicyState(START), SPEC, NOW).memory
     assert first.idle_footprint_bytes == 799 * MIB and first.predicted_peak_bytes % MIB == 0
+
+
+def test_an_oom_kill_under_a_memory_cut_never_writes_a_long_cap_above_the_batch() -> None:
+    """Stop 45's bench-control-predictive: the kill halved maxLongRequestsPerBatch (4 -> 2) while the memory model
+    cut maxBatchRequests to 1; the workers refused that document (budget_watch.check_consistency) and the
+    survivors kept their old budgets. The cap now follows the batch, and the document applies."""
+    from moeguard_runtime.engine.budget_watch import check_consistency, decide_update
+
+    from moeguard_core.contract import BudgetDocument
+
+    spec = MoEInferenceServiceSpec.model_validate({
+        "model": {"preset": "tiny"}, "resources": {"gpus": 0, "softLimit": "1536Mi", "hardLimit": "2Gi"}})
+    start = initial_budgets(spec.batching)
+    assert (start.max_batch_requests, start.max_long_requests_per_batch) == (32, 4)
+    leaker = PodLoad("w-0", idle_footprint_bytes=1600 * MIB, skew_ratio=2.0, context_mean_tokens=64,
+                     context_max_tokens=128)
+    d = decide(obs(new_oom_kills=1, pod_loads=(leaker, loads()[1])), PolicyState(start), spec, NOW)
+    b = d.state.budgets
+    assert d.direction == "down" and b.max_batch_requests == 1
+    assert b.max_long_requests_per_batch == 1  # halved to 2, then capped at the batch
+    assert "maxLongRequestsPerBatch 4 -> 1" in d.reason
+    doc = BudgetDocument(generation=2, budgets=b, overload_mode="On", reason=d.reason[:200])
+    assert check_consistency(doc) is None
+    assert decide_update(doc.to_configmap_data(), 1).action == "apply"
+
+
+def test_a_spec_whose_batch_is_below_the_default_long_cap_starts_coherent() -> None:
+    """``maxBatchRequests: 2`` with ``maxLongRequestsPerBatch`` left at its default 4: the first document's cap is
+    the batch, not a cap the workers refuse."""
+    spec = MoEInferenceServiceSpec.model_validate({"model": {"preset": "tiny"}, "resources": {"gpus": 0},
+                                                   "batching": {"maxBatchRequests": 2}})
+    assert spec.batching.max_long_requests_per_batch == 4
+    for budgets in (initial_budgets(spec.batching), ceilings(spec.batching), policy.floors(spec.batching)):
+        assert budgets.max_long_requests_per_batch <= budgets.max_batch_requests
+    assert initial_budgets(spec.batching).max_long_requests_per_batch == 2
