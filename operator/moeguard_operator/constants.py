@@ -39,6 +39,8 @@ CONDITION_RECONCILING = "Reconciling"
 CONDITION_STALLED = "Stalled"
 CONDITION_METRICS_AVAILABLE = "MetricsAvailable"
 CONDITION_BUDGET_TIGHTENED = "BudgetTightened"
+CONDITION_BUDGETS_APPLIED = "BudgetsApplied"
+"""True when every reporting worker runs the budget document in the ConfigMap (:mod:`loop.applied`)."""
 
 PROMETHEUS_URL_ENV = "MOEGUARD_PROMETHEUS_URL"
 """Default Prometheus URL of the operator, when a resource's spec names none."""

@@ -94,6 +94,9 @@ class Observation:
             (``moeguard_memory_model_info``, :class:`memory_model_info.ModelMemory`).
         memory_models_error: why ``memory_models`` could not be read (the query's fixed problem), or None: a
             failed query is not "no worker reported one yet".
+        budget_generations: ``(pod, generation)``: the budget document each reporting pod's worker runs
+            (``moeguard_budget_generation``, its latest sample; -1: none yet); a pod without the series is absent
+            (:mod:`applied` judges them).
     """
 
     time: datetime
@@ -121,6 +124,7 @@ class Observation:
     latency: tuple[ClassLatency, ...] = ()
     memory_models: tuple[tuple[str, ModelMemory], ...] = ()
     memory_models_error: str | None = None
+    budget_generations: tuple[tuple[str, float], ...] = ()
 
     @property
     def silent_pods(self) -> tuple[str, ...]:

@@ -54,6 +54,7 @@ from moeguard_core.contract import (
     LABEL_POD,
     LABEL_SERVICE,
     METRIC_BATCHES_IN_FLIGHT,
+    METRIC_BUDGET_GENERATION,
     METRIC_E2E_LATENCY_SECONDS,
     METRIC_EP_RANK_TOKENS_TOTAL,
     METRIC_EXPERT_TOKENS_TOTAL,
@@ -323,6 +324,9 @@ class Queries:
     ucx_info: str = ""
     memory_model: str = ""
     """Each pod's ``moeguard_memory_model_info`` (the model its worker predicts steps with, as labels)."""
+    budget_generation: str = ""
+    """Each pod's ``moeguard_budget_generation``: the budget document its worker runs (-1: none yet, the
+    environment's budgets)."""
 
 
 LOAD_SIGNALS = ("idle_footprint_bytes", "correction", "context_max_tokens", "context_mean_tokens")
@@ -330,7 +334,7 @@ LOAD_SIGNALS = ("idle_footprint_bytes", "correction", "context_max_tokens", "con
 DIAG_FIELDS = ("diag", "breakdown", "top_share", "hot_experts", "ucx_info")
 """The diagnosis's queries (issue 14): their failure makes the diagnosis signals missing, never the budget
 policy's look blind."""
-INFO_FIELDS = ("memory_model",)
+INFO_FIELDS = ("memory_model", "budget_generation")
 """Queries whose failure or absence leaves what they say unknown (the predictive policy falls back to the spec's
 preset), never the budget policy's look blind."""
 MEMORY_REFUSALS = ("memory_predicted", "memory_hard_limit")
@@ -406,6 +410,7 @@ def queries(namespaces: str | Iterable[str], names: str | Iterable[str], window_
         reporting_pods=f"count {by} ({rss})",
         pod_load=pod_load_query(sel, window_seconds),
         memory_model=f"max by ({g}, {', '.join(MEMORY_MODEL_LABELS)}) ({METRIC_MEMORY_MODEL_INFO}{{{sel}}})",
+        budget_generation=f"max {by} ({METRIC_BUDGET_GENERATION}{{{sel}}})",
         latency=" or ".join(
             f'label_replace(sum by ({g}, priority, le) (increase({metric}_bucket{{{sel}}}[{w}])), "histogram", '
             f'"{name}", "", "")' for name, metric in (("ttft", METRIC_TTFT_SECONDS), ("tpot", METRIC_TPOT_SECONDS))),
@@ -756,6 +761,7 @@ def slice_look(url: str, answers: Mapping[str, Answer], look: Look, now: datetim
         latency=latency,
         memory_models=memory_models(mine["memory_model"], reporting),
         memory_models_error=mine["memory_model"].problem if mine["memory_model"].blind else None,
+        budget_generations=tuple((p, g) for p, g in sorted(per_pod("budget_generation").items()) if p in reporting),
     )
 
 

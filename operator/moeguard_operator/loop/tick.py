@@ -43,6 +43,7 @@ from moeguard_operator.diagnosis.diagnosis import (
     unchanged_but_time,
 )
 from moeguard_operator.loop import (
+    applied,
     autoscale,
     budget_document,
     leak_replacement,
@@ -221,11 +222,12 @@ def look_step(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, p
                      prior.diagnosis,
                      spec, now)
     looked, found_events = diagnosed(looked, found, now, generation)
+    looked, applied_events = applied.applied(looked, document_in(raw), obs.budget_generations, now, generation)
     looked, actions, replace_events = replaced(looked, spec, pods, obs, workload, policy, now)
     looked, scale_decision, scale, scale_events = scaled(
         looked, autoscale.state_of(prior, spec), spec, obs, decision.state.budgets, new.ready_replicas or 0, now,
         blind_floor, prior.leak_replacement or looked.leak_replacement, workload_replicas)
-    return Writes(stable(new, looked, obs), (*events, *look_events, *found_events, *replace_events, *scale_events),
+    return Writes(stable(new, looked, obs), (*events, *look_events, *found_events, *applied_events, *replace_events, *scale_events),
                   document, decision.restart, actions, decision, found, scale, scale_decision)
 
 

@@ -880,7 +880,7 @@ class Condition(_Model):
     """A Kubernetes condition (metav1.Condition)."""
 
     type: str
-    """Condition type: Ready, Reconciling, Stalled, MetricsAvailable, BudgetTightened."""
+    """Condition type: Ready, Reconciling, Stalled, MetricsAvailable, BudgetTightened, BudgetsApplied, ..."""
     status: Literal["True", "False", "Unknown"]
     """True, False or Unknown."""
     reason: str
@@ -1137,7 +1137,8 @@ class MoEInferenceServiceStatus(_Model):
     """metadata.generation of the spec last reconciled."""
     conditions: list[Condition] = Field(default_factory=list)
     """kstatus conditions (Ready, Reconciling, Stalled) and moeguard's own (MetricsAvailable,
-    BudgetTightened, Overloaded, MemoryLeakSuspected, and one per diagnosis finding typed by its kind)."""
+    BudgetTightened, BudgetsApplied, Overloaded, MemoryLeakSuspected, and one per diagnosis finding typed by its
+    kind)."""
     replicas: int | None = None
     """Replicas desired: worker pods, or LeaderWorkerSet groups (``parallelism.podsPerReplica`` above 1)."""
     ready_replicas: int | None = None

@@ -8,6 +8,7 @@ model is of the CPU path).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from harness import stack
@@ -58,3 +59,13 @@ def test_skew_with_room_changes_no_budget_and_status_shows_slo_attainment(
     hard = 4 * 2**30
     assert 0 < pod["idleFootprintBytes"] < pod["predictedPeakBytes"] < 3 * 2**30 < hard
     assert pod["headroomBytes"] == 3 * 2**30 - pod["predictedPeakBytes"] > 0
+    # The worker runs the ConfigMap's document, read back through Prometheus (moeguard_budget_generation).
+    def applied(o: dict[str, Any]) -> bool:
+        cond = stack.condition(o, "BudgetsApplied")
+        return cond is not None and cond["status"] == "True"
+
+    obj = wait_cr(cluster, ns, name, applied, DEADLINE, "BudgetsApplied True")
+    cond = stack.condition(obj, "BudgetsApplied")
+    assert cond is not None and cond["reason"] == "Applied", cond
+    found = re.fullmatch(r"every reporting worker \(1\) runs budget generation (\d+)", cond["message"])
+    assert found is not None and 1 <= int(found[1]) <= obj["status"]["budgetGeneration"], cond

@@ -320,7 +320,7 @@ def test_a_failed_or_malformed_diagnosis_query_leaves_the_signals_missing_not_th
 
 def test_the_diagnosis_queries_are_few_and_grouped() -> None:
     q = queries("ns", "svc", 30, 600)
-    assert len(DIAG_FIELDS) == 5 and len(Queries.__dataclass_fields__) == 22
+    assert len(DIAG_FIELDS) == 5 and len(Queries.__dataclass_fields__) == 23
     for field in DIAG_FIELDS:
         assert "by (namespace, moeis, pod" in getattr(q, field)
     assert steady_growth_steps(30, 600) == (150, 450, 75)
@@ -383,3 +383,20 @@ def test_each_pods_own_rss_slope_is_kept_for_the_pods_with_a_full_leak_window() 
                            ("ns", "svc", "svc-young"): healthy(slope=9e9) | {"leak_history": 2}})
     obs = slice_look(URL, answers, look(pods=("svc-a", "svc-b", "svc-young"), slope_pods=("svc-a", "svc-b")), NOW)
     assert obs.pod_rss_slopes == (("svc-a", 1e6), ("svc-b", 2e5)) and obs.rss_slope_bytes_per_second == 1e6
+
+
+def test_each_running_pods_budget_generation_is_read_and_a_failed_query_never_blinds() -> None:
+    """``moeguard_budget_generation`` per reporting pod (the BudgetsApplied condition's input); an old or
+    another service's pod is left out; a failed query leaves it unknown and the budget look still sees."""
+    answers = pod_answers({("ns", "svc", p): healthy() for p in ("svc-a", "svc-b", "svc-old")}
+                          | {("ns", "other", "other-a"): healthy()})
+    answers["budget_generation"] = answer(
+        series("ns", "svc", "svc-a", 7), series("ns", "svc", "svc-b", -1), series("ns", "svc", "svc-old", 3),
+        series("ns", "other", "other-a", 9))
+    obs = slice_look(URL, answers, look(pods=("svc-a", "svc-b")), NOW)
+    assert obs.budget_generations == (("svc-a", 7.0), ("svc-b", -1.0)) and obs.error is None
+    answers["budget_generation"] = read_answer(503, b"down")
+    obs = slice_look(URL, answers, look(pods=("svc-a", "svc-b")), NOW)
+    assert obs.budget_generations == () and obs.error is None and obs.memory_ratio == 0.5
+    assert queries("ns", "svc", 30, 600).budget_generation == (
+        'max by (namespace, moeis, pod) (moeguard_budget_generation{namespace="ns",moeis="svc"})')

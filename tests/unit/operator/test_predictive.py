@@ -235,9 +235,8 @@ def test_an_oom_kill_under_a_memory_cut_never_writes_a_long_cap_above_the_batch(
     """Stop 45's bench-control-predictive: the kill halved maxLongRequestsPerBatch (4 -> 2) while the memory model
     cut maxBatchRequests to 1; the workers refused that document (budget_watch.check_consistency) and the
     survivors kept their old budgets. The cap now follows the batch, and the document applies."""
-    from moeguard_runtime.engine.budget_watch import check_consistency, decide_update
-
     from moeguard_core.contract import BudgetDocument
+    from moeguard_runtime.engine.budget_watch import check_consistency, decide_update
 
     spec = MoEInferenceServiceSpec.model_validate({
         "model": {"preset": "tiny"}, "resources": {"gpus": 0, "softLimit": "1536Mi", "hardLimit": "2Gi"}})

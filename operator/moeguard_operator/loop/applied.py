@@ -1,0 +1,88 @@
+"""Whether the workers run the budget document in the ConfigMap: the ``BudgetsApplied`` condition. Pure.
+
+A worker applies a new document well under a second after the write (its watch,
+``moeguard_runtime.engine.budget_watch``) unless it refuses it (an invalid document: ``event=budget_rejected``
+in its log, ``moeguard_budget_updates_total{result="rejected"}``) or cannot read the ConfigMap (RBAC, the API
+server). It exports the generation it runs as ``moeguard_budget_generation`` (-1: none yet, the environment's
+budgets). A document that the workers do not run is a decision lost: status says "tightened" while every worker
+serves the old budgets. That happened at stop 45: an OOM kill's cut carried a long-request cap above the batch,
+every worker refused it, and the survivors of the kill kept their old budgets
+(``bench/results/control_latency_predictive.md``, OOM row).
+
+Per look (:func:`verdict`), on the reporting pods' generations (:attr:`Observation.budget_generations`):
+
+* ``True``, ``Applied``: every pod that reports one runs the ConfigMap's generation or a newer one;
+* ``Unknown``, ``Propagating``: some run an older one, and the document is younger than
+  :data:`APPLY_GRACE_SECONDS` (a scrape or two has not shown it yet);
+* ``False``, ``WorkersBehind``: some still run an older one :data:`APPLY_GRACE_SECONDS` after the write; a
+  Warning Event ``BudgetNotApplied`` names them (:func:`applied`, once per transition);
+* ``Unknown``, ``NoDocument`` / ``NoReports``: no valid document in the ConfigMap, or no pod reports its
+  generation (workers older than the metric, or Prometheus has none yet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Literal
+
+from moeguard_core.contract import METRIC_BUDGET_GENERATION, BudgetDocument
+from moeguard_operator import constants as c
+from moeguard_operator.loop.conditions import find_condition, set_condition
+from moeguard_operator.loop.report import Event
+from moeguard_operator.spec.models import MoEInferenceServiceStatus
+
+APPLY_GRACE_SECONDS = 60.0
+"""How long after a write a worker may still show an older generation, seconds: its watch applies a document in
+under a second, and Prometheus shows that at its next scrape (5-30 s intervals are usual), read by the operator's
+next look."""
+
+Status = Literal["True", "False", "Unknown"]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The condition's ``status``, ``reason`` and ``message``; ``behind``: ``(pod, generation)`` of the pods that
+    run an older document than the ConfigMap's."""
+
+    status: Status
+    reason: str
+    message: str
+    behind: tuple[tuple[str, int], ...] = ()
+
+
+def verdict(document: BudgetDocument | None, generations: Sequence[tuple[str, float]], now: datetime,
+            grace_seconds: float = APPLY_GRACE_SECONDS) -> Verdict:
+    """The ``BudgetsApplied`` verdict for the ConfigMap's ``document`` (None: none, or not a valid one) and the
+    reporting pods' ``generations`` at ``now`` (see the module docstring)."""
+    if document is None:
+        return Verdict("Unknown", "NoDocument", "the budget ConfigMap holds no valid budget document")
+    if not generations:
+        return Verdict("Unknown", "NoReports", f"no worker reports {METRIC_BUDGET_GENERATION}")
+    gen = document.generation
+    behind = tuple((pod, int(g)) for pod, g in generations if g < gen)
+    if not behind:
+        return Verdict("True", "Applied", f"every reporting worker ({len(generations)}) runs budget generation {gen}")
+    pods = ", ".join(f"{pod} (generation {g})" for pod, g in behind)
+    written = document.updated_at.isoformat(timespec="seconds")
+    if (now - document.updated_at).total_seconds() < grace_seconds:
+        return Verdict("Unknown", "Propagating", f"budget generation {gen} written at {written}; not yet run by "
+                                                 f"{pods}", behind)
+    return Verdict("False", "WorkersBehind",
+                   f"{pods} still run(s) older budgets than generation {gen}, written at {written} (more than "
+                   f"{grace_seconds:g}s ago): the worker refused the document (its log: event=budget_rejected) or "
+                   f"cannot read the budget ConfigMap", behind)
+
+
+def applied(status: MoEInferenceServiceStatus, document: BudgetDocument | None, generations: Sequence[tuple[str, float]],
+            now: datetime, generation: int | None) -> tuple[MoEInferenceServiceStatus, list[Event]]:
+    """``status`` with the ``BudgetsApplied`` condition of :func:`verdict`, and a Warning Event
+    ``BudgetNotApplied`` when it turns False (not at every look it stays False)."""
+    v = verdict(document, generations, now)
+    was = find_condition(status.conditions, c.CONDITION_BUDGETS_APPLIED)
+    conditions = set_condition(status.conditions, c.CONDITION_BUDGETS_APPLIED, v.status, v.reason, v.message, now,
+                               generation)
+    events = [Event("Warning", "BudgetNotApplied", v.message)] if v.status == "False" and (
+        was is None or was.status != "False") else []
+    return status.model_copy(update={"conditions": conditions}), events
