@@ -185,7 +185,7 @@ def test_one_grouped_look_serves_every_service_with_the_same_queries(pods: Pods)
         counts.append(query_requests() - before)
     print(f"\nqueries per look: 1 service {counts[0]:.0f}, 2 services {counts[1]:.0f}, 200 services {counts[2]:.0f}")
     # one query per field of Queries (22 since issue 30 added pod_load, latency and memory_model; the unit test pins it)
-    assert counts[0] == counts[1] == counts[2] == asked == len(Queries.__dataclass_fields__) == 22
+    assert counts[0] == counts[1] == counts[2] == asked == len(Queries.__dataclass_fields__) == 23
 
 
 def test_old_pods_series_never_steer_a_recreated_service_or_a_rollout(pods: Pods) -> None:
