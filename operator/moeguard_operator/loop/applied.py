@@ -12,10 +12,10 @@ every worker refused it, and the survivors of the kill kept their old budgets
 Per look (:func:`verdict`), on the reporting pods' generations (:attr:`Observation.budget_generations`):
 
 * ``True``, ``Applied``: every pod that reports one runs the ConfigMap's generation or a newer one;
-* ``Unknown``, ``Propagating``: some run an older one, and the document is younger than
-  :data:`APPLY_GRACE_SECONDS` (a scrape or two has not shown it yet);
-* ``False``, ``WorkersBehind``: some still run an older one :data:`APPLY_GRACE_SECONDS` after the write; a
-  Warning Event ``BudgetNotApplied`` names them (:func:`applied`, once per transition);
+* ``Unknown``, ``Propagating``: some run an older one, and the document is younger than the grace
+  (:func:`grace_seconds`: a scrape and a look have not shown it yet);
+* ``False``, ``WorkersBehind``: some still run an older one past the grace; a Warning Event
+  ``BudgetNotApplied`` names them (:func:`applied`, once per transition);
 * ``Unknown``, ``NoDocument`` / ``NoReports``: no valid document in the ConfigMap, or no pod reports its
   generation (workers older than the metric, or Prometheus has none yet).
 """
@@ -33,10 +33,14 @@ from moeguard_operator.loop.conditions import find_condition, set_condition
 from moeguard_operator.loop.report import Event
 from moeguard_operator.spec.models import MoEInferenceServiceStatus
 
-APPLY_GRACE_SECONDS = 60.0
-"""How long after a write a worker may still show an older generation, seconds: its watch applies a document in
-under a second, and Prometheus shows that at its next scrape (5-30 s intervals are usual), read by the operator's
-next look."""
+
+def grace_seconds(window_seconds: float, query_interval_seconds: float) -> float:
+    """How long after a write a worker may still show an older generation, seconds: ``windowSeconds +
+    queryIntervalSeconds`` (40 s at the defaults). Its watch applies a document in under a second; Prometheus
+    shows that at its next scrape (a window holds several scrapes: the look needs them); the operator reads it at
+    its next look."""
+    return float(window_seconds + query_interval_seconds)
+
 
 Status = Literal["True", "False", "Unknown"]
 
@@ -53,9 +57,9 @@ class Verdict:
 
 
 def verdict(document: BudgetDocument | None, generations: Sequence[tuple[str, float]], now: datetime,
-            grace_seconds: float = APPLY_GRACE_SECONDS) -> Verdict:
+            grace: float) -> Verdict:
     """The ``BudgetsApplied`` verdict for the ConfigMap's ``document`` (None: none, or not a valid one) and the
-    reporting pods' ``generations`` at ``now`` (see the module docstring)."""
+    reporting pods' ``generations`` at ``now``, ``grace`` seconds after a write (see the module docstring)."""
     if document is None:
         return Verdict("Unknown", "NoDocument", "the budget ConfigMap holds no valid budget document")
     if not generations:
@@ -66,20 +70,20 @@ def verdict(document: BudgetDocument | None, generations: Sequence[tuple[str, fl
         return Verdict("True", "Applied", f"every reporting worker ({len(generations)}) runs budget generation {gen}")
     pods = ", ".join(f"{pod} (generation {g})" for pod, g in behind)
     written = document.updated_at.isoformat(timespec="seconds")
-    if (now - document.updated_at).total_seconds() < grace_seconds:
+    if (now - document.updated_at).total_seconds() < grace:
         return Verdict("Unknown", "Propagating", f"budget generation {gen} written at {written}; not yet run by "
                                                  f"{pods}", behind)
     return Verdict("False", "WorkersBehind",
                    f"{pods} still run(s) older budgets than generation {gen}, written at {written} (more than "
-                   f"{grace_seconds:g}s ago): the worker refused the document (its log: event=budget_rejected) or "
+                   f"{grace:g}s ago): the worker refused the document (its log: event=budget_rejected) or "
                    f"cannot read the budget ConfigMap", behind)
 
 
 def applied(status: MoEInferenceServiceStatus, document: BudgetDocument | None, generations: Sequence[tuple[str, float]],
-            now: datetime, generation: int | None) -> tuple[MoEInferenceServiceStatus, list[Event]]:
+            now: datetime, generation: int | None, grace: float) -> tuple[MoEInferenceServiceStatus, list[Event]]:
     """``status`` with the ``BudgetsApplied`` condition of :func:`verdict`, and a Warning Event
     ``BudgetNotApplied`` when it turns False (not at every look it stays False)."""
-    v = verdict(document, generations, now)
+    v = verdict(document, generations, now, grace)
     was = find_condition(status.conditions, c.CONDITION_BUDGETS_APPLIED)
     conditions = set_condition(status.conditions, c.CONDITION_BUDGETS_APPLIED, v.status, v.reason, v.message, now,
                                generation)

@@ -222,7 +222,9 @@ def look_step(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, p
                      prior.diagnosis,
                      spec, now)
     looked, found_events = diagnosed(looked, found, now, generation)
-    looked, applied_events = applied.applied(looked, document_in(raw), obs.budget_generations, now, generation)
+    looked, applied_events = applied.applied(
+        looked, document_in(raw), obs.budget_generations, now, generation,
+        applied.grace_seconds(spec.control.window_seconds, spec.control.query_interval_seconds))
     looked, actions, replace_events = replaced(looked, spec, pods, obs, workload, policy, now)
     looked, scale_decision, scale, scale_events = scaled(
         looked, autoscale.state_of(prior, spec), spec, obs, decision.state.budgets, new.ready_replicas or 0, now,
