@@ -538,6 +538,8 @@ OPERATOR_READS = (
     METRIC_MEMORY_IDLE_FOOTPRINT_BYTES,
     METRIC_MEMORY_PREDICTION_CORRECTION_RATIO,
     METRIC_MEMORY_MODEL_INFO,
+    # the budget document each worker runs: the BudgetsApplied condition (stop 46)
+    METRIC_BUDGET_GENERATION,
 )
 """Every worker series the operator's Prometheus queries name (the budget look and issue 14's diagnosis): a
 test checks that the worker's registry declares each, and that the queries name none outside it. The GPU gauges are declared
