@@ -107,10 +107,10 @@ PACKED_PROBE_BYTES = 128 << 20
 """Packed copies made to time ``onednn_packed``: the fewest experts whose weights reach this many bytes
 (at least two, at most all), so consecutive calls read their weights from memory as the dense
 kernels' calls over all the experts do, not from a cache that holds one or two small experts."""
-SELECTION_RULE = 5
+SELECTION_RULE = 4
 """In the cache key: choices cached under an earlier rule (1: dense kernels only; 2: one call per bucket,
-decode buckets three fifths of the packed rule; 3: a prefill bucket timed at its own row count only; 4: the
-``torch`` kernel's expert as one product on the fused gate/up weight) are measured again."""
+decode buckets three fifths of the packed rule; 3: a prefill bucket timed at its own row count only) are
+measured again."""
 SPREAD_FRACTIONS = (13 / 16, 15 / 16)
 """Where :func:`spread_rows` times a prefill bucket besides its own row count: these fractions of it, plus
 a few rows (off the powers of two)."""

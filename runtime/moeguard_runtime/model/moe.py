@@ -505,27 +505,15 @@ def swiglu_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     Inference only.
 
     On ``torch_t`` (:data:`MatmulBackend`) the same in transposed form: ``h.T = w13 @ x.T`` ``[2I, n]``, the
-    activation on its two row halves, ``w2 @ gate.T`` ``[D, n]``, returned as an ``[n, D]`` view. On ``torch``
-    (``F.linear``) the gate and up projections are two products on ``w13``'s row halves (contiguous views, no
-    copy), as HF's loop computes them: MKL ran ``[n, D] x [D, I]`` twice 2-10 % faster than ``[n, D] x [D, 2I]``
-    once at 256-1,024 rows on an AMD EPYC (stop 46; ``bench/results/runtime.md``); the two ``[n, I]`` results
-    hold the bytes the fused ``[n, 2I]`` one does."""
+    activation on its two row halves, ``w2 @ gate.T`` ``[D, n]``, returned as an ``[n, D]`` view."""
     inter = w2.shape[1]
     n = x.shape[0]
-    kernel = kernel_for(backend, n) if n > 0 and not w13.is_mkldnn else None
-    if kernel == "torch_t":
+    if n > 0 and not w13.is_mkldnn and kernel_for(backend, n) == "torch_t":
         ht = torch.mm(w13, x.T)  # [2I, n]
         gate_t = ht[:inter]  # [I, n], contiguous
         F.silu(gate_t, inplace=True)
         gate_t.mul_(ht[inter:])
         return torch.mm(w2, gate_t).T  # [n, D] view of [D, n]
-    if kernel == "torch":
-        gate_n = F.linear(x, w13[:inter])  # [n, I]
-        up = F.linear(x, w13[inter:])  # [n, I]
-        F.silu(gate_n, inplace=True)
-        gate_n.mul_(up)
-        del up
-        return F.linear(gate_n, w2)  # [n, D]
     h = expert_linear(x, w13, backend)  # [n, 2I]
     gate = h[:, :inter]  # [n, I] view, row stride 2I
     F.silu(gate, inplace=True)

@@ -394,37 +394,3 @@ def test_the_worker_measures_applies_logs_and_exports_the_choice(tmp_path: Path,
     assert explicit == "torch" and telemetry.registry.get_sample_value(
         "moeguard_matmul_kernel_info", {"moeis": "m", "namespace": "n", "pod": "p", "kernel": kernel,
                                         "cpu": kernel_select.cpu_model()}) is None
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_torch_kernel_runs_gate_and_up_as_hfs_loop_does(dtype: torch.dtype,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """Stop 46: on ``torch`` the gate and up projections are two ``F.linear`` calls on ``w13``'s row halves (views:
-    no copy), HF's own form, so the expert equals ``w2(silu(w1 x) * w3 x)`` on separate weights; the other kernels
-    keep one product on the fused weight."""
-    g = torch.Generator().manual_seed(1)
-    inter, dim = 96, 64
-    w13, w2 = (torch.randn(2 * inter, dim, generator=g) / 8).to(dtype), (torch.randn(dim, inter, generator=g) / 9).to(dtype)
-    w1, w3 = w13[:inter].clone(), w13[inter:].clone()
-    calls: list[tuple[int, tuple[int, ...]]] = []
-    real = moe.F.linear
-
-    def spy(x: torch.Tensor, w: torch.Tensor, *args: object) -> torch.Tensor:
-        calls.append((w.data_ptr(), tuple(w.shape)))
-        return real(x, w, *args)
-
-    monkeypatch.setattr(moe.F, "linear", spy)
-    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
-    for n in (1, 7, 300):
-        x = torch.randn(n, dim, generator=g).to(dtype)
-        calls.clear()
-        out = moe.swiglu_expert(x, w13, w2, "torch")
-        gate_up = w13[inter:].data_ptr()
-        assert calls == [(w13.data_ptr(), (inter, dim)), (gate_up, (inter, dim)), (w2.data_ptr(), (dim, inter))]
-        hf = real(torch.nn.functional.silu(real(x, w1)) * real(x, w3), w2)
-        assert out.shape == (n, dim) and out.dtype == dtype
-        assert torch.equal(out, hf)
-        calls.clear()
-        fused = moe.swiglu_expert(x, w13, w2, "torch_t")
-        assert calls == []  # torch.mm on the fused weight
-        torch.testing.assert_close(out, fused, **tol)
