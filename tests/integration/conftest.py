@@ -73,6 +73,11 @@ def _healthy(c: Cluster) -> bool:
         return False
 
 
+def only_logs(folder: str, names: list[str]) -> list[str]:
+    """``shutil.copytree``'s ignore: every entry of ``folder`` but folders and ``*.log`` files."""
+    return [n for n in names if not n.endswith(".log") and not os.path.isdir(os.path.join(folder, n))]
+
+
 @pytest.fixture(scope="session")
 def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     kubectl = pinned_kubectl()
@@ -93,6 +98,8 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
         kept = c.run_dir.with_name(f"{c.run_dir.name}-logs")
         shutil.rmtree(kept, ignore_errors=True)
         shutil.copytree(c.run_dir / "logs", kept)
+        if (c.run_dir / "workers").is_dir():  # the harness's workers' own logs (<namespace>_<pod>.log)
+            shutil.copytree(c.run_dir / "workers", kept / "workers", ignore=only_logs)
         print(f"\n{request.session.testsfailed} tests failed: the cluster's logs are kept in {kept}")
     if c.started_here and os.environ.get("MOEGUARD_KEEP_CLUSTER") != "1":
         subprocess.run([str(HACK / "cluster-down.sh")], env={**os.environ, "MOEGUARD_RUN_DIR": str(RUN_DIR)},
