@@ -23,15 +23,16 @@ Per look (:func:`verdict`), on the reporting pods' generations (:attr:`Observati
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime
-from typing import Literal
 
 from moeguard_core.contract import METRIC_BUDGET_GENERATION, BudgetDocument
 from moeguard_operator import constants as c
-from moeguard_operator.loop.conditions import find_condition, set_condition
+from moeguard_operator.loop.conditions import Verdict, find_condition, set_condition
 from moeguard_operator.loop.report import Event
-from moeguard_operator.spec.models import MoEInferenceServiceStatus
+from moeguard_operator.spec.models import Condition, MoEInferenceServiceStatus
+
+NOT_APPLIED_EVENT = ("Warning", "BudgetNotApplied")
+"""The Event posted when the condition turns False (``Verdict.event``)."""
 
 
 def grace_seconds(window_seconds: float, query_interval_seconds: float) -> float:
@@ -42,51 +43,36 @@ def grace_seconds(window_seconds: float, query_interval_seconds: float) -> float
     return float(window_seconds + query_interval_seconds)
 
 
-Status = Literal["True", "False", "Unknown"]
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """The condition's ``status``, ``reason`` and ``message``; ``behind``: ``(pod, generation)`` of the pods that
-    run an older document than the ConfigMap's."""
-
-    status: Status
-    reason: str
-    message: str
-    behind: tuple[tuple[str, int], ...] = ()
-
-
-def verdict(document: BudgetDocument | None, generations: Sequence[tuple[str, float]], now: datetime,
-            grace: float) -> Verdict:
-    """The ``BudgetsApplied`` verdict for the ConfigMap's ``document`` (None: none, or not a valid one) and the
-    reporting pods' ``generations`` at ``now``, ``grace`` seconds after a write (see the module docstring)."""
+def verdict(document: BudgetDocument | None, generations: Sequence[tuple[str, float]], prior: Condition | None,
+            now: datetime, grace: float) -> Verdict:
+    """The ``BudgetsApplied`` condition for the ConfigMap's ``document`` (None: none, or not a valid one) and the
+    reporting pods' ``generations`` at ``now``, ``grace`` seconds after a write (see the module docstring), with
+    :data:`NOT_APPLIED_EVENT` when it turns False (``prior``: the condition as it was; not at every look it stays
+    False)."""
     if document is None:
         return Verdict("Unknown", "NoDocument", "the budget ConfigMap holds no valid budget document")
     if not generations:
         return Verdict("Unknown", "NoReports", f"no worker reports {METRIC_BUDGET_GENERATION}")
     gen = document.generation
-    behind = tuple((pod, int(g)) for pod, g in generations if g < gen)
+    behind = [(pod, int(g)) for pod, g in generations if g < gen]
     if not behind:
         return Verdict("True", "Applied", f"every reporting worker ({len(generations)}) runs budget generation {gen}")
     pods = ", ".join(f"{pod} (generation {g})" for pod, g in behind)
     written = document.updated_at.isoformat(timespec="seconds")
     if (now - document.updated_at).total_seconds() < grace:
-        return Verdict("Unknown", "Propagating", f"budget generation {gen} written at {written}; not yet run by "
-                                                 f"{pods}", behind)
+        return Verdict("Unknown", "Propagating", f"budget generation {gen} written at {written}; not yet run by {pods}")
     return Verdict("False", "WorkersBehind",
                    f"{pods} still run(s) older budgets than generation {gen}, written at {written} (more than "
                    f"{grace:g}s ago): the worker refused the document (its log: event=budget_rejected) or "
-                   f"cannot read the budget ConfigMap", behind)
+                   f"cannot read the budget ConfigMap",
+                   NOT_APPLIED_EVENT if prior is None or prior.status != "False" else None)
 
 
 def applied(status: MoEInferenceServiceStatus, document: BudgetDocument | None, generations: Sequence[tuple[str, float]],
             now: datetime, generation: int | None, grace: float) -> tuple[MoEInferenceServiceStatus, list[Event]]:
-    """``status`` with the ``BudgetsApplied`` condition of :func:`verdict`, and a Warning Event
-    ``BudgetNotApplied`` when it turns False (not at every look it stays False)."""
-    v = verdict(document, generations, now, grace)
-    was = find_condition(status.conditions, c.CONDITION_BUDGETS_APPLIED)
+    """``status`` with the ``BudgetsApplied`` condition of :func:`verdict`, and its Event."""
+    v = verdict(document, generations, find_condition(status.conditions, c.CONDITION_BUDGETS_APPLIED), now, grace)
     conditions = set_condition(status.conditions, c.CONDITION_BUDGETS_APPLIED, v.status, v.reason, v.message, now,
                                generation)
-    events = [Event("Warning", "BudgetNotApplied", v.message)] if v.status == "False" and (
-        was is None or was.status != "False") else []
+    events = [] if v.event is None else [Event("Warning" if v.event[0] == "Warning" else "Normal", v.event[1], v.message)]
     return status.model_copy(update={"conditions": conditions}), events

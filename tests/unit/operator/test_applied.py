@@ -23,22 +23,23 @@ def doc(generation: int = 5, age_s: float = 600) -> BudgetDocument:
 
 
 def test_every_worker_at_or_past_the_document_is_applied() -> None:
-    v = verdict(doc(5), (("w-0", 5.0), ("w-1", 6.0)), NOW, GRACE)
-    assert (v.status, v.reason, v.behind) == ("True", "Applied", ())
+    v = verdict(doc(5), (("w-0", 5.0), ("w-1", 6.0)), None, NOW, GRACE)
+    assert (v.status, v.reason, v.event) == ("True", "Applied", None)
     assert v.message == "every reporting worker (2) runs budget generation 5"
 
 
 def test_a_worker_behind_past_the_grace_is_named_false() -> None:
-    v = verdict(doc(5, age_s=GRACE + 1), (("w-0", 5.0), ("w-1", 4.0), ("w-2", -1.0)), NOW, GRACE)
-    assert (v.status, v.reason, v.behind) == ("False", "WorkersBehind", (("w-1", 4), ("w-2", -1)))
+    v = verdict(doc(5, age_s=GRACE + 1), (("w-0", 5.0), ("w-1", 4.0), ("w-2", -1.0)), None, NOW, GRACE)
+    assert (v.status, v.reason, v.event) == ("False", "WorkersBehind", ("Warning", "BudgetNotApplied"))
     assert v.message.startswith("w-1 (generation 4), w-2 (generation -1) still run(s) older budgets than "
                                 "generation 5, written at 2026-12-07T11:59:19+00:00 (more than 40s ago)")
     assert "event=budget_rejected" in v.message
 
 
 def test_within_the_grace_a_worker_behind_is_propagating_not_false() -> None:
-    v = verdict(doc(5, age_s=GRACE - 1), (("w-0", 4.0),), NOW, GRACE)
-    assert (v.status, v.reason, v.behind) == ("Unknown", "Propagating", (("w-0", 4),))
+    v = verdict(doc(5, age_s=GRACE - 1), (("w-0", 4.0),), None, NOW, GRACE)
+    assert (v.status, v.reason, v.event) == ("Unknown", "Propagating", None)
+    assert v.message == "budget generation 5 written at 2026-12-07T11:59:21+00:00; not yet run by w-0 (generation 4)"
 
 
 def test_the_grace_is_the_window_plus_a_look() -> None:
@@ -46,8 +47,8 @@ def test_the_grace_is_the_window_plus_a_look() -> None:
 
 
 def test_no_document_or_no_reports_is_unknown() -> None:
-    assert verdict(None, (("w-0", 1.0),), NOW, GRACE).reason == "NoDocument"
-    v = verdict(doc(), (), NOW, GRACE)
+    assert verdict(None, (("w-0", 1.0),), None, NOW, GRACE).reason == "NoDocument"
+    v = verdict(doc(), (), None, NOW, GRACE)
     assert (v.status, v.reason) == ("Unknown", "NoReports") and "moeguard_budget_generation" in v.message
 
 
