@@ -71,11 +71,7 @@ def test_skew_with_room_changes_no_budget_and_status_shows_slo_attainment(
     assert 0 < pod["idleFootprintBytes"] < pod["predictedPeakBytes"] < 3 * 2**30 < hard
     assert pod["headroomBytes"] == 3 * 2**30 - pod["predictedPeakBytes"] > 0
     # The worker runs the ConfigMap's document, read back through Prometheus (moeguard_budget_generation).
-    def applied(o: dict[str, Any]) -> bool:
-        cond = stack.condition(o, "BudgetsApplied")
-        return cond is not None and cond["status"] == "True"
-
-    obj = wait_cr(cluster, ns, name, applied, DEADLINE, "BudgetsApplied True")
+    obj = wait_cr(cluster, ns, name, budgets_applied("True"), DEADLINE, "BudgetsApplied True")
     cond = stack.condition(obj, "BudgetsApplied")
     assert cond is not None and cond["reason"] == "Applied", cond
     found = re.fullmatch(r"every reporting worker \(1\) runs budget generation (\d+)", cond["message"])
@@ -83,6 +79,7 @@ def test_skew_with_room_changes_no_budget_and_status_shows_slo_attainment(
 
 
 def budgets_applied(status: str) -> Any:
+    """A ``wait_cr`` predicate: the object's BudgetsApplied condition has ``status``."""
     def pred(o: dict[str, Any]) -> bool:
         cond = stack.condition(o, "BudgetsApplied")
         return cond is not None and cond["status"] == status
