@@ -220,6 +220,19 @@ def increase(budgets: Budgets, step: float, upper: Budgets) -> Budgets:
     return budgets.model_copy(update=update)
 
 
+def step_back(budgets: Budgets, step: float, upper: Budgets, start: Budgets) -> Budgets:
+    """``budgets`` with each budget above ``start`` lowered by the move :func:`increase` makes (``step`` × its
+    ceiling, at least 1), never below ``start``: one loosening undone. Budgets at or below ``start`` are kept."""
+    update: dict[str, float | int] = {}
+    for name in BUDGET_FIELDS:
+        value, ceiling, base = getattr(budgets, name), getattr(upper, name), getattr(start, name)
+        if value <= base:
+            continue
+        update[name] = max(base, value - max(1, round(step * ceiling))) if isinstance(value, int) else \
+            max(base, value - step * ceiling)
+    return budgets.model_copy(update=update)
+
+
 def _since(now: datetime, then: datetime | None) -> float:
     return math.inf if then is None else (now - then).total_seconds()
 

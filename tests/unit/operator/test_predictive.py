@@ -96,7 +96,7 @@ def test_a_leaking_pods_overrun_is_left_to_its_replacement_and_cuts_no_budget() 
                      context_max_tokens=3072), loads()[1])
     restart = SPEC.model_copy(update={"control": SPEC.control.model_copy(update={"leak_action": "Restart"})})
     leaking = obs(pod_loads=leaky, pod_rss_slopes=(("w-0", 4 * MIB), ("w-1", 0.0)))
-    d = decide(leaking, PolicyState(START), restart, NOW)
+    d = decide(leaking, PolicyState(START, last_change=NOW), restart, NOW)  # in cooldown: no loosening either
     assert d.direction == "hold" and d.pressure == () and d.state.budgets == START
     assert ("w-0 predicted 982 MiB (idle 880 + KV 75 + step 27) of softLimit 980 MiB, but w-0 leaks (RSS +240 "
             "MiB/min): left to the leak replacement, no budget cut for it") in d.reason
@@ -263,3 +263,48 @@ def test_a_spec_whose_batch_is_below_the_default_long_cap_starts_coherent() -> N
     for budgets in (initial_budgets(spec.batching), ceilings(spec.batching), policy.floors(spec.batching)):
         assert budgets.max_long_requests_per_batch <= budgets.max_batch_requests
     assert initial_budgets(spec.batching).max_long_requests_per_batch == 2
+
+
+LOOSENED = PolicyState(START.model_copy(update={"max_prefill_tokens": 460, "max_batch_requests": 12}),
+                       last_change=ago(600), last_pressure=ago(600), last_blind=ago(600))
+
+
+def test_tpot_below_target_above_the_specs_budgets_undoes_one_loosening_never_below_the_spec() -> None:
+    missed = obs(latency=(ClassLatency("interactive", MET, MISSED_TPOT),))
+    d = decide(missed, LOOSENED, SPEC, NOW)
+    assert d.direction == "down" and d.pressure == ("SloAttainment",) and d.state.last_pressure == NOW
+    b = d.state.budgets
+    assert (b.max_prefill_tokens, b.max_batch_requests) == (358, 10)  # - 0.1 x the ceilings 1024 and 16
+    assert b.max_decode_tokens == START.max_decode_tokens  # at the spec's value: kept
+    assert ("interactive SLO attainment TTFT 95%, TPOT 50% (target 90%; 100 first tokens, 100 answers): TPOT below "
+            "target with budgets above the spec's, one loosening undone") in d.reason
+    # one step above the spec: back to the spec, not below it
+    near = PolicyState(START.model_copy(update={"max_batch_requests": 9}), last_change=ago(600))
+    assert decide(missed, near, SPEC, NOW).state.budgets == START
+    # at the spec's budgets a TPOT miss cuts nothing (not a memory problem) and holds the climb
+    at_spec = decide(missed, CALM, SPEC, NOW)
+    assert at_spec.direction == "hold" and at_spec.state.budgets == START and at_spec.pressure == ()
+    assert "TPOT below target, not loosening" in at_spec.reason
+    # the undo waits for the cooldown, as any move but an OOM kill's
+    fresh = PolicyState(LOOSENED.budgets, last_change=ago(10))
+    assert decide(missed, fresh, SPEC, NOW).direction == "hold"
+    # TPOT met: the same state climbs on
+    assert decide(obs(), LOOSENED, SPEC, NOW).direction == "up"
+
+
+def test_a_tpot_miss_on_too_few_answers_is_not_judged_and_undoes_nothing() -> None:
+    few = ((0.25, 2.0), (INF, 4.0))
+    d = decide(obs(latency=(ClassLatency("interactive", ((3.0, 4.0), (INF, 4.0)), few),)), LOOSENED, SPEC, NOW)
+    assert d.direction == "up" and "SloAttainment" not in d.pressure
+
+
+def test_a_leaking_pod_being_replaced_does_not_hold_back_the_loosening_where_leaks_are_only_reported_it_does() -> None:
+    leaky = (PodLoad("w-0", idle_footprint_bytes=935 * MIB, skew_ratio=2.0, context_mean_tokens=300,
+                     context_max_tokens=2048), loads()[1])
+    slopes = (("w-0", 4 * MIB), ("w-1", 0.0))
+    restart = SPEC.model_copy(update={"control": SPEC.control.model_copy(update={"leak_action": "Restart"})})
+    replaced = decide(obs(pod_loads=leaky, pod_rss_slopes=slopes), CALM, restart, NOW)
+    assert replaced.direction == "up"
+    assert (replaced.state.budgets.max_prefill_tokens, replaced.state.budgets.max_batch_requests) == (358, 10)
+    warned = decide(obs(pod_loads=leaky, pod_rss_slopes=slopes), CALM, SPEC, NOW)
+    assert warned.direction != "up" and warned.state.budgets.max_batch_requests <= START.max_batch_requests
