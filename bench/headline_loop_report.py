@@ -145,8 +145,14 @@ def render(meta: dict[str, Any], runs: dict[str, list[dict[str, Any]]], pilot: b
         "bounded queue with a 2 s timeout, soft/hard limits, overload Auto), no operator.",
         "4. **threshold-loop** and 5. **full-moeguard**: the same worker settings as the spec of a MoEInferenceService "
         f"(`{json.dumps(meta['full_spec']['batching'])}`) and `control` `{json.dumps(meta['full_spec']['control'])}`, the "
-        "other control fields default (query interval 10 s, window 30 s, cooldown 30 s, stabilization 120 s, "
-        "leakHorizonSeconds 12 h). Why these four differ from the defaults: leakAction Restart is the ask (a drained restart "
+        "other control fields default (query interval 10 s, window 30 s, leakHorizonSeconds 12 h). "
+        + ("The ceilings are where the outer loop may loosen the spec's (the plan's) budgets; a worker alone keeps the "
+           "spec's budgets, and the inner-loop arm's concurrency cap is the same as the loop arms' (room for the "
+           "ceiling's batch plus the queue). stabilizationWindowSeconds 15, cooldownSeconds 10 and increaseStep 0.25: "
+           "the defaults (120 s, 30 s, 0.1) scaled to the trace's 8x time compression (two moves from the spec's "
+           "budgets to the ceilings instead of ten), else no loosening could happen inside the run. "
+           if meta["full_spec"]["batching"].get("ceilings") else "")
+        + "Why the other four differ from the defaults: leakAction Restart is the ask (a drained restart "
         "before the hard limit); leakWindowSeconds 30 (its minimum) because a pod's RSS slope counts only after it has run one "
         "leak window and the default 600 s is longer than this time-compressed run (the operator's clocks are not "
         "compressed); skewThreshold 32 because real text on this random-weight model reaches 30-s maxima of 6-10 "

@@ -112,3 +112,43 @@ def test_a_document_the_worker_refuses_turns_budgets_applied_false_and_warns(
     assert cond["message"].startswith(f"{pod} (generation {running}) still run(s) older budgets than generation "
                                       f"{running + 1}"), cond
     wait_event(cluster, ns, name, "Warning", "BudgetNotApplied", pod)
+
+
+def test_loosening_follows_the_tpot_attainment_up_to_the_ceiling_and_back_never_below_the_spec(
+        cluster: Cluster, operator: None, pod_workers: PodWorkers, namespace: str) -> None:
+    """Room and TPOT met: maxBatchRequests climbs above the spec's 16 toward its ceiling (24). The TPOT objective
+    made unreachable (``spec.slo.interactive.tpotSeconds`` patched to 0.1 ms; the budgets stay, only a
+    ``batching`` change resets them): each look undoes one loosening (pressure ``SloAttainment``) back to the
+    spec's 16, and not below it."""
+    ns, name = namespace, "tpot"
+    batching = {**SPEC["batching"], "ceilings": {"maxBatchRequests": 24}}
+    (url,) = start(cluster, ns, name, pod_workers, resources=RESOURCES, batching=batching, slo={"minRequests": 3})
+    rounds = iter(range(10**6))
+
+    def traffic() -> None:
+        i = next(rounds)
+        for j in range(3):
+            complete(url, prompt_of_length(200, offset=1000 * (3 * i + j)), max_tokens=4)
+
+    def batch_with_traffic(pred: Any) -> Any:
+        def probe() -> dict[str, Any] | None:
+            traffic()
+            obj = get(cluster, ns, name)
+            return obj if pred(obj["status"]["budgets"]["maxBatchRequests"]) else None
+        return probe
+
+    wait(batch_with_traffic(lambda n: n > 16), DEADLINE, "maxBatchRequests loosened above the spec's 16")
+    wait_event(cluster, ns, name, "Normal", "BudgetRelaxed", "maxBatchRequests 16 -> 18")
+    cluster.kubectl("-n", ns, "patch", "moeis", name, "--type", "merge",
+                    "-p", json.dumps({"spec": {"slo": {"interactive": {"tpotSeconds": 0.0001}}}}))
+    obj = wait(batch_with_traffic(lambda n: n == 16), DEADLINE, "maxBatchRequests back at the spec's 16")
+    last = obj["status"]["lastAdjustment"]
+    assert "one loosening undone" in last["reason"] and last["to"]["maxBatchRequests"] == 16, last
+    assert last["from"]["maxBatchRequests"] == 18, last  # one step (0.1 x the ceiling 24) at a time
+    events = wait_event(cluster, ns, name, "Normal", "BudgetTightened", "one loosening undone")
+    assert any("TPOT below target with budgets above the spec's" in m for _, r, m in events if r == "BudgetTightened")
+    looks = operator_looks(ns, name)
+    seen = []
+    wait(lambda: (traffic(), seen.append(get(cluster, ns, name)["status"]["budgets"]["maxBatchRequests"]),
+                  operator_looks(ns, name) >= looks + 3)[-1], DEADLINE, "three more looks with traffic")
+    assert set(seen) == {16}, seen  # never below the spec's budget, and no climb while TPOT is missed
