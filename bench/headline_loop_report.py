@@ -164,7 +164,11 @@ def render(meta: dict[str, Any], runs: dict[str, list[dict[str, Any]]], pilot: b
         "says will not fit, overload from SLO attainment; `spec.slo` at its defaults)."
         + (f" Both operators run with `--leak-warmup-seconds {meta['leak_warmup_s']:g}` (default 90): the leaking "
            "replica dies about 86 s after its pod started, before a 90-s warm-up and the leak window could judge it."
-           if meta.get("leak_warmup_s") is not None else ""),
+           if meta.get("leak_warmup_s") is not None else "")
+        + (f" Each loop arm's service runs {meta['loop_warmup_s']:g} s ready and idle before its traffic (one leak "
+           "window, a scrape and a look: until every pod has that history the operator is blind by design); the bare "
+           "arms read no history and start at once; the leak starts at the same point of the traffic in every arm."
+           if meta.get("loop_warmup_s") else ""),
         "",
         "## Results (medians of the repetitions)",
         "",
