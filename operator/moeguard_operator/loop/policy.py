@@ -208,28 +208,28 @@ def decrease(budgets: Budgets, factor: float, lower: Budgets, names: tuple[str, 
     return budgets.model_copy(update=update)
 
 
+def _climb(value: float, step: float, ceiling: float) -> float:
+    """One climb's size for a budget at ``value``: ``step`` × its ceiling, at least 1 for an integer budget."""
+    return max(1, round(step * ceiling)) if isinstance(value, int) else step * ceiling
+
+
 def increase(budgets: Budgets, step: float, upper: Budgets) -> Budgets:
     """``budgets`` with each budget + ``step`` × its ceiling (at least 1), never above ``upper``."""
     update: dict[str, float | int] = {}
     for name in BUDGET_FIELDS:
         value, ceiling = getattr(budgets, name), getattr(upper, name)
-        if isinstance(value, int):
-            update[name] = min(ceiling, value + max(1, round(step * ceiling)))
-        else:
-            update[name] = min(ceiling, value + step * ceiling)
+        update[name] = min(ceiling, value + _climb(value, step, ceiling))
     return budgets.model_copy(update=update)
 
 
 def step_back(budgets: Budgets, step: float, upper: Budgets, start: Budgets) -> Budgets:
-    """``budgets`` with each budget above ``start`` lowered by the move :func:`increase` makes (``step`` × its
+    """``budgets`` with each budget above ``start`` lowered by the climb :func:`increase` makes (``step`` × its
     ceiling, at least 1), never below ``start``: one loosening undone. Budgets at or below ``start`` are kept."""
     update: dict[str, float | int] = {}
     for name in BUDGET_FIELDS:
         value, ceiling, base = getattr(budgets, name), getattr(upper, name), getattr(start, name)
-        if value <= base:
-            continue
-        update[name] = max(base, value - max(1, round(step * ceiling))) if isinstance(value, int) else \
-            max(base, value - step * ceiling)
+        if value > base:
+            update[name] = max(base, value - _climb(value, step, ceiling))
     return budgets.model_copy(update=update)
 
 

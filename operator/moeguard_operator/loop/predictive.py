@@ -105,8 +105,7 @@ def decide(observation: Observation, state: PolicyState, spec: MoEInferenceServi
     reasons: list[str] = []
     pressure: list[str] = []
     attained = slo.attainments(obs.latency, spec.slo)
-    tpot_short = next((a for a in attained if a.priority == "interactive" and a.judged and a.tpot is not None
-                       and a.tpot < a.target), None)
+    tpot_short = next((a for a in attained if a.priority == "interactive" and a.tpot_met is False), None)
     start = initial_budgets(batching)
 
     target = state.budgets

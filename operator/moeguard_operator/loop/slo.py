@@ -80,6 +80,13 @@ class Attainment:
             return None
         return self.ttft >= self.target and self.tpot >= self.target
 
+    @property
+    def tpot_met(self) -> bool | None:
+        """The TPOT share at or above the target; None unless :attr:`judged`."""
+        if not self.judged or self.tpot is None:
+            return None
+        return self.tpot >= self.target
+
     def status(self) -> SloAttainment:
         """As ``status.observed.slo`` shows it (shares and counts rounded to 3 and 1 digits)."""
         def r(v: float | None, digits: int) -> float | None:

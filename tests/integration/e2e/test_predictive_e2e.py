@@ -148,7 +148,12 @@ def test_loosening_follows_the_tpot_attainment_up_to_the_ceiling_and_back_never_
     events = wait_event(cluster, ns, name, "Normal", "BudgetTightened", "one loosening undone")
     assert any("TPOT below target with budgets above the spec's" in m for _, r, m in events if r == "BudgetTightened")
     looks = operator_looks(ns, name)
-    seen = []
-    wait(lambda: (traffic(), seen.append(get(cluster, ns, name)["status"]["budgets"]["maxBatchRequests"]),
-                  operator_looks(ns, name) >= looks + 3)[-1], DEADLINE, "three more looks with traffic")
+    seen: list[int] = []
+
+    def three_more_looks() -> bool:
+        traffic()
+        seen.append(get(cluster, ns, name)["status"]["budgets"]["maxBatchRequests"])
+        return operator_looks(ns, name) >= looks + 3
+
+    wait(three_more_looks, DEADLINE, "three more looks with traffic")
     assert set(seen) == {16}, seen  # never below the spec's budget, and no climb while TPOT is missed

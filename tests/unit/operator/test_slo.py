@@ -50,6 +50,10 @@ def test_attainment_per_class_against_its_own_objectives() -> None:
     strict = attainments((ClassLatency("interactive", TTFT, TPOT),),
                          SloSpec.model_validate({"interactive": {"attainment": 0.95}}))
     assert strict[0].met is False  # TTFT 90 % < 95 %
+    assert strict[0].tpot_met is True  # TPOT 95 % alone meets it
+    tighter = attainments((ClassLatency("interactive", TTFT, TPOT),),
+                          SloSpec.model_validate({"interactive": {"attainment": 0.96}}))
+    assert tighter[0].tpot_met is False  # TPOT 95 % < 96 %
     status = strict[0].status()
     assert (status.ttft_attainment, status.tpot_attainment, status.requests, status.target, status.met) == (
         0.9, 0.95, 100.0, 0.95, False)
