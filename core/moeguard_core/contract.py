@@ -275,6 +275,11 @@ class BudgetDocument(BaseModel):
     overload_mode: Literal["On", "Off"] = Field(default="Off", alias="overloadMode")
     overload_max_context_tokens: int | None = Field(default=None, alias="overloadMaxContextTokens", gt=0)
     """While overload mode is On, prompts plus max_tokens above this are refused (HTTP 503, with the reason)."""
+    overload_queue_trigger: bool = Field(default=True, alias="overloadQueueTrigger")
+    """Whether the worker's own overload trigger (mode ``Auto``) also fires on queue depth (at least 80 % of
+    ``maxQueueRequests`` waiting). False where the operator decides overload from SLO attainment (its
+    ``predictive`` policy, issue 30: never from the queue or the refusal rate alone); the worker's memory
+    triggers (above the soft limit, an allocation failure) fire either way."""
     reason: str = Field(default="initial", max_length=1024)
     updated_at: datetime = Field(default_factory=lambda: datetime.now(UTC), alias="updatedAt")
 

@@ -172,7 +172,8 @@ def reconcile(
     data = None if cm is None else dict(cm.get("data") or {})
     ours = cm is not None and budget_document.written_by((cm.get("metadata") or {}).get("managedFields"),
                                                          c.FIELD_MANAGER)
-    document = children.apply_budget_document(owner, data, budget_document.for_spec(parsed, prior, data, now, ours))
+    wanted = budget_document.for_spec(parsed, prior, data, now, ours, policy=config.policy)
+    document = children.apply_budget_document(owner, data, wanted)
     patch.status.update(report.status_patch(
         prior, report.reconciled(prior, parsed, document, selector_string(owner), now, generation)))
 

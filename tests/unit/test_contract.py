@@ -94,7 +94,8 @@ def test_the_deployment_env_and_the_first_budget_document_reproduce_the_spec_in_
     assert env[contract.UCX_MEM_MMAP_HOOK_MODE] == contract.UCX_SAFE_MMAP_HOOK_MODE
     assert env[contract.UCX_RCACHE_MAX_UNRELEASED] == str(contract.UCX_SAFE_RCACHE_MAX_UNRELEASED)
 
-    first = budget_document.for_spec(spec, MoEInferenceServiceStatus(), None, datetime(2026, 1, 1, tzinfo=UTC))
+    first = budget_document.for_spec(spec, MoEInferenceServiceStatus(), None, datetime(2026, 1, 1, tzinfo=UTC),
+                                     policy="predictive")
     data = build_budget_configmap(owner, first)["data"]
     decision = decide_update(data, NO_GENERATION, get_preset(spec.model.preset).max_seq_len)
     assert decision.action == "apply" and decision.document is not None

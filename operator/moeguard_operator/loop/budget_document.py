@@ -1,7 +1,8 @@
 """The budget document the operator writes to the budget ConfigMap, pure: which document, which generation.
 
 * :func:`for_spec` — the document a reconcile writes: the budgets in effect, unless the spec's
-  initial budgets changed (then those), and the overload mode the spec forces;
+  initial budgets changed (then those), the overload mode the spec forces, and whether the workers' own
+  overload trigger reads the queue (:func:`queue_trigger`: not where the policy decides from SLO attainment);
 * :func:`for_decision` — the document a control-loop decision asks for (None when budgets and
   overload mode stay), at the next generation;
 * :func:`in_effect` — the document of the budgets in effect, for a ConfigMap deleted by hand;
@@ -112,16 +113,25 @@ def caught_up(status: MoEInferenceServiceStatus, data: dict[str, str] | None, ou
     return status.model_copy(update=update)
 
 
+def queue_trigger(policy: str) -> bool:
+    """The document's ``overloadQueueTrigger`` under the operator's ``--policy``: False for ``predictive``,
+    which decides overload mode from SLO attainment (issue 30), so the workers' own trigger keeps only memory
+    and allocation failures; True for ``threshold``, whose overload follows the refusal rate as the queue does."""
+    return policy != "predictive"
+
+
 def for_budgets(spec: MoEInferenceServiceSpec, budgets: Budgets, overload: OverloadMode, generation: int,
-                reason: str, now: datetime) -> BudgetDocument:
-    """The document for ``budgets`` and ``overload`` at ``generation`` (``reason`` cut to 1024 characters)."""
+                reason: str, now: datetime, *, policy: str) -> BudgetDocument:
+    """The document for ``budgets`` and ``overload`` at ``generation`` (``reason`` cut to 1024 characters),
+    with the queue trigger of ``policy`` (:func:`queue_trigger`)."""
     return BudgetDocument(generation=generation, budgets=budgets, overload_mode=overload,
                           overload_max_context_tokens=overload_context_cap(spec),
+                          overload_queue_trigger=queue_trigger(policy),
                           reason=reason[:REASON_MAX_CHARS], updated_at=now)
 
 
 def for_spec(spec: MoEInferenceServiceSpec, status: MoEInferenceServiceStatus, data: dict[str, str] | None,
-             now: datetime, ours: bool = True) -> BudgetDocument:
+             now: datetime, ours: bool = True, *, policy: str) -> BudgetDocument:
     """The document a reconcile of ``spec`` writes, given the prior ``status`` and the ConfigMap's ``data``.
 
     The budgets in effect stay unless the spec's initial budgets changed (or none are in effect
@@ -145,12 +155,15 @@ def for_spec(spec: MoEInferenceServiceSpec, status: MoEInferenceServiceStatus, d
     elif current is not None and current.overload_max_context_tokens != overload_context_cap(spec):
         reason, generation = (f"overload context cap {current.overload_max_context_tokens} -> "
                               f"{overload_context_cap(spec)}"), generation + 1
-    return for_budgets(spec, budgets, overload, generation, reason, now)
+    elif current is not None and current.overload_queue_trigger != queue_trigger(policy):
+        reason, generation = f"overload queue trigger for policy {policy}", generation + 1
+    return for_budgets(spec, budgets, overload, generation, reason, now, policy=policy)
 
 
 def _key(document: BudgetDocument) -> tuple[object, ...]:
     """What a worker applies from a document: equal keys, nothing to write."""
-    return (document.generation, document.budgets, document.overload_mode, document.overload_max_context_tokens)
+    return (document.generation, document.budgets, document.overload_mode, document.overload_max_context_tokens,
+            document.overload_queue_trigger)
 
 
 def _parsed(data: dict[str, str] | None) -> BudgetDocument | None:
@@ -164,29 +177,29 @@ def _parsed(data: dict[str, str] | None) -> BudgetDocument | None:
 
 
 def for_decision(spec: MoEInferenceServiceSpec, status: MoEInferenceServiceStatus, data: dict[str, str] | None,
-                 decision: Decision, now: datetime) -> BudgetDocument | None:
+                 decision: Decision, now: datetime, *, policy: str) -> BudgetDocument | None:
     """The document for ``decision``'s budgets and overload mode at the next generation, or None
     when neither changed (nothing to write)."""
     if not (decision.changed or decision.overload_changed):
         return None
     return for_budgets(spec, decision.state.budgets, decision.state.overload,
-                       generation_in_effect(status, data) + 1, decision.reason, now)
+                       generation_in_effect(status, data) + 1, decision.reason, now, policy=policy)
 
 
 def in_effect(spec: MoEInferenceServiceSpec, status: MoEInferenceServiceStatus, reason: str,
-              now: datetime) -> BudgetDocument | None:
+              now: datetime, *, policy: str) -> BudgetDocument | None:
     """The document of the budgets, overload mode and generation in ``status`` (None before the
     first reconcile recorded any): what a ConfigMap deleted by hand is written back with."""
     if status.budgets is None:
         return None
     return for_budgets(spec, status.budgets, overload_in_effect(status), generation_in_effect(status, None),
-                       reason, now)
+                       reason, now, policy=policy)
 
 
 def to_apply(data: dict[str, str] | None, document: BudgetDocument) -> BudgetDocument | None:
     """What to write to the ConfigMap whose current ``data`` is given (None: it does not exist).
 
-    None when ``data`` already holds this generation, budgets, overload mode and context cap.
+    None when ``data`` already holds this generation, budgets, overload mode, context cap and queue trigger.
     Otherwise ``document``, with the generation after the one found when that is not older (a
     ConfigMap edited by hand at this generation or beyond: the workers ignore a generation they
     have seen).

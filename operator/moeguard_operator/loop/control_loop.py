@@ -597,7 +597,8 @@ class ControlLoop:
         if missing:
             children.apply_children(owner, spec, leak_replacement.surge_replicas(spec, writes.status))
             if "budget ConfigMap" in missing:
-                document = budget_document.in_effect(spec, writes.status, "recreated: the ConfigMap was deleted", now)
+                document = budget_document.in_effect(spec, writes.status, "recreated: the ConfigMap was deleted", now,
+                                                     policy=self.config.policy)
                 if document is not None:
                     data = None
                     children.apply_budget_document(owner, None, document)

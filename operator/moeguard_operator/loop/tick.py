@@ -215,7 +215,7 @@ def look_step(prior: MoEInferenceServiceStatus, spec: MoEInferenceServiceSpec, p
     state = replace(state, budgets=new.budgets or state.budgets,
                     overload="On" if new.overload_mode == "On" else "Off")
     decision = DECIDERS[policy](obs, state, spec, now)
-    document = budget_document.for_decision(spec, new, raw, decision, now)
+    document = budget_document.for_decision(spec, new, raw, decision, now, policy=policy)
     looked, look_events = report.looked(new, spec, obs, decision, document, facts.restarts, now, generation,
                                                facts.crash_looping)
     found = diagnose(diagnosis or DiagnosisMemory(blind_at=blind_floor), DiagnosisLook.of(obs, leak_warmup_seconds),

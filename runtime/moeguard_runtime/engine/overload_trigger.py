@@ -7,8 +7,12 @@ mode ``Auto``, the worker itself: on when memory is above the soft limit or the
 queue holds at least :data:`OVERLOAD_QUEUE_ON` of ``max_queue_requests``; off
 again once memory is below the soft limit, the queue at most
 :data:`OVERLOAD_QUEUE_OFF` of it, and :data:`OVERLOAD_HOLD_S` seconds have
-passed since the last trigger. An allocation failure in a step holds it on for
-exactly its hold (``memory_guard.ALLOCATION_FAILURE_HOLD_S`` from the last failed
+passed since the last trigger. The queue part is the worker's proxy for an SLO it
+cannot see: where the operator decides overload from SLO attainment (its budget
+document's ``overloadQueueTrigger: false``, the ``predictive`` policy), the worker's
+own trigger keeps only memory and allocation failures (issue 30: halving decode
+because the queue is full halved the throughput of a worker that met its SLOs).
+An allocation failure in a step holds it on for exactly its hold (``memory_guard.ALLOCATION_FAILURE_HOLD_S`` from the last failed
 step, the documented 30 s): that hold is a known end, not a reading, so it is not
 prolonged by :data:`OVERLOAD_HOLD_S` (it was, to 35 s: issue 29).
 """
@@ -36,6 +40,8 @@ class OverloadTrigger:
         self.mode = mode
         self.policy = policy
         self.sources = {"operator": False, "worker": False, "env": mode == "On"}
+        self.queue_trigger = True
+        """Queue depth counts as pressure (the budget document's ``overloadQueueTrigger``)."""
         self._telemetry, self._log = telemetry, log
         self._last_trigger = -1e18
 
@@ -65,12 +71,13 @@ class OverloadTrigger:
             return
         max_queue = scheduler.next_budgets.max_queue_requests
         queue = scheduler.queue_requests
-        pressure = not memory_normal or queue >= OVERLOAD_QUEUE_ON * max_queue
+        queue_pressure = self.queue_trigger and queue >= OVERLOAD_QUEUE_ON * max_queue
+        pressure = not memory_normal or queue_pressure
         if pressure:
             self._last_trigger = now
         held = held_until is not None and now < held_until
-        calm = (memory_normal and not held and queue <= OVERLOAD_QUEUE_OFF * max_queue
-                and now - self._last_trigger >= OVERLOAD_HOLD_S)
+        queue_calm = not self.queue_trigger or queue <= OVERLOAD_QUEUE_OFF * max_queue
+        calm = (memory_normal and not held and queue_calm and now - self._last_trigger >= OVERLOAD_HOLD_S)
         want = worker_wants_overload(self.sources["worker"], pressure or held, calm)
         if want != self.sources["worker"]:
             self.sources["worker"] = want

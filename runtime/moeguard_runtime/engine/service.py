@@ -285,11 +285,13 @@ class Worker:
             self.scheduler.set_budgets(doc.budgets)
             self.budget_generation = doc.generation
             self.overload_trigger.sources["operator"] = doc.overload_mode == "On"
+            self.overload_trigger.queue_trigger = doc.overload_queue_trigger
             self.overload_trigger.apply(self.scheduler)
             self.loop.cond.notify()
         self.telemetry.budget_generation.labels(**self.telemetry.labels).set(doc.generation)
         self.log.event("budget_received", force=True, generation=doc.generation,
                        reason=doc.reason, overload_mode=doc.overload_mode,
+                       overload_queue_trigger=str(doc.overload_queue_trigger).lower(),
                        overload_max_context_tokens=max_ctx, **doc.budgets.model_dump())
 
     # --- the engine thread ---------------------------------------------------------

@@ -76,6 +76,9 @@ def test_skew_with_room_changes_no_budget_and_status_shows_slo_attainment(
     assert cond is not None and cond["reason"] == "Applied", cond
     found = re.fullmatch(r"every reporting worker \(1\) runs budget generation (\d+)", cond["message"])
     assert found is not None and 1 <= int(found[1]) <= obj["status"]["budgetGeneration"], cond
+    # The predictive operator decides overload from SLO attainment: its workers' own trigger leaves the queue out.
+    cm = cluster.kubectl_json("-n", ns, "get", "configmap", f"{name}-budget")
+    assert json.loads(cm["data"]["budget.json"])["overloadQueueTrigger"] is False
 
 
 def budgets_applied(status: str) -> Any:

@@ -53,8 +53,8 @@ def status(budgets: Any = TIGHT, generation: int = 3, last_pressure: datetime | 
 
 
 def data(budgets: Any, generation: int) -> dict[str, str]:
-    return budget_document.for_budgets(SPEC, budgets, "Off", generation, "test", NOW - timedelta(seconds=5)
-                                       ).to_configmap_data()
+    return budget_document.for_budgets(SPEC, budgets, "Off", generation, "test", NOW - timedelta(seconds=5),
+                                       policy="threshold").to_configmap_data()
 
 
 def calm(when: datetime = NOW) -> Observation:
@@ -89,7 +89,7 @@ def test_a_configmap_ahead_of_status_is_the_truth_and_status_catches_up() -> Non
 
 def test_a_reconcile_never_writes_back_the_budgets_of_a_lagging_status() -> None:
     prior, tighter = status(TIGHT, 3), TIGHT.model_copy(update={"max_prefill_tokens": 512})
-    doc = budget_document.for_spec(SPEC, prior, data(tighter, 4), NOW)
+    doc = budget_document.for_spec(SPEC, prior, data(tighter, 4), NOW, policy="threshold")
     assert (doc.budgets, doc.generation) == (tighter, 4)
     assert budget_document.to_apply(data(tighter, 4), doc) is None  # nothing to write: the ConfigMap holds it
 

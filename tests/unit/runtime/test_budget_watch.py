@@ -46,6 +46,12 @@ def test_same_or_older_generation_is_ignored() -> None:
         "maxConcurrentBatches": 1}})}, "maxPrefillTokens"),
     ({"budget.json": json.dumps({"generation": -1, "budgets": B.model_dump(by_alias=True)})},
      "generation"),
+    ({"budget.json": json.dumps({"generation": 3, "budgets": B.model_dump(by_alias=True),
+                                 "overloadQueueTrigger": "sometimes"})},
+     "overloadQueueTrigger: Input should be a valid boolean"),
+    ({"budget.json": json.dumps({"generation": 3, "budgets": B.model_dump(by_alias=True),
+                                 "overloadQueueTrigger": None})},
+     "overloadQueueTrigger: Input should be a valid boolean"),
 ])
 def test_invalid_documents_are_rejected_with_reason(payload: dict[str, str] | None,
                                                     needle: str) -> None:

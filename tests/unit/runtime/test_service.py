@@ -174,6 +174,35 @@ def test_worker_self_trigger_overload_with_hold(setup: tuple[Worker, list[int], 
     assert gauge(worker, "moeguard_overload_active", source="worker") == 0
 
 
+def test_a_document_without_the_queue_trigger_leaves_overload_to_memory_and_the_operator() -> None:
+    """Issue 30: under the predictive policy the operator decides overload from SLO attainment, so a full
+    queue no longer halves decode; memory above the soft limit still turns it on."""
+    settings = load_settings({"MOEGUARD_SOFT_LIMIT_BYTES": "1000", "MOEGUARD_HARD_LIMIT_BYTES": "2000",
+                              "MOEGUARD_MAX_QUEUE_REQUESTS": "5"})
+    usage, now = [100], [0.0]
+    worker = Worker(settings, Engine(build_model(presets.get_preset("tiny"), seed=1)),
+                    Telemetry(LABELS, 8), RateLimitedLog(0.0, logger=Lines()), clock=lambda: now[0],
+                    memory_reader=lambda: MemoryReading(usage[0], "rss"), idle_wait_s=0.0)
+    for i in range(4):  # 4 of 5 waiting: OVERLOAD_QUEUE_ON (80 %)
+        worker.submit(GenerationRequest(f"r{i}", [1, 2, 3], 4), lambda e: None)
+    assert worker.scheduler.queue_requests == 4
+    worker.check_memory(force=True)
+    assert worker.scheduler.overload and worker.overload_sources["worker"]  # the queue trigger, by default
+
+    b = settings.budgets.model_copy(update={"max_decode_tokens": 8})
+    worker.on_budget_data(BudgetDocument(generation=1, budgets=b, overload_queue_trigger=False).to_configmap_data())
+    now[0] = 6.0  # past OVERLOAD_HOLD_S: the queue is still full, but no longer pressure
+    worker.check_memory(force=True)
+    assert worker.scheduler.queue_requests == 4
+    assert not worker.scheduler.overload and gauge(worker, "moeguard_overload_active", source="worker") == 0
+    assert worker.scheduler.next_budgets.max_decode_tokens == 8  # not halved
+
+    usage[0] = 1500  # above the soft limit: the memory trigger fires whatever the document says
+    now[0] = 7.0
+    worker.check_memory(force=True)
+    assert worker.scheduler.overload and worker.overload_sources["worker"]
+
+
 def test_env_overload_off_disables_the_self_trigger() -> None:
     settings = load_settings({"MOEGUARD_SOFT_LIMIT_BYTES": "1000", "MOEGUARD_OVERLOAD_MODE": "Off"})
     worker = Worker(settings, Engine(build_model(presets.get_preset("tiny"), seed=1)),
