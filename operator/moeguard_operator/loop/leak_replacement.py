@@ -10,12 +10,12 @@ and its memory in use (``PodLoad.memory_bytes``, bytes): the projected seconds t
 (:func:`policy.seconds_to_hard_limit`). A replacement starts when that is at most the **lead time**
 (:func:`lead_seconds`)::
 
-    lead = 2 × ready + grace + interval
+    lead = 3 × ready + grace + interval
 
 * ``ready``: the seconds a replacement takes to become Ready, *measured* from the service's own pods
   (:func:`measured_ready_seconds`: ``creationTimestamp`` to the ``Ready`` condition's ``lastTransitionTime``,
   the newest pod's; ``status.observed.replacementReadySeconds``), :data:`DEFAULT_READY_SECONDS` before any.
-  Doubled (:data:`READY_SAFETY_FACTOR`): the measurement is of a past pod, and a surge pod may wait for
+  Tripled (:data:`READY_SAFETY_FACTOR`): the measurement is of a past pod, and a surge pod may wait for
   scheduling or a colder image cache, start beside a node busier with the leak, or the slope may steepen.
 * ``grace``: the leaking pod's ``terminationGracePeriodSeconds`` (30 s where unset): once drained it may take
   that long to finish its requests and exit, still leaking.
@@ -68,8 +68,14 @@ from moeguard_operator.spec.models import (
 Pod = Mapping[str, Any]
 DEFAULT_READY_SECONDS = 300.0
 """The ready time assumed before any pod of the service was measured, seconds: the safe side (replace early)."""
-READY_SAFETY_FACTOR = 2.0
-"""The measured ready time counts this many times in the lead (see the module docstring)."""
+READY_SAFETY_FACTOR = 3.0
+"""The measured ready time counts this many times in the lead (see the module docstring). Measured: in the headline
+benchmark (stop 48, 2 cores) the service's pods, started idle, were Ready 5-6 s after creation, and a surge pod
+started beside two busy workers 11 s after (2.2x). At 2x the first surge began with 36-43 s left to the hard limit,
+its pod was not Ready at the next look and the leaking pod was drained instead (within grace + interval) in every
+repetition. At 3x the first surges began with 39-53 s left and were still drained, 5-11 s later: the projection fell
+faster than the clock while the leak was younger than the slope's window (``leakWindowSeconds``), so the slope
+steepened from look to look. A slope that weighs the window's newest part is the fix left open."""
 DEFAULT_GRACE_SECONDS = 30.0
 """A pod's ``terminationGracePeriodSeconds`` where its spec has none (the Kubernetes default), seconds."""
 DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
@@ -100,7 +106,7 @@ def surge_replicas(spec: MoEInferenceServiceSpec, status: MoEInferenceServiceSta
 
 
 def lead_seconds(ready_seconds: float, grace_seconds: float, query_interval_seconds: float) -> float:
-    """The lead time a replacement needs before the hard limit, seconds: ``2 × ready + grace + interval`` (see
+    """The lead time a replacement needs before the hard limit, seconds: ``3 × ready + grace + interval`` (see
     the module docstring for each term)."""
     return READY_SAFETY_FACTOR * ready_seconds + grace_seconds + query_interval_seconds
 

@@ -5,7 +5,7 @@ with a rolling restart; no OOM kill.
 
 Scale as in test_control_loop (query interval 2 s, window 10 s), a 30-s leak window and the short warm-up
 (``--leak-warmup-seconds``): the leak (8 MiB/s from ~450 MiB, hardLimit 2 GiB) would reach the limit about 200 s
-after it starts, and the lead (2 x the measured ready time + 30 s grace + 2 s) is reached well before that.
+after it starts, and the lead (3 x the measured ready time + 30 s grace + 2 s) is reached well before that.
 """
 
 from __future__ import annotations

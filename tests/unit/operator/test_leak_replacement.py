@@ -34,7 +34,7 @@ SPEC = MoEInferenceServiceSpec.model_validate({
 HARD = SPEC.resources.hard_limit_bytes
 SLOPE = 8 * MIB  # bytes/s
 READY = 40.0  # the pods below took 40 s from creation to Ready
-LEAD = 2 * READY + 30 + 10  # 120 s
+LEAD = 3 * READY + 30 + 10  # 160 s
 DEPLOYMENT = Workload(replicas=2)
 
 
@@ -85,8 +85,8 @@ def surging(started: float = 30, hard_in: float = 90, replacement: str | None = 
 
 
 # --- the lead and the measured ready time ----------------------------------------------------------------------
-def test_the_lead_is_twice_the_ready_time_plus_grace_plus_the_query_interval() -> None:
-    assert lr.lead_seconds(40, 30, 10) == 120
+def test_the_lead_is_three_times_the_ready_time_plus_grace_plus_the_query_interval() -> None:
+    assert lr.lead_seconds(40, 30, 10) == 160
     assert lr.lead_seconds(0, 0, 1) == 1
 
 
@@ -110,7 +110,7 @@ def test_a_pod_is_replaced_only_once_its_time_to_the_hard_limit_is_within_the_le
 
 def test_before_any_measurement_the_ready_time_is_300_s_the_safe_side() -> None:
     loading = [pod("w-a", ready_after=None), pod("w-b", ready_after=None)]  # nothing to measure
-    eta = 2 * 300 + 30 + 10 - 1
+    eta = 3 * 300 + 30 + 10 - 1
     step = plan(None, obs(eta), loading, DEPLOYMENT, SPEC, None, NOW)
     assert step.state is not None and "ready time 300 s (not measured yet: assumed)" in step.events[0].message
     assert plan(None, obs(eta), loading, DEPLOYMENT, SPEC, 40.0, NOW).state is None  # the measurement in status
@@ -130,7 +130,7 @@ def test_a_surge_marks_the_leaking_pod_and_adds_one_replica_and_says_so() -> Non
     assert step.actions == Actions(mark_pod="w-a", replicas=3)
     (event,) = step.events
     assert (event.type, event.reason) == ("Normal", "LeakReplacement")
-    assert event.message.startswith("surge: pod w-a reaches hardLimit in 100 s at +480 MiB/min; lead 120 s = 2 x "
+    assert event.message.startswith("surge: pod w-a reaches hardLimit in 100 s at +480 MiB/min; lead 160 s = 3 x "
                                     "ready time 40 s (measured) + grace 30 s + query interval 10 s")
 
 
