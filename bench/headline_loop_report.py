@@ -145,12 +145,14 @@ def render(meta: dict[str, Any], runs: dict[str, list[dict[str, Any]]], pilot: b
         "bounded queue with a 2 s timeout, soft/hard limits, overload Auto), no operator.",
         "4. **threshold-loop** and 5. **full-moeguard**: the same worker settings as the spec of a MoEInferenceService "
         f"(`{json.dumps(meta['full_spec']['batching'])}`) and `control` `{json.dumps(meta['full_spec']['control'])}`, the "
-        "other control fields default (query interval 10 s, window 30 s, leakHorizonSeconds 12 h). "
+        "other control fields default (window 30 s, leakHorizonSeconds 12 h). "
         + ("The ceilings are where the outer loop may loosen the spec's (the plan's) budgets; a worker alone keeps the "
            "spec's budgets, and the inner-loop arm's concurrency cap is the same as the loop arms' (room for the "
            "ceiling's batch plus the queue). stabilizationWindowSeconds 15, cooldownSeconds 10 and increaseStep 0.25: "
            "the defaults (120 s, 30 s, 0.1) scaled to the trace's 8x time compression (two moves from the spec's "
            "budgets to the ceilings instead of ten), else no loosening could happen inside the run. "
+           + ("queryIntervalSeconds 5: one look per Prometheus scrape (the default 10 s scaled by 8 would look "
+              "between scrapes). " if meta["full_spec"]["control"].get("queryIntervalSeconds") else "")
            if meta["full_spec"]["batching"].get("ceilings") else "")
         + "Why the other four differ from the defaults: leakAction Restart is the ask (a drained restart "
         "before the hard limit); leakWindowSeconds 30 (its minimum) because a pod's RSS slope counts only after it has run one "
@@ -162,6 +164,11 @@ def render(meta: dict[str, Any], runs: dict[str, list[dict[str, Any]]], pilot: b
         "`--policy`: **threshold-loop** runs `threshold` (issue 11's policy: halve on a crossed threshold, overload from "
         "the refusal rate), **full-moeguard** runs `predictive` (issue 30: tighten only what the predicted step peak "
         "says will not fit, overload from SLO attainment; `spec.slo` at its defaults)."
+        + " The loop arms' operators own overload mode: under `predictive` the budget document's "
+        "`overloadQueueTrigger` is false, so a full queue no longer turns the workers' own overload mode on (it halved "
+        "decode in every bare arm with overload Auto: the inner loop's workers ran it from the first seconds); memory "
+        "still does, and the operator turns it on from SLO attainment. Under `threshold` the workers keep the queue "
+        "trigger."
         + (f" Both operators run with `--leak-warmup-seconds {meta['leak_warmup_s']:g}` (default 90): the leaking "
            "replica dies about 86 s after its pod started, before a 90-s warm-up and the leak window could judge it."
            if meta.get("leak_warmup_s") is not None else "")

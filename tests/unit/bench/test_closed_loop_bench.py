@@ -103,7 +103,7 @@ def test_the_full_arm_spec_is_valid_and_matches_the_inner_loop_arm() -> None:
     assert b.max_decode_tokens == 8 and b.max_batch_requests == 8 and b.max_queue_requests == 8
     assert b.queue_timeout_seconds == float(inner["MOEGUARD_QUEUE_TIMEOUT_SECONDS"])
     assert b.floors.max_prefill_tokens == 64 < b.max_prefill_tokens  # room for the outer loop to tighten
-    assert spec.control.leak_action == "Restart" and spec.control.query_interval_seconds == 10
+    assert spec.control.leak_action == "Restart" and spec.control.query_interval_seconds == 5  # one look per scrape
     assert spec.resources.hard_limit_bytes == 1152 * 2**20 and spec.resources.gpus == 0
 
 
