@@ -35,10 +35,13 @@ def test_float32_matches_f_linear(rows: int, inner: int, out: int) -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 4, 9])
-def test_bfloat16_weights_are_widened_exactly(rows: int) -> None:
-    """The bfloat16 result is the float32 product of the same bfloat16 values, rounded once."""
-    x, w = _pair(rows, 2816, 1024, torch.bfloat16)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 16, 33])
+@pytest.mark.parametrize(("inner", "out"), [(2816, 1024), (1024, 5632), (37, 13), (8, 4)])
+def test_bfloat16_weights_are_widened_exactly(rows: int, inner: int, out: int) -> None:
+    """The bfloat16 result is the float32 product of the same bfloat16 values, rounded once: every row-group size
+    (1, 2, 3 and 4 rows of x at a time), weight rows not a multiple of a group's 3, 4 or 6 (and a group's prefetch
+    of the next rows reaching past the last), a reduction not a multiple of 8 (the scalar tails)."""
+    x, w = _pair(rows, inner, out, torch.bfloat16)
     y = stream_kernel.linear(x, w)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y, F.linear(x.float(), w.float()).to(torch.bfloat16), rtol=1.6e-2, atol=1e-2)
