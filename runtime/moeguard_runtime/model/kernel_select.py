@@ -43,7 +43,8 @@ the first call), then up to :data:`REPS` interleaved rounds (kernel A, kernel B,
 so drift on a shared machine hits both alike), each cell's figure the fastest of its
 calls; the rounds stop early once :data:`BUDGET_S` seconds have passed (at least one
 timed call per cell). A tie, within :data:`TIE_FRACTION`, keeps the earlier candidate
-(``onednn``, the kernel used before the measurement existed).
+(``onednn``, the kernel used before the measurement existed), except that a decode bucket keeps ``stream``
+within :data:`FUSED_PREFERENCE` (the one-call decode of :func:`moe.fused_stream` needs it in every decode bucket).
 
 The choice is cached in a JSON file per CPU model, shape, dtype, thread count, torch
 version and candidate set under ``MOEGUARD_KERNEL_CACHE_DIR`` (default
@@ -107,10 +108,17 @@ PACKED_PROBE_BYTES = 128 << 20
 """Packed copies made to time ``onednn_packed``: the fewest experts whose weights reach this many bytes
 (at least two, at most all), so consecutive calls read their weights from memory as the dense
 kernels' calls over all the experts do, not from a cache that holds one or two small experts."""
-SELECTION_RULE = 4
+FUSED_PREFERENCE = 0.10
+"""In a decode bucket (at most :data:`DECODE_MAX_ROWS` rows) ``stream`` is kept where it is at most this fraction
+slower than the fastest kernel: only a plan that gives every decode bucket to ``stream`` runs a decode step's
+experts in one library call (:func:`moe.fused_stream`), which saved 3.5 of a 21.2 ms layer (16 %) at 16 tokens
+against the per-expert loop (fp32, D=1024, I=2816, issue 31), a saving the per-call timing of one expert does not
+see. Without it, bfloat16 on the AMD EPYC of the benchmarks chose ``torch`` at 1 row by 4 % (1,238 against
+1,293 us), so its 16-token decode ran the per-expert loop."""
+SELECTION_RULE = 6
 """In the cache key: choices cached under an earlier rule (1: dense kernels only; 2: one call per bucket,
-decode buckets three fifths of the packed rule; 3: a prefill bucket timed at its own row count only) are
-measured again."""
+decode buckets three fifths of the packed rule; 3: a prefill bucket timed at its own row count only; 4: before
+:data:`FUSED_PREFERENCE`; 5: the torch kernel's split gate/up products, reverted) are measured again."""
 SPREAD_FRACTIONS = (13 / 16, 15 / 16)
 """Where :func:`spread_rows` times a prefill bucket besides its own row count: these fractions of it, plus
 a few rows (off the powers of two)."""
@@ -255,6 +263,9 @@ def choose(kernels: Sequence[MatmulBackend], timer: Timer, buckets: Sequence[int
         for kernel in dense[1:]:
             if best[rows][kernel] < best[rows][winner] * (1 - TIE_FRACTION):
                 winner = kernel
+        if (rows <= DECODE_MAX_ROWS and "stream" in dense
+                and best[rows]["stream"] <= best[rows][winner] * (1 + FUSED_PREFERENCE)):
+            winner = "stream"
         chosen.append(winner)
     plan = KernelPlan(tuple(buckets), tuple(chosen))
     if dense and PACKED_BACKEND in kernels and packed_wins(best, plan):
@@ -363,12 +374,14 @@ def cache_key(w13: torch.Tensor, w2: torch.Tensor, kernels: Sequence[MatmulBacke
               threads: int | None = None, cpu: str | None = None,
               buckets: Sequence[int] = ROW_BUCKETS) -> dict[str, Any]:
     """The fields a cached choice must match: CPU model, ``D``, ``I``, dtype, device type,
-    torch threads, torch version, candidates, row buckets and :data:`SELECTION_RULE`."""
+    torch threads, torch version, candidates, row buckets, :data:`SELECTION_RULE` and, where ``stream`` is a
+    candidate, the digest of its source (:func:`stream_kernel.source_digest`: a new kernel is measured anew, as
+    the bfloat16 path's rewrite of 2026-12-07 was)."""
     return {"cpu": cpu if cpu is not None else cpu_model(), "dim": int(w13.shape[-1]), "inter": int(w2.shape[-1]),
             "dtype": str(w13.dtype).removeprefix("torch."), "device": w13.device.type,
             "threads": threads if threads is not None else torch.get_num_threads(),
             "torch": torch.__version__, "kernels": list(kernels), "buckets": list(buckets),
-            "rule": SELECTION_RULE}
+            "rule": SELECTION_RULE, "stream": stream_kernel.source_digest() if "stream" in kernels else None}
 
 
 def cache_path(directory: str, key: Mapping[str, Any]) -> Path:

@@ -11,7 +11,7 @@ from bench.hf_reference import hf_expert_loop
 from tests.unit.runtime.recording_log import RecordingLog
 
 from moeguard_core import presets
-from moeguard_runtime.model import kernel_select, moe
+from moeguard_runtime.model import kernel_select, moe, stream_kernel
 from moeguard_runtime.model.checkpoint import from_hf_names, fuse_native
 from moeguard_runtime.model.moe import KernelPlan, MatmulBackend
 
@@ -64,7 +64,20 @@ def test_the_budget_stops_further_rounds() -> None:
     assert len(calls) == 2 + 2  # warm-up, the first round (always); at 4 s > 3.5 s no second round
 
 
-def test_selection_is_cached_per_key(tmp_path: Path) -> None:
+def test_a_decode_bucket_keeps_stream_within_the_fused_preference_and_a_prefill_bucket_does_not() -> None:
+    """stream 5 % slower than torch: kept at 1 and 16 rows (the one-call decode needs it in every decode bucket), not
+    at 64 rows; 15 % slower: torch at 1 row too."""
+    slower = 1 + kernel_select.FUSED_PREFERENCE / 2
+    table = {("torch", 1): 1.0, ("stream", 1): slower, ("torch", 16): 1.0, ("stream", 16): slower,
+             ("torch", 64): 1.0, ("stream", 64): slower}
+    plan, _ = kernel_select.choose(("torch", "stream"), fake_timer(table), buckets=(1, 16, 64), reps=1)
+    assert plan.kernels == ("stream", "stream", "torch")
+    table[("stream", 1)] = 1 + kernel_select.FUSED_PREFERENCE * 1.5
+    plan, _ = kernel_select.choose(("torch", "stream"), fake_timer(table), buckets=(1, 16, 64), reps=1)
+    assert plan.kernels == ("torch", "stream", "torch")
+
+
+def test_selection_is_cached_per_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     w13, w2 = torch.randn(4, 2 * 48, 32), torch.randn(4, 32, 48)
     table = {(k, r): (1.0 if k == "torch" else 2.0) for k in moe.MATMUL_BACKENDS for r in kernel_select.ROW_BUCKETS}
     calls: list[tuple[str, int]] = []
@@ -77,12 +90,17 @@ def test_selection_is_cached_per_key(tmp_path: Path) -> None:
     assert saved["key"]["cpu"] == "Test CPU" and saved["key"]["dim"] == 32 and saved["key"]["inter"] == 48
     assert saved["key"]["dtype"] == "float32" and saved["key"]["threads"] == 2
     assert saved["key"]["rule"] == kernel_select.SELECTION_RULE and "onednn_packed" in saved["key"]["kernels"]
+    assert saved["key"]["stream"] == (stream_kernel.source_digest() if "stream" in saved["key"]["kernels"] else None)
     n = len(calls)
     again = kernel_select.select(w13, w2, str(tmp_path), threads=2, timer=fake_timer(table, calls), cpu="Test CPU")
     assert again.cached and again.plan == first.plan and len(calls) == n  # no measurement
     other = kernel_select.select(w13, w2, str(tmp_path), threads=1, timer=fake_timer(table, calls), cpu="Test CPU")
     assert not other.cached and len(calls) > n  # another thread count: measured again
     assert len(list(tmp_path.glob("*.json"))) == 2
+    if "stream" in saved["key"]["kernels"]:  # a new stream kernel source: measured again
+        monkeypatch.setattr(stream_kernel, "source_digest", lambda: "0" * 12)
+        rebuilt = kernel_select.select(w13, w2, str(tmp_path), threads=2, timer=fake_timer(table, calls), cpu="Test CPU")
+        assert not rebuilt.cached and len(list(tmp_path.glob("*.json"))) == 3
 
 
 def test_packing_is_not_a_candidate_when_its_start_up_transient_exceeds_the_headroom(tmp_path: Path) -> None:
@@ -121,7 +139,10 @@ def test_an_unwritable_cache_is_reported_not_raised(tmp_path: Path) -> None:
     if kernel_select.candidates(torch.float32) == ("torch",):
         pytest.skip("no oneDNN linear in this torch build")
     assert sel.cache_file is None and sel.cache_error is not None and "NotADirectoryError" in sel.cache_error
-    assert sel.plan.kernels == ("onednn",) * len(kernel_select.ROW_BUCKETS)  # all ties: the first
+    # all ties: the first, but stream in the decode buckets where it is a candidate (FUSED_PREFERENCE)
+    decode = "stream" if "stream" in kernel_select.candidates(torch.float32) else "onednn"
+    assert sel.plan.kernels == tuple(decode if r <= kernel_select.DECODE_MAX_ROWS else "onednn"
+                                     for r in kernel_select.ROW_BUCKETS)
 
 
 def test_cpu_model_and_isa_flags_from_cpuinfo() -> None:
@@ -380,9 +401,12 @@ def test_the_worker_measures_applies_logs_and_exports_the_choice(tmp_path: Path,
     if kernel_select.candidates(torch.float32) == ("torch",):
         assert kernel == "torch"
         return
-    assert kernel == "torch<=4,onednn"
+    # 16 rows: onednn and stream tie, and a decode bucket keeps stream (FUSED_PREFERENCE)
+    stream = "stream" in kernel_select.candidates(torch.float32)
+    assert kernel == ("torch<=4,stream<=16,onednn" if stream else "torch<=4,onednn")
+    at_16 = ("stream",) if stream else ("onednn",)
     assert {m.matmul_backend for m in model.modules() if hasattr(m, "matmul_backend")} == \
-        {KernelPlan(buckets, ("torch", "torch") + ("onednn",) * (len(buckets) - 2))}
+        {KernelPlan(buckets, ("torch", "torch") + at_16 + ("onednn",) * (len(buckets) - 3))}
     name, kw = events[-1]
     assert name == "matmul_kernel_selected" and kw["kernel"] == kernel and kw["cached"] is False
     value = telemetry.registry.get_sample_value(
