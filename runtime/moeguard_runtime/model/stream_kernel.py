@@ -59,8 +59,9 @@ CPU_CAPABILITIES = ("AVX2", "AVX512")
 """``torch.backends.cpu.get_cpu_capability()`` values under which the kernel runs (torch's AVX2 level needs
 FMA too)."""
 WIDE_ROWS = 256
-"""Bfloat16 rows widened to float32 at once (``x``'s rows and the float32 result): their transient stays under 8 MB at D=1024, I=2816 whatever the call's rows (a prefill chunk
-may hold 2,048), so the bfloat16 path needs no term of its own in the memory model."""
+"""Bfloat16 rows widened to float32 at once (``x``'s rows and the float32 result): their transient stays under
+8 MB at D=1024, I=2816 whatever the call's rows (a prefill chunk may hold 2,048), so the bfloat16 path needs no
+term of its own in the memory model."""
 ENV_NATIVE_DIR = "MOEGUARD_NATIVE_DIR"
 DEFAULT_NATIVE_DIR = "~/.cache/moeguard/native"
 BUILD_TIMEOUT_S = 120.0

@@ -6,8 +6,9 @@
 // with 3 rows of x held in the L1 cache (12 accumulators of 8 lanes, the 16 ymm registers' budget; with
 // bfloat16 weights 3 weight rows and 4 rows of x, the next 3 rows prefetched), and more rows of x re-read a
 // block of 96 KiB of weight rows from the L2 cache. Weights are float32 or bfloat16 (widened in registers: a
-// bfloat16 is the high half of a float32); x and y are float32, rows apart by ldx and ldy floats. The output rows are split over `threads` OpenMP threads (torch's own runtime: this
-// library needs libgomp.so.1, which torch has loaded).
+// bfloat16 is the high half of a float32); x and y are float32, rows apart by ldx and ldy floats. The output
+// rows are split over `threads` OpenMP threads (torch's own runtime: this library needs libgomp.so.1, which
+// torch has loaded).
 //
 // The routed experts of one MoE layer at a few token-slots (decode) run in one call as well
 // (moeguard_stream_experts_*): for each expert with slots, its rows of x gathered, h = rows @ w13[e].T
@@ -26,6 +27,7 @@
 #include <omp.h>
 
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <new>
 
@@ -34,7 +36,7 @@ namespace {
 constexpr int P = 4;                      // weight rows per pass
 constexpr int R = 3;                      // rows of x per pass (4 x 3 accumulators: 12 of the 16 ymm registers)
 constexpr int RB = 4;                     // rows of x per pass with bfloat16 weights (4 x 3 accumulators)
-constexpr int64_t BLOCK_BYTES = 96 << 10;  // weight rows per block: re-read from L2 by each group of R rows of x
+constexpr int64_t BLOCK_BYTES = 96 << 10;  // weight rows per block: re-read from L2 by each pass's rows of x
 
 inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -92,8 +94,8 @@ void block_f32(const float *x, int64_t ldx, int in, const float *w, int o0, int 
 // every 32 weights): at a few rows the hardware prefetcher alone left the weights' reads and the arithmetic one
 // after the other. Measured on the AMD EPYC of 2026-12-07 (D=1024, I=2816, both matmuls of 8 experts in turn, 2
 // threads, medians of 25 interleaved rounds), per expert at 4 rows of x: 1.43 ms before this form (even/odd
-// widening, x folded), 1.35 ms with the prefetch, 1.14 ms with x loaded once too; at 16 rows 4.6 and 3.5 ms.
-// Issue 31.
+// widening, x folded), 1.35 ms with the prefetch, 1.14 ms with x loaded once too, 1.10 ms with blocks and thread
+// shares of whole groups (ALIGN); at 16 rows 4.6, 3.5 and 3.3 ms. Issue 31.
 inline __m256 widen8(const uint16_t *p) {
     __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -112,7 +114,8 @@ int group_bf16(const float *x, int64_t ldx, int in, const uint16_t *w, int o0, i
         int k = 0;
         for (; k + 8 <= in; k += 8) {
             if ((k & 31) == 0)
-                for (int p = 0; p < PP; p++) _mm_prefetch(reinterpret_cast<const char *>(wp[p] + ahead + k), _MM_HINT_T1);
+                for (int p = 0; p < PP; p++)
+                    _mm_prefetch(reinterpret_cast<const char *>(wp[p] + ahead + k), _MM_HINT_T1);
             __m256 v[PP];
             for (int p = 0; p < PP; p++) v[p] = widen8(wp[p] + k);
             for (int r = 0; r < RR; r++) {
@@ -166,7 +169,8 @@ int block_rows(int in) {
     return block < ALIGN<W> ? ALIGN<W> : block;
 }
 
-// y[r, o] for o in [o0, o1), every r < n: block by block, R rows of x at a time (one thread's share).
+// y[r, o] for o in [o0, o1), every r < n: block by block, R (bfloat16: RB) rows of x at a time (one thread's
+// share).
 template <typename W>
 void span(const float *x, int64_t ldx, int n, int in, const W *w, int o0, int o1, float *y, int64_t ldy,
           int block) {
@@ -197,11 +201,6 @@ void linear(const float *x, int64_t ldx, int n, int in, const W *w, int out, flo
         share_of(out, ALIGN<W>, omp_get_thread_num(), omp_get_num_threads(), o0, o1);
         span(x, ldx, n, in, w, o0, o1, y, ldy, block);
     }
-}
-
-// A row of `in` values copied from src to dst.
-inline void copy_row(const float *src, float *dst, int in) {
-    for (int k = 0; k < in; k++) dst[k] = src[k];
 }
 
 // exp(x) for 8 floats: Cephes' expf (S. Moshier), as in avx_mathfun: x = n ln2 + r (ln2 in two parts, |r| <=
@@ -280,10 +279,10 @@ int experts_call(const float *x, int64_t ldx, int tokens, int dim, int inter, in
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         int a, b, o0, o1;
-        share_of(inter, sizeof(W) == 4 ? 16 : ALIGN<W>, t, nt, a, b);  // this thread's gate rows [a, b) and up
-        share_of(dim, ALIGN<W>, t, nt, o0, o1);                       // rows [inter + a, inter + b), output columns
+        share_of(inter, ALIGN<W>, t, nt, a, b);  // this thread's gate rows [a, b) and up rows [inter + a, inter + b)
+        share_of(dim, ALIGN<W>, t, nt, o0, o1);  // and output columns [o0, o1)
         for (int64_t s = static_cast<int64_t>(t) * slots / nt; s < (t + 1) * slots / nt; s++)
-            copy_row(x + slot_token[s] * ldx, xs + s * dim, dim);
+            std::memcpy(xs + s * dim, x + slot_token[s] * ldx, static_cast<size_t>(dim) * sizeof(float));
 #pragma omp barrier
         for (int e = 0; e < experts; e++) {
             const int64_t s0 = bounds[e];
