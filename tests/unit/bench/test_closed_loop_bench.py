@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from bench.control_stats import all_reached, direction_changes, first_time, steps, summary
 from bench.headline_loop import arm_envs, full_spec
-from bench.headline_loop_report import outcome
+from bench.headline_loop_report import host_regime, outcome
 from bench.headline_traffic import LoopTrafficConfig, build_loop
 from bench.slo import Slo, meets, percentile, slo_goodput, tpot, ttft
 
@@ -73,6 +73,17 @@ def test_outcomes_of_a_request() -> None:
     assert outcome({"status": None, "error": "RemoteProtocolError: peer closed connection", "end_s": 1.0}) == "cut"
     assert outcome({"status": None, "error": "ReadTimeout", "end_s": 1.0}) == "timeout"
     assert outcome({"status": None, "error": "not sent: run deadline reached"}) == "deadline"
+
+
+def test_host_regime_says_where_the_fixed_slos_sit() -> None:
+    # OK: TTFT 1 s, TPOT 0.1 s; slow: TTFT 4 s (over 3), TPOT 0.3 s (over 0.25); a refusal is not served
+    slow = {**OK, "first_byte_s": 5.0, "end_s": 14.0}
+    refused = {**OK, "status": 429, "error": "queue full"}
+    line = host_regime([{"results": [OK, slow, refused]}, {"results": [slow]}])
+    assert "(3 over its repetitions)" in line
+    assert "TPOT median of 0.300 s against the 0.25-s objective" in line
+    assert "33% of them met TPOT and 33% met TTFT" in line
+    assert "not measured" in host_regime([{"results": [refused]}])
 
 
 def test_loop_traffic_is_the_trace_window_with_a_skewed_tenant() -> None:
