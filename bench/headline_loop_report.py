@@ -48,11 +48,15 @@ def outcome(r: dict[str, Any]) -> str:
     return "cut"
 
 
+def served(rs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[float], list[float]]:
+    """The requests that succeeded, and their TTFTs and TPOTs (seconds; those that have one)."""
+    ok = [r for r in rs if succeeded(r)]
+    return ok, [v for r in ok if (v := ttft(r)) is not None], [v for r in ok if (v := tpot(r)) is not None]
+
+
 def arm_figures(run: dict[str, Any], duration: float) -> dict[str, Any]:
     rs = run["results"]
-    ok = [r for r in rs if succeeded(r)]
-    t1 = [v for r in ok if (v := ttft(r)) is not None]
-    t2 = [v for r in ok if (v := tpot(r)) is not None]
+    ok, t1, t2 = served(rs)
     kinds = Counter(outcome(r) for r in rs)
     lat = [float(r["end_s"]) - float(r["send_s"]) for r in ok if r.get("send_s") is not None]
     return {"slo_goodput": slo_goodput(rs, SLO, duration), "meets": sum(1 for r in rs if meets(r, SLO)),
@@ -60,7 +64,7 @@ def arm_figures(run: dict[str, Any], duration: float) -> dict[str, Any]:
             "lat_p50": percentile(lat, 50), "lat_p99": percentile(lat, 99),
             "ok": len(ok), "n": len(rs), "ttft_p50": percentile(t1, 50), "ttft_p99": percentile(t1, 99),
             "tpot_p50": percentile(t2, 50), "tpot_p99": percentile(t2, 99), "kinds": dict(kinds),
-            "oom_kills": run["oom_kills"], "restarts": run["restarts"], "pods_replaced": run.get("pods_replaced", 0),
+            "rep": run.get("rep"), "oom_kills": run["oom_kills"], "restarts": run["restarts"], "pods_replaced": run.get("pods_replaced", 0),
             "peak_mib": (run.get("peak_memory_bytes") or 0) / MiB}
 
 
@@ -79,14 +83,22 @@ def f(v: float | None, nd: int = 2) -> str:
     return "n/a" if v is None else f"{v:,.{nd}f}"
 
 
+def ratio_row(full: list[dict[str, Any]], inner: list[dict[str, Any]], reps: int) -> str:
+    """The per-repetition table's row of full-moeguard's SLO goodput over the inner loop's, paired by repetition
+    (``arm_figures``' ``rep``): a repetition either arm lacks (its run failed) or where the inner loop met none is
+    n/a."""
+    full_by, inner_by = ({x["rep"]: x["slo_goodput"] for x in figs} for figs in (full, inner))
+    return "| full-moeguard / inner-loop | " + " | ".join(
+        f"{full_by[i] / inner_by[i]:.2f}×" if full_by.get(i) is not None and inner_by.get(i) else "n/a"
+        for i in range(reps)) + " |"
+
+
 def host_regime(runs: list[dict[str, Any]]) -> str:
     """One sentence on where the fixed SLOs sit on this host: the inner loop's served requests, their TPOT median
     against the objective and the shares that met each objective (pooled over its repetitions). The SLOs are absolute
     (:data:`SLO`), so a host with slower steps moves every arm's figures, and the ratios between arms rest on fewer
     requests."""
-    ok = [r for run in runs for r in run["results"] if succeeded(r)]
-    t1 = [v for r in ok if (v := ttft(r)) is not None]
-    t2 = [v for r in ok if (v := tpot(r)) is not None]
+    ok, t1, t2 = served([r for run in runs for r in run["results"]])
     if not t1 or not t2:
         return "Where the SLOs sit on this host: not measured (no inner-loop request served)."
     p50 = percentile(t2, 50) or 0.0
@@ -225,9 +237,7 @@ def render(meta: dict[str, Any], runs: dict[str, list[dict[str, Any]]], pilot: b
         if a in figs:
             lines.append(f"| {a} | " + " | ".join(f(x["slo_goodput"]) for x in figs[a]) + " |")
     if "full-moeguard" in figs and "inner-loop" in figs:
-        pairs = list(zip(figs["full-moeguard"], figs["inner-loop"], strict=False))
-        lines.append("| full-moeguard / inner-loop | " + " | ".join(
-            "n/a" if not b["slo_goodput"] else f"{a['slo_goodput'] / b['slo_goodput']:.2f}×" for a, b in pairs) + " |")
+        lines.append(ratio_row(figs["full-moeguard"], figs["inner-loop"], meta["reps"]))
     lines += ["", host_regime(runs.get("inner-loop", []))]
     full, inner, rc = m("full-moeguard", "slo_goodput"), m("inner-loop", "slo_goodput"), m("request-count", "slo_goodput")
     threshold = m("threshold-loop", "slo_goodput")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from bench.control_stats import all_reached, direction_changes, first_time, steps, summary
 from bench.headline_loop import arm_envs, full_spec
-from bench.headline_loop_report import host_regime, outcome
+from bench.headline_loop_report import host_regime, outcome, ratio_row
 from bench.headline_traffic import LoopTrafficConfig, build_loop
 from bench.slo import Slo, meets, percentile, slo_goodput, tpot, ttft
 
@@ -84,6 +84,12 @@ def test_host_regime_says_where_the_fixed_slos_sit() -> None:
     assert "TPOT median of 0.300 s against the 0.25-s objective" in line
     assert "33% of them met TPOT and 33% met TTFT" in line
     assert "not measured" in host_regime([{"results": [refused]}])
+
+
+def test_the_ratio_row_pairs_repetitions_by_number() -> None:
+    full = [{"rep": 0, "slo_goodput": 0.6}, {"rep": 2, "slo_goodput": 0.9}]  # rep 1's run failed
+    inner = [{"rep": 0, "slo_goodput": 0.4}, {"rep": 1, "slo_goodput": 0.5}, {"rep": 2, "slo_goodput": 0.0}]
+    assert ratio_row(full, inner, 3) == "| full-moeguard / inner-loop | 1.50× | n/a | n/a |"
 
 
 def test_loop_traffic_is_the_trace_window_with_a_skewed_tenant() -> None:
