@@ -83,14 +83,19 @@ def f(v: float | None, nd: int = 2) -> str:
     return "n/a" if v is None else f"{v:,.{nd}f}"
 
 
+def per_rep(figs: list[dict[str, Any]], reps: int) -> list[float | None]:
+    """An arm's SLO goodput for repetitions 0 to ``reps - 1`` by number (``arm_figures``' ``rep``), None for one
+    whose run failed: a gap, not a shift of the later repetitions into its column."""
+    by_rep = {x["rep"]: x["slo_goodput"] for x in figs}
+    return [by_rep.get(i) for i in range(reps)]
+
+
 def ratio_row(full: list[dict[str, Any]], inner: list[dict[str, Any]], reps: int) -> str:
     """The per-repetition table's row of full-moeguard's SLO goodput over the inner loop's, paired by repetition
-    (``arm_figures``' ``rep``): a repetition either arm lacks (its run failed) or where the inner loop met none is
-    n/a."""
-    full_by, inner_by = ({x["rep"]: x["slo_goodput"] for x in figs} for figs in (full, inner))
+    (:func:`per_rep`): a repetition either arm lacks or where the inner loop met none is n/a."""
     return "| full-moeguard / inner-loop | " + " | ".join(
-        f"{full_by[i] / inner_by[i]:.2f}×" if full_by.get(i) is not None and inner_by.get(i) else "n/a"
-        for i in range(reps)) + " |"
+        f"{a / b:.2f}×" if a is not None and b else "n/a"
+        for a, b in zip(per_rep(full, reps), per_rep(inner, reps), strict=True)) + " |"
 
 
 def host_regime(runs: list[dict[str, Any]]) -> str:
@@ -235,7 +240,7 @@ def render(meta: dict[str, Any], runs: dict[str, list[dict[str, Any]]], pilot: b
               "|---|" + "---|" * meta["reps"]]
     for a in ARMS:
         if a in figs:
-            lines.append(f"| {a} | " + " | ".join(f(x["slo_goodput"]) for x in figs[a]) + " |")
+            lines.append(f"| {a} | " + " | ".join(f(g) for g in per_rep(figs[a], meta["reps"])) + " |")
     if "full-moeguard" in figs and "inner-loop" in figs:
         lines.append(ratio_row(figs["full-moeguard"], figs["inner-loop"], meta["reps"]))
     lines += ["", host_regime(runs.get("inner-loop", []))]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from bench.control_stats import all_reached, direction_changes, first_time, steps, summary
 from bench.headline_loop import arm_envs, full_spec
-from bench.headline_loop_report import host_regime, outcome, ratio_row
+from bench.headline_loop_report import host_regime, outcome, per_rep, ratio_row
 from bench.headline_traffic import LoopTrafficConfig, build_loop
 from bench.slo import Slo, meets, percentile, slo_goodput, tpot, ttft
 
@@ -89,6 +89,7 @@ def test_host_regime_says_where_the_fixed_slos_sit() -> None:
 def test_the_ratio_row_pairs_repetitions_by_number() -> None:
     full = [{"rep": 0, "slo_goodput": 0.6}, {"rep": 2, "slo_goodput": 0.9}]  # rep 1's run failed
     inner = [{"rep": 0, "slo_goodput": 0.4}, {"rep": 1, "slo_goodput": 0.5}, {"rep": 2, "slo_goodput": 0.0}]
+    assert per_rep(full, 3) == [0.6, None, 0.9]
     assert ratio_row(full, inner, 3) == "| full-moeguard / inner-loop | 1.50× | n/a | n/a |"
 
 
