@@ -4,7 +4,7 @@ one byte every 4 s:
 
 * 10 services whose ``spec.control.prometheusUrl`` is the trickling server (allowed with
   ``--allowed-prometheus-url``) and 1 healthy service: the healthy one gets its Deployment within seconds,
-  is Ready, and its loop keeps looking every query interval (the operator's own metrics count the looks);
+  is Ready, and its looks keep ending while hung looks are in flight (the operator's own metrics count the looks);
   the hung ones report ``PrometheusTimeout``; deleting a hung one completes at once;
 * a resource that carries the finalizer of earlier versions (``moeguard.dev/finalizer``) loses it;
 * nothing is written while nothing changes: the healthy service's resourceVersion stays put over idle
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import re
+import select
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -42,10 +44,14 @@ SPEC: dict[str, Any] = {
 
 
 class Trickle:
-    """``http://127.0.0.1:PORT/``: headers, then one byte every 4 s, forever."""
+    """``http://127.0.0.1:PORT/``: headers, then one byte every 4 s, until the client hangs up (the operator's
+    query deadline); ``in_flight`` counts the queries being trickled, up to the moment each client hangs up,
+    ``started`` every query it began."""
 
     def __init__(self) -> None:
         stopping = self.stopping = threading.Event()
+        lock, self.in_flight, self.started = threading.Lock(), 0, 0
+        outer = self
 
         class Handler(FakePrometheusHandler):
             def do_GET(self) -> None:
@@ -53,12 +59,25 @@ class Trickle:
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", "100000")
                 self.end_headers()
+                with lock:
+                    outer.in_flight += 1
+                    outer.started += 1
                 try:
-                    while not stopping.wait(4.0):
-                        self.wfile.write(b" ")
-                        self.wfile.flush()
+                    last = time.monotonic()
+                    while not stopping.is_set():
+                        # The request's body is read (do_POST): readable now means the client hung up.
+                        readable, _, _ = select.select([self.connection], [], [], 0.05)
+                        if readable and not self.connection.recv(1, socket.MSG_PEEK):
+                            break
+                        if time.monotonic() - last >= 4.0:
+                            self.wfile.write(b" ")
+                            self.wfile.flush()
+                            last = time.monotonic()
                 except OSError:
                     pass
+                finally:
+                    with lock:
+                        outer.in_flight -= 1
 
         self.server = serve(Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -127,10 +146,25 @@ def test_hung_prometheus_stalls_no_other_service_and_no_deletion(
         deployed = time.monotonic() - created
         wait_cr(cluster, ns, "healthy", lambda o: (stack.condition(o, "Ready") or {}).get("status") == "True",
                 30, "healthy Ready=True")
-        first = wait(lambda: looks(ns, "healthy") or None, 20, "a first look at the healthy service")
-        time.sleep(8)  # four query intervals: the count below must have grown with them
-        later = looks(ns, "healthy")
-        assert later >= first + 3, f"the healthy service's loop looked {later - first:g} times in 8 s"
+        wait(lambda: looks(ns, "healthy") or None, 20, "a first look at the healthy service")
+        # Its looks end while hung looks are in flight (each hangs until the 5 s query deadline, and the next
+        # starts at once): not a count against the clock, which a loaded host (and its loaded Prometheus)
+        # stretches, but looks a loop serialised behind the hung ones could not finish. A look counts when
+        # one hung look spanned the whole gap between the samples that saw it end: queries in flight at both
+        # ends, none begun between. (With the look pool cut to one thread the healthy looks end between
+        # hung ones: this part failed, 0 of 2.)
+        def hung() -> tuple[int, int]:
+            return trickle.in_flight, trickle.started
+
+        during, count, before = 0, looks(ns, "healthy"), hung()
+        end = time.monotonic() + 12  # six query intervals
+        while time.monotonic() < end and during < 2:
+            time.sleep(0.2)
+            now_count, after = looks(ns, "healthy"), hung()
+            if now_count > count and before[0] and after[0] and before[1] == after[1]:
+                during += 1
+            count, before = now_count, after
+        assert during >= 2, f"{during} of the healthy service's looks ended while a hung look was in flight, in 12 s"
         assert deployed < 10, f"the healthy service's Deployment took {deployed:.1f} s"
 
         # Deleting a hung service completes at once: no finalizer waits for its look.
@@ -225,9 +259,12 @@ def test_a_service_due_while_a_look_is_in_flight_joins_the_next_look(
         while time.monotonic() < deadline:
             messages()
             time.sleep(0.3)
-        late = {name: sorted(m) for name, m in seen.items() if any("PrometheusTimeout" in x for x in m)}
+        # The claim is the look deadline's message (what a service that joined a look in flight read at
+        # once); a query past its own 5 s deadline on a loaded host (CI saw one at 2.5 s + load) is the
+        # deadline working, and names its queries instead.
+        late = {name: sorted(m) for name, m in seen.items() if any("no answer within the look deadline" in x for x in m)}
         assert not late, f"reported past the look deadline though every answer took 2.5 s: {late}"
-        assert all("no series matched" in m for ms in seen.values() for m in ms), seen
+        assert all(any("no series matched" in m for m in ms) for ms in seen.values()), seen
     finally:
         stack.stop_process(proc)
         slow.close()
