@@ -21,6 +21,7 @@ then keep freed memory resident outside every Python and malloc counter (vLLM is
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -29,7 +30,10 @@ from moeguard_core import contract
 UCX_LIBRARY_PREFIXES = ("libucp", "libucs", "libuct", "libucm")
 """File-name prefixes of UCX's libraries (protocols, services, transports, memory hooks). A name must
 continue with ``.`` or ``_`` after the prefix (``libucs.so.0``, ``libucs_signal.so.0``,
-``libuct_ib.so.0``), so ``libucl.so`` or ``libucsomething.so`` are not UCX."""
+``libuct_ib.so.0``), or with auditwheel's ``-<8 hex digits>.so`` (the UCX a pip wheel bundles: NIXL's
+``nixl_cu12.libs/libucp-b39b3ed9.so.0.0.0``), so ``libucl.so``, ``libucsomething.so`` or
+``libucp-tools.so`` are not UCX."""
+_WHEEL_SUFFIX = re.compile(r"-[0-9a-f]{8}\.so(\.|$)")
 DEFAULT_MMAP_HOOK_MODE = "bistro"
 """UCX's default ``UCX_MEM_MMAP_HOOK_MODE`` on x86_64 (module docstring: ``src/ucs/config/ucm_opts.c``)."""
 DEFAULT_RCACHE_MAX_UNRELEASED = "512M"
@@ -69,7 +73,8 @@ class UcxInfo:
 
 def is_ucx_library(name: str) -> bool:
     """Whether a file name is one of UCX's libraries (:data:`UCX_LIBRARY_PREFIXES`)."""
-    return any(name.startswith(p) and name[len(p):len(p) + 1] in (".", "_") for p in UCX_LIBRARY_PREFIXES)
+    return any(name.startswith(p) and (name[len(p):len(p) + 1] in (".", "_") or bool(_WHEEL_SUFFIX.match(name, len(p))))
+               for p in UCX_LIBRARY_PREFIXES)
 
 
 def mapped_libraries(maps_text: str) -> tuple[str, ...]:

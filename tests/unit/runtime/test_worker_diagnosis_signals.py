@@ -43,6 +43,25 @@ def test_mapped_libraries_are_ucx_file_names_sorted_unique_deleted_included() ->
     assert mapped_libraries("7f00-7f01 r--p 00000000 00:00 0\n[heap]\n") == ()
 
 
+# lines as a process that loaded NIXL's pip wheel shows them (nixl-cu12 1.5.1, read from /proc/self/maps after
+# creating an agent with the UCX backend): auditwheel renamed the core libraries, not the transport modules
+NIXL_WHEEL_MAPS = """\
+7fd8bdd3b000-7fd8bdd3f000 r--p 00000000 fe:00 9980503                    /venv/site-packages/nixl_cu12.libs/ucx/libuct_cma.so.0.0.0
+7fd8bde1c000-7fd8bde21000 r--p 00000000 fe:00 9980459                    /venv/site-packages/nixl_cu12.libs/libucm-f6ca5dec.so.0.0.0
+7fd8bde3d000-7fd8bde50000 r--p 00000000 fe:00 9980462                    /venv/site-packages/nixl_cu12.libs/libuct-1141f529.so.0.0.0
+7fd8bde85000-7fd8bde9a000 r--p 00000000 fe:00 9980461                    /venv/site-packages/nixl_cu12.libs/libucs-14c218c5.so.0.0.0
+7fd8bdf1a000-7fd8bdf3b000 r--p 00000000 fe:00 9980460                    /venv/site-packages/nixl_cu12.libs/libucp-b39b3ed9.so.0.0.0
+7fd8bdf40000-7fd8bdf41000 r--p 00000000 fe:00 9980470                    /venv/site-packages/tools/libucp-toolbox.so
+7fd8bdf50000-7fd8bdf51000 r--p 00000000 fe:00 9980471                    /venv/site-packages/x/libucs-14c218c5.txt
+"""
+
+
+def test_a_wheels_renamed_ucx_libraries_are_ucx() -> None:
+    assert mapped_libraries(NIXL_WHEEL_MAPS) == (
+        "libucm-f6ca5dec.so.0.0.0", "libucp-b39b3ed9.so.0.0.0", "libucs-14c218c5.so.0.0.0",
+        "libuct-1141f529.so.0.0.0", "libuct_cma.so.0.0.0")
+
+
 def test_settings_default_or_override() -> None:
     assert effective_settings({}) == ("default:bistro", "default:512M")
     assert effective_settings({"UCX_MEM_MMAP_HOOK_MODE": "none", "UCX_RCACHE_MAX_UNRELEASED": "1024"}) == \
