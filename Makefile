@@ -152,6 +152,10 @@ bench-memory-serving: ## The same, re-measuring only the 16 chunked-prefill serv
 	$(PY) -m bench.memory_run --serving-chunks --jobs 1
 	$(PY) -m bench.memory_validate
 
+.PHONY: bench-ucx-leak
+bench-ucx-leak: ## The UCX leak trial: NIXL's UCX (two wheels, UCX 1.20 and 1.23) moving KV blocks between two processes, RSS slopes under UCX's defaults and moeguard's cures, 3 reps -> bench/results/ucx_leak.md (~12 min; installs the wheels under ~/.cache/moeguard/nixl).
+	$(PY) -m bench.ucx_leak --reps 3
+
 .PHONY: bench-headline
 bench-headline: deps ## Headline, 4 arms (request-count, static budgets, inner loop, operator in the loop), 2 replicas, trace + skew + leak, 3 reps -> bench/RESULTS.md (~25 min).
 	$(PY) -m bench.headline_loop --reps 3 $(BENCH_ARGS)
