@@ -284,6 +284,14 @@ def reading(builds: list[dict[str, Any]]) -> str:
                          + (". The growth sat in the `[heap]`, malloc's arena (the trial's per-transfer tensor is "
                             "malloc'd and freed there), not in a mapping UCX's registration cache holds."
                             if in_heap else ". The growth was not in the `[heap]`."))
+    for b in builds:
+        cured = [r for n in CURES for r in b["settings"].get(n, [])]
+        uncured = [r for n in UNCURED for r in b["settings"].get(n, [])]
+        if grown(cured) and not grown(uncured) and uncured:
+            lines.append(f"{b['name']}: every run that grew had a cure set ({grown(cured)} of {len(cured)} runs with "
+                         f"one, 0 of {len(uncured)} without): with this UCX the cures did not keep the process flat, "
+                         "the growth came only with them. It is malloc's, and this trial does not show why a UCX "
+                         "setting changes it.")
     if not any(grew(b, UNCURED + CURES) for b in builds):
         lines.append("The field leak (vLLM issue 24264) was seen on GPU nodes, where UCX registers through "
                      "memory domains that pin (InfiniBand verbs, CUDA); on a host with neither the trial cannot "

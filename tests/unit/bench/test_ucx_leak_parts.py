@@ -93,6 +93,7 @@ def test_reading_names_runs_that_grew_when_others_of_their_setting_did_not() -> 
     assert ("UCX_MEM_MMAP_HOOK_MODE=none: 1 of 3 (prefill +4790 MiB; its `[heap]` ended at 4100 MiB against "
             "110 MiB in the runs that stayed flat)") in text
     assert "The growth sat in the `[heap]`" in text
+    assert "every run that grew had a cure set (1 of 3 runs with one, 0 of 3 without)" in text
     elsewhere = build({"UCX defaults": [run(9580.0, heap=110.0), flat, flat]})
     assert "The growth was not in the `[heap]`" in ucx_leak.reading([elsewhere])
 
