@@ -153,7 +153,7 @@ bench-memory-serving: ## The same, re-measuring only the 16 chunked-prefill serv
 	$(PY) -m bench.memory_validate
 
 .PHONY: bench-ucx-leak
-bench-ucx-leak: ## The UCX leak trial: NIXL's UCX (two wheels, UCX 1.20 and 1.23) moving KV blocks between two processes, RSS slopes under UCX's defaults and moeguard's cures, 3 reps -> bench/results/ucx_leak.md (~12 min; installs the wheels under ~/.cache/moeguard/nixl).
+bench-ucx-leak: ## The UCX leak trial: NIXL's UCX (two wheels, UCX 1.20 and 1.23) moving KV blocks between two processes, RSS slopes under UCX's defaults and moeguard's cures, 3 reps -> bench/results/ucx_leak.md (~17 min; installs the wheels under ~/.cache/moeguard/nixl).
 	$(PY) -m bench.ucx_leak --reps 3
 
 .PHONY: bench-headline

@@ -1,7 +1,7 @@
 """The UCX leak trial (issue 33 §3): does a real KV-transfer library's UCX grow a process's RSS under the
 defaults, and stay flat with moeguard's settings?
 
-``python -m bench.ucx_leak`` (``make bench-ucx-leak``, ~10 min) runs :mod:`bench.ucx_leak_trial` (two
+``python -m bench.ucx_leak`` (``make bench-ucx-leak``, ~17 min) runs :mod:`bench.ucx_leak_trial` (two
 processes, a prefill and a decode NIXL agent, ``--transfers`` KV-sized blocks over NIXL's UCX backend,
 each from a fresh registered buffer) for every UCX build in :data:`BUILDS` and every setting in
 :data:`SETTINGS`, ``--reps`` times each, and writes ``bench/results/ucx_leak.md`` and ``ucx_leak.json``:
@@ -122,7 +122,7 @@ def driver_stub() -> Path:
 
 
 VERSION = re.compile(r"UCX\s+INFO\s+Version (\S+)")
-TRANSPORTS = re.compile(r"UCX\s+INFO\s+\s*(\S+) (?:self|intra-node) cfg#\d+ (.*)$")
+TRANSPORTS = re.compile(r"UCX\s+INFO\s+(\S+) (?:self|intra-node) cfg#\d+ (.*)$")
 
 
 def trial(build: Build, site: Path, stub: Path | None, env_extra: dict[str, str], transfers: int,
@@ -136,7 +136,7 @@ def trial(build: Build, site: Path, stub: Path | None, env_extra: dict[str, str]
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")} | env_extra
     paths = [str(site), str(ROOT / "operator"), str(ROOT / "runtime"), str(ROOT / "core"), str(ROOT)]
     env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env["UCX_LOG_LEVEL"] = "info"  # the version and the transports chosen, on stderr
+    env["UCX_LOG_LEVEL"] = "info"  # the version and the transports chosen (UCX logs to stdout)
     env["NIXL_LOG_LEVEL"] = "WARN"
     if stub is not None:
         env["LD_LIBRARY_PATH"] = os.pathsep.join([str(stub)] + ([env["LD_LIBRARY_PATH"]] if env.get(
@@ -167,19 +167,22 @@ def crash_frame(log: str) -> str | None:
     return None
 
 
+SIDES = ("prefill", "decode")
+
+
+def grew_run(run: dict[str, Any], side: str) -> bool:
+    """Whether ``side`` of one run grew: its slope at or above :data:`LEAK_MIB_PER_MIN`."""
+    return bool(run[side]["slope_mib_per_min"] >= LEAK_MIB_PER_MIN)
+
+
 def verdict(runs: list[dict[str, Any]], side: str) -> bool:
-    """Whether ``side`` grew in every repetition (slope at or above :data:`LEAK_MIB_PER_MIN`)."""
-    return bool(runs) and all(r[side]["slope_mib_per_min"] >= LEAK_MIB_PER_MIN for r in runs)
-
-
-def up_of(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The runs whose prefill side grew (slope at or above :data:`LEAK_MIB_PER_MIN`)."""
-    return [r for r in runs if r["prefill"]["slope_mib_per_min"] >= LEAK_MIB_PER_MIN]
+    """Whether ``side`` grew in every repetition."""
+    return bool(runs) and all(grew_run(r, side) for r in runs)
 
 
 def grown(runs: list[dict[str, Any]]) -> int:
-    """How many runs grew on either side (slope at or above :data:`LEAK_MIB_PER_MIN`)."""
-    return sum(any(r[side]["slope_mib_per_min"] >= LEAK_MIB_PER_MIN for side in ("prefill", "decode")) for r in runs)
+    """How many runs grew on either side."""
+    return sum(any(grew_run(r, side) for side in SIDES) for r in runs)
 
 
 def median(runs: list[dict[str, Any]], side: str, key: str) -> float:
@@ -246,8 +249,7 @@ def reading(builds: list[dict[str, Any]]) -> str:
     """What the runs show, from their figures (pure): reproduced and cured, reproduced and not cured, or not
     reproduced (and whether UCX's transports could pin memory at all)."""
     def grew(build: dict[str, Any], names: tuple[str, ...]) -> bool:
-        return any(verdict(build["settings"][n], side) for n in names if n in build["settings"]
-                   for side in ("prefill", "decode"))
+        return any(verdict(build["settings"][n], side) for n in names if n in build["settings"] for side in SIDES)
 
     lines = []
     for b in builds:
@@ -266,32 +268,31 @@ def reading(builds: list[dict[str, Any]]) -> str:
             lines.append(f"{b['name']} (UCX {b['ucx_version']}): no setting grew by {LEAK_MIB_PER_MIN:g} MiB/min "
                          f"or more in every run, defaults included: the leak is not reproduced; {why}.")
         some = {n: runs for n, runs in b["settings"].items() if 0 < grown(runs) < len(runs)}
+        in_heap = bool(some)
         if some:
             parts = []
             for n, runs in some.items():
-                up = up_of(runs)
+                side = next(side for side in SIDES if any(grew_run(r, side) for r in runs))
+                up = [r for r in runs if grew_run(r, side)]
                 flat = [r for r in runs if r not in up]
-                heap_up = statistics.median(r["prefill"].get("heap_rss_end_mib", 0.0) for r in up) if up else 0.0
-                heap_flat = statistics.median(r["prefill"].get("heap_rss_end_mib", 0.0) for r in flat) if flat else 0.0
-                growth = statistics.median(r["prefill"]["growth_mib"] for r in up) if up else 0.0
-                parts.append(f"{n}: {grown(runs)} of {len(runs)} (prefill +{growth:.0f} MiB; its `[heap]` ended at "
+                heap_up = statistics.median(r[side].get("heap_rss_end_mib", 0.0) for r in up)
+                heap_flat = statistics.median(r[side].get("heap_rss_end_mib", 0.0) for r in flat)
+                growth = statistics.median(r[side]["growth_mib"] for r in up)
+                in_heap = in_heap and heap_up - heap_flat >= 0.5 * growth
+                parts.append(f"{n}: {grown(runs)} of {len(runs)} ({side} +{growth:.0f} MiB; its `[heap]` ended at "
                              f"{heap_up:.0f} MiB against {heap_flat:.0f} MiB in the runs that stayed flat)")
-            in_heap = all(
-                statistics.median(r["prefill"].get("heap_rss_end_mib", 0.0) for r in runs if r in up_of(runs))
-                - statistics.median(r["prefill"].get("heap_rss_end_mib", 0.0) for r in runs if r not in up_of(runs))
-                >= 0.5 * statistics.median(r["prefill"]["growth_mib"] for r in up_of(runs)) for runs in some.values())
             lines.append(f"{b['name']}: some runs grew and others of the same setting did not: " + "; ".join(parts)
                          + (". The growth sat in the `[heap]`, malloc's arena (the trial's per-transfer tensor is "
                             "malloc'd and freed there), not in a mapping UCX's registration cache holds."
                             if in_heap else ". The growth was not in the `[heap]`."))
-    for b in builds:
-        cured = [r for n in CURES for r in b["settings"].get(n, [])]
-        uncured = [r for n in UNCURED for r in b["settings"].get(n, [])]
-        if grown(cured) and not grown(uncured) and uncured:
-            lines.append(f"{b['name']}: every run that grew had a cure set ({grown(cured)} of {len(cured)} runs with "
-                         f"one, 0 of {len(uncured)} without): with this UCX the cures did not keep the process flat, "
-                         "the growth came only with them. It is malloc's, and this trial does not show why a UCX "
-                         "setting changes it.")
+        cured_runs = [r for n in CURES for r in b["settings"].get(n, [])]
+        uncured_runs = [r for n in UNCURED for r in b["settings"].get(n, [])]
+        if grown(cured_runs) and not grown(uncured_runs) and uncured_runs:
+            lines.append(f"{b['name']}: every run that grew had a cure set ({grown(cured_runs)} of {len(cured_runs)} "
+                         f"runs with one, 0 of {len(uncured_runs)} without): with this UCX the cures did not keep the "
+                         "process flat, the growth came only with them."
+                         + (" It is malloc's, and this trial does not show why a UCX setting changes it."
+                            if in_heap else ""))
     if not any(grew(b, UNCURED + CURES) for b in builds):
         lines.append("The field leak (vLLM issue 24264) was seen on GPU nodes, where UCX registers through "
                      "memory domains that pin (InfiniBand verbs, CUDA); on a host with neither the trial cannot "

@@ -112,3 +112,13 @@ Rss:               89088 kB
 """
     assert heap_rss_mib(smaps) == 910.0
     assert heap_rss_mib(smaps.replace("[heap]", "")) == 0.0
+
+
+def test_reading_names_the_side_that_grew() -> None:
+    flat = run(0.0, 0.2)
+    decode_only = run(0.0, 600.0)
+    decode_only["decode"]["heap_rss_end_mib"] = 100.0
+    flat["decode"]["heap_rss_end_mib"] = 100.0
+    text = ucx_leak.reading([build({"UCX defaults": [decode_only, flat, flat]})])
+    assert "UCX defaults: 1 of 3 (decode +300 MiB; its `[heap]` ended at 100 MiB against 100 MiB" in text
+    assert "The growth was not in the `[heap]`" in text
