@@ -39,10 +39,11 @@ CORE_FORBIDDEN = ("torch", "safetensors", "kopf", "fastapi", "uvicorn", "sse_sta
                   "moeguard_runtime", "moeguard_operator", "moeguard_cli")
 
 WORKER_LAYERS = {
-    "memory": ("api", "engine", "model", "parallel", "telemetry"),
-    "model": ("api", "engine", "telemetry"),
+    "memory": ("api", "engine", "model", "parallel", "telemetry", "disagg"),
+    "model": ("api", "engine", "telemetry", "disagg"),
     "telemetry": ("api",),
-    "parallel": ("api",),
+    "parallel": ("api", "disagg"),
+    "disagg": ("api",),
 }
 """moeguard_runtime.<subpackage> -> the subpackages it never imports (the package docstrings say so)."""
 

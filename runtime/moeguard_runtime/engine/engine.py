@@ -139,6 +139,32 @@ class Engine:
         self.sequences[seq_id] = seq
         return seq
 
+    def add_prefilled(self, seq_id: str, prompt: list[int], max_new_tokens: int, first_token: int,
+                      temperature: float = 0.0, seed: int | None = None, params: SamplingParams = GREEDY,
+                      constraint: Constraint | None = None) -> SequenceState:
+        """Register a sequence whose prompt another worker prefilled (disaggregated prefill/decode, issue 33):
+        its cache is allocated as :meth:`add` allocates it and counted prefilled (``num_computed`` = the
+        prompt), ``first_token`` (the prefill's sample) is its first generated token. The caller fills the
+        cache's first ``len(prompt)`` positions (:meth:`moeguard_runtime.disagg.nixl_kv.NixlKV.pull`) before
+        the sequence's first decode step. A ``first_token`` that ends the sequence (EOS, a refusing grammar,
+        ``max_new_tokens == 1``) sets ``finish_reason`` at once.
+
+        A seeded sampled request does not draw what the single worker would: the first token was drawn by
+        the prefill worker's generator, this one starts fresh from ``seed``. Greedy decoding is identical.
+
+        Raises:
+            ValueError: as :meth:`add`.
+        """
+        seq = self.add(seq_id, prompt, max_new_tokens, temperature, seed, params, constraint)
+        seq.num_computed = len(seq.prompt)
+        seq.generated.append(first_token)
+        refused = constraint is not None and first_token not in self.eos_ids and not constraint.advance(first_token)
+        if first_token in self.eos_ids or refused:
+            seq.finish_reason = "stop"
+        elif max_new_tokens <= 1:
+            seq.finish_reason = "length"
+        return seq
+
     def release(self, seq_id: str) -> None:
         """Forget a sequence and free its KV cache (no error if unknown)."""
         self.sequences.pop(seq_id, None)

@@ -1,0 +1,102 @@
+"""The pure parts of the prefill/decode handoff: which bytes of a cache move, the offer's wire form, the
+UCX module default, and a prefilled sequence's registration in the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeguard_core.presets import get_preset
+from moeguard_runtime.disagg.kv_layout import (
+    Region,
+    cache_tensors,
+    prompt_regions,
+    same_layout,
+    transfer_bytes,
+)
+from moeguard_runtime.disagg.nixl_kv import KVOffer, ucx_module_defaults
+from moeguard_runtime.engine.engine import Engine
+from moeguard_runtime.model.families.deepseek_v3 import MLACache
+from moeguard_runtime.model.families.gqa import GQACache
+from moeguard_runtime.model.model import build_model
+
+pytestmark = pytest.mark.unit
+
+
+def _regions_of_slices(t: torch.Tensor, tokens: int) -> list[Region]:
+    """The same runs read off the tensor's own slices (the reference)."""
+    flat = t.reshape(-1, t.shape[-2], t.shape[-1])
+    return [Region(flat[i, :tokens].data_ptr(), flat[i, :tokens].numel() * t.element_size())
+            for i in range(flat.shape[0])]
+
+
+@pytest.mark.parametrize("cache", [
+    GQACache(3, 2, 16, 40, torch.float32, "cpu"),
+    GQACache(2, 4, 8, 9, torch.bfloat16, "cpu"),
+    MLACache(3, 32, 8, 40, torch.float32, "cpu"),
+], ids=["gqa-fp32", "gqa-bf16", "mla"])
+@pytest.mark.parametrize("tokens", [1, 7, 9])
+def test_prompt_regions_are_the_first_positions_of_every_row(cache: GQACache, tokens: int) -> None:
+    k, v = cache_tensors(cache)
+    got = prompt_regions((k, v), tokens)
+    assert got == _regions_of_slices(k, tokens) + _regions_of_slices(v, tokens)
+    # the runs hold exactly the prompt's positions: marking them marks those positions only
+    for t in (k, v):
+        t.zero_()
+    for r in got:
+        n = r.nbytes // k.element_size()
+        for t in (k, v):
+            base = t.data_ptr()
+            if base <= r.addr < base + t.numel() * t.element_size():
+                t.view(-1)[(r.addr - base) // t.element_size():][:n].fill_(1)
+    for t in (k, v):
+        assert bool(t[..., :tokens, :].eq(1).all()) and bool(t[..., tokens:, :].eq(0).all())
+    assert transfer_bytes(cache, tokens) == tokens * (k[..., 0, :].numel() + v[..., 0, :].numel()) * k.element_size()
+
+
+def test_prompt_regions_refuse_positions_outside_the_cache() -> None:
+    cache = GQACache(1, 1, 4, 8, torch.float32, "cpu")
+    for tokens in (0, 9):
+        with pytest.raises(ValueError, match="positions of a cache of 8"):
+            prompt_regions(cache_tensors(cache), tokens)
+
+
+def test_a_non_contiguous_cache_is_refused() -> None:
+    cache = GQACache(2, 3, 4, 8, torch.float32, "cpu")
+    cache.k = cache.k.transpose(0, 1)
+    with pytest.raises(ValueError, match="contiguous"):
+        cache_tensors(cache)
+
+
+def test_same_layout_ignores_capacity_only() -> None:
+    a = GQACache(2, 2, 8, 10, torch.float32, "cpu")
+    assert same_layout(a, GQACache(2, 2, 8, 99, torch.float32, "cpu"))
+    assert not same_layout(a, GQACache(2, 2, 8, 10, torch.bfloat16, "cpu"))
+    assert not same_layout(a, GQACache(2, 1, 8, 10, torch.float32, "cpu"))
+
+
+def test_offer_round_trips_through_json_and_refuses_garbage() -> None:
+    offer = KVOffer("r-1", "prefill-1-ab", b"\x00meta\xff", b"descs", 12, 4096, 7)
+    assert KVOffer.from_json(offer.to_json()) == offer
+    for bad in ({}, {**offer.to_json(), "metadata": "not base64!"}, {**offer.to_json(), "tokens": "x"}):
+        with pytest.raises(ValueError, match="not a KV offer"):
+            KVOffer.from_json(bad)
+
+
+def test_ucx_modules_exclude_infiniband_only_where_there_is_none_and_unset() -> None:
+    assert ucx_module_defaults({}, 0) == {"UCX_MODULES": "^ib"}
+    assert ucx_module_defaults({}, 2) == {}
+    assert ucx_module_defaults({"UCX_MODULES": "ib"}, 0) == {}
+
+
+def test_a_prefilled_sequence_starts_decoding_from_the_offered_token() -> None:
+    engine = Engine(build_model(get_preset("tiny"), seed=0))
+    prompt = list(range(3, 20))
+    seq = engine.add_prefilled("a", prompt, 4, first_token=42)
+    assert (seq.num_computed, seq.generated, seq.finish_reason, seq.prefilled) == (17, [42], None, True)
+    assert seq.cache.capacity == 21  # prompt + max_new_tokens, as a local prefill allocates
+    assert engine.add_prefilled("b", prompt, 1, first_token=42).finish_reason == "length"
+    eos = next(iter(engine.eos_ids))
+    assert engine.add_prefilled("c", prompt, 4, first_token=eos).finish_reason == "stop"
+    out = engine.step([], ["a"])  # decodes from position 17 with token 42
+    assert list(out.new_tokens) == ["a"] and engine.sequences["a"].num_computed == 18
