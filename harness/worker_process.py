@@ -99,7 +99,7 @@ def start_worker_process(log_dir: Path, env: dict[str, str] | None = None,
     Raises:
         RuntimeError: the worker exited or did not load in time (with its log).
     """
-    port = free_port()
+    port = int((env or {}).get("MOEGUARD_PORT") or free_port())  # a given port: a worker started again on it
     full_env = {
         "PATH": os.environ.get("PATH", ""),
         "HOME": os.environ.get("HOME", "/tmp"),

@@ -70,6 +70,23 @@ ENV_GPU_HARD_FRACTION = "MOEGUARD_GPU_HARD_FRACTION"
 """Static: fraction of device memory above which the worker admits no new requests (GPU only)."""
 ENV_OVERLOAD_MODE = "MOEGUARD_OVERLOAD_MODE"
 """Static: Auto (the worker may switch overload on itself), On or Off (the operator decides)."""
+ENV_ROLE = "MOEGUARD_ROLE"
+"""The worker's part in disaggregated prefill/decode (issue 33): ``single`` (default: prefill and decode),
+``prefill`` (runs prompts and offers their KV at ``PREFILL_PATH``), ``decode`` (the clients' endpoint: has each
+prompt prefilled by ``ENV_PREFILL_URL``'s workers and reads its KV over UCX)."""
+ROLES = ("single", "prefill", "decode")
+ENV_PREFILL_URL = "MOEGUARD_PREFILL_URL"
+"""A decode worker's prefill workers: the base URL of their Service (``http://<name>-prefill:8000``)."""
+ENV_KV_TRANSFER_TIMEOUT_SECONDS = "MOEGUARD_KV_TRANSFER_TIMEOUT_SECONDS"
+"""Seconds a decode worker waits for a prompt's KV read (default 5); past it the request ends with 503
+``kv_transfer_failed``. Its call to the prefill worker (the prompt's queueing and prefill there) is bounded by
+``ENV_KV_LEASE_SECONDS``."""
+ENV_KV_LEASE_SECONDS = "MOEGUARD_KV_LEASE_SECONDS"
+"""Seconds a prefill worker holds an offered KV that no decode worker has read, and the bound of one prefill
+call, queueing included, on both sides (default 30)."""
+PREFILL_PATH = "/internal/v1/prefill"
+"""A prefill worker's endpoint: ``POST {"request_id", "prompt_token_ids", "temperature", "seed", "priority"}``
+-> ``{"offer": {...}}`` (:class:`moeguard_runtime.disagg.nixl_kv.KVOffer` as JSON)."""
 ENV_DEVICE = "MOEGUARD_DEVICE"
 """Torch device of the model, KV caches and inputs: ``auto`` (default: ``cuda`` when
 ``torch.cuda.is_available()``, else ``cpu``), ``cpu``, ``cuda`` or ``cuda:N``."""
@@ -365,6 +382,11 @@ after the first). DistServe's TPOT (Zhong et al., OSDI 2024) and ``bench/slo.py`
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 """Upper bounds of :data:`METRIC_TPOT_SECONDS`' buckets, seconds (the default TPOT objectives, 0.25 s interactive
 and 1 s batch, are bounds)."""
+METRIC_KV_TRANSFER_SECONDS = "moeguard_kv_transfer_seconds"
+"""Histogram: one observation per prompt KV a decode worker read from a prefill worker (disaggregated
+prefill/decode, issue 33), seconds from registering its cache to the read's completion."""
+KV_TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+"""Upper bounds of :data:`METRIC_KV_TRANSFER_SECONDS`' buckets, seconds (the default read deadline is 5 s)."""
 METRIC_REQUEST_CONTEXT_TOKENS = "moeguard_request_context_tokens"
 """Histogram: one observation per request accepted into the queue, its KV capacity ``prompt + max_tokens``,
 tokens (the worker allocates a sequence's cache whole at admission). The operator reads the window's mean

@@ -329,6 +329,15 @@ class StepFit:
         self.shrunk += 1
         return lo
 
+    def fits_kv(self, new_kv_tokens: int) -> bool:
+        """Whether ``new_kv_tokens`` more positions of KV cache fit with the step so far (a request whose
+        prompt another worker prefilled: its cache arrives whole at admission); counts a refusal in
+        ``blocked``."""
+        if self._fits(0, 0, new_kv_tokens):
+            return True
+        self.blocked += 1
+        return False
+
     def add(self, start: int, n: int, new_kv_tokens: int = 0) -> None:
         """Put a chunk (from :meth:`cap`) into the step."""
         if n:

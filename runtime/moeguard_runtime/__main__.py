@@ -124,7 +124,11 @@ def main(env: Mapping[str, str] | None = None) -> int:
     slot = WorkerSlot(telemetry, settings.served_model_name, max_seq_len, tokenizer=tok,
                       model_aliases=(settings.preset, f"moeguard-{settings.preset}"),
                       model_type=hf_info.model_type if hf_info else "mixtral",
-                      chat_template=chat_template)
+                      chat_template=chat_template, role=settings.role, prefill_timeout_s=settings.kv_lease_s)
+    if settings.prefill_url is not None:  # a decode worker
+        from moeguard_runtime.api.pd_routes import PrefillClient
+
+        slot.prefill_client = PrefillClient(settings.prefill_url, settings.kv_lease_s)
     failed = threading.Event()
     group_lost = threading.Event()
     loader = threading.Thread(target=_load, args=(settings, args, slot, log, failed, env, ep, group_lost),
@@ -221,10 +225,21 @@ def _load(settings: Settings, args: ModelArgs, slot: WorkerSlot, log: RateLimite
         slot.telemetry.set_memory_model(ModelMemory(predictor.shape, predictor.dtype, predictor.expert_chunk_tokens,
                                                     predictor.capacity_factor))
     # generation ends on the checkpoint's generation_config EOS ids and the tokenizer's (as transformers' generate)
+    handoff = None
+    if settings.role != "single":  # disaggregated prefill/decode: the KV moves over NIXL's UCX (issue 33)
+        from moeguard_runtime.disagg.nixl_kv import KVTransferError, NixlKV
+        from moeguard_runtime.engine.kv_handoff import KVHandoff
+
+        try:
+            handoff = KVHandoff(NixlKV(settings.role), settings.kv_transfer_timeout_s, settings.kv_lease_s)
+        except KVTransferError as exc:
+            _fail(log, "kv_transport_error", str(exc)[:1000])
+            failed.set()
+            return
     worker = Worker(settings, Engine(model, eos_ids=eos_ids), slot.telemetry, log, admission=admission,
-                    predictor=predictor)
+                    predictor=predictor, handoff=handoff)
     log.event("worker_start", force=True, preset=settings.preset, seed=settings.seed,
-              checkpoint=settings.checkpoint, model_type=model_type, parameters=parameters,
+              checkpoint=settings.checkpoint, model_type=model_type, parameters=parameters, role=settings.role,
               device=settings.device, dtype=settings.dtype,
               matmul_backend=settings.matmul_backend, matmul_kernel=kernel, moe_dispatch=settings.moe_dispatch,
               model_overrides=dict(settings.model_overrides) or None,

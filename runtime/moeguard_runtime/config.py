@@ -166,6 +166,14 @@ class Settings:
     """``ENV_SCHEDULING_POLICY``, ``ENV_BATCH_TOKENS_WITH_INTERACTIVE`` and ``ENV_MAX_BATCH_STEP_TOKENS``."""
     memory_admission: str = "predicted"
     """``ENV_MEMORY_ADMISSION``."""
+    role: str = "single"
+    """``contract.ENV_ROLE``: ``single``, ``prefill`` or ``decode``."""
+    prefill_url: str | None = None
+    """``contract.ENV_PREFILL_URL`` (a decode worker's prefill Service), without a trailing slash."""
+    kv_transfer_timeout_s: float = 5.0
+    """``contract.ENV_KV_TRANSFER_TIMEOUT_SECONDS``: a KV read's deadline."""
+    kv_lease_s: float = 30.0
+    """``contract.ENV_KV_LEASE_SECONDS``."""
 
     @property
     def admits_by_prediction(self) -> bool:
@@ -336,6 +344,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
                           f"kernel built; this worker has device {device}, dtype {dtype}: "
                           f"{stream_kernel.unavailable() or 'not its device or dtype'}")
     preset = env.get(contract.ENV_MODEL_PRESET, "tiny") or "tiny"
+    role, prefill_url = _role(env)
     return Settings(
         host=env.get(ENV_HOST, "0.0.0.0"),
         port=port,
@@ -370,7 +379,24 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         unrecovered_oom_s=_unrecovered_oom_seconds(env),
         priority=_priority(env),
         memory_admission=_choice(env, ENV_MEMORY_ADMISSION, MEMORY_ADMISSIONS),
+        role=role,
+        prefill_url=prefill_url,
+        kv_transfer_timeout_s=_seconds(env, contract.ENV_KV_TRANSFER_TIMEOUT_SECONDS, 5.0),
+        kv_lease_s=_seconds(env, contract.ENV_KV_LEASE_SECONDS, 30.0),
     )
+
+
+def _role(env: Mapping[str, str]) -> tuple[str, str | None]:
+    """``(role, prefill URL)``; a decode worker needs an ``http(s)://`` prefill URL, the others none."""
+    role = _choice(env, contract.ENV_ROLE, contract.ROLES)
+    url = (env.get(contract.ENV_PREFILL_URL) or "").strip().rstrip("/") or None
+    if role == "decode" and (url is None or not url.startswith(("http://", "https://"))):
+        raise ConfigError(f"{contract.ENV_ROLE}=decode needs {contract.ENV_PREFILL_URL}, the prefill workers' "
+                          f"http(s):// base URL; given {url!r}")
+    if role != "decode" and url is not None:
+        raise ConfigError(f"{contract.ENV_PREFILL_URL} is set but {contract.ENV_ROLE}={role}: only a decode "
+                          f"worker calls prefill workers")
+    return role, url
 
 
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:

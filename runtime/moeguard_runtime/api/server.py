@@ -79,6 +79,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from moeguard_core import contract
 from moeguard_runtime.api.chat_template import ChatTemplate, ChatTemplateError
 from moeguard_runtime.api.detokenize import StopMatcher
 from moeguard_runtime.api.logprobs import LogprobsBuilder
@@ -92,6 +93,12 @@ from moeguard_runtime.api.openai_schema import (
     prompt_ids,
     prompt_schema,
     refused_fields,
+)
+from moeguard_runtime.api.pd_routes import (
+    PrefillClient,
+    PrefillRefused,
+    PrefillRequest,
+    run_prefill,
 )
 from moeguard_runtime.api.structured_output import compiler_for
 from moeguard_runtime.api.tokenizer import ByteTokenizer, Tokenizer
@@ -128,6 +135,12 @@ class WorkerSlot:
     model_aliases: tuple[str, ...] = ()
     model_type: str = "mixtral"
     chat_template: ChatTemplate | None = None
+    role: str = "single"
+    """``contract.ENV_ROLE``: a ``prefill`` worker serves ``contract.PREFILL_PATH``."""
+    prefill_client: PrefillClient | None = None
+    """A ``decode`` worker's calls to its prefill workers."""
+    prefill_timeout_s: float = 30.0
+    """A prefill worker's bound on one prefill call (queueing included)."""
 
 
 @dataclass(frozen=True)
@@ -352,8 +365,8 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def parse(request: Request, model: type[CompletionRequest | ChatCompletionRequest],
-                    required: str) -> CompletionRequest | ChatCompletionRequest | JSONResponse:
+    async def parse(request: Request, model: type[CompletionRequest | ChatCompletionRequest | PrefillRequest],
+                    required: str) -> CompletionRequest | ChatCompletionRequest | PrefillRequest | JSONResponse:
         """The validated body, or the 4xx answer; or, before the body is read, the refusal any
         request would get now (:meth:`Worker.refuse_early`: 429/503 with Retry-After)."""
         if slot.worker is not None:
@@ -391,7 +404,8 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
                            required)
         try:
             body = model.model_validate(payload)
-            refused_fields(body)
+            if not isinstance(body, PrefillRequest):
+                refused_fields(body)
         except ValidationError as exc:
             message, param = describe_validation_error(exc)
             return invalid(message, param)
@@ -438,7 +452,7 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
                                    f"grammar for the forced call: {exc}", "tools", "invalid_tool_parameters")
                 return invalid(f"invalid field 'response_format': the JSON schema cannot be compiled into a "
                                f"grammar: {exc}", "response_format", "invalid_response_format")
-        return await _serve(worker, job, tok, request, count, constraint)
+        return await _serve(worker, job, tok, request, count, constraint, slot.prefill_client)
 
     def model_not_found(name: str | None) -> JSONResponse | None:
         if name is None or name in model_names:
@@ -448,6 +462,25 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
         return error_response(404, f"The model `{name}` does not exist; this worker serves "
                                    f"{slot.model_name!r} (GET /v1/models)",
                               "invalid_request_error", "model_not_found", "model")
+
+    if slot.role == "prefill":
+        @app.post(contract.PREFILL_PATH, include_in_schema=False)
+        async def prefill(request: Request) -> Response:
+            worker = slot.worker
+            if worker is None:
+                return error_response(503, "the model is loading", "service_unavailable_error", "loading",
+                                      headers={"Retry-After": "5"})
+            body = await parse(request, PrefillRequest, "prompt_token_ids")
+            if isinstance(body, JSONResponse):
+                return body
+            assert isinstance(body, PrefillRequest)
+            try:
+                answer = await run_prefill(worker, body, tok.vocab_size, max_len, slot.prefill_timeout_s)
+            except PrefillRefused as exc:
+                count("rejected" if exc.status in (429, 503) else "error", exc.status)
+                return _prefill_refused(exc)
+            count("ok", 200)
+            return JSONResponse(answer)
 
     @app.post("/v1/completions", openapi_extra=_openapi(CompletionRequest, slot))
     async def completions(request: Request) -> Response:
@@ -536,6 +569,14 @@ def _refused(tel: Telemetry, rej: Rejected, count: Callable[[str, int], None]) -
                           headers={"Retry-After": str(rej.retry_after_s)})
 
 
+def _prefill_refused(exc: PrefillRefused) -> JSONResponse:
+    """A prefill that did not happen (here, or at the prefill worker) as the client's HTTP error."""
+    kind = ("overloaded_error" if exc.status == 429 else "service_unavailable_error" if exc.status >= 500
+            else "invalid_request_error")
+    return error_response(exc.status, exc.message, kind, exc.reason,
+                          headers={"Retry-After": str(exc.retry_after_s)} if exc.status in (429, 503) else None)
+
+
 def _event_error(event: Event) -> JSONResponse:
     """An ``error`` event as an HTTP error: 503 (with ``Retry-After``) or 500."""
     return error_response(event.status, event.message,
@@ -608,7 +649,11 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 async def _serve(worker: Worker, job: _Job, tok: Tokenizer, request: Request,
-                 count: Callable[[str, int], None], constraint: Constraint | None = None) -> Response:
+                 count: Callable[[str, int], None], constraint: Constraint | None = None,
+                 prefill: PrefillClient | None = None) -> Response:
+    """Run ``job`` on ``worker`` and answer it; with ``prefill`` (a decode worker) its prompt is prefilled by
+    a prefill worker first (not a constrained request nor one asking for log probabilities: see
+    :mod:`moeguard_runtime.api.pd_routes`)."""
     tel = worker.telemetry
     req_id = f"{'chatcmpl' if job.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     loop = asyncio.get_running_loop()
@@ -617,8 +662,16 @@ async def _serve(worker: Worker, job: _Job, tok: Tokenizer, request: Request,
     def sink(event: Event) -> None:
         loop.call_soon_threadsafe(queue.put_nowait, event)
 
+    remote = None
+    if prefill is not None and constraint is None and job.sampling.logprobs is None:
+        try:
+            remote = await prefill.prefill(req_id, job.prompt, job.temperature, job.seed, job.priority)
+        except PrefillRefused as exc:
+            tel.rejections.labels(**tel.l(reason=exc.reason)).inc()
+            count("rejected" if exc.status in (429, 503) else "error", exc.status)
+            return _prefill_refused(exc)
     gen = GenerationRequest(req_id, job.prompt, job.max_tokens, job.temperature, job.seed,
-                            job.priority, job.sampling, constraint)
+                            job.priority, job.sampling, constraint, remote_prefill=remote)
     try:
         worker.submit(gen, sink)
     except Rejected as rej:

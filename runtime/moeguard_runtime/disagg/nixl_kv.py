@@ -167,6 +167,10 @@ class NixlKV:
         return KVOffer(req_id, self.name, self.agent.get_agent_metadata(), self.agent.get_serialized_descs(descs),
                        tokens, sum(r.nbytes for r in regions), first_token)
 
+    def offer_json(self, req_id: str, cache: KVCache, tokens: int, first_token: int) -> dict[str, Any]:
+        """:meth:`offer` as JSON (:class:`moeguard_runtime.engine.kv_port.KVPort`)."""
+        return self.offer(req_id, cache, tokens, first_token).to_json()
+
     def completed(self) -> list[str]:
         """Offered request ids whose KV a decode worker has read since the last call (their notifications);
         the caller :meth:`release`\\ s them."""

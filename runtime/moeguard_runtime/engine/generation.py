@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from moeguard_runtime.engine.grammar import Constraint
 from moeguard_runtime.engine.sampling import GREEDY, SamplingParams
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """A prompt another worker prefilled (disaggregated prefill/decode, issue 33): the token it sampled and
+    its offer of the prompt's KV (:class:`moeguard_runtime.disagg.nixl_kv.KVOffer`, opaque to the engine:
+    the worker's :class:`moeguard_runtime.engine.kv_port.KVPort` reads it)."""
+
+    first_token: int
+    offer: Any
 
 
 @dataclass(frozen=True)
@@ -25,6 +35,11 @@ class GenerationRequest:
     priority: str = "interactive"
     sampling: SamplingParams = GREEDY
     constraint: Constraint | None = None
+    remote_prefill: RemotePrefill | None = None
+    """Set on a decode worker: the prompt was prefilled elsewhere, its KV is read at admission."""
+    offer_kv: bool = False
+    """Set on a prefill worker: at its finish the sequence's KV is offered (the ``finish`` event's
+    ``kv_offer``) and held until a decode worker has read it."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +57,8 @@ class Event:
     top_logprobs: tuple[tuple[int, float], ...] = ()
     """With ``logprob``: the most likely tokens' ``(id, logprob)`` at that position, most likely first."""
     finish_reason: str = ""
+    kv_offer: Mapping[str, Any] | None = None
+    """A ``finish`` event of an ``offer_kv`` request: the offer (JSON) a decode worker reads the KV with."""
     status: int = 200
     reason: str = ""
     message: str = ""

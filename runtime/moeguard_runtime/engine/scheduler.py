@@ -298,6 +298,8 @@ class StepFitter(Protocol):
 
     def cap(self, start: int, n: int, new_kv_tokens: int = 0) -> int: ...
 
+    def fits_kv(self, new_kv_tokens: int) -> bool: ...
+
     def add(self, start: int, n: int, new_kv_tokens: int = 0) -> None: ...
 
 
@@ -449,8 +451,10 @@ class Scheduler:
         self._recompute()
 
     def submit(self, req_id: str, prompt_tokens: int, max_new_tokens: int,
-               priority: str = INTERACTIVE) -> list[str]:
-        """Queue a request.
+               priority: str = INTERACTIVE, prefilled: bool = False) -> list[str]:
+        """Queue a request. ``prefilled``: another worker ran its prompt (disaggregated prefill/decode,
+        issue 33): it is admitted with no prefill chunk, its KV cache (``prompt_tokens + max_new_tokens``)
+        within the memory fit, and decodes in the step that admits it; it adds nothing to ``queue_tokens``.
 
         Returns:
             The ids of lower-class requests shed to make room for it under the ``priority``
@@ -475,11 +479,12 @@ class Scheduler:
         for victim in victims:
             self._remove(victim)
         self._seq += 1
+        queued = 0 if prefilled else prompt_tokens
         req = _Request(req_id, prompt_tokens, max_new_tokens, self._clock(), priority, self._seq,
-                       queued_tokens=prompt_tokens)
+                       prefilled=prompt_tokens if prefilled else 0, queued_tokens=queued)
         self._requests[req_id] = req
         self._waiting[priority].append(req)
-        self._queue_tokens += prompt_tokens
+        self._queue_tokens += queued
         return [v.req_id for v in victims]
 
     def refusal_before_prompt(self) -> Rejected | None:
@@ -735,7 +740,8 @@ class Scheduler:
                         budget -= n
             budget = self._admit(batch, budget, b, top, allow, prefill, admitted, resumed, fit)
         chunked = {r for r, _, _ in prefill}
-        for req_id in resumed:  # a resumed request whose prompt was done decodes in this step
+        arrived = [r for r in admitted if self._requests[r].decoding]  # prefilled elsewhere: KV at admission
+        for req_id in [*resumed, *arrived]:  # a request whose prompt is done decodes in this step
             r = self._requests[req_id]
             if req_id not in chunked and len(decode) < b.max_decode_tokens and take(r, 1):
                 decode.append(r)
@@ -792,6 +798,8 @@ class Scheduler:
                 fitted = fit.cap(head.prefilled, first_chunk, new_kv)
                 if first_chunk and not fitted:
                     break  # its memory is not there yet: it waits at the front
+                if not first_chunk and new_kv and not fit.fits_kv(new_kv):
+                    break  # a prefilled request's KV (it arrives at admission) does not fit yet
                 first_chunk = fitted
             if self.is_long(head.prompt_tokens):
                 if long_in_batch >= b.max_long_requests_per_batch:

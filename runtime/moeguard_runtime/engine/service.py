@@ -28,6 +28,7 @@ from moeguard_runtime.config import Settings
 from moeguard_runtime.engine.budget_watch import NO_GENERATION, decide_update
 from moeguard_runtime.engine.engine import Engine
 from moeguard_runtime.engine.generation import Event, GenerationRequest, Sink
+from moeguard_runtime.engine.kv_handoff import KVHandoff
 from moeguard_runtime.engine.memory_guard import MemoryGuard
 from moeguard_runtime.engine.overload_trigger import OverloadTrigger
 from moeguard_runtime.engine.scheduler import BATCH, OverloadPolicy, Rejected, Scheduler
@@ -56,7 +57,8 @@ class Worker:
     ``admission``: memory-aware admission (:mod:`moeguard_core.memory_admission`), None: off;
     ``predictor``: the memory model of the steps for the peak breakdown (default: the admission's);
     ``read_ucx``: the UCX state of the process (:func:`ucx_scan.current_info`), read every
-    :data:`ucx.SCAN_INTERVAL_S`."""
+    :data:`ucx.SCAN_INTERVAL_S`; ``handoff``: a prefill or decode worker's KV handoff (issue 33), None for a
+    single worker."""
 
     def __init__(self, settings: Settings, engine: Engine, telemetry: Telemetry,
                  log: RateLimitedLog, clock: Callable[[], float] = time.monotonic,
@@ -65,7 +67,7 @@ class Worker:
                  process_reader: Callable[[], ProcessMemory] = read_process_memory,
                  idle_wait_s: float = IDLE_WAIT_S, admission: MemoryAdmission | None = None,
                  predictor: StepPredictor | None = None,
-                 read_ucx: Callable[[], UcxInfo] = current_info) -> None:
+                 read_ucx: Callable[[], UcxInfo] = current_info, handoff: KVHandoff | None = None) -> None:
         self.settings, self.engine, self.telemetry, self.log = settings, engine, telemetry, log
         self._clock = clock
         self._read_process = process_reader
@@ -78,7 +80,7 @@ class Worker:
         self.loop = StepLoop(self.scheduler, engine, telemetry, log, self._now, settings.faults,
                              self._budgets_applied, self.memory_snapshot, idle_wait_s,
                              self._allocation_failed, AllocationHealth(settings.unrecovered_oom_s),
-                             admission, memory_reader, predictor)
+                             admission, memory_reader, predictor, handoff)
         self._read_ucx = read_ucx
         self._next_ucx_scan = 0.0
         self.budget_generation = NO_GENERATION

@@ -48,8 +48,9 @@ from __future__ import annotations
 
 import gc
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -58,6 +59,7 @@ from moeguard_core.memory_admission import MemoryAdmission, StepFit, StepPredict
 from moeguard_core.memory_model import Step
 from moeguard_runtime.engine.engine import Engine, StepOutput
 from moeguard_runtime.engine.generation import Event, GenerationRequest, Sink
+from moeguard_runtime.engine.kv_handoff import KV_TRANSFER_REASON, KVHandoff
 from moeguard_runtime.engine.scheduler import SHED_REASON, Rejected, Scheduler, StepPlan
 from moeguard_runtime.engine.step_telemetry import log_batch_start, record_step
 from moeguard_runtime.faults import AllocationFault, Faults, delay_step
@@ -127,8 +129,11 @@ class StepLoop:
                  health: AllocationHealth | None = None,
                  admission: MemoryAdmission | None = None,
                  read_memory: Callable[[], MemoryReading] | None = None,
-                 predictor: StepPredictor | None = None) -> None:
+                 predictor: StepPredictor | None = None, handoff: KVHandoff | None = None) -> None:
         self.scheduler, self.engine = scheduler, engine
+        self.handoff = handoff
+        """Disaggregated prefill/decode (None: a single worker): reads prefilled requests' KV at admission, offers
+        and holds ``offer_kv`` requests' KV at their finish."""
         self.telemetry, self.log = telemetry, log
         self.cond = threading.Condition()
         """Guards the scheduler and the requests in flight."""
@@ -159,8 +164,10 @@ class StepLoop:
         shed to make room for it end with HTTP 503 ``priority_shed``."""
         with self.cond:
             self._refuse_for_memory(request)
+            if request.remote_prefill is not None and self.handoff is None:
+                raise ValueError("this worker takes no prefilled requests (it has no KV transport)")
             shed = self.scheduler.submit(request.req_id, len(request.prompt), request.max_new_tokens,
-                                         request.priority)
+                                         request.priority, prefilled=request.remote_prefill is not None)
             self._active[request.req_id] = _Active(request, sink, self._clock())
             self.update_queue_gauges()
             self.cond.notify()
@@ -314,6 +321,10 @@ class StepLoop:
             release, self._to_release = self._to_release, []
         for req_id in release:  # before the memory reading the plan is fitted above
             self.engine.release(req_id)
+        if self.handoff is not None and self.handoff.offered:
+            _, unread = self.handoff.settle(self.engine, self._clock())
+            if unread:
+                self.log.event("kv_offer_expired", force=True, requests=len(unread), ids=",".join(unread)[:300])
         fit = self._fit()
         blocked: list[str] = []
         with self.cond:
@@ -390,17 +401,28 @@ class StepLoop:
         rss_before = reset_peak_rss() if fit is not None else None
         t0 = clock(self.engine.device)
         failure: tuple[str, str] | None = None
+        arrived: dict[str, int] = {}  # prefilled elsewhere, KV read: their first tokens
+        unread: list[tuple[str, str]] = []
         try:
             new_kv_tokens = 0
             for req_id, active in admitted:
                 if active is not None and req_id not in self.engine.sequences:
                     r = active.request
                     tel.stage("queue", now - active.arrival)
-                    self.engine.add(req_id, r.prompt, r.max_new_tokens, r.temperature, r.seed, r.sampling,
-                                    r.constraint)
+                    if r.remote_prefill is not None and self.handoff is not None:
+                        if (why := self.handoff.receive(self.engine, req_id, r)) is not None:
+                            unread.append((req_id, why))
+                            continue
+                        arrived[req_id] = r.remote_prefill.first_token
+                    else:
+                        self.engine.add(req_id, r.prompt, r.max_new_tokens, r.temperature, r.seed, r.sampling,
+                                        r.constraint)
                     new_kv_tokens += len(r.prompt) + r.max_new_tokens
-            prefill = [(r, n) for r, _, n in plan.prefill if r in self.engine.sequences]
-            decode = [r for r in plan.decode if r in self.engine.sequences]
+            if unread:
+                self._kv_unread(unread)
+            seqs = self.engine.sequences
+            prefill = [(r, n) for r, _, n in plan.prefill if r in seqs]
+            decode = [r for r in plan.decode if r in seqs and seqs[r].finish_reason is None]
             self._predict_peak(plan, decode, new_kv_tokens, kv_held, now)
             log_batch_start(self.log, plan, self.engine, prefill, decode, self.scheduler.long_requests_running)
             self._memory_snapshot("post_pack_pre_forward")
@@ -431,6 +453,11 @@ class StepLoop:
                 active.sink(Event("admitted"))
         t1 = clock(self.engine.device)
         record_step(tel, self.log, plan, out, t1 - t0)
+        if arrived:  # the prefill worker's tokens first (a sequence may have ended with it)
+            self.deliver(arrived, {r: f for r in arrived if (f := self.engine.sequences[r].finish_reason)})
+            if self.handoff is not None:
+                for seconds in self.handoff.take_transfers():
+                    tel.kv_transfer_seconds.labels(**tel.labels).observe(seconds)
         self.deliver(out.new_tokens, out.finished, out.logprobs)
         tel.stage("postprocess", clock(self.engine.device) - t1)
 
@@ -495,11 +522,13 @@ class StepLoop:
         finished."""
         now = self._clock()
         finished: list[tuple[str, _Active | None]] = []
+        offers = self._offer_finished(finished_reasons, now)
         with self.cond:
             for req_id in finished_reasons:
                 self.scheduler.finish(req_id)
                 finished.append((req_id, self._active.pop(req_id, None)))
-                self._to_release.append(req_id)
+                if not isinstance(offers.get(req_id), Mapping):  # an offered sequence is held until read
+                    self._to_release.append(req_id)
             sinks = {r: self._active.get(r) for r in new_tokens}
             sinks.update({r: a for r, a in finished})
             self.update_queue_gauges()
@@ -516,13 +545,39 @@ class StepLoop:
                 logprob, top = (logprobs or {}).get(req_id, (None, ()))
                 active.sink(Event("token", token=token, logprob=logprob, top_logprobs=top))
         for req_id, active in finished:
+            offer = offers.get(req_id)
+            if active is not None and isinstance(offer, str):
+                self.telemetry.refused(KV_TRANSFER_REASON, active.request.priority)
+                active.sink(Event("error", status=503, reason=KV_TRANSFER_REASON, message=offer))
+                continue
             if active is not None:
                 self.telemetry.e2e.labels(**self.telemetry.l(priority=active.request.priority)).observe(
                     now - active.arrival)
                 if active.first_token_at is not None:
                     self.telemetry.tpot.labels(**self.telemetry.l(priority=active.request.priority)).observe(
                         time_per_output_token(active.first_token_at, now, active.tokens))
-                active.sink(Event("finish", finish_reason=finished_reasons[req_id]))
+                active.sink(Event("finish", finish_reason=finished_reasons[req_id],
+                                  kv_offer=offer if isinstance(offer, Mapping) else None))
+
+    def _offer_finished(self, finished_reasons: dict[str, str], now: float) -> dict[str, Mapping[str, Any] | str]:
+        """Offer the KV of the finished ``offer_kv`` requests (a prefill worker's): each one's offer, or why it
+        failed."""
+        if self.handoff is None:
+            return {}
+        with self.cond:
+            wanted = [r for r in finished_reasons
+                      if (a := self._active.get(r)) is not None and a.request.offer_kv and r in self.engine.sequences]
+        return {r: self.handoff.offer(self.engine, r, now) for r in wanted}
+
+    def _kv_unread(self, unread: list[tuple[str, str]]) -> None:
+        """End the admitted requests whose KV could not be read with 503 ``kv_transfer_failed``."""
+        for req_id, why in unread:
+            with self.cond:
+                active = self._active.get(req_id)
+            if active is not None:
+                self.telemetry.refused(KV_TRANSFER_REASON, active.request.priority)
+            self.log.event("kv_transfer_failed", force=True, request=req_id, error=why[:300])
+            self.fail([req_id], 503, KV_TRANSFER_REASON, why)
 
     def fail(self, req_ids: list[str], status: int, reason: str, message: str) -> None:
         """End ``req_ids`` with an ``error`` event."""

@@ -147,6 +147,10 @@ class Telemetry:
                               "Per request answered: time per output token after the first, (last - first token) "
                               "/ (tokens - 1); 0 for a one-token answer. By priority class.",
                               [*base, "priority"], registry=r, buckets=contract.TPOT_BUCKETS, unit="seconds")
+        self.kv_transfer_seconds = Histogram(
+            contract.METRIC_KV_TRANSFER_SECONDS, "Per prompt KV read from a prefill worker (disaggregated "
+            "prefill/decode): seconds from registering the cache to the read's end.", base, registry=r,
+            buckets=contract.KV_TRANSFER_BUCKETS, unit="seconds")
         self.context_tokens = Histogram(contract.METRIC_REQUEST_CONTEXT_TOKENS,
                                         "Per request accepted into the queue: its KV capacity, prompt + max_tokens.",
                                         base, registry=r, buckets=contract.CONTEXT_TOKEN_BUCKETS)

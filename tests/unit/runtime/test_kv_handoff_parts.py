@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from moeguard_core.presets import get_preset
+from moeguard_runtime.config import ConfigError, load_settings
 from moeguard_runtime.disagg.kv_layout import (
     Region,
     cache_tensors,
@@ -16,6 +17,8 @@ from moeguard_runtime.disagg.kv_layout import (
 )
 from moeguard_runtime.disagg.nixl_kv import KVOffer, ucx_module_defaults
 from moeguard_runtime.engine.engine import Engine
+from moeguard_runtime.engine.generation import GenerationRequest, RemotePrefill
+from moeguard_runtime.engine.kv_handoff import KVHandoff
 from moeguard_runtime.model.families.deepseek_v3 import MLACache
 from moeguard_runtime.model.families.gqa import GQACache
 from moeguard_runtime.model.model import build_model
@@ -100,3 +103,71 @@ def test_a_prefilled_sequence_starts_decoding_from_the_offered_token() -> None:
     assert engine.add_prefilled("c", prompt, 4, first_token=eos).finish_reason == "stop"
     out = engine.step([], ["a"])  # decodes from position 17 with token 42
     assert list(out.new_tokens) == ["a"] and engine.sequences["a"].num_computed == 18
+
+
+class _Port:
+    """A transport that records what the handoff asks of it (pure bookkeeping under test)."""
+
+    def __init__(self) -> None:
+        self.read: list[str] = []
+        self.released: list[str] = []
+        self.fail_pull: Exception | None = None
+
+    def offer_json(self, req_id: str, cache: object, tokens: int, first_token: int) -> dict[str, object]:
+        return {"req_id": req_id, "tokens": tokens, "first_token": first_token}
+
+    def completed(self) -> list[str]:
+        out, self.read = self.read, []
+        return out
+
+    def release(self, req_id: str) -> bool:
+        self.released.append(req_id)
+        return True
+
+    def pull(self, offer: object, cache: object, timeout_s: float) -> float:
+        if self.fail_pull is not None:
+            raise self.fail_pull
+        return 0.002
+
+
+def test_offered_sequences_are_held_until_read_or_their_lease_ends() -> None:
+    engine = Engine(build_model(get_preset("tiny"), seed=0))
+    port = _Port()
+    handoff = KVHandoff(port, timeout_s=5.0, lease_s=30.0)
+    for i, req_id in enumerate(("a", "b", "c")):
+        engine.add(req_id, [5, 6, 7], 1)
+        engine.step([(req_id, 3)], [])
+        offer = handoff.offer(engine, req_id, now=100.0 + 10 * i)
+        assert isinstance(offer, dict) and offer["tokens"] == 3 and offer["first_token"] == engine.sequences[
+            req_id].generated[0]
+    port.read = ["b"]
+    assert handoff.settle(engine, now=125.0) == (["b"], [])
+    assert handoff.settle(engine, now=131.0) == ([], ["a"])  # offered at 100, lease 30 s
+    assert set(engine.sequences) == {"c"} and port.released == ["b", "a"]
+
+
+def test_a_failed_read_releases_the_sequence_and_says_why() -> None:
+    engine = Engine(build_model(get_preset("tiny"), seed=0))
+    port = _Port()
+    port.fail_pull = TimeoutError("took over 5 s")
+    handoff = KVHandoff(port)
+    req = GenerationRequest("r", [5, 6, 7], 4, remote_prefill=RemotePrefill(9, offer=object()))
+    why = handoff.receive(engine, "r", req)
+    assert why is not None and "took over 5 s" in why and engine.sequences == {}
+    port.fail_pull = None
+    assert handoff.receive(engine, "r", req) is None and engine.sequences["r"].generated == [9]
+    assert handoff.take_transfers() == [0.002] and handoff.take_transfers() == []
+
+
+def test_the_role_settings_refuse_a_decode_worker_without_prefill_workers() -> None:
+    assert load_settings({}).role == "single"
+    s = load_settings({"MOEGUARD_ROLE": "decode", "MOEGUARD_PREFILL_URL": "http://demo-prefill:8000/",
+                       "MOEGUARD_KV_TRANSFER_TIMEOUT_SECONDS": "2.5"})
+    assert (s.role, s.prefill_url, s.kv_transfer_timeout_s, s.kv_lease_s) == (
+        "decode", "http://demo-prefill:8000", 2.5, 30.0)
+    with pytest.raises(ConfigError, match="MOEGUARD_ROLE=decode needs MOEGUARD_PREFILL_URL"):
+        load_settings({"MOEGUARD_ROLE": "decode"})
+    with pytest.raises(ConfigError, match="only a decode worker calls prefill workers"):
+        load_settings({"MOEGUARD_ROLE": "prefill", "MOEGUARD_PREFILL_URL": "http://x:8000"})
+    with pytest.raises(ConfigError, match="must be one of single, prefill, decode"):
+        load_settings({"MOEGUARD_ROLE": "both"})

@@ -503,3 +503,43 @@ def test_bad_priority_settings_are_refused_at_start_naming_the_variable(env: dic
     with pytest.raises(ConfigError) as err:
         load_settings(env)
     assert str(err.value) == message
+
+
+class _KVFit:
+    """A memory fit that takes prefill chunks whole and at most ``kv_room`` new KV tokens in all."""
+
+    def __init__(self, kv_room: int) -> None:
+        self.kv_room = kv_room
+
+    def add_decode(self, context_tokens: int) -> None:
+        pass
+
+    def cap(self, start: int, n: int, new_kv_tokens: int = 0) -> int:
+        return n
+
+    def fits_kv(self, new_kv_tokens: int) -> bool:
+        return new_kv_tokens <= self.kv_room
+
+    def add(self, start: int, n: int, new_kv_tokens: int = 0) -> None:
+        self.kv_room -= new_kv_tokens
+
+
+def test_a_prefilled_request_is_admitted_without_a_chunk_and_decodes_at_once() -> None:
+    s, _ = make(budgets(prefill=100, decode=4))
+    s.submit("local", 30, 5)
+    s.submit("remote", 500, 5, prefilled=True)  # over the prefill budget: its prompt ran elsewhere
+    assert s.queue_tokens == 30  # a prefilled prompt waits as no prefill work
+    plan = s.schedule().plan
+    assert plan is not None
+    assert plan.admitted == ("local", "remote") and plan.prefill == (("local", 0, 30),)
+    assert plan.decode == ("remote",)  # its first token came with the KV: it decodes the second now
+    plan = s.schedule().plan
+    assert plan is not None and set(plan.decode) == {"local", "remote"}
+
+
+def test_a_prefilled_request_waits_for_room_for_its_kv() -> None:
+    s, _ = make(budgets(prefill=100, decode=4))
+    s.submit("remote", 50, 10, prefilled=True)
+    assert s.schedule(_KVFit(kv_room=59)).plan is None  # 60 tokens of KV arrive at admission
+    plan = s.schedule(_KVFit(kv_room=60)).plan
+    assert plan is not None and plan.admitted == ("remote",) and plan.decode == ("remote",)
