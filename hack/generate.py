@@ -376,6 +376,12 @@ ADVICE: dict[str, str] = {
         "`request_time_per_output_token_seconds`), by priority class. With TTFT it is what "
         "`spec.slo` measures: `status.observed.slo` is the share of the window's requests within each objective. "
         "Rising with the batch size: decode steps carry more sequences — lower `maxDecodeTokens` or add replicas."),
+    "moeguard_kv_transfer_seconds": (
+        "Decode pods of a service with `spec.prefill` (disaggregated prefill/decode): per request, the read of its "
+        "prompt's KV from a prefill pod over UCX (NIXL), from registering the cache to the read's end. Milliseconds "
+        "on one node (tcp and cma on the CPU machine of `make bench-pd`); a read past "
+        "`spec.prefill.kvTransferTimeoutSeconds` is a 503 `kv_transfer_failed`. Rising: the network between the "
+        "roles, or prefill pods under memory pressure; check `moeguard_ucx_info` on both roles."),
     "moeguard_request_context_tokens": (
         "Per request accepted into the queue, prompt + `max_tokens`: the KV capacity its cache is allocated with. "
         "The operator's predictive policy reads the window's mean (the KV the requests in flight hold) and its "

@@ -21,6 +21,8 @@ LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 """Labels LeaderWorkerSet's pod webhook puts on every pod of a group (worker index 0: the leader)."""
 
 TEMPLATE_HASH_LABEL = f"{API_GROUP}/template-hash"
+ROLE_LABEL = f"{API_GROUP}/role"
+"""On the children of a service's prefill role (disaggregated prefill/decode): ``prefill``."""
 """Label of the worker pod template (and so of its pods): a hash of the template the operator applied, which tells
 the pods of the current template from those of an earlier one during a rollout, for a Deployment and a
 LeaderWorkerSet alike (:func:`children.builders.template_hash`; issue 29, item 1)."""

@@ -33,7 +33,12 @@ from moeguard_core.contract import (
 )
 from moeguard_operator import constants as c
 from moeguard_operator.children import apply_errors, children, kube
-from moeguard_operator.children.builders import Owner, selector_string
+from moeguard_operator.children.builders import (
+    Owner,
+    prefill_owner,
+    prefill_role_spec,
+    selector_string,
+)
 from moeguard_operator.config import MEMO_KEY, OperatorConfig, from_memo
 from moeguard_operator.loop import autoscale, budget_document, leak_replacement, metrics, report
 from moeguard_operator.loop.control_loop import ControlLoop
@@ -174,6 +179,12 @@ def reconcile(
                                                          c.FIELD_MANAGER)
     wanted = budget_document.for_spec(parsed, prior, data, now, ours, policy=config.policy)
     document = children.apply_budget_document(owner, data, wanted)
+    if parsed.prefill is not None:  # the prefill role's own document (disaggregated prefill/decode)
+        role_owner = prefill_owner(owner)
+        role_cm = kube.read_configmap(namespace, budget_configmap_name(role_owner.name))
+        role_data = None if role_cm is None else dict(role_cm.get("data") or {})
+        children.apply_budget_document(role_owner, role_data, budget_document.for_prefill_role(
+            prefill_role_spec(parsed), role_data, now, policy=config.policy))
     patch.status.update(report.status_patch(
         prior, report.reconciled(prior, parsed, document, selector_string(owner), now, generation)))
 

@@ -27,22 +27,61 @@ RESTARTED_AT_ANNOTATION = "moeguard.dev/restartedAt"
 
 @dataclass(frozen=True)
 class Owner:
-    """Identity of the MoEInferenceService that owns the children."""
+    """Identity of the MoEInferenceService that owns the children; ``parent``: for the children of its
+    prefill role (:func:`prefill_owner`), the service's own name (``name`` is then ``<service>-prefill``)."""
 
     name: str
     namespace: str
     uid: str
+    parent: str | None = None
+
+
+PREFILL_SUFFIX = "-prefill"
+
+
+def prefill_owner(owner: Owner) -> Owner:
+    """The identity the prefill role's children are built for: every name and the selector from
+    ``<service>-prefill`` (a Deployment ``<service>-prefill-worker``, a Service ``<service>-prefill``, a budget
+    ConfigMap and RBAC of their own), the owner reference to the service."""
+    return Owner(owner.name + PREFILL_SUFFIX, owner.namespace, owner.uid, parent=owner.name)
+
+
+def prefill_role_spec(spec: MoEInferenceServiceSpec) -> MoEInferenceServiceSpec:
+    """The spec the prefill role's children are built from: the service's, with ``spec.prefill``'s replicas and
+    whichever of its resources, batching, UCX settings and template it sets; no autoscaling.
+
+    Raises:
+        ValueError: the spec has no ``prefill``.
+    """
+    p = spec.prefill
+    if p is None:
+        raise ValueError("the spec has no prefill role")
+    return spec.model_copy(update={
+        "replicas": p.replicas, "autoscaling": None,
+        "resources": p.resources or spec.resources, "batching": p.batching or spec.batching,
+        "ucx": p.ucx or spec.ucx, "template": p.template or spec.template})
+
+
+def role(owner: Owner, spec: MoEInferenceServiceSpec) -> str:
+    """The workers' ``contract.ENV_ROLE``: ``single`` without ``spec.prefill``, else ``prefill`` for the prefill
+    role's children and ``decode`` for the service's own."""
+    if spec.prefill is None:
+        return "single"
+    return "prefill" if owner.parent is not None else "decode"
 
 
 def labels(owner: Owner) -> dict[str, str]:
     """The labels of every child object."""
-    return {
+    out = {
         c.LABEL_NAME: c.WORKER_NAME,
         c.LABEL_INSTANCE: owner.name,
         c.LABEL_COMPONENT: c.WORKER_COMPONENT,
         c.LABEL_MANAGED_BY: c.MANAGED_BY,
         c.LABEL_PART_OF: "moeguard",
     }
+    if owner.parent is not None:
+        out[c.ROLE_LABEL] = "prefill"
+    return out
 
 
 def selector_labels(owner: Owner) -> dict[str, str]:
@@ -64,7 +103,7 @@ def _metadata(owner: Owner, name: str) -> dict[str, Any]:
             {
                 "apiVersion": f"{k.API_GROUP}/{k.API_VERSION}",
                 "kind": k.KIND,
-                "name": owner.name,
+                "name": owner.parent or owner.name,
                 "uid": owner.uid,
                 "controller": True,
                 "blockOwnerDeletion": True,
@@ -139,6 +178,12 @@ def worker_env(owner: Owner, spec: MoEInferenceServiceSpec) -> list[dict[str, An
         if not par.multi_node:  # one pod holds the group: what LeaderWorkerSet would inject for a group of 1
             plain.update({k.ENV_LWS_LEADER_ADDRESS: "127.0.0.1", k.ENV_LWS_GROUP_SIZE: "1", k.ENV_LWS_WORKER_INDEX: "0"})
     plain.update(ucx_env(spec))  # every rank's process: the UCX settings hold for the whole group
+    if spec.prefill is not None:  # disaggregated prefill/decode (issue 33)
+        plain[k.ENV_ROLE] = role(owner, spec)
+        plain[k.ENV_KV_LEASE_SECONDS] = _number(spec.prefill.kv_lease_seconds)
+        if owner.parent is None:  # the decode pods call the prefill role's Service
+            plain[k.ENV_PREFILL_URL] = f"http://{owner.name}{PREFILL_SUFFIX}:{k.WORKER_PORT}"
+            plain[k.ENV_KV_TRANSFER_TIMEOUT_SECONDS] = _number(spec.prefill.kv_transfer_timeout_seconds)
     env: list[dict[str, Any]] = [
         {"name": k.ENV_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": k.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -435,9 +480,15 @@ def build_role_binding(owner: Owner) -> Manifest:
 
 
 def build_children(owner: Owner, spec: MoEInferenceServiceSpec, replicas: int | None = None) -> list[Manifest]:
-    """Every child except the budget ConfigMap and the optional PodMonitor, in apply order
-    (RBAC before the pods that use it); ``replicas``: the Deployment's, where not ``spec.replicas``."""
+    """Every child except the budget ConfigMaps and the optional PodMonitor, in apply order
+    (RBAC before the pods that use it); ``replicas``: the Deployment's, where not ``spec.replicas``. With
+    ``spec.prefill``, the prefill role's own children first (:func:`prefill_owner`, :func:`prefill_role_spec`):
+    the decode pods find its Service when they start."""
+    role_children = []
+    if spec.prefill is not None and owner.parent is None:
+        role_children = build_children(prefill_owner(owner), prefill_role_spec(spec))
     return [
+        *role_children,
         build_service_account(owner),
         build_role(owner),
         build_role_binding(owner),
@@ -445,3 +496,15 @@ def build_children(owner: Owner, spec: MoEInferenceServiceSpec, replicas: int | 
         build_workload(owner, spec, replicas),
         build_pod_disruption_budget(owner),
     ]
+
+
+def prefill_children(owner: Owner) -> list[tuple[str, str, str]]:
+    """``(apiVersion, kind, name)`` of every child of the prefill role of ``owner``'s service: what a spec
+    without ``prefill`` deletes, in that order; the ServiceAccount, applied first, is deleted last (while it is
+    there, a deletion is due)."""
+    p = prefill_owner(owner)
+    name = worker_name(p)
+    return [("apps/v1", "Deployment", name), ("v1", "Service", p.name), ("policy/v1", "PodDisruptionBudget", name),
+            ("v1", "ConfigMap", k.budget_configmap_name(p.name)),
+            ("rbac.authorization.k8s.io/v1", "RoleBinding", name), ("rbac.authorization.k8s.io/v1", "Role", name),
+            ("v1", "ServiceAccount", name)]

@@ -17,6 +17,8 @@ from moeguard_operator.children.builders import (
     build_children,
     build_pod_monitor,
     dropped_volumes,
+    prefill_children,
+    prefill_owner,
     stale_workload,
     worker_name,
 )
@@ -47,6 +49,8 @@ def apply_children(owner: Owner, spec: MoEInferenceServiceSpec, replicas: int | 
     manifests = build_children(owner, spec, replicas)
     if kube.crd_exists(PODMONITOR_CRD):
         manifests.append(build_pod_monitor(owner))
+        if spec.prefill is not None:
+            manifests.append(build_pod_monitor(prefill_owner(owner)))
     for manifest in manifests:
         try:
             stored = kube.apply(manifest)
@@ -59,12 +63,17 @@ def apply_children(owner: Owner, spec: MoEInferenceServiceSpec, replicas: int | 
                                              f"{', '.join(dropped)}: a volume type this cluster has not enabled "
                                              "(image volumes need Kubernetes 1.33+ with the ImageVolume feature "
                                              "gate)")
-    api_version, kind = stale_workload(spec)
-    try:
-        kube.delete_if_exists(api_version, kind, owner.namespace, worker_name(owner))
-    except ApiException as exc:
-        raise apply_errors.ChildRefused(f"{kind} {worker_name(owner)} (deleting it)", exc.status,
-                                        kube.api_message(exc), str(exc.body or "")) from exc
+    stale = [(*stale_workload(spec), worker_name(owner))]
+    if spec.prefill is None:  # a prefill role removed from the spec: its children go
+        role_children = prefill_children(owner)
+        if kube.exists(*role_children[-1][:2], owner.namespace, role_children[-1][2]):  # one GET when there are none
+            stale += role_children
+    for api_version, kind, name in stale:
+        try:
+            kube.delete_if_exists(api_version, kind, owner.namespace, name)
+        except ApiException as exc:
+            raise apply_errors.ChildRefused(f"{kind} {name} (deleting it)", exc.status,
+                                            kube.api_message(exc), str(exc.body or "")) from exc
 
 
 def apply_budget_document(owner: Owner, data: dict[str, str] | None, document: BudgetDocument) -> BudgetDocument:

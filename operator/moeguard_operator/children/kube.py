@@ -138,6 +138,25 @@ def delete_if_exists(api_version: str, kind: str, namespace: str, name: str) -> 
     return True
 
 
+def exists(api_version: str, kind: str, namespace: str, name: str) -> bool:
+    """Whether the object is there (a kind whose API is not installed: False).
+
+    Raises:
+        kubernetes.client.exceptions.ApiException: the API server refused (other than 404).
+    """
+    try:
+        resource = _dynamic().resources.get(api_version=api_version, kind=kind)
+    except ResourceNotFoundError:
+        return False
+    try:
+        resource.get(name=name, namespace=namespace, _request_timeout=REQUEST_TIMEOUT)
+    except ApiException as exc:
+        if exc.status == 404:
+            return False
+        raise
+    return True
+
+
 def crd_exists(name: str) -> bool:
     """Whether the CustomResourceDefinition ``name`` (e.g. ``podmonitors.monitoring.coreos.com``) is installed."""
     try:

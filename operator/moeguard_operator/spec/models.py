@@ -797,6 +797,35 @@ NAME_RULES = (
 ``9-moe`` or ``x08.moe`` is a valid custom-resource name but not a valid Service name)."""
 
 
+class PrefillSpec(_Model):
+    """The prefill role of disaggregated prefill/decode (issue 33; KServe LLMInferenceService's
+    ``spec.prefill``, llm-d's prefill pods): separate pods run the prompts and hand each prompt's KV cache over
+    UCX (NIXL) to the service's own pods, which then run the decode role and stay what clients call (the
+    service's Service). Each field left unset takes the service's own."""
+
+    replicas: int = Field(default=1, ge=1, le=1024)
+    """Prefill pods (the service's ``replicas`` and ``autoscaling`` count the decode pods)."""
+    resources: ResourcesSpec | None = None
+    """Each prefill pod's GPUs, CPU and memory limits (unset: the service's ``resources``)."""
+    batching: BatchingSpec | None = None
+    """The prefill pods' budgets (unset: the service's ``batching``); their decode budgets go unused."""
+    ucx: UcxSpec | None = None
+    """The prefill pods' UCX settings (unset: the service's ``ucx``)."""
+    template: PodTemplateSpec | None = None
+    """The prefill pods' template extras (unset: the service's ``template``)."""
+    kv_transfer_timeout_seconds: float = Field(default=5.0, gt=0, le=600)
+    """Seconds a decode pod waits for one prompt's KV read before it answers that request 503."""
+    kv_lease_seconds: float = Field(default=30.0, gt=0, le=3600)
+    """Seconds a prefill pod holds a prompt's KV that no decode pod read, and the bound of one prefill call."""
+
+
+PREFILL_RULES = (
+    ("!has(self.prefill) || !has(self.parallelism) || self.parallelism.podsPerReplica == 1",
+     "prefill needs parallelism.podsPerReplica 1: a multi-node replica's KV is not handed off", ".prefill"),
+)
+"""CEL rules of ``prefill`` across the spec."""
+
+
 PARALLELISM_RULES = (
     ("!has(self.parallelism) || !has(self.model) || !has(self.model.overrides) "
      "|| !has(self.model.overrides.numExperts) "
@@ -816,7 +845,7 @@ unset ``resources.gpus`` is its default, 1)."""
 class MoEInferenceServiceSpec(_Model):
     """Desired state of a MoEInferenceService."""
 
-    model_config = ConfigDict(json_schema_extra=_cel(*PARALLELISM_RULES))
+    model_config = ConfigDict(json_schema_extra=_cel(*PARALLELISM_RULES, *PREFILL_RULES))
 
     model: ModelSpec = Field(default_factory=ModelSpec)
     """Model to serve."""
@@ -851,6 +880,9 @@ class MoEInferenceServiceSpec(_Model):
     autoscaling: AutoscalingSpec | None = None
     """Replica autoscaling from SLO attainment and queue depth (absent: ``replicas`` and the scale subresource
     decide, as without it)."""
+    prefill: PrefillSpec | None = None
+    """Disaggregated prefill/decode: prefill pods of their own (absent: every pod prefills and decodes, one
+    role)."""
 
     @model_validator(mode="after")
     def _parallelism_fits(self) -> MoEInferenceServiceSpec:
@@ -860,6 +892,8 @@ class MoEInferenceServiceSpec(_Model):
             raise ValueError(f"model.overrides.numExperts ({experts}) must be divisible by "
                              f"parallelism.expertParallelSize ({par.expert_parallel_size}) (each rank holds the "
                              "same number of experts)")
+        if self.prefill is not None and par.multi_node:
+            raise ValueError("prefill needs parallelism.podsPerReplica 1: a multi-node replica's KV is not handed off")
         if par.expert_parallel_size > 1 and gpus and gpus != par.ranks_per_pod:
             raise ValueError(f"resources.gpus ({gpus}) must equal parallelism.expertParallelSize / "
                              f"parallelism.podsPerReplica ({par.ranks_per_pod}) (one rank per GPU), or be 0 "
