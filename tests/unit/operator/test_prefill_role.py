@@ -108,7 +108,7 @@ def test_without_prefill_the_children_are_unchanged() -> None:
 
 
 def test_a_prefill_role_needs_single_pod_replicas() -> None:
-    with pytest.raises(ValidationError, match="prefill needs parallelism.podsPerReplica 1"):
+    with pytest.raises(ValidationError, match=r"prefill needs parallelism\.podsPerReplica 1"):
         MoEInferenceServiceSpec.model_validate({**SPEC, "resources": {"gpus": 2},
                                                 "parallelism": {"expertParallelSize": 4, "podsPerReplica": 2}})
 
