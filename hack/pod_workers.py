@@ -42,6 +42,10 @@ worker pods) and acts as their kubelet for what moeguard depends on:
   A pod that holds a whole group (expert parallelism in one pod, ``MOEGUARD_EP_PORT`` set without LWS)
   gets a free port of its own instead of the operator's 29500, which every such pod would share here.
 
+* **Services a pod calls** (a decode pod's ``MOEGUARD_PREFILL_URL``, the prefill role's Service): the URL
+  becomes that of a loopback stand-in (:class:`hack.service_proxy.ServiceProxy`) that forwards each connection
+  to a running pod here whose labels the Service's selector matches, round robin, as kube-proxy would.
+
 Each worker is a Prometheus file_sd target 127.0.0.1:<port>; <run dir>/workers.json maps
 namespace/pod -> port, pid, url, moeis, uid, cgroup, restarts, and for LWS pods ``lws``: group,
 leaderAddress (the pod's own value), epPort, groupSize, workerIndex; for one-pod groups ``epPort``.
@@ -64,6 +68,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
@@ -77,6 +82,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from hack.kubelet_status import KUBELET_BACKOFF_INITIAL_S, KUBELET_BACKOFF_MAX_S
 from hack.memcg import MemcgUnavailable, MemoryCgroup, memory_hierarchy, remove_tree
 from hack.pod_container import Options, PodContainer
+from hack.service_proxy import ServiceProxy
 
 ROOT = Path(__file__).resolve().parent.parent
 SELECTOR = "app.kubernetes.io/managed-by=moeguard,app.kubernetes.io/component=worker"  # stand-ins: own tests
@@ -99,6 +105,8 @@ ANNOTATION = "harness.moeguard.dev/instance"
 """The pods a harness manages carry this annotation (value: its ``--instance``); kwok's stages key on it."""
 TEST_ENV_ANNOTATION = "harness.moeguard.dev/test-env"
 """A JSON object of extra env for the pod's process (tests: the worker's fault switches)."""
+PREFILL_URL_ENV = "MOEGUARD_PREFILL_URL"
+"""A decode pod's prefill Service (``contract.ENV_PREFILL_URL``): reached through a :class:`ServiceProxy`."""
 LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
 LWS_GROUP_KEY_LABEL = "leaderworkerset.sigs.k8s.io/group-key"
 LWS_GROUP_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
@@ -173,6 +181,7 @@ class Harness:
         self.targets, self.workers_dir = self.run_dir / "prometheus" / "targets", self.run_dir / "workers"
         self.pods: dict[str, PodContainer] = {}
         self.group_ports: dict[str, int] = {}  # LWS group -> MOEGUARD_EP_PORT, while a pod of it runs here
+        self.services: dict[str, ServiceProxy] = {}  # namespace/service -> its loopback stand-in
         self.waiting: set[str] = set()  # pods whose predecessor of the same name is still stopping
         self.lock = threading.Lock()
         self.reconciling = threading.RLock()  # the watch and the pod threads (a successor's start) reconcile
@@ -252,13 +261,39 @@ class Harness:
                 "groupSize": env.get(LWS_GROUP_SIZE), "workerIndex": env.get(LWS_WORKER_INDEX)}
         return {LWS_LEADER_ADDRESS: "127.0.0.1", EP_PORT_ENV: str(ep_port)}, {"lws": info}
 
+    def service_env(self, namespace: str, env: dict[str, str], key: str) -> dict[str, str]:
+        """A decode pod's ``MOEGUARD_PREFILL_URL`` (``http://<service>:<port>``, the prefill role's Service) made
+        to reach the Service's pods here: the address of its :class:`ServiceProxy`."""
+        url = env.get(PREFILL_URL_ENV)
+        if not url:
+            return {}
+        host = urllib.parse.urlsplit(url).hostname or ""
+        service = host.split(".")[0]
+        skey = f"{namespace}/{service}"
+        if skey not in self.services:
+            try:
+                selector = dict(self.api.read_namespaced_service(service, namespace).spec.selector or {})
+            except client.ApiException as exc:
+                log(f"{key}: {PREFILL_URL_ENV} names Service {skey}, which cannot be read ({exc.status}); left as is")
+                return {}
+
+            def backends(ns: str = namespace, sel: dict[str, str] = selector) -> list[int]:
+                with self.lock:
+                    return [pc.port for pc in self.pods.values()
+                            if pc.namespace == ns and pc.proc is not None and pc.proc.poll() is None
+                            and sel.items() <= (pc.pod["metadata"].get("labels") or {}).items()]
+
+            self.services[skey] = ServiceProxy(skey, backends, log)
+            log(f"Service {skey}: loopback stand-in on 127.0.0.1:{self.services[skey].port} (selector {selector})")
+        return {PREFILL_URL_ENV: f"http://127.0.0.1:{self.services[skey].port}"}
+
     def start_pod(self, pod: Any, key: str) -> None:
         port = free_port()
         ns, name = pod.metadata.namespace, pod.metadata.name
         pythonpath = os.pathsep.join(filter(None, [str(ROOT / "runtime"), str(ROOT / "core"), os.environ.get("PYTHONPATH")]))
         pod_env = self.resolve_env(pod)
         last = {**test_env(pod.metadata.annotations, key), "MOEGUARD_PORT": str(port), "PYTHONPATH": pythonpath,
-                "KUBECONFIG": self.pod_kubeconfig(pod, key)}
+                "KUBECONFIG": self.pod_kubeconfig(pod, key), **self.service_env(ns, pod_env, key)}
         as_json = client.ApiClient().sanitize_for_serialization(pod)  # type: ignore[no-untyped-call]
         with self.lock:
             pc = PodContainer(key, as_json, {**os.environ, **pod_env, **last}, port,
