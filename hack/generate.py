@@ -382,6 +382,10 @@ ADVICE: dict[str, str] = {
         "on one node (tcp and cma on the CPU machine of `make bench-pd`); a read past "
         "`spec.prefill.kvTransferTimeoutSeconds` is a 503 `kv_transfer_failed`. Rising: the network between the "
         "roles, or prefill pods under memory pressure; check `moeguard_ucx_info` on both roles."),
+    "moeguard_kv_transfer_bytes_total": (
+        "Decode pods of a service with `spec.prefill`: bytes of prompt KV read from prefill pods. Divided by "
+        "`moeguard_kv_transfer_seconds_count`, the KV per request: prompt tokens times the model's KV bytes per "
+        "token (2 x layers x KV heads x head size x dtype bytes; MLA's latent for DeepSeek-V3)."),
     "moeguard_request_context_tokens": (
         "Per request accepted into the queue, prompt + `max_tokens`: the KV capacity its cache is allocated with. "
         "The operator's predictive policy reads the window's mean (the KV the requests in flight hold) and its "

@@ -385,6 +385,8 @@ and 1 s batch, are bounds)."""
 METRIC_KV_TRANSFER_SECONDS = "moeguard_kv_transfer_seconds"
 """Histogram: one observation per prompt KV a decode worker read from a prefill worker (disaggregated
 prefill/decode, issue 33), seconds from registering its cache to the read's completion."""
+METRIC_KV_TRANSFER_BYTES_TOTAL = "moeguard_kv_transfer_bytes_total"
+"""Counter: bytes of prompt KV a decode worker read from prefill workers (the prompts' runs of its caches)."""
 KV_TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 """Upper bounds of :data:`METRIC_KV_TRANSFER_SECONDS`' buckets, seconds (the default read deadline is 5 s)."""
 METRIC_REQUEST_CONTEXT_TOKENS = "moeguard_request_context_tokens"

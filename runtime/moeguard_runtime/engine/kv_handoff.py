@@ -38,6 +38,8 @@ class KVHandoff:
     """Offered request ids and when they were offered (clock seconds)."""
     transfer_seconds: list[float] = field(default_factory=list)
     """Seconds of each read since the last :meth:`take_transfers` (the worker's histogram)."""
+    transfer_bytes: int = 0
+    """Bytes read since the last :meth:`take_transfers` (the worker's counter)."""
 
     def receive(self, engine: Engine, req_id: str, request: GenerationRequest) -> str | None:
         """Register ``request`` (a :class:`RemotePrefill`'s) in ``engine`` and read its KV; None when done, else
@@ -51,6 +53,8 @@ class KVHandoff:
         except Exception as exc:  # the transport's errors, a timeout or a refused offer: a 503 for this request
             engine.release(req_id)
             return f"reading the prompt's KV from the prefill worker failed: {exc}"[:500]
+        n = len(request.prompt)  # the prompt's positions: the second-to-last dimension of k and v (KVCache)
+        self.transfer_bytes += sum(t[..., :n, :].numel() * t.element_size() for t in (seq.cache.k, seq.cache.v))
         return None
 
     def offer(self, engine: Engine, req_id: str, now: float) -> Mapping[str, Any] | str:
@@ -75,6 +79,8 @@ class KVHandoff:
             engine.release(req_id)
         return read, expired
 
-    def take_transfers(self) -> list[float]:
+    def take_transfers(self) -> tuple[list[float], int]:
+        """The reads' seconds and bytes since the last call."""
         out, self.transfer_seconds = self.transfer_seconds, []
-        return out
+        nbytes, self.transfer_bytes = self.transfer_bytes, 0
+        return out, nbytes

@@ -456,8 +456,10 @@ class StepLoop:
         if arrived:  # the prefill worker's tokens first (a sequence may have ended with it)
             self.deliver(arrived, {r: f for r in arrived if (f := self.engine.sequences[r].finish_reason)})
             if self.handoff is not None:
-                for seconds in self.handoff.take_transfers():
+                seconds_each, nbytes = self.handoff.take_transfers()
+                for seconds in seconds_each:
                     tel.kv_transfer_seconds.labels(**tel.labels).observe(seconds)
+                tel.kv_transfer_bytes.labels(**tel.labels).inc(nbytes)
         self.deliver(out.new_tokens, out.finished, out.logprobs)
         tel.stage("postprocess", clock(self.engine.device) - t1)
 

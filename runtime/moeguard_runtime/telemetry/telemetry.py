@@ -151,6 +151,9 @@ class Telemetry:
             contract.METRIC_KV_TRANSFER_SECONDS, "Per prompt KV read from a prefill worker (disaggregated "
             "prefill/decode): seconds from registering the cache to the read's end.", base, registry=r,
             buckets=contract.KV_TRANSFER_BUCKETS, unit="seconds")
+        self.kv_transfer_bytes = Counter(
+            contract.METRIC_KV_TRANSFER_BYTES_TOTAL.removesuffix("_total"), "Bytes of prompt KV read from prefill "
+            "workers (disaggregated prefill/decode).", base, registry=r, unit="bytes")
         self.context_tokens = Histogram(contract.METRIC_REQUEST_CONTEXT_TOKENS,
                                         "Per request accepted into the queue: its KV capacity, prompt + max_tokens.",
                                         base, registry=r, buckets=contract.CONTEXT_TOKEN_BUCKETS)

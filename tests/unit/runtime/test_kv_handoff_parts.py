@@ -156,7 +156,7 @@ def test_a_failed_read_releases_the_sequence_and_says_why() -> None:
     assert why is not None and "took over 5 s" in why and engine.sequences == {}
     port.fail_pull = None
     assert handoff.receive(engine, "r", req) is None and engine.sequences["r"].generated == [9]
-    assert handoff.take_transfers() == [0.002] and handoff.take_transfers() == []
+    assert handoff.take_transfers() == ([0.002], 2 * 2 * 2 * 3 * 16 * 4) and handoff.take_transfers() == ([], 0)
 
 
 def test_the_role_settings_refuse_a_decode_worker_without_prefill_workers() -> None:
