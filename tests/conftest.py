@@ -17,6 +17,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
+from hypothesis import settings
 from tests.suite_setup import (
     SUITE_MARKERS,
     file_of,
@@ -29,6 +30,12 @@ from tests.suite_setup import (
     unmarked,
     worker_cluster_env,
 )
+
+# No per-example deadline (hypothesis' default is 200 ms): a time bound in a unit test is a timing check, which the
+# project keeps to benchmarks. The diagnosis drills' property failed once under `-n 2` on the loaded 2-core machine
+# and passed alone and in three reruns (2026-12-07; its output was not kept): the deadline is the one timing in it.
+settings.register_profile("moeguard", deadline=None)
+settings.load_profile("moeguard")
 
 os.environ.update(worker_cluster_env(os.environ))
 

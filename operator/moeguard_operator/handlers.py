@@ -42,7 +42,7 @@ from moeguard_operator.children.builders import (
 from moeguard_operator.config import MEMO_KEY, OperatorConfig, from_memo
 from moeguard_operator.loop import autoscale, budget_document, leak_replacement, metrics, report
 from moeguard_operator.loop.control_loop import ControlLoop
-from moeguard_operator.spec.models import MoEInferenceServiceStatus
+from moeguard_operator.spec.models import MoEInferenceServiceSpec, MoEInferenceServiceStatus
 from moeguard_operator.spec.spec_checks import (
     SpecError,
     check_model_source,
@@ -179,20 +179,40 @@ def reconcile(
                                                          c.FIELD_MANAGER)
     wanted = budget_document.for_spec(parsed, prior, data, now, ours, policy=config.policy)
     document = children.apply_budget_document(owner, data, wanted)
-    if parsed.prefill is not None:  # the prefill role's own document (disaggregated prefill/decode)
-        role_owner = prefill_owner(owner)
-        role_cm = kube.read_configmap(namespace, budget_configmap_name(role_owner.name))
-        role_data = None if role_cm is None else dict(role_cm.get("data") or {})
-        children.apply_budget_document(role_owner, role_data, budget_document.for_prefill_role(
-            prefill_role_spec(parsed), role_data, now, policy=config.policy))
     patch.status.update(report.status_patch(
         prior, report.reconciled(prior, parsed, document, selector_string(owner), now, generation)))
+    if parsed.prefill is not None:  # the prefill role: its own budget document and status.prefill
+        role_patch = _reconcile_prefill_role(owner, parsed, prior, now, generation, config.policy)
+        if role_patch:
+            patch.status["prefill"] = role_patch
+    elif prior.prefill is not None:
+        patch.status["prefill"] = None
 
     metrics.RECONCILIATIONS.labels(namespace, name, "applied").inc()
     metrics.PREFILL_BUDGET.labels(namespace, name).set(document.budgets.max_prefill_tokens)
     kopf.info(body, reason="Reconciled", message="applied worker Deployment, Service, PDB, RBAC and budget "
                                                  f"ConfigMap (budget generation {document.generation})")
     logger.info("reconciled %s/%s generation %s", namespace, name, generation)
+
+
+def _reconcile_prefill_role(owner: Owner, spec: MoEInferenceServiceSpec, prior: MoEInferenceServiceStatus,
+                            now: datetime, generation: int | None, policy: str) -> dict[str, Any]:
+    """The prefill role's budget ConfigMap (:func:`budget_document.for_spec` on the role's spec and status, as the
+    service's own) and the merge patch of ``status.prefill`` (empty: nothing changed).
+
+    Raises:
+        kubernetes.client.exceptions.ApiException: the API server refused the ConfigMap.
+    """
+    role_owner, role_spec = prefill_owner(owner), prefill_role_spec(spec)
+    role_prior = report.read_status(prior.prefill.model_dump(by_alias=True) if prior.prefill is not None else None)
+    cm = kube.read_configmap(owner.namespace, budget_configmap_name(role_owner.name))
+    data = None if cm is None else dict(cm.get("data") or {})
+    ours = cm is not None and budget_document.written_by((cm.get("metadata") or {}).get("managedFields"),
+                                                         c.FIELD_MANAGER)
+    document = children.apply_budget_document(
+        role_owner, data, budget_document.for_spec(role_spec, role_prior, data, now, ours, policy=policy))
+    return report.status_patch(role_prior, report.reconciled(role_prior, role_spec, document,
+                                                             selector_string(role_owner), now, generation))
 
 
 def _stall(body: kopf.Body, patch: kopf.Patch, prior: MoEInferenceServiceStatus, reason: str, message: str,

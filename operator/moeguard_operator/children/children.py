@@ -49,7 +49,7 @@ def apply_children(owner: Owner, spec: MoEInferenceServiceSpec, replicas: int | 
     manifests = build_children(owner, spec, replicas)
     if kube.crd_exists(PODMONITOR_CRD):
         manifests.append(build_pod_monitor(owner))
-        if spec.prefill is not None:
+        if spec.prefill is not None and owner.parent is None:
             manifests.append(build_pod_monitor(prefill_owner(owner)))
     for manifest in manifests:
         try:

@@ -160,23 +160,6 @@ def for_spec(spec: MoEInferenceServiceSpec, status: MoEInferenceServiceStatus, d
     return for_budgets(spec, budgets, overload, generation, reason, now, policy=policy)
 
 
-def for_prefill_role(spec: MoEInferenceServiceSpec, data: dict[str, str] | None, now: datetime, *,
-                     policy: str) -> BudgetDocument:
-    """The prefill role's document (``spec``: :func:`~moeguard_operator.children.builders.prefill_role_spec`'s),
-    ``data`` its ConfigMap's: the role's initial budgets and ``overload.mode`` (``Auto`` is Off: the workers
-    switch overload on themselves), at the generation in ``data``, or the next one when what the workers apply
-    changed. The outer loop does not adjust the prefill role's budgets (issue 33 §4 is not built): it keeps the
-    spec's."""
-    overload: OverloadMode = "On" if spec.overload.mode == "On" else "Off"
-    generation = generation_in(data)
-    wanted = for_budgets(spec, initial_budgets(spec.batching), overload, generation, "prefill role: spec", now,
-                         policy=policy)
-    current = _parsed(data)
-    if current is None or _key(current)[1:] != _key(wanted)[1:]:
-        wanted = wanted.model_copy(update={"generation": generation + 1})
-    return wanted
-
-
 def _key(document: BudgetDocument) -> tuple[object, ...]:
     """What a worker applies from a document: equal keys, nothing to write."""
     return (document.generation, document.budgets, document.overload_mode, document.overload_max_context_tokens,

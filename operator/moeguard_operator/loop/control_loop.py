@@ -45,6 +45,7 @@ from moeguard_operator.children import children, kube
 from moeguard_operator.children.builders import (
     Owner,
     build_workload,
+    prefill_role_spec,
     restart_patch,
     template_hash,
     worker_name,
@@ -58,6 +59,7 @@ from moeguard_operator.loop import (
     leak_replacement,
     metrics,
     report,
+    roles,
     tick,
 )
 from moeguard_operator.loop.observation import Observation, leak_window_start
@@ -124,6 +126,13 @@ def slim_deployment(obj: dict[str, Any]) -> dict[str, Any]:
     spec, status = obj.get("spec") or {}, obj.get("status") or {}
     return {**slim(obj), "spec": {k: spec[k] for k in ("replicas", "strategy") if k in spec},
             "status": {"conditions": status.get("conditions") or []}}
+
+
+def _owner(svc: dict[str, Any]) -> Owner:
+    """The children's owner of service ``svc``; of a role view (:mod:`roles`), the role's (its name, its service)."""
+    meta = svc.get("metadata") or {}
+    return Owner(name=meta.get("name", ""), namespace=meta.get("namespace", ""), uid=meta.get("uid", ""),
+                 parent=roles.role_of(svc))
 
 
 def _owner_key(obj: dict[str, Any]) -> Key | None:
@@ -224,11 +233,11 @@ class ControlLoop:
         """A MoEInferenceService event (kopf's ``type``: None for the initial listing, ADDED, MODIFIED, DELETED)."""
         meta = obj.get("metadata") or {}
         key = (meta.get("namespace", ""), meta.get("name", ""))
+        view = roles.role_view(obj) if event_type != "DELETED" else None
+        if view is None and (rkey := roles.role_key(*key)) in self.views.services:
+            self._forget(rkey)  # the prefill role left the spec (or the service is gone)
         if event_type == "DELETED":
-            self.views.services.pop(key, None)
-            self.memory.pop(key, None)
-            self.views.missing.pop(key, None)
-            metrics.forget_service(*key)  # no series outlives its service (issue 29, item 2)
+            self._forget(key)
             return
         known = self.views.services.get(key)
         same_object = known is not None and (known.get("metadata") or {}).get("uid") == meta.get("uid")
@@ -238,6 +247,18 @@ class ControlLoop:
             self.memory.pop(key, None)
         self.views.services[key] = slim(obj, "apiVersion", "kind", "spec", "status")
         self._touch(key)
+        if view is not None:  # the prefill role, a service of its own for the loop (roles.py)
+            rkey = roles.role_key(*key)
+            if not same_object:
+                self.memory.pop(rkey, None)
+            self.views.services[rkey] = view
+            self._touch(rkey)
+
+    def _forget(self, key: Key) -> None:
+        self.views.services.pop(key, None)
+        self.memory.pop(key, None)
+        self.views.missing.pop(key, None)
+        metrics.forget_service(*key)  # no series outlives its service (issue 29, item 2)
 
     def on_pod(self, event_type: str | None, obj: dict[str, Any]) -> None:
         """A worker pod event."""
@@ -431,10 +452,10 @@ class ControlLoop:
                 parsed = parse_spec(svc.get("spec") or {}, allow_secrets=self.config.allow_secrets)
                 check_model_source(parsed, self.config.allow_host_path_models)
                 check_prometheus_url(parsed, self.config.prometheus_urls)
+                if roles.role_of(svc) is not None:
+                    parsed = prefill_role_spec(parsed)
                 mem.spec = parsed
-                mem.template_hash = template_hash(
-                    Owner(name=meta.get("name", ""), namespace=meta.get("namespace", ""), uid=meta.get("uid", "")),
-                    parsed)
+                mem.template_hash = template_hash(_owner(svc), parsed)
             except SpecError as exc:
                 mem.spec = exc
             except ValueError as exc:  # pydantic: the API server's schema should have refused it
@@ -592,7 +613,7 @@ class ControlLoop:
             kubernetes.client.exceptions.ApiException, urllib3 errors: a request failed (retried by the loop).
         """
         meta = svc["metadata"]
-        owner = Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+        owner = _owner(svc)
         now = datetime.now(UTC)
         if missing:
             children.apply_children(owner, spec, leak_replacement.surge_replicas(spec, writes.status))
@@ -615,7 +636,7 @@ class ControlLoop:
         stored = None
         patch = report.status_patch(prior, status)
         if patch:
-            stored = kube.patch_status(owner.namespace, owner.name, patch, meta.get("resourceVersion"))
+            stored = kube.patch_status(owner.namespace, *roles.status_patch_of(svc, patch), meta.get("resourceVersion"))
         if writes.scale is not None:  # after the status: the decision is durable before the workload follows it
             self._patch_workload(owner, spec, {"spec": {"replicas": writes.scale}})
         if writes.document is not None:
@@ -646,10 +667,13 @@ class ControlLoop:
 
     @staticmethod
     def _event(svc: dict[str, Any], event: report.Event, now: datetime) -> None:
+        """Post ``event`` on the service (a role view's on its service, the message saying the role)."""
+        meta, parent = svc["metadata"], roles.role_of(svc)
+        message = event.message if parent is None else f"prefill role: {event.message}"
         involved = {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": "MoEInferenceService",
-                    "metadata": svc["metadata"]}
+                    "metadata": meta if parent is None else {**meta, "name": parent}}
         try:
-            kube.post_event(involved, event.type, event.reason, event.message, now)
+            kube.post_event(involved, event.type, event.reason, message, now)
         except ApiException as exc:  # an Event is best effort, as kopf's are
             log.warning("%s/%s: Event %s not posted (%s)", svc["metadata"]["namespace"], svc["metadata"]["name"],
                         event.reason, exc.status)

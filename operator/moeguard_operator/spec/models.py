@@ -1162,8 +1162,9 @@ class AutoscalingStatus(_Model):
     """Start of the current stretch of fully visible looks that all recommended a scale-down (null: none)."""
 
 
-class MoEInferenceServiceStatus(_Model):
-    """Observed state, written by the operator only."""
+class RoleStatus(_Model):
+    """Observed state of one role's pods, written by the operator only: the service's own (its root status), or
+    its prefill role's (``status.prefill``)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -1203,3 +1204,13 @@ class MoEInferenceServiceStatus(_Model):
     policy."""
     leak_replacement: LeakReplacementStatus | None = None
     """The leak replacement in progress (null: none)."""
+
+
+class MoEInferenceServiceStatus(RoleStatus):
+    """Observed state, written by the operator only. With ``spec.prefill`` the root fields are the decode pods'
+    (what clients call) and ``prefill`` holds the prefill pods' own."""
+
+    prefill: RoleStatus | None = None
+    """The prefill role's status (``spec.prefill``): its pods' readiness, its budgets (its own budget
+    ConfigMap), observations, leak judgement and leak replacement; the control loop runs the role as a service
+    of its own (``<name>-prefill``). Null without ``spec.prefill``."""

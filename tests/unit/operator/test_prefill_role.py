@@ -4,30 +4,24 @@ renders exactly as before."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
 from moeguard_core import contract
-from moeguard_core.contract import parse_budget_configmap_data
 from moeguard_operator import constants as c
 from moeguard_operator.children.builders import (
     Owner,
-    build_budget_configmap,
     build_children,
     prefill_children,
-    prefill_owner,
     prefill_role_spec,
 )
-from moeguard_operator.loop import budget_document
 from moeguard_operator.spec.models import MoEInferenceServiceSpec
 
 pytestmark = pytest.mark.unit
 
 OWNER = Owner(name="mixtral", namespace="serving", uid="1234-abcd")
-NOW = datetime(2026, 12, 7, tzinfo=UTC)
 
 
 def _env(dep: dict[str, Any]) -> dict[str, str]:
@@ -111,14 +105,3 @@ def test_a_prefill_role_needs_single_pod_replicas() -> None:
     with pytest.raises(ValidationError, match=r"prefill needs parallelism\.podsPerReplica 1"):
         MoEInferenceServiceSpec.model_validate({**SPEC, "resources": {"gpus": 2},
                                                 "parallelism": {"expertParallelSize": 4, "podsPerReplica": 2}})
-
-
-def test_the_prefill_roles_budget_document_is_its_specs_and_stable() -> None:
-    role = prefill_role_spec(MoEInferenceServiceSpec.model_validate(SPEC))
-    first = budget_document.for_prefill_role(role, None, NOW, policy="predictive")
-    assert (first.generation, first.budgets.max_prefill_tokens, first.budgets.max_decode_tokens) == (1, 8192, 16)
-    data = build_budget_configmap(prefill_owner(OWNER), first)["data"]
-    again = budget_document.for_prefill_role(role, data, NOW, policy="predictive")
-    assert again.generation == 1 and parse_budget_configmap_data(data).budgets == again.budgets  # nothing new
-    changed = role.model_copy(update={"batching": role.batching.model_copy(update={"max_prefill_tokens": 4096})})
-    assert budget_document.for_prefill_role(changed, data, NOW, policy="predictive").generation == 2
