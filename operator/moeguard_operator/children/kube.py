@@ -15,6 +15,7 @@ import functools
 import json
 import logging
 import os
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -124,18 +125,11 @@ def delete_if_exists(api_version: str, kind: str, namespace: str, name: str) -> 
     Raises:
         kubernetes.client.exceptions.ApiException: the API server refused (other than 404).
     """
-    try:
-        resource = _dynamic().resources.get(api_version=api_version, kind=kind)
-    except ResourceNotFoundError:
+    resource = _resource(api_version, kind)
+    if resource is None:
         return False
-    try:
-        resource.delete(name=name, namespace=namespace, propagation_policy="Foreground",
-                        _request_timeout=REQUEST_TIMEOUT)
-    except ApiException as exc:
-        if exc.status == 404:
-            return False
-        raise
-    return True
+    return _found(lambda: resource.delete(name=name, namespace=namespace, propagation_policy="Foreground",
+                                          _request_timeout=REQUEST_TIMEOUT))
 
 
 def exists(api_version: str, kind: str, namespace: str, name: str) -> bool:
@@ -144,12 +138,24 @@ def exists(api_version: str, kind: str, namespace: str, name: str) -> bool:
     Raises:
         kubernetes.client.exceptions.ApiException: the API server refused (other than 404).
     """
-    try:
-        resource = _dynamic().resources.get(api_version=api_version, kind=kind)
-    except ResourceNotFoundError:
+    resource = _resource(api_version, kind)
+    if resource is None:
         return False
+    return _found(lambda: resource.get(name=name, namespace=namespace, _request_timeout=REQUEST_TIMEOUT))
+
+
+def _resource(api_version: str, kind: str) -> Any:
+    """The dynamic client's resource of a kind, None where its API is not installed."""
     try:
-        resource.get(name=name, namespace=namespace, _request_timeout=REQUEST_TIMEOUT)
+        return _dynamic().resources.get(api_version=api_version, kind=kind)
+    except ResourceNotFoundError:
+        return None
+
+
+def _found(call: Callable[[], object]) -> bool:
+    """Run a request on one object: True, or False where the API server answers 404."""
+    try:
+        call()
     except ApiException as exc:
         if exc.status == 404:
             return False
