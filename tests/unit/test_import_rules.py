@@ -44,6 +44,7 @@ WORKER_LAYERS = {
     "telemetry": ("api",),
     "parallel": ("api", "disagg"),
     "disagg": ("api",),
+    "engine": ("disagg",),
 }
 """moeguard_runtime.<subpackage> -> the subpackages it never imports (the package docstrings say so)."""
 
