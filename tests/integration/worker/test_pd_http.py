@@ -33,14 +33,17 @@ PROMPTS = ["The quick brown fox", "MoE routers send tokens to", "a" * 90]
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[WorkerProcess, WorkerProcess, WorkerProcess, str]]:
     logs = tmp_path_factory.mktemp("pd")
     port = str(free_port())
-    single = start_worker_process(logs, {"MOEGUARD_SEED": "3"})
-    prefill = start_worker_process(logs, {"MOEGUARD_SEED": "3", "MOEGUARD_ROLE": "prefill", "MOEGUARD_PORT": port})
-    decode = start_worker_process(logs, {"MOEGUARD_SEED": "3", "MOEGUARD_ROLE": "decode",
-                                         "MOEGUARD_PREFILL_URL": f"http://127.0.0.1:{port}",
-                                         "MOEGUARD_KV_TRANSFER_TIMEOUT_SECONDS": "5"})
-    yield single, prefill, decode, port
-    for w in (single, prefill, decode):
-        w.stop()
+    started: list[WorkerProcess] = []
+    try:  # a worker that fails to start stops those started before it
+        for env in ({}, {"MOEGUARD_ROLE": "prefill", "MOEGUARD_PORT": port},
+                    {"MOEGUARD_ROLE": "decode", "MOEGUARD_PREFILL_URL": f"http://127.0.0.1:{port}",
+                     "MOEGUARD_KV_TRANSFER_TIMEOUT_SECONDS": "5"}):
+            started.append(start_worker_process(logs, {"MOEGUARD_SEED": "3", **env}))
+        single, prefill, decode = started
+        yield single, prefill, decode, port
+    finally:
+        for w in started:
+            w.stop()
 
 
 def _value(text: str, name: str) -> float:
