@@ -192,3 +192,7 @@ bench-control-predictive: deps ## Control latency, operator --policy predictive 
 .PHONY: bench-priority
 bench-priority: ## Interactive first: interactive p95 at 2x capacity (50/50 with batch) vs unloaded, priority vs fcfs, 3 reps -> bench/results/priority.md (~7 min).
 	$(PY) -m bench.priority --reps 3 $(BENCH_ARGS)
+
+.PHONY: bench-pd
+bench-pd: ## Disaggregated prefill/decode on 2 cores (issue 33): one worker vs a prefill + decode pair, the headline's trace (a shorter window), 3 reps interleaved: TTFT/TPOT p50/p99, SLO goodput, KV transfer ms and bytes per request, outputs compared -> bench/results/pd.md (~8 min).
+	$(PY) -m bench.pd_bench --reps 3 $(BENCH_ARGS)
