@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import os
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -42,6 +43,8 @@ API_MODULES = ("nixl_cu12._api", "nixl_cu13._api", "nixl._api")
 INFINIBAND_CLASS = Path("/sys/class/infiniband")
 POLL_S = 0.0005
 """Seconds between two looks at a transfer's state (UCX progresses inside ``check_xfer_state``)."""
+PROGRESS_S = 0.002
+"""Seconds between two looks of :class:`NixlKV`'s progress thread at NIXL's notifications."""
 
 
 class KVTransferError(RuntimeError):
@@ -130,9 +133,32 @@ def _tuples(regions: list[Region], with_name: bool) -> list[tuple[Any, ...]]:
     return [(r.addr, r.nbytes, 0, "") if with_name else (r.addr, r.nbytes, 0) for r in regions]
 
 
+class _Serialized:
+    """Every method call of ``agent`` under ``lock``: the worker's engine thread and :class:`NixlKV`'s progress
+    thread share one NIXL agent."""
+
+    def __init__(self, agent: Any, lock: threading.Lock) -> None:
+        self._agent, self._lock = agent, lock
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._agent, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                return method(*args, **kwargs)
+        return call
+
+
 class NixlKV:
-    """One worker's NIXL agent and the KV it has offered or is pulling. Not thread-safe: one thread
-    drives it (the worker's engine thread).
+    """One worker's NIXL agent and the KV it has offered or is pulling. Driven by one thread (the worker's
+    engine thread) beside its own progress thread.
+
+    NIXL's own progress thread is off: it polls UCX with ``sched_yield`` and kept a core busy in an idle worker
+    (0.97 CPU s per s, ``make bench-pd``). Instead a thread of this class makes UCX progress by reading NIXL's
+    notifications every :data:`PROGRESS_S` (the prefill side must progress for a read of its memory over
+    ``tcp``, where UCX emulates the read with active messages). Measured between two processes, 20 reads of
+    3.2 MB each: over tcp only, median 7.2 ms and 0.15 CPU s per s on the prefill side, against 17.9 ms and 1.20
+    with NIXL's thread; with tcp and cma, 1.3 ms and 0.07 against 4.1 ms and 1.16.
 
     ``name``: the agent's name, unique among the peers (default ``<role>-<pid>-<random>``)."""
 
@@ -141,7 +167,12 @@ class NixlKV:
             os.environ[key] = value
         self.api = load_api() if api is None else api
         self.name = name or f"{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.agent = self.api.nixl_agent(self.name, self.api.nixl_agent_config(backends=["UCX"]))
+        raw = self.api.nixl_agent(self.name, self.api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        self.agent = _Serialized(raw, threading.Lock())
+        self._notified: list[str] = []
+        self._notified_lock = threading.Lock()
+        self._stop = threading.Event()
+        threading.Thread(target=self._progress, name="nixl-progress", daemon=True).start()
         self._offered: dict[str, tuple[KVCache, Any]] = {}
         self._peers: dict[str, str] = {}
         self._stuck: list[Any] = []
@@ -172,15 +203,27 @@ class NixlKV:
         return self.offer(req_id, cache, tokens, first_token).to_json()
 
     def completed(self) -> list[str]:
-        """Offered request ids whose KV a decode worker has read since the last call (their notifications);
-        the caller :meth:`release`\\ s them."""
-        done = []
-        for messages in self.agent.get_new_notifs().values():
-            for message in messages:
-                req_id = message.decode(errors="replace")
-                if req_id in self._offered:
-                    done.append(req_id)
-        return done
+        """Offered request ids whose KV a decode worker has read since the last call (their notifications, as
+        the progress thread collected them); the caller :meth:`release`\\ s them."""
+        with self._notified_lock:
+            notified, self._notified = self._notified, []
+        return [r for r in notified if r in self._offered]
+
+    def _progress(self) -> None:
+        """UCX's progress, and the notifications it brings, every :data:`PROGRESS_S` until :meth:`close`."""
+        while not self._stop.wait(PROGRESS_S):
+            try:
+                notifs = self.agent.get_new_notifs()
+            except Exception:  # a NIXL error in one look: the next one tries again
+                continue
+            messages = [m.decode(errors="replace") for ms in notifs.values() for m in ms]
+            if messages:
+                with self._notified_lock:
+                    self._notified.extend(messages)
+
+    def close(self) -> None:
+        """Stop the progress thread (the agent stays until the object goes)."""
+        self._stop.set()
 
     def release(self, req_id: str) -> bool:
         """Deregister and drop an offered cache (False: not offered)."""
