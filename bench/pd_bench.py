@@ -37,10 +37,11 @@ the prefill call's round trip outside the prefill worker's scheduler, tokenizati
 (``/proc/<pid>/stat``). Before the repetitions, an unloaded probe (:data:`PROBE_LENGTHS`, one request at a time)
 checks that greedy outputs are identical between the arms and gives the same split without queueing.
 
-While one arm runs, the other arm's processes are stopped (SIGSTOP, SIGCONT after): an idle prefill or decode worker
-keeps about one core busy (NIXL's agent progress thread polls UCX; the run measures each worker's idle CPU, and a
-bare NIXL agent's with and without that thread, :func:`agent_idle_cpu`), which would be taken from the single
-worker.
+While one arm runs, the other arm's processes are stopped (SIGSTOP, SIGCONT after), so that neither arm is measured
+beside the other's idle processes. The run measures each worker's idle CPU, and a bare NIXL agent's with and
+without NIXL's own progress thread (:func:`agent_idle_cpu`): that thread polls UCX with ``sched_yield`` and kept a
+core busy in an idle worker, so the runtime turns it off and makes UCX progress from a thread of its own every
+2 ms (``moeguard_runtime.disagg.nixl_kv.NixlKV``).
 
 Caveats: the two pd workers share the same 2 cores as the single worker (and the load generator): disaggregation
 cannot win on speed here. What the run shows is the handoff's cost (ms and bytes per request), that outputs stay
@@ -327,8 +328,7 @@ def findings(doc: Mapping[str, Any]) -> list[str]:
         f"- **Speed: the pair is {_more_or_less(r['slo_goodput'], 'ahead', 'behind')}** at "
         f"{_n(p['slo_goodput'])} vs {_n(s['slo_goodput'])} req/s of SLO goodput ({_x(r['slo_goodput'])}); TTFT p50 "
         f"{_x(r['ttft_p50'])}, TPOT p50 {_x(r['tpot_p50'])} of the single worker's. Its prefill runs on one core (one "
-        "torch thread) where the single worker's runs on two, every prompt makes one more HTTP hop and one KV copy, "
-        "and each of its processes carries a polling thread (below).",
+        "torch thread) where the single worker's runs on two, and every prompt makes one more HTTP hop and one KV copy.",
         f"- **The handoff's cost per request:** one KV read of {_mib(t['bytes_per_read'])} (median of the runs' "
         f"means; {_n(cfg['kv_bytes_per_token'], 0)} bytes per prompt token: k and v of {cfg['kv_shape']}, float32) in "
         f"{_ms(t['mean_s'], 1)} on average (p99 {_ms(t['p99_s'], 1)}, UCX over loopback on one host). Unloaded, "
@@ -346,9 +346,10 @@ def findings(doc: Mapping[str, Any]) -> list[str]:
         f"- **Outputs stay the same:** greedy outputs of the {len(probe['prompts'])} probe prompts identical in "
         f"{ident} of {len(probe['prompts'])}; trace requests answered by both arms: "
         f"{agg['trace_outputs']['identical']} of {agg['trace_outputs']['compared']} identical.",
-        f"- **An idle pair is not idle:** {_n(doc['idle_cpu_per_s'].get('prefill'))} and "
+        f"- **Idle CPU:** {_n(doc['idle_cpu_per_s'].get('prefill'))} and "
         f"{_n(doc['idle_cpu_per_s'].get('decode'))} CPU s per s for the idle prefill and decode workers (single: "
-        f"{_n(doc['idle_cpu_per_s'].get('single'))}), NIXL's progress thread polling (see CPU below).",
+        f"{_n(doc['idle_cpu_per_s'].get('single'))}); NIXL's own progress thread, off in the runtime, keeps a bare "
+        f"agent at {_n(doc['agent_idle_cpu_per_s']['prog_thread'])} (see CPU below).",
     ]
 
 
@@ -450,13 +451,12 @@ def render(doc: Mapping[str, Any]) -> str:
         "|---|---|---|---|---|---|",
         *cpu_rows(doc),
         "",
-        f"Idle, a prefill or decode worker keeps about a core busy: NIXL's agent progress thread polls UCX. A bare "
-        f"NIXL agent (UCX backend) doing nothing measured {_n(doc['agent_idle_cpu_per_s']['prog_thread'])} CPU s per s "
-        f"with its progress thread (`nixl_agent_config`'s `enable_prog_thread`, default on, as the runtime builds it) "
-        f"and {_n(doc['agent_idle_cpu_per_s']['no_prog_thread'], 4)} without. So the pair's torch threads share the 2 "
-        "cores with two polling threads whenever it runs; the pd figures include that cost. While one arm runs, the "
-        "other arm's processes are stopped (SIGSTOP, then SIGCONT), so that the single worker is not measured beside "
-        "an idle pair's polling.",
+        f"A bare NIXL agent (UCX backend) doing nothing measured {_n(doc['agent_idle_cpu_per_s']['prog_thread'])} CPU "
+        f"s per s with NIXL's own progress thread (`nixl_agent_config`'s `enable_prog_thread`, default on: it polls "
+        f"UCX with `sched_yield`) and {_n(doc['agent_idle_cpu_per_s']['no_prog_thread'], 4)} without. The runtime "
+        "turns it off and makes UCX progress from a thread of its own, which reads NIXL's notifications every 2 ms "
+        "(`NixlKV`); the idle column above is the workers' with that thread. While one arm runs, the other arm's "
+        "processes are stopped (SIGSTOP, then SIGCONT).",
         "",
         "## Outputs",
         "",
@@ -589,8 +589,8 @@ def settle(arms: Mapping[str, Mapping[str, WorkerProcess]]) -> None:
 
 @contextmanager
 def only(arms: Mapping[str, Mapping[str, WorkerProcess]], arm: str) -> Iterator[None]:
-    """Every other arm's processes stopped (SIGSTOP) until the block ends (SIGCONT): an idle prefill or decode
-    worker keeps a core busy (NIXL's progress thread), which would be taken from the arm measured."""
+    """Every other arm's processes stopped (SIGSTOP) until the block ends (SIGCONT): the arm measured has the
+    cores to itself and the load generator."""
     others = [w.proc.pid for name, roles in arms.items() if name != arm for w in roles.values()]
     for pid in others:
         os.kill(pid, signal.SIGSTOP)
@@ -638,7 +638,7 @@ def idle_cpu(arms: Mapping[str, Mapping[str, WorkerProcess]], seconds: float = I
 
 def agent_idle_cpu(prog_thread: bool, seconds: float = 2.0) -> float:
     """CPU seconds per second of a bare NIXL agent (UCX backend) doing nothing, with or without its progress
-    thread (``nixl_agent_config(enable_prog_thread=...)``; the runtime builds its agent with the default, on),
+    thread (``nixl_agent_config(enable_prog_thread=...)``; the runtime builds its agent without it),
     in a process of its own (:func:`main`'s ``--agent-idle``)."""
     out = subprocess.run([sys.executable, "-m", "bench.pd_bench", "--agent-idle", str(int(prog_thread)),
                           "--agent-idle-s", str(seconds)], capture_output=True, text=True, check=True, cwd=ROOT,
