@@ -314,8 +314,14 @@ def _outcomes(kinds: Mapping[str, int], reasons: Mapping[str, int]) -> str:
     return ", ".join(f"{k} {n}" for k, n in kinds.items()) + (f" ({detail})" if detail else "")
 
 
-def _more_or_less(v: float | None, more: str, less: str) -> str:
-    return "—" if v is None else (more if v > 1 else less)
+LEVEL = 0.02
+"""A pd/single ratio within this of 1 reads "level with" (the repetitions' noise is larger)."""
+
+
+def _more_or_less(v: float | None, more: str, less: str, level: str = "level with the single worker") -> str:
+    if v is None:
+        return "—"
+    return level if abs(v - 1) <= LEVEL else more if v > 1 else less
 
 
 def findings(doc: Mapping[str, Any]) -> list[str]:
@@ -396,8 +402,8 @@ def render(doc: Mapping[str, Any]) -> str:
         "**On this machine disaggregation cannot win on speed.** The pair's two workers share the same 2 cores as "
         "the single worker (one torch thread each; the single worker has both), and the load generator runs on them "
         "too: splitting prefill and decode into two processes adds a hop and a copy and no compute. What the run "
-        "shows is what the handoff costs per request, that the outputs stay the same, and where a disaggregated "
-        "request's time to first token goes.",
+        "shows is what the handoff costs per request, that the outputs stay the same, where a disaggregated "
+        "request's time to first token goes, and how decode steps fare once no prefill chunk shares them (TPOT).",
         "",
         "## What it shows",
         "",

@@ -206,3 +206,12 @@ def test_render_states_the_caveat_and_quotes_the_figures() -> None:
     assert "| 1 | pd, single | 0.80, 0.30 s, 20 ms | 0.40, 0.90 s, 60 ms | 0.50× | 12, 6.0 ms |" in md
     assert "every 48th request (47 requests in 60 s, 0.78 req/s)" in md
     assert "Whole run: 8.0 min." in md
+
+
+def test_a_ratio_near_one_reads_level() -> None:
+    from bench.pd_bench import _more_or_less
+
+    assert _more_or_less(0.998, "ahead", "behind") == "level with the single worker"
+    assert _more_or_less(1.05, "ahead", "behind") == "ahead"
+    assert _more_or_less(0.81, "ahead", "behind") == "behind"
+    assert _more_or_less(None, "ahead", "behind") == "—"
