@@ -172,7 +172,8 @@ class NixlKV:
         self._notified: list[str] = []
         self._notified_lock = threading.Lock()
         self._stop = threading.Event()
-        threading.Thread(target=self._progress, name="nixl-progress", daemon=True).start()
+        self._thread = threading.Thread(target=self._progress, name="nixl-progress", daemon=True)
+        self._thread.start()
         self._offered: dict[str, tuple[KVCache, Any]] = {}
         self._peers: dict[str, str] = {}
         self._stuck: list[Any] = []
@@ -222,8 +223,9 @@ class NixlKV:
                     self._notified.extend(messages)
 
     def close(self) -> None:
-        """Stop the progress thread (the agent stays until the object goes)."""
+        """Stop the progress thread and wait for it (the agent stays until the object goes)."""
         self._stop.set()
+        self._thread.join(1.0)
 
     def release(self, req_id: str) -> bool:
         """Deregister and drop an offered cache (False: not offered)."""

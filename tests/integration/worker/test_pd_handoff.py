@@ -31,7 +31,9 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def kv() -> Iterator[NixlKV]:
-    yield NixlKV("decode")
+    agent = NixlKV("decode")
+    yield agent
+    agent.close()  # its progress thread ends: later tests in this process (unit tests refuse waits) never see it
 
 
 def _decode_all(engine: Engine, ids: list[str]) -> dict[str, list[int]]:
