@@ -14,7 +14,6 @@ over them exactly as over a local prefill's.
 
 from __future__ import annotations
 
-from moeguard_runtime.disagg.kv_layout import same_layout
 from moeguard_runtime.disagg.nixl_kv import KVOffer, NixlKV
 from moeguard_runtime.engine.engine import Engine, SequenceState
 from moeguard_runtime.engine.sampling import GREEDY, SamplingParams
@@ -50,12 +49,6 @@ def release_completed(engine: Engine, kv: NixlKV) -> list[str]:
     return done
 
 
-def withdraw(engine: Engine, kv: NixlKV, req_id: str) -> bool:
-    """Drop an offered sequence that no decode worker read (its lease ran out); False if not offered."""
-    engine.release(req_id)
-    return kv.release(req_id)
-
-
 def receive(engine: Engine, kv: NixlKV, offer: KVOffer, prompt: list[int], max_new_tokens: int,
             timeout_s: float, temperature: float = 0.0, seed: int | None = None,
             params: SamplingParams = GREEDY) -> tuple[SequenceState, float]:
@@ -76,9 +69,3 @@ def receive(engine: Engine, kv: NixlKV, offer: KVOffer, prompt: list[int], max_n
         engine.release(offer.req_id)
         raise
 
-
-def layouts_match(prefill: Engine, decode: Engine) -> bool:
-    """Whether two engines' caches are the same but for the capacity (same model, dtype): the condition of
-    a handoff between them."""
-    return same_layout(prefill.model.new_cache(1, prefill.dtype, prefill.device),
-                       decode.model.new_cache(1, decode.dtype, decode.device))

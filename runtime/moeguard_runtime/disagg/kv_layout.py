@@ -68,9 +68,3 @@ def transfer_bytes(cache: KVCache, tokens: int) -> int:
     """Bytes a handoff of ``tokens`` prompt positions of ``cache`` moves."""
     return sum(r.nbytes for r in prompt_regions(cache_tensors(cache), tokens))
 
-
-def same_layout(a: KVCache, b: KVCache) -> bool:
-    """Whether ``a`` and ``b`` hold the same tensors but for the capacity (shape, dtype): a handoff between
-    them is a byte copy of :func:`prompt_regions`."""
-    return all(x.shape[:-2] == y.shape[:-2] and x.shape[-1] == y.shape[-1] and x.dtype == y.dtype
-               for x, y in zip(cache_tensors(a), cache_tensors(b), strict=True))

@@ -129,8 +129,9 @@ def load_api() -> Any:
     raise KVTransportUnavailable("no NIXL build is importable (" + "; ".join(errors) + ")")
 
 
-def _tuples(regions: list[Region], with_name: bool) -> list[tuple[Any, ...]]:
-    return [(r.addr, r.nbytes, 0, "") if with_name else (r.addr, r.nbytes, 0) for r in regions]
+def _xfer_descs(regions: list[Region]) -> list[tuple[int, int, int]]:
+    """NIXL's transfer descriptors of host memory: ``(address, bytes, device 0)``."""
+    return [(r.addr, r.nbytes, 0) for r in regions]
 
 
 class _Serialized:
@@ -194,7 +195,7 @@ class NixlKV:
         tensors = cache_tensors(cache)
         regions = prompt_regions(tensors, tokens)
         reg = self._register(tensors)
-        descs = self.agent.get_xfer_descs(_tuples(regions, False), "DRAM")
+        descs = self.agent.get_xfer_descs(_xfer_descs(regions), "DRAM")
         self._offered[req_id] = (cache, reg)
         return KVOffer(req_id, self.name, self.agent.get_agent_metadata(), self.agent.get_serialized_descs(descs),
                        tokens, sum(r.nbytes for r in regions), first_token)
@@ -261,7 +262,7 @@ class NixlKV:
         handle = None
         try:
             remote = self.agent.deserialize_descs(offer.descs)
-            local = self.agent.get_xfer_descs(_tuples(regions, False), "DRAM")
+            local = self.agent.get_xfer_descs(_xfer_descs(regions), "DRAM")
             handle = self.agent.initialize_xfer("READ", local, remote, peer, offer.req_id.encode())
             state = self.agent.transfer(handle)
             while state != "DONE":

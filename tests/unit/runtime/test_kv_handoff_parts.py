@@ -12,7 +12,6 @@ from moeguard_runtime.disagg.kv_layout import (
     Region,
     cache_tensors,
     prompt_regions,
-    same_layout,
     transfer_bytes,
 )
 from moeguard_runtime.disagg.nixl_kv import KVOffer, ucx_module_defaults
@@ -69,13 +68,6 @@ def test_a_non_contiguous_cache_is_refused() -> None:
     cache.k = cache.k.transpose(0, 1)
     with pytest.raises(ValueError, match="contiguous"):
         cache_tensors(cache)
-
-
-def test_same_layout_ignores_capacity_only() -> None:
-    a = GQACache(2, 2, 8, 10, torch.float32, "cpu")
-    assert same_layout(a, GQACache(2, 2, 8, 99, torch.float32, "cpu"))
-    assert not same_layout(a, GQACache(2, 2, 8, 10, torch.bfloat16, "cpu"))
-    assert not same_layout(a, GQACache(2, 1, 8, 10, torch.float32, "cpu"))
 
 
 def test_offer_round_trips_through_json_and_refuses_garbage() -> None:
