@@ -41,27 +41,20 @@ class PrefillRequest(BaseModel):
     priority: str = "interactive"
 
 
-class PrefillRefused(Exception):
-    """A prefill that did not happen: the HTTP ``status``, ``reason``, ``message`` and ``retry_after_s``."""
-
-    def __init__(self, status: int, reason: str, message: str, retry_after_s: int = 1) -> None:
-        super().__init__(message)
-        self.status, self.reason, self.message, self.retry_after_s = status, reason, message, retry_after_s
-
-
 async def run_prefill(worker: Worker, body: PrefillRequest, vocab_size: int, max_len: int,
                       timeout_s: float) -> dict[str, Any]:
     """Prefill ``body``'s prompt on ``worker`` and return ``{"offer": ...}`` once its KV is offered.
 
     Raises:
-        PrefillRefused: a token id outside the vocabulary or a prompt over the context (400), the scheduler's
-            refusal (its status), an error event (its status), or no offer within ``timeout_s`` (503).
+        Rejected: a prefill that did not happen: a token id outside the vocabulary or a prompt over the context
+            (400), the scheduler's refusal (its own), an error event (its status), or no offer within
+            ``timeout_s`` (503).
     """
     prompt = body.prompt_token_ids
     if any(not 0 <= t < vocab_size for t in prompt):
-        raise PrefillRefused(400, "invalid_request", f"prompt_token_ids must be in [0, {vocab_size})")
+        raise Rejected("invalid_request", f"prompt_token_ids must be in [0, {vocab_size})", status=400)
     if len(prompt) + 1 > max_len:
-        raise PrefillRefused(400, "context_length_exceeded", f"the prompt must be under {max_len} tokens")
+        raise Rejected("context_length_exceeded", f"the prompt must be under {max_len} tokens", status=400)
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[Event] = asyncio.Queue()
     req = GenerationRequest(body.request_id, list(prompt), 1, body.temperature, body.seed, body.priority,
@@ -71,51 +64,48 @@ async def run_prefill(worker: Worker, body: PrefillRequest, vocab_size: int, max
         loop.call_soon_threadsafe(events.put_nowait, event)
 
     try:
-        worker.submit(req, sink)
-    except Rejected as rej:
-        raise PrefillRefused(rej.status, rej.reason, rej.message, rej.retry_after_s) from None
+        worker.submit(req, sink)  # its Rejected is the answer
     except ValueError as exc:  # a priority the scheduler does not know
-        raise PrefillRefused(400, "invalid_request", str(exc)) from None
+        raise Rejected("invalid_request", str(exc), status=400) from None
     try:
         async with asyncio.timeout(timeout_s):
             while True:
                 event = await events.get()
                 if event.kind == "error":
-                    raise PrefillRefused(event.status, event.reason, event.message)
+                    raise Rejected(event.reason, event.message, status=event.status)
                 if event.kind == "finish":
                     if event.kv_offer is None:
-                        raise PrefillRefused(503, "kv_transfer_failed", "the prompt ran but no KV was offered")
+                        raise Rejected("kv_transfer_failed", "the prompt ran but no KV was offered", status=503)
                     return {"offer": dict(event.kv_offer)}
     except TimeoutError:
         worker.cancel(body.request_id)
-        raise PrefillRefused(503, "prefill_timeout", f"the prefill took over {timeout_s:g} s") from None
+        raise Rejected("prefill_timeout", f"the prefill took over {timeout_s:g} s", status=503) from None
 
 
 class PrefillClient:
     """A decode worker's calls to its prefill workers (``base_url``: their Service), each within
     ``timeout_s`` seconds."""
 
-    def __init__(self, base_url: str, timeout_s: float, transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(self, base_url: str, timeout_s: float) -> None:
         self.url = base_url.rstrip("/") + contract.PREFILL_PATH
-        self.timeout_s = timeout_s
-        self._client = httpx.AsyncClient(timeout=timeout_s, transport=transport)
+        self._client = httpx.AsyncClient(timeout=timeout_s)
 
     async def prefill(self, req_id: str, prompt: list[int], temperature: float, seed: int | None,
                       priority: str) -> RemotePrefill:
         """The prompt prefilled elsewhere: its first token and KV offer.
 
         Raises:
-            PrefillRefused: the prefill worker refused (its status and reason), or could not be reached or
-                answered late (503 ``prefill_unavailable``).
+            Rejected: the prefill worker refused (its status and reason), or could not be reached or answered
+                late (503 ``prefill_unavailable``).
         """
         body = {"request_id": req_id, "prompt_token_ids": prompt, "temperature": temperature, "seed": seed,
                 "priority": priority}
         try:
             resp = await self._client.post(self.url, json=body)
         except httpx.HTTPError as exc:
-            raise PrefillRefused(503, PREFILL_UNAVAILABLE,
-                                 f"no prefill worker answered at {self.url}: {type(exc).__name__}: {exc}"[:500],
-                                 retry_after_s=2) from None
+            raise Rejected(PREFILL_UNAVAILABLE,
+                           f"no prefill worker answered at {self.url}: {type(exc).__name__}: {exc}"[:500],
+                           retry_after_s=2, status=503) from None
         try:
             data = resp.json()
         except ValueError:
@@ -123,14 +113,14 @@ class PrefillClient:
         if resp.status_code != 200:
             err = data.get("error", {}) if isinstance(data, dict) else {}
             retry = resp.headers.get("Retry-After", "1")
-            raise PrefillRefused(resp.status_code, str(err.get("code") or PREFILL_UNAVAILABLE),
-                                 f"the prefill worker answered {resp.status_code}: {err.get('message', resp.text[:300])}",
-                                 int(retry) if retry.isdigit() else 1)
+            raise Rejected(str(err.get("code") or PREFILL_UNAVAILABLE),
+                           f"the prefill worker answered {resp.status_code}: {err.get('message', resp.text[:300])}",
+                           int(retry) if retry.isdigit() else 1, status=resp.status_code)
         try:
             offer = KVOffer.from_json(data["offer"])
         except (KeyError, TypeError, ValueError) as exc:
-            raise PrefillRefused(503, PREFILL_UNAVAILABLE, f"the prefill worker's answer holds no offer: {exc}") \
-                from None
+            raise Rejected(PREFILL_UNAVAILABLE, f"the prefill worker's answer holds no offer: {exc}",
+                           status=503) from None
         return RemotePrefill(offer.first_token, offer)
 
     async def aclose(self) -> None:

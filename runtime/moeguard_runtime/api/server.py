@@ -96,7 +96,6 @@ from moeguard_runtime.api.openai_schema import (
 )
 from moeguard_runtime.api.pd_routes import (
     PrefillClient,
-    PrefillRefused,
     PrefillRequest,
     run_prefill,
 )
@@ -476,9 +475,8 @@ def create_app(slot: WorkerSlot, max_body_bytes: int = 1 << 20) -> FastAPI:
             assert isinstance(body, PrefillRequest)
             try:
                 answer = await run_prefill(worker, body, tok.vocab_size, max_len, slot.prefill_timeout_s)
-            except PrefillRefused as exc:
-                count("rejected" if exc.status in (429, 503) else "error", exc.status)
-                return _prefill_refused(exc)
+            except Rejected as exc:
+                return _prefill_refused(exc, count)
             count("ok", 200)
             return JSONResponse(answer)
 
@@ -569,8 +567,10 @@ def _refused(tel: Telemetry, rej: Rejected, count: Callable[[str, int], None]) -
                           headers={"Retry-After": str(rej.retry_after_s)})
 
 
-def _prefill_refused(exc: PrefillRefused) -> JSONResponse:
-    """A prefill that did not happen (here, or at the prefill worker) as the client's HTTP error."""
+def _prefill_refused(exc: Rejected, count: Callable[[str, int], None]) -> JSONResponse:
+    """A prefill that did not happen (here, or at the prefill worker) as the client's HTTP error, counted: 429
+    and 503 as refused, any other status as an error."""
+    count("rejected" if exc.status in (429, 503) else "error", exc.status)
     kind = ("overloaded_error" if exc.status == 429 else "service_unavailable_error" if exc.status >= 500
             else "invalid_request_error")
     return error_response(exc.status, exc.message, kind, exc.reason,
@@ -666,10 +666,9 @@ async def _serve(worker: Worker, job: _Job, tok: Tokenizer, request: Request,
     if prefill is not None and constraint is None and job.sampling.logprobs is None:
         try:
             remote = await prefill.prefill(req_id, job.prompt, job.temperature, job.seed, job.priority)
-        except PrefillRefused as exc:
+        except Rejected as exc:
             tel.rejections.labels(**tel.l(reason=exc.reason)).inc()
-            count("rejected" if exc.status in (429, 503) else "error", exc.status)
-            return _prefill_refused(exc)
+            return _prefill_refused(exc, count)
     gen = GenerationRequest(req_id, job.prompt, job.max_tokens, job.temperature, job.seed,
                             job.priority, job.sampling, constraint, remote_prefill=remote)
     try:
