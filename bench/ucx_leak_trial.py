@@ -36,6 +36,7 @@ import psutil
 import torch
 
 from moeguard_core.ucx import risky
+from moeguard_runtime.disagg.nixl_kv import load_api
 from moeguard_runtime.memory.leak import slope
 from moeguard_runtime.memory.ucx_scan import current_info
 
@@ -44,18 +45,9 @@ MAPPING = re.compile(r"^[0-9a-f]+-[0-9a-f]+ ")
 """The first line of a mapping's entry in ``/proc/<pid>/smaps`` (``start-end perms offset dev inode [path]``)."""
 
 
-def nixl_api() -> Any:
-    """NIXL's Python API module, whichever CUDA flavour of the wheel is installed (``nixl``'s own import
-    picks the flavour from the CUDA runtime torch reports, which need not be the installed one)."""
-    try:
-        from nixl_cu12 import _api  # type: ignore[import-not-found]
-    except ImportError:
-        from nixl import _api  # type: ignore[import-not-found,no-redef]
-    return _api
-
-
 def agent(name: str) -> Any:
-    api = nixl_api()
+    """A NIXL agent of the wheel on ``sys.path`` (:func:`load_api`, the worker's own import of it)."""
+    api = load_api()
     return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
 
 
