@@ -29,6 +29,7 @@ from moeguard_core.contract import (
     API_GROUP,
     API_VERSION,
     PLURAL,
+    BudgetDocument,
     budget_configmap_name,
 )
 from moeguard_operator import constants as c
@@ -173,16 +174,12 @@ def reconcile(
             raise kopf.TemporaryError(verdict.message, delay=apply_errors.RETRY_DELAY_SECONDS) from exc
         _stall(body, patch, prior, verdict.reason, verdict.message, now, generation, "refused")
 
-    cm = kube.read_configmap(namespace, budget_configmap_name(name))
-    data = None if cm is None else dict(cm.get("data") or {})
-    ours = cm is not None and budget_document.written_by((cm.get("metadata") or {}).get("managedFields"),
-                                                         c.FIELD_MANAGER)
-    wanted = budget_document.for_spec(parsed, prior, data, now, ours, policy=config.policy)
-    document = children.apply_budget_document(owner, data, wanted)
-    patch.status.update(report.status_patch(
-        prior, report.reconciled(prior, parsed, document, selector_string(owner), now, generation)))
+    document, own_patch = _reconcile_budgets(owner, parsed, prior, now, generation, config.policy)
+    patch.status.update(own_patch)
     if parsed.prefill is not None:  # the prefill role: its own budget document and status.prefill
-        role_patch = _reconcile_prefill_role(owner, parsed, prior, now, generation, config.policy)
+        role_prior = report.read_status(None if prior.prefill is None else prior.prefill.model_dump(by_alias=True))
+        role_patch = _reconcile_budgets(prefill_owner(owner), prefill_role_spec(parsed), role_prior, now,
+                                        generation, config.policy)[1]
         if role_patch:
             patch.status["prefill"] = role_patch
     elif prior.prefill is not None:
@@ -195,24 +192,23 @@ def reconcile(
     logger.info("reconciled %s/%s generation %s", namespace, name, generation)
 
 
-def _reconcile_prefill_role(owner: Owner, spec: MoEInferenceServiceSpec, prior: MoEInferenceServiceStatus,
-                            now: datetime, generation: int | None, policy: str) -> dict[str, Any]:
-    """The prefill role's budget ConfigMap (:func:`budget_document.for_spec` on the role's spec and status, as the
-    service's own) and the merge patch of ``status.prefill`` (empty: nothing changed).
+def _reconcile_budgets(owner: Owner, spec: MoEInferenceServiceSpec, prior: MoEInferenceServiceStatus,
+                       now: datetime, generation: int | None, policy: str) -> tuple[BudgetDocument, dict[str, Any]]:
+    """The budget ConfigMap of ``owner``'s pods (the service's, or its prefill role's: :func:`prefill_owner`) after
+    :func:`budget_document.for_spec` on ``spec`` and ``prior``, and the merge patch of their status (empty: nothing
+    changed).
 
     Raises:
         kubernetes.client.exceptions.ApiException: the API server refused the ConfigMap.
     """
-    role_owner, role_spec = prefill_owner(owner), prefill_role_spec(spec)
-    role_prior = report.read_status(prior.prefill.model_dump(by_alias=True) if prior.prefill is not None else None)
-    cm = kube.read_configmap(owner.namespace, budget_configmap_name(role_owner.name))
+    cm = kube.read_configmap(owner.namespace, budget_configmap_name(owner.name))
     data = None if cm is None else dict(cm.get("data") or {})
     ours = cm is not None and budget_document.written_by((cm.get("metadata") or {}).get("managedFields"),
                                                          c.FIELD_MANAGER)
     document = children.apply_budget_document(
-        role_owner, data, budget_document.for_spec(role_spec, role_prior, data, now, ours, policy=policy))
-    return report.status_patch(role_prior, report.reconciled(role_prior, role_spec, document,
-                                                             selector_string(role_owner), now, generation))
+        owner, data, budget_document.for_spec(spec, prior, data, now, ours, policy=policy))
+    return document, report.status_patch(prior, report.reconciled(prior, spec, document, selector_string(owner),
+                                                                  now, generation))
 
 
 def _stall(body: kopf.Body, patch: kopf.Patch, prior: MoEInferenceServiceStatus, reason: str, message: str,
