@@ -105,6 +105,13 @@ REFUSED = [
                                     "resources": {"gpus": 2}},
      "resources.gpus must equal parallelism.expertParallelSize / parallelism.podsPerReplica"),
     ("pods-per-replica-zero", {"parallelism": {"podsPerReplica": 0}}, "spec.parallelism.podsPerReplica: Invalid value"),
+    # Issue 33: the prefill role
+    ("prefill-on-multi-node-replicas", {"prefill": {}, "parallelism": {"expertParallelSize": 2, "podsPerReplica": 2},
+                                        "resources": {"gpus": 1}},
+     "prefill needs parallelism.podsPerReplica 1"),
+    ("prefill-replicas-zero", {"prefill": {"replicas": 0}}, "spec.prefill.replicas: Invalid value"),
+    ("prefill-read-timeout-zero", {"prefill": {"kvTransferTimeoutSeconds": 0}},
+     "spec.prefill.kvTransferTimeoutSeconds: Invalid value"),
     # Issue 29, item 5: refused at apply, naming the field, not stored and refused later by the operator or the pod.
     ("image-with-whitespace", {"image": "repo/img: tag"},
      "spec.image: Invalid value: \"string\": image: repo/img: tag is not an image reference"),
